@@ -1,0 +1,120 @@
+"""``jaxtune`` command line: parses arguments and calls library functions, nothing more.
+
+    jaxtune train CONFIG [key=value ...]
+    jaxtune eval RUN_DIR|CONFIG [key=value ...]
+    jaxtune generate RUN_DIR --prompt TEXT [--prompt TEXT ...]
+    jaxtune info CONFIG [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxtune.config import ConfigError
+from jaxtune.data import DataError
+from jaxtune.train.sharding import ShardingError
+
+USER_ERRORS = (ConfigError, DataError, ShardingError, FileNotFoundError)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from jaxtune.config import load_config
+    from jaxtune.train.loop import NonFiniteLossError, train
+
+    try:
+        train(load_config(args.config, args.overrides))
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from jaxtune.evaluate import evaluate
+
+    result = evaluate(args.target, args.overrides, batches=args.batches)
+    print(json.dumps(result))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxtune.evaluate import load_run
+    from jaxtune.generate import Generator
+
+    run = load_run(args.run_dir)
+    tok = run.tokenizer
+    gen = Generator(run.spec.graphdef, run.spec.model_cfg.max_seq_len)
+    prompts = [p.encode().decode("unicode_escape") if args.escapes else p for p in args.prompt]
+    streamed: list[int] = []
+
+    def stream(ids):  # print the first prompt's continuation as it is produced
+        if ids[0] >= 0:
+            before = tok.decode(streamed)
+            streamed.append(int(ids[0]))
+            sys.stdout.write(tok.decode(streamed)[len(before):])
+            sys.stdout.flush()
+
+    if len(prompts) == 1:
+        sys.stdout.write(prompts[0])
+    outs = gen(run.params, [tok.encode(p) for p in prompts], max_new_tokens=args.max_new_tokens,
+               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id, seed=args.seed,
+               on_step=stream if len(prompts) == 1 else None)
+    if len(prompts) == 1:
+        print()
+    else:
+        for p, ids in zip(prompts, outs):
+            print(f"--- {p!r}\n{p}{tok.decode(ids)}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from jaxtune.config import load_config
+    from jaxtune.info import format_info, info
+
+    print(format_info(info(load_config(args.config, args.overrides))))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxtune", description="Train language models with JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train or resume the run a config describes")
+    p.add_argument("config", help="YAML file, or a shipped config name (quickstart, gpt2-124m, ...)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
+    p.set_defaults(fn=_train)
+
+    p = sub.add_parser("eval", help="validation loss/perplexity of a run's latest checkpoint")
+    p.add_argument("target", help="run directory or config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--batches", type=int, default=None, help="validation batches (default: eval.batches)")
+    p.set_defaults(fn=_eval)
+
+    p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--escapes", action="store_true", help=r"interpret \n and \t in prompts")
+    p.set_defaults(fn=_generate)
+
+    p = sub.add_parser("info", help="parameters, FLOPs per token and memory per device for a config")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(fn=_info)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

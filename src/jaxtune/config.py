@@ -1,0 +1,299 @@
+"""Run configuration: YAML + dotted ``key=value`` overrides, typed, validated at load, frozen.
+
+One section per concern (model, data, tokenizer, optim, train, eval, checkpoint, mesh, logging), each a
+pydantic model that forbids unknown keys. Errors name the key (``optim.lr``) and, for unknown keys, suggest
+the nearest valid one. Components receive only their own section (a model gets ``ModelConfig``, never ``Config``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key or file and says what to do."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    """Which network to build. ``preset`` picks a family preset; any other key set here overrides it."""
+
+    family: Literal["gpt2"] = "gpt2"
+    preset: str = "tiny"
+    n_layer: int | None = Field(None, ge=1)
+    n_head: int | None = Field(None, ge=1)
+    d_model: int | None = Field(None, ge=1)
+    d_ff: int | None = Field(None, ge=1)
+    max_seq_len: int | None = Field(None, ge=1)
+    vocab_size: int | None = Field(None, ge=2, description="default: the tokenizer's vocabulary size")
+    dropout: float | None = Field(None, ge=0.0, lt=1.0)
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    scan_layers: bool = False
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+
+
+class DataConfig(_Section):
+    """Pretraining text. ``sources`` entries: ``python-stdlib`` (the running interpreter's own standard
+    library source, present on every machine), a local file, glob or directory (.txt/.jsonl/.parquet), or
+    ``hf:NAME`` for a HuggingFace dataset (``hf:roneneldan/TinyStories``)."""
+
+    sources: list[str] = ["python-stdlib"]
+    text_field: str = "text"
+    hf_split: str = "train"
+    hf_config: str | None = None
+    max_bytes: int | None = Field(None, ge=1, description="stop reading sources after this many bytes of text")
+    seq_len: int = Field(256, ge=2)
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    cache_dir: str = "~/.cache/jaxtune"
+    num_workers: int = Field(0, ge=0, description="grain worker processes; 0 reads in the main process")
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("sources")
+    @classmethod
+    def _not_empty(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("needs at least one source, e.g. python-stdlib or data/*.txt")
+        return v
+
+
+class TokenizerConfig(_Section):
+    """``bpe`` trains a byte-level BPE on the corpus (cached); ``hf`` loads a tokenizer directory
+    (tokenizer.json) or hub name; ``tiktoken`` uses a tiktoken encoding such as ``gpt2``."""
+
+    kind: Literal["bpe", "hf", "tiktoken"] = "bpe"
+    path: str | None = Field(None, description="hf: tokenizer directory or hub name; tiktoken: encoding name")
+    vocab_size: int = Field(8192, ge=260)
+    train_bytes: int = Field(20_000_000, ge=1, description="bpe: text bytes used to train the tokenizer")
+
+    @model_validator(mode="after")
+    def _path_when_needed(self) -> TokenizerConfig:
+        if self.kind != "bpe" and not self.path:
+            raise ValueError(f"tokenizer.kind={self.kind} needs tokenizer.path")
+        return self
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw", "adafactor", "sgd"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd only")
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    decay_steps: int | None = Field(None, ge=1, description="default: train.steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class TrainConfig(_Section):
+    seed: int = 0
+    steps: int = Field(1000, ge=1)
+    batch_size: int = Field(8, ge=1, description="global batch, in sequences")
+    micro_batches: int = Field(1, ge=1, description="gradient accumulation: micro-batches per step")
+    on_nan: Literal["abort", "skip"] = "abort"
+    max_nan_skips: int = Field(5, ge=1, description="skip: abort after this many non-finite steps in a row")
+    compile_cache_dir: str | None = Field(None, description="persistent XLA compilation cache")
+
+    @model_validator(mode="after")
+    def _divides(self) -> TrainConfig:
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} is not divisible by train.micro_batches={self.micro_batches}"
+            )
+        return self
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0, description="0: only at the end")
+    batches: int = Field(8, ge=1)
+    prompts: list[str] = []
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.8, ge=0)
+    top_k: int | None = Field(None, ge=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(500, ge=1)
+    keep: int = Field(3, ge=1)
+    keep_every: int | None = Field(None, ge=1, description="also keep every K-th step forever")
+    async_save: bool = True
+
+
+class MeshConfig(_Section):
+    """Device mesh axis sizes; one axis may be -1 ("the rest of the devices")."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    @model_validator(mode="after")
+    def _one_rest(self) -> MeshConfig:
+        sizes = [self.data, self.fsdp, self.tensor]
+        if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
+            raise ValueError("mesh axes are positive sizes, with at most one -1")
+        return self
+
+
+class LoggingConfig(_Section):
+    every: int = Field(10, ge=1)
+    progress: bool = True
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb_project: str | None = None
+
+
+class Config(_Section):
+    name: str = "run"
+    run_dir: str = "runs/${name}"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir.replace("${name}", self.name)).expanduser()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# Keys that define what a checkpoint *is*: resuming with any of them changed is an error.
+IDENTITY_SECTIONS = ("model", "data", "tokenizer", "optim")
+IDENTITY_KEYS = ("train.seed", "train.batch_size", "train.micro_batches")
+
+
+def identity_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between a checkpoint's config and the current one."""
+    a, b = _flatten(saved), _flatten(current)
+    keys = sorted(set(a) | set(b))
+    return [
+        f"{k}: checkpoint has {a.get(k)!r}, config has {b.get(k)!r}"
+        for k in keys
+        if (k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS) and a.get(k) != b.get(k)
+    ]
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A YAML path, or the bare name of a shipped config (``quickstart`` -> configs/quickstart.yaml)."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p
+    shipped = SHIPPED_CONFIGS / f"{Path(str(path)).stem}.yaml"
+    if p.suffix in ("", ".yaml", ".yml") and not p.parent.name and shipped.is_file():
+        return shipped
+    names = sorted(x.stem for x in SHIPPED_CONFIGS.glob("*.yaml"))
+    raise ConfigError(f"config file not found: {path}. Pass a YAML path or a shipped config: {', '.join(names)}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or start from defaults), apply ``a.b=value`` overrides, validate and freeze."""
+    raw: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = resolve_config_path(path)
+        source = str(p)
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}" if mark else str(p)
+            raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections (model:, data:, ...)")
+    for item in overrides:
+        _apply_override(raw, item)
+    return config_from_dict(raw, source=source)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, source)) from None
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=100)")
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def _explain(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = [str(x) for x in e["loc"]]
+        key = ".".join(loc)
+        if e["type"] == "extra_forbidden":
+            valid = _fields_at(loc[:-1])
+            near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {'.'.join(loc[:-1] + near[:1])}?" if near else f"; valid keys: {', '.join(valid)}"
+            lines.append(f"  {key}: unknown key{hint}")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _fields_at(loc: list[str]) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in loc:
+        ann = model.model_fields[part].annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def dump_config(cfg: Config, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def config_json(cfg: Config) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True)

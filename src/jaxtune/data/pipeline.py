@@ -1,0 +1,118 @@
+"""Batches of token windows for training (a Grain pipeline) and evaluation (a fixed list).
+
+Training order is a pure function of ``seed``: window ``k`` of the global stream is
+``shuffle(seed, epoch = k // train_windows)[k % train_windows]`` (a fresh permutation each epoch), and
+global batch ``b`` is stream positions ``[b * global_batch, (b + 1) * global_batch)``. Process ``p`` of
+``P`` takes rows ``p::P`` of every global batch, so the processes together see exactly the
+single-process batch, and the iterator position is a checkpointable index (``get_state``/``set_state``),
+restored without replaying the stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import grain
+import numpy as np
+
+from jaxtune.data.errors import DataError
+from jaxtune.data.tokens import Split, TokenData
+
+Batch = dict[str, np.ndarray]  # {"inputs": int32 (B, T), "targets": int32 (B, T)}
+
+
+class _Windows:
+    """Grain random-access source over one split: ``[i]`` is {"inputs": (T,), "targets": (T,)} int32.
+
+    Holds only the ``TokenData`` (which pickles as its file path), so it travels cheaply to Grain workers.
+    """
+
+    def __init__(self, data: TokenData, split: Split):
+        self._data = data
+        self._split = split
+
+    def __len__(self) -> int:
+        return self._data.windows(self._split)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        window = np.asarray(self._data.window(index, self._split), dtype=np.int32)
+        return {"inputs": window[:-1], "targets": window[1:]}
+
+
+def make_train_iterator(
+    data: TokenData,
+    *,
+    global_batch: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    num_workers: int = 0,
+) -> grain.DatasetIterator:
+    """An endless iterator of this process's training batches: {"inputs", "targets"}: int32 (global_batch //
+    process_count, seq_len). ``get_state()`` is a JSON-serialisable dict; ``set_state`` on a fresh iterator
+    made with the same arguments continues exactly where the saved one was (``num_workers`` included: the
+    state's shape depends on it). Close it (``.close()``) to stop worker processes.
+    """
+    local_batch = _local_batch(global_batch, process_index, process_count, key="train.batch_size")
+    ds = (
+        grain.MapDataset.source(_Windows(data, "train"))
+        .shuffle(seed=_shuffle_seed(seed))
+        .repeat()  # forever; shuffle reseeds every epoch because it sees the epoch in the index
+        .slice(slice(process_index, None, process_count))
+        .batch(local_batch, drop_remainder=True)
+        # A few threads read ahead; reading is a memcpy from the page cache, so more would only use memory.
+        .to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
+    )
+    if num_workers > 0:
+        _parse_absl_flags()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+    return iter(ds)
+
+
+def make_eval_batches(
+    data: TokenData, *, batch_size: int, num_batches: int, process_index: int = 0, process_count: int = 1
+) -> list[Batch]:
+    """Up to ``num_batches`` batches of validation windows in order, this process's rows ``p::P`` of each
+    global batch of ``batch_size``. Every batch is full: when the split holds fewer than ``batch_size``
+    windows, the one batch cycles through them again (so shapes stay fixed for the compiled eval step).
+    """
+    if data.val_windows == 0:
+        raise DataError(
+            "no validation windows: data.val_fraction is 0 or the corpus is too small; raise data.val_fraction"
+        )
+    _local_batch(batch_size, process_index, process_count, key="batch_size")  # checks the split
+    source = _Windows(data, "val")
+    count = max(1, min(num_batches, data.val_windows // batch_size))
+    batches = []
+    for b in range(count):
+        rows = [
+            source[(b * batch_size + i) % data.val_windows] for i in range(process_index, batch_size, process_count)
+        ]
+        batches.append({name: np.stack([row[name] for row in rows]) for name in ("inputs", "targets")})
+    return batches
+
+
+def _local_batch(global_batch: int, process_index: int, process_count: int, key: str) -> int:
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is not in [0, process_count={process_count})")
+    if global_batch % process_count:
+        raise DataError(
+            f"{key}={global_batch} does not split over {process_count} processes; make it a multiple of {process_count}"
+        )
+    return global_batch // process_count
+
+
+def _shuffle_seed(seed: int) -> int:
+    # Grain shuffles epoch e with seed + e, so raw seeds s and s + 1 would replay each other's epochs one
+    # epoch apart; hashing the seed first makes different seeds give unrelated orders.
+    return int.from_bytes(hashlib.sha256(f"jaxtune-shuffle:{seed}".encode()).digest()[:4], "little")
+
+
+def _parse_absl_flags() -> None:
+    # Grain's worker processes read its absl flags, which raise until parsed; parse defaults unless the
+    # program (an absl app) already did.
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv[:1])

@@ -1,0 +1,248 @@
+"""Text ↔ token ids: a byte-level BPE trained on the corpus (cached), a HuggingFace tokenizer, or tiktoken.
+
+Every kind is wrapped in the same small ``Tokenizer`` interface, and ``Tokenizer.save`` writes a directory
+that ``load_tokenizer_dir`` reads back without network, so ``jaxtune generate RUN_DIR`` decodes with
+exactly the tokenizer the run was trained with.
+
+Text is always encoded as text: a literal ``<|endoftext|>`` inside a document is spelled out with ordinary
+tokens, never turned into the eos id, so the only eos ids in the token stream are the document separators
+the pipeline inserts.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from jaxtune.config import DataConfig, TokenizerConfig
+from jaxtune.data.errors import DataError
+from jaxtune.data.sources import iter_documents, sources_fingerprint, take_bytes
+
+log = logging.getLogger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"
+META_FILE = "jaxtune_tokenizer.json"
+# Bumped when _train_bpe changes what it produces, so old cached tokenizers are not reused.
+_BPE_VERSION = 1
+# End-of-text spellings of common tokenizer families (GPT-2, Llama 2/Mistral, Llama 3, Gemma), tried in
+# order when a tokenizer.json comes without a tokenizer_config.json that names its eos token.
+_KNOWN_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+
+class Tokenizer(abc.ABC):
+    """Encodes text to ids in ``[0, vocab_size)``; ``eos_id`` separates documents in the token stream."""
+
+    vocab_size: int  # size of the id space (max id + 1)
+    eos_id: int
+    fingerprint: str  # stable across save/load; keys the token cache
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    @abc.abstractmethod
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encodes many texts at once (in parallel where the backend can); no special tokens added."""
+
+    @abc.abstractmethod
+    def decode(self, ids: list[int]) -> str: ...
+
+    @abc.abstractmethod
+    def save(self, directory: Path) -> None:
+        """Writes ``directory`` so that ``load_tokenizer_dir(directory)`` returns an equal tokenizer offline."""
+
+
+class _HFTokenizer(Tokenizer):
+    """A HuggingFace ``tokenizers.Tokenizer`` (our trained BPE, a tokenizer.json, or a hub tokenizer)."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, eos_token: str, where: str):
+        eos_id = tok.token_to_id(eos_token)
+        if eos_id is None:
+            raise DataError(f"{where}: eos token {eos_token!r} is not in the vocabulary")
+        self.fingerprint = "hf:" + hashlib.sha256(tok.to_str().encode()).hexdigest()
+        tok.encode_special_tokens = True  # see the module docstring: text is always text
+        self._tok = tok
+        self._eos_token = eos_token
+        self.eos_id = eos_id
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch_fast skips the character offsets, which we never use.
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(directory / "tokenizer.json"))
+        # tokenizer_config.json makes the directory loadable by transformers.AutoTokenizer as well.
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self._eos_token}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        meta = {"kind": "hf", "eos_token": self._eos_token, "eos_id": self.eos_id}
+        (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+class _TiktokenTokenizer(Tokenizer):
+    """A tiktoken ``Encoding``, saved by name (tiktoken caches its files locally after the first download)."""
+
+    def __init__(self, encoding: Any, name: str):
+        self._enc = encoding
+        self._name = name
+        self.eos_id = encoding.eot_token
+        self.vocab_size = encoding.n_vocab
+        self.fingerprint = f"tiktoken:{name}"
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(texts)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        meta = {"kind": "tiktoken", "encoding": self._name, "eos_id": self.eos_id}
+        (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load_tokenizer(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
+    """The tokenizer ``tok_cfg`` asks for; ``kind=bpe`` trains one on ``data_cfg``'s corpus, once."""
+    if tok_cfg.kind == "bpe":
+        return _cached_bpe(tok_cfg, data_cfg)
+    assert tok_cfg.path is not None  # TokenizerConfig requires a path for hf and tiktoken
+    if tok_cfg.kind == "hf":
+        return _load_hf(tok_cfg.path)
+    return _load_tiktoken(tok_cfg.path)
+
+
+def load_tokenizer_dir(directory: Path) -> Tokenizer:
+    """Reads a directory written by ``Tokenizer.save`` (e.g. ``RUN_DIR/tokenizer``)."""
+    meta_path = Path(directory) / META_FILE
+    if not meta_path.is_file():
+        raise DataError(
+            f"{directory}: not a saved jaxtune tokenizer (no {META_FILE}); pass the run's tokenizer directory"
+        )
+    meta = json.loads(meta_path.read_text())
+    if meta["kind"] == "tiktoken":
+        return _load_tiktoken(meta["encoding"])
+    tok = tokenizers.Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+    return _HFTokenizer(tok, meta["eos_token"], where=str(directory))
+
+
+def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
+    """Trains once per (corpus, vocab_size, train_bytes); later runs load the cached directory."""
+    key_src = json.dumps([sources_fingerprint(data_cfg), tok_cfg.vocab_size, tok_cfg.train_bytes, _BPE_VERSION])
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    directory = Path(data_cfg.cache_dir).expanduser() / f"bpe-{key}"
+    if not (directory / META_FILE).is_file():
+        log.info(
+            "training a %d-token byte-level BPE on %d bytes of data.sources", tok_cfg.vocab_size, tok_cfg.train_bytes
+        )
+        trained = _HFTokenizer(
+            _train_bpe(take_bytes(iter_documents(data_cfg), tok_cfg.train_bytes), tok_cfg.vocab_size),
+            EOS_TOKEN,
+            where="tokenizer.kind=bpe",
+        )
+        # Save under a temporary name and rename, so a killed run never leaves a half-saved tokenizer.
+        tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            trained.save(tmp)
+            os.replace(tmp, directory)
+        except OSError:
+            # Another process (e.g. a second host sharing the cache) renamed its copy first; use that one.
+            if not (directory / META_FILE).is_file():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    # Load even right after training, so the first run and every later run use the identical object.
+    return load_tokenizer_dir(directory)
+
+
+def _train_bpe(docs: Iterator[str], vocab_size: int) -> tokenizers.Tokenizer:
+    """GPT-2 style byte-level BPE: any string encodes (no unknown tokens) and decodes back exactly."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer=trainer)
+    return tok
+
+
+def _load_hf(path: str) -> Tokenizer:
+    local = Path(path).expanduser()
+    if local.is_dir():
+        file = local / "tokenizer.json"
+        if not file.is_file():
+            raise DataError(
+                f"tokenizer.path={path}: no tokenizer.json in this directory; "
+                "save a fast tokenizer there (AutoTokenizer.from_pretrained(...).save_pretrained(DIR))"
+            )
+        tok = tokenizers.Tokenizer.from_file(str(file))
+        return _HFTokenizer(tok, _eos_token_of(local, tok, path), where=f"tokenizer.path={path}")
+    if local.exists() or path.startswith((".", "/", "~")):
+        raise DataError(f"tokenizer.path={path}: not a directory with tokenizer.json, nor a hub name")
+    return _load_hub(path)
+
+
+def _eos_token_of(directory: Path, tok: tokenizers.Tokenizer, path: str) -> str:
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = directory / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token")
+            if isinstance(eos, dict):  # AddedToken serialised as {"content": ..., ...}
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                return eos
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    for name in _KNOWN_EOS:
+        if name in specials:
+            return name
+    raise DataError(
+        f"tokenizer.path={path}: cannot tell which token ends a document: no eos_token in "
+        f"tokenizer_config.json and none of {list(_KNOWN_EOS)} is a special token; "
+        f'add {{"eos_token": "..."}} to {directory / "tokenizer_config.json"}'
+    )
+
+
+def _load_hub(name: str) -> Tokenizer:
+    from transformers import AutoTokenizer  # lazily: slow to import, and only hub names need it
+
+    try:
+        auto = AutoTokenizer.from_pretrained(name)
+    except OSError as e:
+        raise DataError(f"tokenizer.path={name}: cannot load from the HuggingFace hub: {e}") from None
+    backend = getattr(auto, "backend_tokenizer", None)
+    if backend is None:
+        raise DataError(f"tokenizer.path={name}: has no fast (tokenizer.json) version; jaxtune needs one")
+    if auto.eos_token is None:
+        raise DataError(f"tokenizer.path={name}: the tokenizer defines no eos token")
+    return _HFTokenizer(backend, auto.eos_token, where=f"tokenizer.path={name}")
+
+
+def _load_tiktoken(name: str) -> Tokenizer:
+    try:
+        import tiktoken  # optional dependency
+    except ImportError:
+        raise DataError(f"tokenizer.kind=tiktoken ({name}) needs the tiktoken package: pip install tiktoken") from None
+    try:
+        encoding = tiktoken.get_encoding(name)
+    except ValueError:
+        raise DataError(
+            f"tokenizer.path={name}: unknown tiktoken encoding; known: {tiktoken.list_encoding_names()}"
+        ) from None
+    return _TiktokenTokenizer(encoding, name)

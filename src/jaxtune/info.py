@@ -1,0 +1,69 @@
+"""What a config will cost before it runs: parameters, FLOPs per token, memory per device."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtune.config import Config
+from jaxtune.models import model_config
+from jaxtune.train import sharding
+from jaxtune.train.state import make_state_spec
+
+
+def _bytes_per_device(abstract: Any) -> int:
+    """Bytes one device holds for a tree of sharded ShapeDtypeStructs."""
+    total = 0
+    for a in jax.tree.leaves(abstract):
+        shard = a.sharding.shard_shape(a.shape)
+        total += math.prod(shard) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def info(cfg: Config, vocab_size: int | None = None) -> dict[str, Any]:
+    """Model size, training FLOPs per token and a per-device memory estimate for ``cfg`` on this host's
+    devices. ``vocab_size`` defaults to model.vocab_size, else tokenizer.vocab_size (for bpe)."""
+    vocab = vocab_size or cfg.model.vocab_size or cfg.tokenizer.vocab_size
+    mcfg = model_config(cfg.model, vocab)
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    spec = make_state_spec(cfg, vocab, mesh)
+    params_b = _bytes_per_device(spec.abstract.params)
+    opt_b = _bytes_per_device(spec.abstract.opt_state)
+    seq, batch = cfg.data.seq_len, cfg.train.batch_size // cfg.train.micro_batches
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = max(batch // dp, 1)
+    act_item = np.dtype(mcfg.compute_dtype).itemsize
+    # Saved activations per layer ~ (34 D + 5 N T) bytes/token at 2 bytes (Korthikanti et al. 2022), scaled to
+    # the compute dtype; full remat keeps only each layer's input.
+    per_token_layer = (34 * mcfg.d_model + 5 * mcfg.n_head * seq) * act_item / 2
+    if mcfg.remat == "full":
+        per_token_layer = mcfg.d_model * act_item
+    act_b = int(rows * seq * (mcfg.n_layer * per_token_layer + 4 * mcfg.vocab_size) / mesh.shape["tensor"])
+    return {
+        "params": mcfg.num_params(),
+        "params_non_embedding": mcfg.num_params(non_embedding=True),
+        "flops_per_token": mcfg.flops_per_token(seq),
+        "flops_per_step": mcfg.flops_per_token(seq) * cfg.train.batch_size * seq,
+        "devices": mesh.devices.size,
+        "mesh": dict(mesh.shape),
+        "memory_per_device": {"params": params_b, "grads": params_b, "optimizer": opt_b, "activations": act_b,
+                              "total": 2 * params_b + opt_b + act_b},
+        "model": mcfg,
+    }
+
+
+def format_info(d: dict[str, Any]) -> str:
+    gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
+    m = d["memory_per_device"]
+    return "\n".join([
+        f"model:            {d['model']}",
+        f"parameters:       {d['params']:,} ({d['params_non_embedding']:,} non-embedding)",
+        f"FLOPs per token:  {d['flops_per_token']:.3e} (training: 6N + attention)",
+        f"FLOPs per step:   {d['flops_per_step']:.3e}",
+        f"mesh:             {d['mesh']} over {d['devices']} device(s)",
+        f"memory / device:  params {gib(m['params'])}, grads {gib(m['grads'])}, optimizer {gib(m['optimizer'])}, "
+        f"activations ~{gib(m['activations'])}; total ~{gib(m['total'])}",
+    ])

@@ -1,0 +1,132 @@
+"""Device mesh and the one rule table that maps logical axis names to mesh axes.
+
+Model code only names axes (``("embed", "mlp")`` on a kernel, ``("batch", "seq", "act_embed")`` on an
+activation); this module decides where they live. Parameter axes: ``embed`` is sharded over ``fsdp`` (ZeRO-3
+style: XLA gathers each layer's weights when it needs them), ``vocab``/``heads``/``mlp`` over ``tensor``.
+Activations are sharded over the batch axes only (``act_*`` names), except the tensor-parallel inner dims.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    # parameters
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "mlp": "tensor",
+    "norm": None,
+    "layers": None,
+    # activations
+    "batch": BATCH_AXES,
+    "seq": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+}
+
+_active: list[Mesh] = []
+
+
+class ShardingError(ValueError):
+    """A mesh or layout that cannot work; the message names the config key or parameter."""
+
+
+def make_mesh(data: int, fsdp: int, tensor: int, devices: list[Any] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over ``devices`` (default: all); one size may be -1 (the rest)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ShardingError(f"mesh: {len(devices)} devices do not divide by the fixed axes' product {known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ShardingError(
+            f"mesh.data × mesh.fsdp × mesh.tensor = {'×'.join(map(str, sizes))} = {math.prod(sizes)}, "
+            f"but there are {len(devices)} devices; make the product match or set one axis to -1"
+        )
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def spec(names: tuple[str | None, ...]) -> P:
+    """Logical names -> PartitionSpec through the rule table (unknown names are an error, not replicated)."""
+    out = []
+    for n in names:
+        if n is not None and n not in RULES:
+            raise ShardingError(f"logical axis {n!r} has no sharding rule; add it to jaxtune.train.sharding.RULES")
+        out.append(None if n is None else RULES[n])
+    return P(*out)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
+    """Make ``constrain`` active while tracing model code for ``mesh``."""
+    _active.append(mesh)
+    try:
+        yield mesh
+    finally:
+        _active.pop()
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint on an activation by logical names; a no-op outside `use_mesh`."""
+    if not _active:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(_active[-1], spec(names)))
+
+
+def param_axes(abstract_params: Any, logical: Any) -> Any:
+    """Per-leaf logical names, with ``layers`` prepended for leaves stacked by a layer scan."""
+
+    def fix(x, names):
+        names = tuple(names)
+        return ("layers",) + names if len(x.shape) == len(names) + 1 else names
+
+    return jax.tree.map(fix, abstract_params, logical, is_leaf=lambda n: isinstance(n, tuple))
+
+
+def param_shardings(mesh: Mesh, abstract_params: Any, axes: Any) -> Any:
+    """NamedShardings for a params tree, checking that each sharded dimension divides its mesh axes."""
+
+    def one(path, x, names):
+        p = spec(names)
+        for dim, mesh_axes in zip(x.shape, p):
+            if mesh_axes is None:
+                continue
+            size = math.prod(mesh.shape[a] for a in ((mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes))
+            if dim % size:
+                raise ShardingError(
+                    f"parameter {jax.tree_util.keystr(path)} {tuple(x.shape)}: dimension {dim} does not divide "
+                    f"mesh axis {mesh_axes} of size {size}; change the mesh config or the model size"
+                )
+        return NamedSharding(mesh, p)
+
+    return jax.tree_util.tree_map_with_path(one, abstract_params, axes, is_leaf=lambda n: isinstance(n, tuple))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches are (batch, ...) arrays sharded over the data-parallel axes."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def global_batch(mesh: Mesh, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Assemble each process's rows into global arrays sharded over the batch axes (multi-host safe)."""
+    sharding = batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}

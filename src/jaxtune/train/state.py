@@ -1,0 +1,67 @@
+"""The train state's shape and placement, built from config before anything is allocated.
+
+``StateSpec`` holds the model graph, the optimizer and an abstract state whose leaves carry their
+shardings, so a state is created (jit with out_shardings) or restored (Orbax) directly in place on the
+mesh, never as a full host copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxtune.config import Config
+from jaxtune.models import build_model, model_config
+from jaxtune.train import sharding
+from jaxtune.train.optim import make_optimizer, schedule
+from jaxtune.train.step import TrainState, init_state
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    model_cfg: Any
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    mesh: Mesh
+    shardings: TrainState  # NamedSharding per leaf
+    abstract: TrainState  # ShapeDtypeStruct per leaf, with .sharding
+
+    def init(self, seed: int) -> TrainState:
+        """A fresh state, created sharded (each device computes only its own shards)."""
+        cfg, tx = self.model_cfg, self.tx
+
+        def make():
+            params = nnx.state(build_model(cfg, seed), nnx.Param).to_pure_dict()
+            return init_state(params, tx, seed)
+
+        with sharding.use_mesh(self.mesh):
+            return jax.jit(make, out_shardings=self.shardings)()
+
+
+def make_state_spec(cfg: Config, vocab_size: int, mesh: Mesh) -> StateSpec:
+    model_cfg = model_config(cfg.model, vocab_size)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    abstract_model = nnx.eval_shape(lambda: build_model(model_cfg, cfg.train.seed))
+    graphdef, param_state = nnx.split(abstract_model, nnx.Param)
+    logical = jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), param_state,
+                           is_leaf=lambda v: isinstance(v, nnx.Variable)).to_pure_dict()
+    abstract_params = param_state.to_pure_dict()
+    abstract_state = jax.eval_shape(lambda: init_state(abstract_params, tx, cfg.train.seed))
+    axes = sharding.param_axes(abstract_params, logical)
+    param_sh = sharding.param_shardings(mesh, abstract_params, axes)
+    rep = sharding.replicated(mesh)
+    # Optimizer moments mirror their parameter's sharding; scalars (counts) are replicated.
+    opt_sh = optax.tree_map_params(
+        tx, lambda leaf, sh, p: sh if leaf.shape == p.shape else rep,  # factored (Adafactor) stats: replicated
+        abstract_state.opt_state, param_sh, abstract_params,
+        transform_non_params=lambda _: rep, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    shardings = TrainState(step=rep, params=param_sh, opt_state=opt_sh, key=rep, nan_streak=rep, nan_skipped=rep)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+    return StateSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract)
+

@@ -1,0 +1,106 @@
+"""The pure train step ``(state, batch) -> (state, metrics)`` and the eval step.
+
+Feature choices (gradient accumulation, NaN policy) are made when the step is *built*, not inside it.
+A batch is a dict of (B, T) arrays: ``inputs`` and ``targets`` (int32), optionally ``positions`` (int32) and
+``loss_mask`` (float32, 0 for tokens that do not count).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 (): optimizer steps taken
+    params: Any  # pure dict of arrays (the model's nnx.Param state)
+    opt_state: Any
+    key: jax.Array  # uint32 key data: the run's base key; step keys are fold_in(key, step)
+    nan_streak: jax.Array  # int32 (): consecutive non-finite steps (on_nan=skip)
+    nan_skipped: jax.Array  # int32 (): non-finite steps skipped in total
+
+
+def init_state(params: Any, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        key=jax.random.key_data(jax.random.key(seed)),
+        nan_streak=jnp.zeros((), jnp.int32),
+        nan_skipped=jnp.zeros((), jnp.int32),
+    )
+
+
+def token_loss(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], key: jax.Array | None):
+    """Summed cross-entropy over counted tokens, and the number of counted tokens (both float32 scalars)."""
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["inputs"], positions=batch.get("positions"), key=key)  # (B, T, V) float32
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
+    weights = batch.get("loss_mask", jnp.ones_like(ce))
+    return jnp.sum(ce * weights), jnp.sum(weights)
+
+
+def _split_micro(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
+    """(B, ...) -> (n, B/n, ...) taking every n-th row, so each micro-batch stays spread over the
+    data-parallel devices (a contiguous split would put micro-batch i on a subset of them)."""
+    return {k: v.reshape(v.shape[0] // n, n, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *,
+                    micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True):
+    """Build the step. The loss is token-weighted over the whole batch: gradients of summed losses are
+    accumulated over micro-batches and divided once by the total token count (not a mean of means)."""
+    grad_fn = jax.value_and_grad(lambda p, b, k: token_loss(graphdef, p, b, k), has_aux=True)
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]):
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step) if use_dropout else None
+        if micro_batches == 1:
+            (loss_sum, tokens), grads = grad_fn(state.params, batch, step_key)
+        else:
+            def micro(carry, xs):
+                i, mb = xs
+                key = None if step_key is None else jax.random.fold_in(step_key, i)
+                (l, n), g = grad_fn(state.params, mb, key)
+                acc_g, acc_l, acc_n = carry
+                return (jax.tree.map(jnp.add, acc_g, g), acc_l + l, acc_n + n), None
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            carry = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+            xs = (jnp.arange(micro_batches), _split_micro(batch, micro_batches))
+            (grads, loss_sum, tokens), _ = jax.lax.scan(micro, carry, xs)
+        denom = jnp.maximum(tokens, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        loss = loss_sum / denom
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if skip_nonfinite:
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        new_state = TrainState(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            key=state.key,
+            nan_streak=jnp.where(finite, 0, state.nan_streak + 1),
+            nan_skipped=state.nan_skipped + jnp.where(finite, 0, 1),
+        )
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "tokens": tokens,
+                   "finite": finite, "nan_streak": new_state.nan_streak}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef):
+    """(params, batch) -> (summed loss, token count); deterministic (no dropout)."""
+
+    def eval_step(params, batch):
+        return token_loss(graphdef, params, batch, None)
+
+    return eval_step
