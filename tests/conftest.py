@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny, fast training config over real text (the stdlib source), CPU-sized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxtune.config import Config, load_config
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+TINY = [
+    "model.preset=tiny",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.d_model=64",
+    "model.max_seq_len=64",
+    "data.sources=[python-stdlib]",
+    "data.max_bytes=300000",
+    "data.seq_len=32",
+    "data.val_fraction=0.05",
+    "tokenizer.kind=bpe",
+    "tokenizer.vocab_size=512",
+    "tokenizer.train_bytes=300000",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=2",
+    "train.steps=20",
+    "train.batch_size=8",
+    "eval.batches=2",
+    "checkpoint.every=5",
+    "checkpoint.keep=10",
+    "logging.every=1",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One tokenizer/token cache for the session: tests share the tokenized corpus, not run state."""
+    return tmp_path_factory.mktemp("jaxtune-cache")
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path, data_cache) -> list[str]:
+    return TINY + [f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}"]
+
+
+@pytest.fixture
+def tiny_cfg(tiny_overrides):
+    """tiny_cfg("train.steps=5", ...) -> a validated Config for a tiny run in this test's tmp dir."""
+
+    def make(*extra: str) -> Config:
+        return load_config(None, tiny_overrides + list(extra))
+
+    return make

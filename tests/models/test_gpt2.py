@@ -1,0 +1,251 @@
+"""GPT-2 model: logits against `transformers` on the same weights, and every execution path against the plain one.
+
+Error measure throughout: rel(a, b) = max|a - b| / max|b| (b is the reference).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtune.models.gpt2 import GPT, GPTConfig
+
+B, T = 2, 16
+
+
+def rel(a, b) -> float:
+    """max|a - b| / max|b|: the error relative to the reference's scale."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def tokens(seed: int = 0, shape=(B, T), vocab: int = 512) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)
+
+
+def params_of(model: GPT) -> dict:
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def with_params(cfg: GPTConfig, params: dict) -> GPT:
+    """Model of ``cfg`` carrying ``params`` (abstract init, so no throwaway weights are allocated)."""
+    graphdef = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0))), nnx.Param)[0]
+    return nnx.merge(graphdef, params)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward(cfg: GPTConfig, params: dict, ids: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """Jitted plain forward (B, T) -> (B, T, V); eager dispatch would compile op by op and take seconds."""
+    return with_params(cfg, params)(ids, key=key)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def cached_forward(cfg: GPTConfig, params: dict, ids, positions, cache, index, key_valid):
+    return with_params(cfg, params)(ids, positions=positions, cache=cache, index=index, key_valid=key_valid)
+
+
+def stack_blocks(params: dict) -> dict:
+    """Loop layout {blocks: {0: tree, 1: tree}} -> scan layout {blocks: tree with a leading layer axis}."""
+    blocks = [params["blocks"][i] for i in sorted(params["blocks"])]
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)}
+
+
+@pytest.fixture(scope="module")
+def cfg() -> GPTConfig:
+    return GPTConfig.tiny(max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def params(cfg) -> dict:
+    return jax.jit(lambda: params_of(GPT(cfg, rngs=nnx.Rngs(params=0))))()
+
+
+# --- HF reference -------------------------------------------------------------------------------------------------
+
+
+def hf_gpt2_to_params(hf_model, n_layer: int) -> dict:
+    """transformers GPT2LMHeadModel state -> jaxtune loop-layout params (a test helper; the real importer is issue 3).
+
+    HF Conv1D weights are already (in, out); c_attn's 3D output columns are q | k | v with heads contiguous, the
+    same order as jaxtune's (D, 3, N*H) qkv.
+    """
+    sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    d = sd["transformer.wte.weight"].shape[1]
+
+    def ln(name):
+        return {"scale": sd[f"{name}.weight"], "bias": sd[f"{name}.bias"]}
+
+    def dense(name):
+        return {"kernel": sd[f"{name}.weight"], "bias": sd[f"{name}.bias"]}
+
+    blocks = {}
+    for i in range(n_layer):
+        h = f"transformer.h.{i}"
+        blocks[i] = {
+            "ln_1": ln(f"{h}.ln_1"),
+            "qkv": sd[f"{h}.attn.c_attn.weight"].reshape(d, 3, d),
+            "qkv_bias": sd[f"{h}.attn.c_attn.bias"].reshape(3, d),
+            "attn_out": dense(f"{h}.attn.c_proj"),
+            "ln_2": ln(f"{h}.ln_2"),
+            "fc": dense(f"{h}.mlp.c_fc"),
+            "proj": dense(f"{h}.mlp.c_proj"),
+        }
+    tree = {
+        "wte": {"embedding": sd["transformer.wte.weight"]},
+        "wpe": {"embedding": sd["transformer.wpe.weight"]},
+        "blocks": blocks,
+        "ln_f": ln("transformer.ln_f"),
+    }
+    return jax.tree.map(jnp.asarray, tree)
+
+
+def test_logits_match_transformers_gpt2():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=512, activation_function="gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, layer_norm_epsilon=1e-5,
+        bos_token_id=None, eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    # HF initialises biases to 0 and LayerNorms to (1, 0): perturb every tensor so a transposed or swapped
+    # mapping cannot hide behind a constant.
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+    cfg = GPTConfig.tiny(max_seq_len=64, ln_eps=1e-5)
+    ids = np.asarray(tokens(1))
+    with torch.no_grad():
+        want = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    got = forward(cfg, hf_gpt2_to_params(hf, cfg.n_layer), jnp.asarray(ids))
+    assert got.shape == want.shape == (B, T, 512)
+    assert rel(got, want) <= 1e-5  # max|a-b| / max|b|, fp32
+
+
+# --- execution paths agree ------------------------------------------------------------------------------------------
+
+
+def test_scan_layers_matches_loop(cfg, params):
+    ids = tokens()
+    want = forward(cfg, params, ids)
+    got = forward(cfg.replace(scan_layers=True), stack_blocks(params), ids)
+    assert rel(got, want) <= 1e-6
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def logits_and_grads(cfg: GPTConfig, params: dict, ids: jax.Array):
+    """Next-token cross-entropy on ids; returns (logits, d loss / d params)."""
+
+    def loss(p):
+        logits = with_params(cfg, p)(ids[:, :-1])
+        logp = jax.nn.log_softmax(logits, -1)
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean(), logits
+
+    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return logits, grads
+
+
+@pytest.fixture(scope="module")
+def reference_grads(cfg, params):
+    return logits_and_grads(cfg, params, tokens(2))
+
+
+# Both policies and both layer layouts, against one loop/no-remat reference (scan == loop is tested above).
+@pytest.mark.parametrize("remat,scan", [("full", False), ("dots", True)], ids=["full-loop", "dots-scan"])
+def test_remat_same_logits_and_grads(cfg, params, reference_grads, remat, scan):
+    want_logits, want_grads = reference_grads
+    p = stack_blocks(params) if scan else params
+    got_logits, got_grads = logits_and_grads(cfg.replace(scan_layers=scan, remat=remat), p, tokens(2))
+    if scan:
+        want_grads = stack_blocks(want_grads)
+    assert rel(got_logits, want_logits) <= 1e-6
+    errs = jax.tree.map(rel, got_grads, want_grads)
+    assert max(jax.tree.leaves(errs)) <= 1e-6, errs
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_kv_cache_prefill_then_decode_matches_full_forward(cfg, params, scan):
+    c, p = cfg.replace(scan_layers=scan), (stack_blocks(params) if scan else params)
+    ids = tokens(3)
+    full = forward(c, p, ids)
+    prefill = 10
+    key_valid = jnp.ones((B, T), bool)
+    cache = GPT.init_cache(nnx.eval_shape(lambda: GPT(c, rngs=nnx.Rngs(params=0))), B, T)
+    assert cache["k"].shape == (cfg.n_layer, B, T, cfg.n_head, cfg.head_dim)
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    logits, cache = cached_forward(c, p, ids[:, :prefill], pos[:, :prefill], cache, 0, key_valid)
+    out = [logits]
+    for i in range(prefill, T):  # one decode compile: index is traced
+        logits, cache = cached_forward(c, p, ids[:, i:i + 1], pos[:, i:i + 1], cache, i, key_valid)
+        out.append(logits)
+    got = jnp.concatenate(out, axis=1)
+    assert got.shape == full.shape
+    assert rel(got, full) <= 1e-5
+
+
+def test_left_padding_matches_unpadded(cfg, params):
+    """Row 0 is 6 pads + 10 real tokens, row 1 has 16 real tokens; pads are invisible and NaN-free."""
+    ids = tokens(4)
+    n_pad = 6
+    valid = jnp.ones((B, T), bool).at[0, :n_pad].set(False)
+    padded = jnp.where(valid, ids, 0)
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)  # real tokens start at position 0
+    cache = {k: jnp.zeros((cfg.n_layer, B, T, cfg.n_head, cfg.head_dim)) for k in ("k", "v")}
+    logits, cache = cached_forward(cfg, params, padded, positions, cache, 0, valid)
+    assert jnp.isfinite(logits).all()  # pad queries see no valid key: still no NaN
+    assert jnp.isfinite(cache["k"]).all() and jnp.isfinite(cache["v"]).all()
+    unpadded = forward(cfg, params, ids)  # row 1 needs no padding; row 0 below
+    assert rel(logits[1], unpadded[1]) <= 1e-5
+    alone = forward(cfg, params, ids[:1, n_pad:])
+    assert rel(logits[0, n_pad:], alone[0]) <= 1e-5
+
+
+def test_bf16_compute_close_to_fp32_and_returns_fp32(cfg, params):
+    ids = tokens(5)
+    want = forward(cfg, params, ids)
+    bf16 = cfg.replace(compute_dtype="bfloat16")
+    assert with_params(bf16, params).wte.embedding.dtype == jnp.float32  # params stay fp32
+    got = forward(bf16, params, ids)
+    assert got.dtype == jnp.float32
+    assert jnp.isfinite(got).all()
+    assert rel(got, want) <= 5e-2
+
+
+def test_dropout_is_keyed(cfg, params):
+    drop = cfg.replace(dropout=0.1)
+    ids = tokens(6)
+    eval_out = forward(drop, params, ids)
+    np.testing.assert_array_equal(forward(drop, params, ids), eval_out)  # key=None: deterministic ...
+    np.testing.assert_array_equal(eval_out, forward(cfg, params, ids))  # ... and no dropout at all
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    a, a_again, b = forward(drop, params, ids, k1), forward(drop, params, ids, k1), forward(drop, params, ids, k2)
+    np.testing.assert_array_equal(a, a_again)
+    assert not np.allclose(a, b)
+    assert not np.allclose(a, eval_out)
+
+
+# --- parameter count ----------------------------------------------------------------------------------------------
+
+
+def count(cfg: GPTConfig) -> int:
+    abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize("preset", [GPTConfig.tiny, GPTConfig.gpt2_124m,
+                                    lambda: GPTConfig.tiny(scan_layers=True, d_ff=96)], ids=["tiny", "124m", "tiny-scan"])
+def test_num_params_matches_parameters(preset):
+    cfg = preset()
+    assert cfg.num_params() == count(cfg)
+    assert cfg.num_params(non_embedding=True) == count(cfg) - (cfg.vocab_size + cfg.max_seq_len) * cfg.d_model
+
+
+def test_gpt2_small_has_its_known_size():
+    assert GPTConfig.gpt2_124m(vocab_size=50257).num_params() == 124_439_808

@@ -1,0 +1,177 @@
+"""Generation: KV-cache greedy decoding against a naive full-forward loop, EOS, sampling filters, compile buckets."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtune.generate import Generator, bucket, sample_logits
+from jaxtune.models.gpt2 import GPT, GPTConfig
+
+CFG = GPTConfig.tiny()  # 128-token context
+CTX = CFG.max_seq_len
+_rng = np.random.default_rng(0)
+PROMPTS = [_rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 11, 3)]  # one prompt bucket (16)
+N_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    """(graphdef, params) of a tiny GPT whose greedy continuations vary.
+
+    At the 0.02 init scale the residual stream is the token embedding, so greedy repeats one token forever and
+    a broken cache would go unnoticed; blocks x3 make each step depend on the context.
+    """
+    graphdef, state = nnx.split(GPT(CFG, rngs=nnx.Rngs(params=0)), nnx.Param)
+    params = nnx.to_pure_dict(state)
+    params["blocks"] = jax.tree.map(lambda x: 3 * x, params["blocks"])
+    return graphdef, params
+
+
+@pytest.fixture(scope="module")
+def gen(model):
+    """One Generator for the module, so tests share its compiled buckets."""
+    return Generator(model[0], CTX)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _full_logits(graphdef, params, ids):
+    return nnx.merge(graphdef, params)(ids)
+
+
+def naive_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Re-run the full forward (no cache) over prompt + generated, take the argmax; n times.
+
+    The sequence sits right-padded in one (1, CTX) buffer: attention is causal, so the pads after it change
+    nothing, and one compile serves every length.
+    """
+    graphdef, params = model
+    seq = list(prompt)
+    for _ in range(n):
+        buf = np.zeros((1, CTX), np.int32)
+        buf[0, :len(seq)] = seq
+        seq.append(int(jnp.argmax(_full_logits(graphdef, params, buf)[0, len(seq) - 1])))
+    return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def greedy(model) -> list[list[int]]:
+    return [naive_greedy(model, p, N_NEW) for p in PROMPTS]
+
+
+# --- greedy ---------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_matches_naive_full_forward(model, gen, greedy):
+    out = gen(model[1], [PROMPTS[0]], max_new_tokens=N_NEW)
+    assert out == [greedy[0]]
+    assert len(set(greedy[0])) > 3  # the model's continuation depends on context (see the fixture)
+
+
+def test_batch_rows_equal_each_prompt_alone(model, gen, greedy):
+    """Prompts of lengths 5, 11, 3 are left-padded into one batch; each row is what that prompt gives alone."""
+    batch = gen(model[1], PROMPTS, max_new_tokens=N_NEW)
+    alone = [gen(model[1], [p], max_new_tokens=N_NEW)[0] for p in PROMPTS]
+    assert batch == alone
+    assert batch == greedy
+
+
+def test_eos_stops_only_its_row(model, gen, greedy):
+    eos = greedy[0][3]
+    assert eos not in greedy[0][:3]  # so row 0 must stop exactly after 3 tokens
+    expected = [g[:g.index(eos)] if eos in g else g for g in greedy]
+    assert len(expected[1]) == N_NEW or len(expected[2]) == N_NEW  # another row runs to the end
+    steps = []
+    out = gen(model[1], PROMPTS, max_new_tokens=N_NEW, eos_id=eos, on_step=lambda ids: steps.append(ids.copy()))
+    assert out == expected
+    assert len(out[0]) == 3 and eos not in out[0]
+    assert steps[3][0] == -1  # streaming marks the finished row
+    assert [int(s[1]) for s in steps] == out[1][:len(steps)]
+
+
+# --- sampling -------------------------------------------------------------------------------------------------------
+
+
+def samples(logits, n: int, temperature: float = 1.0, top_k=None, top_p=None) -> np.ndarray:
+    """(n, B) draws of sample_logits over n keys."""
+    keys = jax.random.split(jax.random.key(0), n)
+    draw = jax.jit(jax.vmap(lambda k: sample_logits(logits, k, temperature, top_k, top_p)))
+    return np.asarray(draw(keys))
+
+
+def test_top_k_1_is_greedy(model, gen, greedy):
+    logits = jax.random.normal(jax.random.key(1), (3, 64))
+    assert (samples(logits, 256, top_k=1) == np.asarray(jnp.argmax(logits, -1))).all()
+    assert gen(model[1], PROMPTS, max_new_tokens=N_NEW, temperature=1.0, top_k=1, seed=7) == greedy
+
+
+def test_top_k_draws_only_from_the_k_highest():
+    k, v = 5, 32
+    # near-uniform logits (0.05 apart), shuffled per row: without the filter other tokens would be drawn often
+    logits = jnp.stack([jax.random.permutation(jax.random.key(r), jnp.arange(v) * 0.05) for r in range(2)])
+    draws = samples(logits, 2000, top_k=k)
+    for row in range(2):
+        top = set(np.argsort(-np.asarray(logits[row]))[:k].tolist())
+        assert set(draws[:, row].tolist()) == top  # never outside the top k, and each of them reachable
+    assert len(set(samples(logits, 2000)[:, 0].tolist())) > k  # (the unfiltered distribution is wider)
+
+
+def test_top_p_keeps_the_nucleus():
+    order = jnp.array([2, 0, 3, 1])  # token 2 most likely, then 0, 3, 1
+    probs = jnp.zeros(4).at[order].set(jnp.array([0.5, 0.3, 0.15, 0.05]))
+    logits = jnp.log(probs)[None]
+    assert set(samples(logits, 1000, top_p=0.1)[:, 0].tolist()) == {2}  # below the top token's mass: argmax only
+    # 0.7: token 0 joins (mass before it is 0.5 < 0.7); token 3 does not (0.8 already reached)
+    assert set(samples(logits, 1000, top_p=0.7)[:, 0].tolist()) == {2, 0}
+
+
+def test_temperature_sampling_is_seeded(model, gen):
+    def run(seed):
+        return gen(model[1], PROMPTS, max_new_tokens=N_NEW, temperature=1.0, seed=seed)
+
+    a = run(3)
+    assert run(3) == a
+    assert run(4) != a
+    assert [len(r) for r in a] == [N_NEW] * len(PROMPTS)
+
+
+# --- shapes, buckets and limits -------------------------------------------------------------------------------------
+
+
+def test_compiles_once_per_bucket(model):
+    """One prefill per (prompt bucket, cache bucket), one decode per cache bucket; power-of-two buckets >= 16."""
+    assert [bucket(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
+    gen = Generator(model[0], CTX)
+    params = model[1]
+
+    def run(prompt_len):
+        gen(params, [list(range(1, prompt_len + 1))], max_new_tokens=20)
+        return gen.compiles
+
+    assert run(5) == 2  # prompt bucket 16, cache bucket bucket(16 + 20) = 64: one prefill + one decode
+    assert run(9) == 2  # same buckets: nothing new
+    assert run(20) == 3  # prompt bucket 32, cache still bucket(32 + 20) = 64: a prefill only
+    assert run(40) == 5  # prompt bucket 64, cache bucket(64 + 20) = 128: a prefill and a decode
+    assert run(33) == 5
+
+
+def test_prompt_longer_than_context_raises(model, gen):
+    for n in (CTX, CTX + 50):
+        with pytest.raises(ValueError, match=f"{n} tokens; the model's context is {CTX}"):
+            gen(model[1], [[1] * n], max_new_tokens=1)
+    with pytest.raises(ValueError, match="at least one token"):
+        gen(model[1], [[1, 2], []], max_new_tokens=1)
+
+
+def test_max_new_tokens_clamped_to_context(model, gen, caplog):
+    prompt = _rng.integers(0, CFG.vocab_size, CTX - 8).tolist()
+    with caplog.at_level(logging.WARNING, logger="jaxtune.generate"):
+        out = gen(model[1], [prompt], max_new_tokens=50)
+    assert out == [naive_greedy(model, prompt, 8)]  # prompt + output fill the context exactly
+    assert "limiting new tokens to 8" in caplog.text

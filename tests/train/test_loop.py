@@ -1,0 +1,215 @@
+"""The training loop end to end: compile once, resume, kill -9 bit-exact, SIGTERM, unfinished checkpoints,
+NaN policies and bad inputs. Tiny model, real stdlib text, CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtune.config import ConfigError, load_config
+from jaxtune.data import DataError
+from jaxtune.train import loop as loop_mod
+from jaxtune.train.checkpoint import Checkpointer
+from jaxtune.train.loop import NonFiniteLossError, train
+from jaxtune.train.sharding import make_mesh
+from jaxtune.train.state import make_state_spec
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """step -> train loss from metrics.jsonl; a resumed run's later lines win."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["kind"] == "train":
+            out[row["step"]] = row["loss"]
+    return out
+
+
+def _final_params(cfg, step: int):
+    spec = make_state_spec(cfg, 512, make_mesh(1, 1, 1, jax.devices()[:1]))
+    ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
+    state, data_state = ckpt.restore(step, spec.abstract)
+    ckpt.close()
+    return jax.tree.map(np.asarray, state.params), data_state
+
+
+def test_train_end_to_end_compiles_once_and_resumes(tiny_cfg):
+    cfg = tiny_cfg("train.steps=10", "eval.prompts=['def f(x):']", "eval.max_new_tokens=8")
+    result = train(cfg)
+    run = cfg.run_path
+    assert result.step == 10 and result.step_compiles == 1
+    assert sorted(result.losses) == list(range(1, 11))
+    assert result.losses[10] < result.losses[1] - 0.5  # it learns
+    for name in ("config.yaml", "metrics.jsonl", "loss.png", "summary.json", "samples.jsonl", "tokenizer"):
+        assert (run / name).exists(), name
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "5"]
+    assert result.eval_loss is not None and np.isfinite(result.eval_loss)
+    assert result.samples and result.samples[0].startswith("def f(x):")
+
+    # The same command again with more steps resumes at 10: only steps 11..15 run, compiled once.
+    again = train(tiny_cfg("train.steps=15", "eval.prompts=['def f(x):']", "eval.max_new_tokens=8"))
+    assert sorted(again.losses) == list(range(11, 16)) and again.step_compiles == 1
+
+
+def test_resume_with_changed_config_is_refused(tiny_cfg):
+    train(tiny_cfg("train.steps=5"))
+    with pytest.raises(ConfigError, match=r"model\.n_layer: checkpoint has 2, config has 3") as e:
+        train(tiny_cfg("train.steps=10", "model.n_layer=3", "train.seed=4"))
+    assert "train.seed" in str(e.value)
+
+
+DRIVER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from jaxtune.config import load_config
+    from jaxtune.train import metrics, checkpoint
+    from jaxtune.train.loop import train
+
+    mode, at = sys.argv[1], int(sys.argv[2])
+    cfg = load_config(None, sys.argv[3:])
+    if mode != "plain":
+        write, save = metrics.MetricsWriter.write, checkpoint.Checkpointer.save
+        committed = []
+
+        def save_and_note(self, step, *a, **k):
+            save(self, step, *a, **k)
+            if step == 10:
+                self.wait()  # step 10 is committed before we pull the plug
+                committed.append(step)
+
+        def write_then_signal(self, step, scalars, kind="train"):
+            write(self, step, scalars, kind)
+            if kind == "train" and step == at:
+                if mode == "kill":
+                    assert committed, "checkpoint 10 must be committed first"
+                    os.kill(os.getpid(), signal.SIGKILL)
+                else:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        checkpoint.Checkpointer.save = save_and_note
+        metrics.MetricsWriter.write = write_then_signal
+    train(cfg)
+    """
+)
+
+
+def _run_driver(tmp_path: Path, mode: str, at: int, overrides: list[str]) -> subprocess.CompletedProcess:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(script), mode, str(at), *overrides], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def test_kill9_and_resume_is_bit_exact(tmp_path, tiny_overrides):
+    ref_cfg = load_config(None, tiny_overrides + [f"run_dir={tmp_path / 'ref'}"])
+    ref = train(ref_cfg)
+    ref_params, _ = _final_params(ref_cfg, 20)
+
+    over = tiny_overrides + [f"run_dir={tmp_path / 'killed'}"]
+    killed = _run_driver(tmp_path, "kill", 12, over)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    cfg = load_config(None, over)
+    assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 10
+    assert max(_losses(cfg.run_path)) == 12  # steps 11 and 12 ran but were never checkpointed
+
+    resumed = _run_driver(tmp_path, "plain", 0, over)  # the same command again
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    losses = _losses(cfg.run_path)
+    for s in range(11, 21):
+        assert losses[s] == ref.losses[s], (s, losses[s], ref.losses[s])  # bitwise, not approximately
+    params, _ = _final_params(cfg, 20)
+    jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+
+
+def test_sigterm_saves_at_the_step_boundary_and_exits_cleanly(tmp_path, tiny_overrides):
+    over = tiny_overrides + [f"run_dir={tmp_path / 'pre'}", "checkpoint.every=100"]
+    proc = _run_driver(tmp_path, "term", 7, over)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "SIGTERM: saved step" in proc.stdout + proc.stderr
+    cfg = load_config(None, over)
+    saved = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step()
+    assert saved in (7, 8), saved  # the signal lands while step 8 runs: saved at that boundary, not 20
+    result = train(cfg)  # resumes and finishes
+    assert result.step == 20 and min(result.losses) == saved + 1
+
+
+def test_unfinished_checkpoint_is_never_loaded(tiny_cfg):
+    cfg = tiny_cfg("train.steps=10")
+    train(cfg)
+    ckpts = cfg.run_path / "checkpoints"
+    planted = ckpts / "15"  # looks like a step, but its save never committed
+    (planted / "state").mkdir(parents=True)
+    (planted / "state" / "garbage").write_bytes(b"\x00" * 100)
+    (ckpts / "20.orbax-checkpoint-tmp-1234").mkdir()
+    result = train(tiny_cfg("train.steps=12"))
+    assert sorted(result.losses) == [11, 12]  # resumed from 10, not from the planted 15
+    aside = [p for p in ckpts.iterdir() if p.name.startswith("15.incomplete")]
+    assert len(aside) == 1 and (aside[0] / "state" / "garbage").exists()  # moved aside, not deleted
+    assert not (ckpts / "20.orbax-checkpoint-tmp-1234").exists()
+
+
+def _poison(monkeypatch, nan_steps: set[int]):
+    """Feed NaN into the loss at the given steps through a loss mask (a real NaN path: data, not a mock)."""
+    real = loop_mod.make_train_iterator
+
+    class Poisoned:
+        def __init__(self, it):
+            self.it, self.step = it, 0
+
+        def __next__(self):
+            batch = next(self.it)
+            self.step += 1
+            mask = np.ones(batch["inputs"].shape, np.float32)
+            if self.step in nan_steps:
+                mask[0, 0] = np.nan
+            return {**batch, "loss_mask": mask}
+
+        def get_state(self):
+            return self.it.get_state()
+
+        def set_state(self, s):
+            self.it.set_state(s)
+
+    monkeypatch.setattr(loop_mod, "make_train_iterator", lambda *a, **k: Poisoned(real(*a, **k)))
+
+
+def test_nan_abort_keeps_last_good_checkpoint(tiny_cfg, monkeypatch):
+    _poison(monkeypatch, {7})
+    cfg = tiny_cfg("train.on_nan=abort")
+    with pytest.raises(NonFiniteLossError, match=r"step 7: loss=nan.*last good checkpoint: 5"):
+        train(cfg)
+    assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 5
+
+
+def test_nan_skip_counts_and_aborts_after_k_in_a_row(tiny_cfg, monkeypatch):
+    _poison(monkeypatch, {7, 12, 13})
+    result = train(tiny_cfg("train.on_nan=skip", "train.max_nan_skips=3"))
+    assert result.step == 20 and result.nan_skipped == 3
+    assert np.isnan(result.losses[7]) and np.isfinite(result.losses[20])
+
+    _poison(monkeypatch, {3, 4})
+    with pytest.raises(NonFiniteLossError, match="2 non-finite steps in a row"):
+        train(tiny_cfg("train.on_nan=skip", "train.max_nan_skips=2", "run_dir=" + str(tiny_cfg().run_path) + "2"))
+
+
+def test_missing_source_is_a_named_error(tiny_cfg, tmp_path):
+    with pytest.raises(DataError, match=r"nope\.txt"):
+        train(tiny_cfg(f"data.sources=[{tmp_path / 'nope.txt'}]"))
+
+
+def test_empty_corpus_is_a_named_error(tiny_cfg, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataError, match="no text"):
+        train(tiny_cfg(f"data.sources=[{empty}]"))
