@@ -55,3 +55,30 @@ def tiny_cfg(tiny_overrides):
         return load_config(None, tiny_overrides + list(extra))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def gpt_params():
+    """gpt_params(cfg, seed=0) -> a GPT params tree (loop layout) of numpy noise, no compiles.
+
+    LayerNorm scales are 1 + noise, every other tensor (biases included) is 0.02 * noise: nothing is a constant,
+    so a swapped or transposed tensor shows up in any comparison.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxtune.models.gpt2 import GPT
+
+    def make(cfg, seed: int = 0) -> dict:
+        abstract = nnx.eval_shape(lambda: GPT(cfg.replace(scan_layers=False), rngs=nnx.Rngs(params=0)))
+        rng = np.random.default_rng(seed)
+
+        def fill(path, x):
+            base = 1.0 if path[-1].key == "scale" else 0.0
+            return jnp.asarray(base + 0.02 * rng.standard_normal(x.shape), x.dtype)
+
+        return jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+
+    return make

@@ -18,18 +18,19 @@ CFG = GPTConfig.tiny()  # 128-token context
 CTX = CFG.max_seq_len
 _rng = np.random.default_rng(0)
 PROMPTS = [_rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 11, 3)]  # one prompt bucket (16)
+del _rng
 N_NEW = 10
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(gpt_params):
     """(graphdef, params) of a tiny GPT whose greedy continuations vary.
 
     At the 0.02 init scale the residual stream is the token embedding, so greedy repeats one token forever and
     a broken cache would go unnoticed; blocks x3 make each step depend on the context.
     """
-    graphdef, state = nnx.split(GPT(CFG, rngs=nnx.Rngs(params=0)), nnx.Param)
-    params = nnx.to_pure_dict(state)
+    graphdef = nnx.split(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(params=0))), nnx.Param)[0]
+    params = gpt_params(CFG, seed=1)
     params["blocks"] = jax.tree.map(lambda x: 3 * x, params["blocks"])
     return graphdef, params
 
@@ -98,46 +99,56 @@ def test_eos_stops_only_its_row(model, gen, greedy):
 # --- sampling -------------------------------------------------------------------------------------------------------
 
 
-def samples(logits, n: int, temperature: float = 1.0, top_k=None, top_p=None) -> np.ndarray:
-    """(n, B) draws of sample_logits over n keys."""
-    keys = jax.random.split(jax.random.key(0), n)
-    draw = jax.jit(jax.vmap(lambda k: sample_logits(logits, k, temperature, top_k, top_p)))
-    return np.asarray(draw(keys))
+TOP_K = 5
+# near-uniform logits (0.05 apart), shuffled per row: without the filter every token is drawn often
+SPREAD = np.stack([np.random.default_rng(r).permutation(32) * 0.05 for r in range(2)]).astype(np.float32)
+# token 2 most likely, then 0, 3, 1
+NUCLEUS = np.log(np.array([[0.3, 0.05, 0.5, 0.15]], np.float32))
 
 
-def test_top_k_1_is_greedy(model, gen, greedy):
-    logits = jax.random.normal(jax.random.key(1), (3, 64))
-    assert (samples(logits, 256, top_k=1) == np.asarray(jnp.argmax(logits, -1))).all()
-    assert gen(model[1], PROMPTS, max_new_tokens=N_NEW, temperature=1.0, top_k=1, seed=7) == greedy
+@pytest.fixture(scope="module")
+def draws() -> dict[str, np.ndarray]:
+    """(n, B) draws of sample_logits over 2000 keys per setting, all from one compiled program."""
+
+    @jax.jit
+    @jax.vmap
+    def draw(key):
+        return {
+            "top_k=1": sample_logits(jnp.asarray(SPREAD), key, 1.0, 1, None),
+            "top_k": sample_logits(jnp.asarray(SPREAD), key, 1.0, TOP_K, None),
+            "unfiltered": sample_logits(jnp.asarray(SPREAD), key, 1.0, None, None),
+            "top_p=0.1": sample_logits(jnp.asarray(NUCLEUS), key, 1.0, None, 0.1),
+            "top_p=0.7": sample_logits(jnp.asarray(NUCLEUS), key, 1.0, None, 0.7),
+        }
+
+    return {k: np.asarray(v) for k, v in draw(jax.random.split(jax.random.key(0), 2000)).items()}
 
 
-def test_top_k_draws_only_from_the_k_highest():
-    k, v = 5, 32
-    # near-uniform logits (0.05 apart), shuffled per row: without the filter other tokens would be drawn often
-    logits = jnp.stack([jax.random.permutation(jax.random.key(r), jnp.arange(v) * 0.05) for r in range(2)])
-    draws = samples(logits, 2000, top_k=k)
+def test_top_k_1_is_greedy(draws):
+    assert (draws["top_k=1"] == SPREAD.argmax(-1)).all()
+
+
+def test_top_k_draws_only_from_the_k_highest(draws):
     for row in range(2):
-        top = set(np.argsort(-np.asarray(logits[row]))[:k].tolist())
-        assert set(draws[:, row].tolist()) == top  # never outside the top k, and each of them reachable
-    assert len(set(samples(logits, 2000)[:, 0].tolist())) > k  # (the unfiltered distribution is wider)
+        top = set(np.argsort(-SPREAD[row])[:TOP_K].tolist())
+        assert set(draws["top_k"][:, row].tolist()) == top  # never outside the top k, and each of them reachable
+        assert len(set(draws["unfiltered"][:, row].tolist())) > 2 * TOP_K  # (unfiltered, far more are drawn)
 
 
-def test_top_p_keeps_the_nucleus():
-    order = jnp.array([2, 0, 3, 1])  # token 2 most likely, then 0, 3, 1
-    probs = jnp.zeros(4).at[order].set(jnp.array([0.5, 0.3, 0.15, 0.05]))
-    logits = jnp.log(probs)[None]
-    assert set(samples(logits, 1000, top_p=0.1)[:, 0].tolist()) == {2}  # below the top token's mass: argmax only
+def test_top_p_keeps_the_nucleus(draws):
+    assert set(draws["top_p=0.1"][:, 0].tolist()) == {2}  # below the top token's mass: the argmax only
     # 0.7: token 0 joins (mass before it is 0.5 < 0.7); token 3 does not (0.8 already reached)
-    assert set(samples(logits, 1000, top_p=0.7)[:, 0].tolist()) == {2, 0}
+    assert set(draws["top_p=0.7"][:, 0].tolist()) == {2, 0}
 
 
-def test_temperature_sampling_is_seeded(model, gen):
+def test_temperature_sampling_is_seeded(model, gen, greedy):
     def run(seed):
         return gen(model[1], PROMPTS, max_new_tokens=N_NEW, temperature=1.0, seed=seed)
 
     a = run(3)
     assert run(3) == a
     assert run(4) != a
+    assert a != greedy
     assert [len(r) for r in a] == [N_NEW] * len(PROMPTS)
 
 
@@ -170,7 +181,7 @@ def test_prompt_longer_than_context_raises(model, gen):
 
 
 def test_max_new_tokens_clamped_to_context(model, gen, caplog):
-    prompt = _rng.integers(0, CFG.vocab_size, CTX - 8).tolist()
+    prompt = np.random.default_rng(1).integers(0, CFG.vocab_size, CTX - 8).tolist()
     with caplog.at_level(logging.WARNING, logger="jaxtune.generate"):
         out = gen(model[1], [prompt], max_new_tokens=50)
     assert out == [naive_greedy(model, prompt, 8)]  # prompt + output fill the context exactly

@@ -31,8 +31,9 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: 
         return jnp.argmax(logits, -1).astype(jnp.int32)
     logits = logits / temperature
     if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
+        _, keep = jax.lax.top_k(logits, top_k)  # exactly k candidates, even with tied logits
+        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], keep].set(
+            jnp.take_along_axis(logits, keep, -1))
     if top_p is not None:
         order = jnp.argsort(-logits, axis=-1)
         sorted_logits = jnp.take_along_axis(logits, order, -1)

@@ -25,17 +25,17 @@ def rel(a, b) -> float:
 
 
 def tokens(seed: int = 0, shape=(B, T), vocab: int = 512) -> jax.Array:
-    return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
 
 
-def params_of(model: GPT) -> dict:
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+def abstract(cfg: GPTConfig) -> GPT:
+    """The model of ``cfg`` with ShapeDtypeStruct leaves: structure and shapes, nothing allocated."""
+    return nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0)))
 
 
 def with_params(cfg: GPTConfig, params: dict) -> GPT:
-    """Model of ``cfg`` carrying ``params`` (abstract init, so no throwaway weights are allocated)."""
-    graphdef = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0))), nnx.Param)[0]
-    return nnx.merge(graphdef, params)
+    """Model of ``cfg`` carrying ``params``."""
+    return nnx.merge(nnx.split(abstract(cfg), nnx.Param)[0], params)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -61,8 +61,8 @@ def cfg() -> GPTConfig:
 
 
 @pytest.fixture(scope="module")
-def params(cfg) -> dict:
-    return jax.jit(lambda: params_of(GPT(cfg, rngs=nnx.Rngs(params=0))))()
+def params(cfg, gpt_params) -> dict:
+    return gpt_params(cfg)
 
 
 # --- HF reference -------------------------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(cfg, params, scan):
     full = forward(c, p, ids)
     prefill = 10
     key_valid = jnp.ones((B, T), bool)
-    cache = GPT.init_cache(nnx.eval_shape(lambda: GPT(c, rngs=nnx.Rngs(params=0))), B, T)
+    cache = abstract(c).init_cache(B, T)
     assert cache["k"].shape == (cfg.n_layer, B, T, cfg.n_head, cfg.head_dim)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     logits, cache = cached_forward(c, p, ids[:, :prefill], pos[:, :prefill], cache, 0, key_valid)
@@ -191,27 +191,31 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(cfg, params, scan):
 
 
 def test_left_padding_matches_unpadded(cfg, params):
-    """Row 0 is 6 pads + 10 real tokens, row 1 has 16 real tokens; pads are invisible and NaN-free."""
+    """Generator's layout: prompts left-padded to 10 slots in a 16-slot cache; row 0 has 4 pads, row 1 none.
+
+    Pads are masked (key_valid False) and the real tokens take positions from 0, so each row's logits equal the
+    unpadded forward's, and nothing is NaN (a pad query sees no valid key at all).
+    """
     ids = tokens(4)
-    n_pad = 6
-    valid = jnp.ones((B, T), bool).at[0, :n_pad].set(False)
-    padded = jnp.where(valid, ids, 0)
-    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)  # real tokens start at position 0
-    cache = {k: jnp.zeros((cfg.n_layer, B, T, cfg.n_head, cfg.head_dim)) for k in ("k", "v")}
-    logits, cache = cached_forward(cfg, params, padded, positions, cache, 0, valid)
-    assert jnp.isfinite(logits).all()  # pad queries see no valid key: still no NaN
+    n_pad, p = 4, 10
+    valid = jnp.ones((B, p), bool).at[0, :n_pad].set(False)
+    prompt = jnp.where(valid, ids[:, :p], 0)
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+    key_valid = jnp.concatenate([valid, jnp.ones((B, T - p), bool)], axis=1)  # later slots: decoded tokens
+    logits, cache = cached_forward(cfg, params, prompt, positions, abstract(cfg).init_cache(B, T), 0, key_valid)
+    assert jnp.isfinite(logits).all()
     assert jnp.isfinite(cache["k"]).all() and jnp.isfinite(cache["v"]).all()
-    unpadded = forward(cfg, params, ids)  # row 1 needs no padding; row 0 below
-    assert rel(logits[1], unpadded[1]) <= 1e-5
-    alone = forward(cfg, params, ids[:1, n_pad:])
-    assert rel(logits[0, n_pad:], alone[0]) <= 1e-5
+    # reference: row 0's real tokens at the front, nothing before them (causal: what follows does not matter)
+    unpadded = forward(cfg, params, ids.at[0, :p - n_pad].set(ids[0, n_pad:p]))
+    assert rel(logits[0, n_pad:], unpadded[0, :p - n_pad]) <= 1e-5
+    assert rel(logits[1], unpadded[1, :p]) <= 1e-5
 
 
 def test_bf16_compute_close_to_fp32_and_returns_fp32(cfg, params):
     ids = tokens(5)
     want = forward(cfg, params, ids)
     bf16 = cfg.replace(compute_dtype="bfloat16")
-    assert with_params(bf16, params).wte.embedding.dtype == jnp.float32  # params stay fp32
+    assert abstract(bf16).wte.embedding.dtype == jnp.float32  # params stay fp32 (param_dtype's default)
     got = forward(bf16, params, ids)
     assert got.dtype == jnp.float32
     assert jnp.isfinite(got).all()
@@ -235,14 +239,19 @@ def test_dropout_is_keyed(cfg, params):
 
 
 def count(cfg: GPTConfig) -> int:
-    abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0)))
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract(cfg), nnx.Param)))
 
 
-@pytest.mark.parametrize("preset", [GPTConfig.tiny, GPTConfig.gpt2_124m,
-                                    lambda: GPTConfig.tiny(scan_layers=True, d_ff=96)], ids=["tiny", "124m", "tiny-scan"])
-def test_num_params_matches_parameters(preset):
-    cfg = preset()
+PRESETS = {
+    "tiny": GPTConfig.tiny(),
+    "tiny-scan-dff": GPTConfig.tiny(scan_layers=True, d_ff=96),
+    "gpt2-124m": GPTConfig.gpt2_124m(),
+}
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_num_params_matches_parameters(name):
+    cfg = PRESETS[name]
     assert cfg.num_params() == count(cfg)
     assert cfg.num_params(non_embedding=True) == count(cfg) - (cfg.vocab_size + cfg.max_seq_len) * cfg.d_model
 

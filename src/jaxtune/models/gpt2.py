@@ -172,6 +172,8 @@ class GPT(nnx.Module):
         """
         cfg = self.cfg
         b, t = tokens.shape
+        if t > cfg.max_seq_len:  # the position table would silently yield NaN rows past its end
+            raise ValueError(f"{t} tokens exceed the model's context (max_seq_len={cfg.max_seq_len})")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t), (b, t))
         x = self.wte(tokens) + self.wpe(positions)
@@ -197,13 +199,11 @@ class GPT(nnx.Module):
 
             x, kvs = scan_fn(self.blocks, x, layer_keys, kvs)
         else:
-            new = []
             for i, block in enumerate(self.blocks):
                 x, kv = run_block(block, x, None if key is None else layer_keys[i],
                                   None if kvs is None else (kvs[0][i], kvs[1][i]))
-                new.append(kv)
-            if cache is not None:
-                kvs = (jnp.stack([kv[0] for kv in new]), jnp.stack([kv[1] for kv in new]))
+                if kvs is not None:  # write the layer back in place (the cache is donated while decoding)
+                    kvs = (kvs[0].at[i].set(kv[0]), kvs[1].at[i].set(kv[1]))
         logits = self.wte.attend(self.ln_f(x)).astype(jnp.float32)
         logits = constrain(logits, ("batch", "seq", "act_vocab"))
         if cache is not None:

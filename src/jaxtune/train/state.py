@@ -37,7 +37,7 @@ class StateSpec:
         cfg, tx = self.model_cfg, self.tx
 
         def make():
-            params = nnx.state(build_model(cfg, seed), nnx.Param).to_pure_dict()
+            params = nnx.to_pure_dict(nnx.state(build_model(cfg, seed), nnx.Param))
             return init_state(params, tx, seed)
 
         with sharding.use_mesh(self.mesh):
@@ -49,9 +49,9 @@ def make_state_spec(cfg: Config, vocab_size: int, mesh: Mesh) -> StateSpec:
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     abstract_model = nnx.eval_shape(lambda: build_model(model_cfg, cfg.train.seed))
     graphdef, param_state = nnx.split(abstract_model, nnx.Param)
-    logical = jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), param_state,
-                           is_leaf=lambda v: isinstance(v, nnx.Variable)).to_pure_dict()
-    abstract_params = param_state.to_pure_dict()
+    logical = nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), param_state,
+                                            is_leaf=lambda v: isinstance(v, nnx.Variable)))
+    abstract_params = nnx.to_pure_dict(param_state)
     abstract_state = jax.eval_shape(lambda: init_state(abstract_params, tx, cfg.train.seed))
     axes = sharding.param_axes(abstract_params, logical)
     param_sh = sharding.param_shardings(mesh, abstract_params, axes)
