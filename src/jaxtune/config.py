@@ -56,7 +56,7 @@ class DataConfig(_Section):
     hf_config: str | None = None
     max_bytes: int | None = Field(None, ge=1, description="stop reading sources after this many bytes of text")
     seq_len: int = Field(256, ge=2)
-    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    val_fraction: float = Field(0.05, ge=0.0, le=0.5)
     cache_dir: str = "~/.cache/jaxtune"
     num_workers: int = Field(0, ge=0, description="grain worker processes; 0 reads in the main process")
 

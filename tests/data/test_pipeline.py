@@ -1,6 +1,8 @@
 import json
 import math
 import multiprocessing
+import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,13 +30,21 @@ def corpus(tmp_path_factory):
     return cfg, tok, prepare_tokens(cfg, tok)
 
 
-def arange_data(tmp_path, train_windows, val_windows=0):
-    """A TokenData whose token k is k, so a window's first input says which window it is (k // SEQ)."""
-    n = train_windows * SEQ + 1 + (val_windows * SEQ + 1 if val_windows else 0)
+def arange_data(tmp_path, num_tokens, val_fraction=0.0):
+    """A memmapped TokenData whose token k is k, so a window's first token is its offset in the stream."""
     path = tmp_path / "arange.bin"
-    np.arange(n, dtype=np.uint16).tofile(path)
-    tokens = np.memmap(path, dtype=np.uint16, mode="r", shape=(n,))
-    return TokenData(tokens=tokens, seq_len=SEQ, train_windows=train_windows, val_windows=val_windows, path=path)
+    np.arange(num_tokens, dtype=np.uint16).tofile(path)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", shape=(num_tokens,))
+    return TokenData(tokens=tokens, seq_len=SEQ, val_fraction=val_fraction, path=path)
+
+
+def positions(num_tokens, seq_len, val_fraction):
+    """The layout of any stream of ``num_tokens``: a TokenData over 0..n-1, whose windows are their offsets."""
+    return TokenData(np.arange(num_tokens), seq_len, val_fraction, Path("positions-only"))
+
+
+def starts(data, split):
+    return np.array([data.window(i, split)[0] for i in range(data.windows(split))], dtype=np.int64)
 
 
 def take(it, n):
@@ -92,33 +102,91 @@ def test_half_written_files_are_ignored(corpus, tmp_path):
 def test_windows_are_shifted_slices_and_splits_disjoint(corpus):
     _, _, data = corpus
     T, n = data.seq_len, len(data.tokens)
-    total = (n - 1) // T
-    assert data.val_windows == math.ceil(0.1 * total) and data.train_windows >= total - data.val_windows - 1
-    last_train_target = (data.train_windows - 1) * T + T  # index of the last token a training window uses
-    assert data.val_start > last_train_target
-    assert data.val_start + data.val_windows * T + 1 <= n
+    layout = positions(n, T, 0.1)
+    train_starts, val_starts = starts(layout, "train"), starts(layout, "val")
+    used = data.train_windows + data.val_windows
+    assert data.val_windows == math.ceil(used / 10) and used >= (n - 1) // T - 2  # P = round(1 / 0.1) = 10
+    # Spread over the stream: a validation run within every period of at most 10 blocks of 8 windows.
+    assert val_starts[0] < 10 * 8 * T and val_starts[-1] + T + 1 > n - 10 * 8 * T - 2
+    assert np.diff(val_starts).max() <= 10 * 8 * T + 2
     it = make_train_iterator(data, global_batch=8, seed=0)
     for batch in take(it, 3):
         assert batch["inputs"].shape == batch["targets"].shape == (8, T) and batch["inputs"].dtype == np.int32
         for inputs, targets in zip(batch["inputs"], batch["targets"], strict=True):
-            starts = [
-                i * T for i in range(data.train_windows) if np.array_equal(data.tokens[i * T : i * T + T], inputs)
-            ]
-            assert starts, "a training row is not a window of the token stream"
-            np.testing.assert_array_equal(targets, data.tokens[starts[0] + 1 : starts[0] + T + 1])
+            found = [o for o in train_starts if np.array_equal(data.tokens[o : o + T], inputs)]
+            assert found, "a training row is not a training window of the token stream"
+            np.testing.assert_array_equal(targets, data.tokens[found[0] + 1 : found[0] + T + 1])
     it.close()
     (val,) = make_eval_batches(data, batch_size=4, num_batches=1)
-    np.testing.assert_array_equal(val["inputs"][1], data.tokens[data.val_start + T : data.val_start + 2 * T])
-    np.testing.assert_array_equal(val["targets"][1], data.tokens[data.val_start + T + 1 : data.val_start + 2 * T + 1])
+    o = val_starts[3 * data.val_windows // 8]  # row g of n rows: validation window (2g + 1) * val_windows // 2n
+    np.testing.assert_array_equal(val["inputs"][1], data.tokens[o : o + T])
+    np.testing.assert_array_equal(val["targets"][1], data.tokens[o + 1 : o + T + 1])
+    # Workers get the TokenData pickled as its path; the copy cuts the same windows.
+    again = pickle.loads(pickle.dumps(data))
+    assert (again.train_windows, again.val_windows) == (data.train_windows, data.val_windows)
+    np.testing.assert_array_equal(again.window(data.val_windows - 1, "val"), data.window(data.val_windows - 1, "val"))
 
 
-@pytest.mark.parametrize("num_tokens", [41, 42, 44, 45, 9, 6])
-def test_split_keeps_every_window_inside_the_stream_and_apart(num_tokens):
-    train, val = tokens_module._split(num_tokens, 4, 0.2)
-    total = (num_tokens - 1) // 4
-    assert val == math.ceil(0.2 * total)
-    assert train * 4 + 1 + val * 4 + 1 <= num_tokens  # both splits fit, one token apart
-    assert train + val >= total - 1  # and at most the one window is lost to that gap
+@pytest.mark.parametrize("seq_len", [2, 5])
+@pytest.mark.parametrize("val_fraction", [0.0, 0.02, 0.1, 0.3, 0.5])
+def test_split_keeps_every_window_inside_the_stream_and_apart(seq_len, val_fraction):
+    T = seq_len
+    period = round(1 / val_fraction) if val_fraction else None
+    for n in [*range(1, 70), 1000, 6001, 12345]:  # blocks of 1 window up to 8 (n=12345, val_fraction ≥ 0.1)
+        data = positions(n, T, val_fraction)
+        covered = {}
+        for split in ("train", "val"):
+            used = set()
+            for i in range(data.windows(split)):
+                window = data.window(i, split)
+                # A whole window of the stream: seq_len + 1 consecutive tokens, inside it.
+                np.testing.assert_array_equal(window, np.arange(window[0], window[0] + T + 1))
+                assert window[-1] < n
+                used.update(window.tolist())
+            covered[split] = used
+            with pytest.raises(IndexError):
+                data.window(data.windows(split), split)
+        assert not covered["train"] & covered["val"], f"n={n}: a token is in both splits"
+        total, train, val = (n - 1) // T, data.train_windows, data.val_windows
+        if period is None:
+            assert (train, val) == (total, 0)
+            continue
+        assert val == math.ceil((train + val) / period)  # the share 1 / period, to within one window
+        # Only two tokens a period and less than a window at the end go unused.
+        assert n - len(covered["train"] | covered["val"]) < T + 2 * (n // (period * T) + 1)
+        if n >= 2 * T + 2:
+            assert train >= 1 and val >= 1, f"n={n}: a small corpus lost a split"
+
+
+def test_validation_comes_from_every_part_of_the_corpus(corpus, tmp_path):
+    # Sources are read in path order; a tail split would make "b_tables.txt", the last tenth, all of validation.
+    _, tok, _ = corpus
+    prose = " ".join(f"the fox walked past the old mill and counted {i} sheep." for i in range(600))
+    tables = "".join(f"0x{i:04x}: 0x{(i * 7919) % 65536:04x},\n" for i in range(150))
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a_prose.txt").write_text(prose)
+    (src / "b_tables.txt").write_text(tables)
+    cfg = DataConfig(sources=[str(src)], seq_len=32, val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    data = prepare_tokens(cfg, tok)
+    n, boundary = len(data.tokens), len(tok.encode(prose)) + 1  # the tables start after prose + eos
+    tables_share = (n - boundary) / n
+    assert 0.08 < tables_share < 0.12, tables_share
+    layout = positions(n, data.seq_len, data.val_fraction)
+    for split in ("train", "val"):
+        in_tables = int((starts(layout, split) >= boundary).sum())
+        assert 0 < in_tables < data.windows(split)  # both parts, in both splits
+        assert abs(in_tables - tables_share * data.windows(split)) <= 2, (split, in_tables, data.windows(split))
+    # The evaluation batches sample the tables too: 8 rows, the middle windows of the split's eighths.
+    rows = [r for b in make_eval_batches(data, batch_size=4, num_batches=2) for r in b["inputs"]]
+    assert any("0x" in tok.decode([int(t) for t in r]) for r in rows)
+
+
+def test_val_fraction_above_half_is_an_error():
+    # Validation is one block in every round(1 / val_fraction) ≥ 2: a larger share cannot be honoured.
+    assert positions(100, SEQ, 0.5).val_windows == 10
+    with pytest.raises(DataError, match=r"data.val_fraction=0.7 is above 0.5: .* lower data.val_fraction"):
+        positions(100, SEQ, 0.7)
 
 
 def test_too_few_tokens_for_seq_len(corpus):
@@ -133,7 +201,7 @@ def test_too_few_tokens_for_seq_len(corpus):
 
 
 def test_order_is_a_function_of_seed_and_covers_each_epoch(tmp_path):
-    data = arange_data(tmp_path, train_windows=40)
+    data = arange_data(tmp_path, 40 * SEQ + 1)
     it = make_train_iterator(data, global_batch=4, seed=0)
     batches = take(it, 30)  # 3 epochs of 10 batches
     for b in batches:
@@ -151,7 +219,7 @@ def test_order_is_a_function_of_seed_and_covers_each_epoch(tmp_path):
 
 
 def test_state_resumes_exactly(tmp_path):
-    data = arange_data(tmp_path, train_windows=10)  # 7 + 5 batches of 3 cross epoch boundaries
+    data = arange_data(tmp_path, 10 * SEQ + 1)  # 7 + 5 batches of 3 cross epoch boundaries
     it = make_train_iterator(data, global_batch=3, seed=5)
     take(it, 7)
     state = json.loads(json.dumps(it.get_state()))
@@ -162,7 +230,7 @@ def test_state_resumes_exactly(tmp_path):
 
 
 def test_processes_interleave_to_the_global_batch(tmp_path):
-    data = arange_data(tmp_path, train_windows=13)
+    data = arange_data(tmp_path, 13 * SEQ + 1)
     whole = take(make_train_iterator(data, global_batch=4, seed=3), 8)
     p0 = take(make_train_iterator(data, global_batch=4, seed=3, process_index=0, process_count=2), 8)
     p1 = take(make_train_iterator(data, global_batch=4, seed=3, process_index=1, process_count=2), 8)
@@ -177,7 +245,7 @@ def test_processes_interleave_to_the_global_batch(tmp_path):
 def test_worker_processes_give_the_same_batches(tmp_path):
     if "spawn" not in multiprocessing.get_all_start_methods():
         pytest.skip("grain workers need the spawn start method")
-    data = arange_data(tmp_path, train_windows=20)
+    data = arange_data(tmp_path, 20 * SEQ + 1)
     expected = take(make_train_iterator(data, global_batch=4, seed=2), 9)
     it = make_train_iterator(data, global_batch=4, seed=2, num_workers=1)
     try:
@@ -196,18 +264,23 @@ def test_worker_processes_give_the_same_batches(tmp_path):
 # --- evaluation batches ------------------------------------------------------------------------------------
 
 
-def test_eval_batches_are_the_validation_windows_in_order(tmp_path):
-    data = arange_data(tmp_path, train_windows=5, val_windows=10)
+def test_eval_batches_spread_over_the_validation_windows(tmp_path):
+    data = arange_data(tmp_path, 100, val_fraction=0.5)  # periods of 1 train + 1 val window (+2 tokens): 10 each
+    assert (data.train_windows, data.val_windows) == (10, 10)
+    val_starts = starts(data, "val")
     batches = make_eval_batches(data, batch_size=4, num_batches=8)
     assert len(batches) == 2  # only two full batches fit in 10 windows
     first_inputs = [int(x) for b in batches for x in b["inputs"][:, 0]]
-    assert first_inputs == [data.val_start + i * SEQ for i in range(8)]
+    assert first_inputs == [val_starts[k] for k in (0, 1, 3, 4, 5, 6, 8, 9)]  # (2g + 1) * 10 // 16: both ends
     for b in batches:
         np.testing.assert_array_equal(b["targets"], b["inputs"] + 1)
+    (one,) = make_eval_batches(data, batch_size=4, num_batches=1)
+    assert [int(x) for x in one["inputs"][:, 0]] == [val_starts[k] for k in (1, 3, 6, 8)]
     p1 = make_eval_batches(data, batch_size=4, num_batches=8, process_index=1, process_count=2)
     np.testing.assert_array_equal(p1[1]["inputs"], batches[1]["inputs"][1::2])
-    # A split smaller than one batch still gives one full batch, cycling through the windows.
+    # A split smaller than one batch still gives one full batch, every window in it, in order.
     (small,) = make_eval_batches(data, batch_size=16, num_batches=2)
-    assert [int(x) for x in small["inputs"][:, 0]] == [data.val_start + (i % 10) * SEQ for i in range(16)]
+    small_inputs = [int(x) for x in small["inputs"][:, 0]]
+    assert small_inputs == sorted(small_inputs) and set(small_inputs) == set(val_starts.tolist())
     with pytest.raises(DataError, match="no validation windows"):
-        make_eval_batches(arange_data(tmp_path, train_windows=5), batch_size=4, num_batches=1)
+        make_eval_batches(arange_data(tmp_path, 5 * SEQ + 1), batch_size=4, num_batches=1)

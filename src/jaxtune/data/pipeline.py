@@ -73,9 +73,13 @@ def make_train_iterator(
 def make_eval_batches(
     data: TokenData, *, batch_size: int, num_batches: int, process_index: int = 0, process_count: int = 1
 ) -> list[Batch]:
-    """Up to ``num_batches`` batches of validation windows in order, this process's rows ``p::P`` of each
-    global batch of ``batch_size``. Every batch is full: when the split holds fewer than ``batch_size``
-    windows, the one batch cycles through them again (so shapes stay fixed for the compiled eval step).
+    """Up to ``num_batches`` batches of validation windows, this process's rows ``p::P`` of each global
+    batch of ``batch_size``. The ``n = count * batch_size`` rows are spread evenly over the split, in order:
+    global row ``g`` is the middle window of the split's ``g``-th ``n``-th, ``(2g + 1) * val_windows // 2n``,
+    so a few batches still sample the whole corpus, both ends included (validation blocks interleave with
+    training ones all along it; see ``tokens``). Every batch is full:
+    when the split holds fewer than ``batch_size`` windows, the one batch repeats each of them (so shapes
+    stay fixed for the compiled eval step); otherwise no window is used twice.
     """
     if data.val_windows == 0:
         raise DataError(
@@ -84,12 +88,14 @@ def make_eval_batches(
     _local_batch(batch_size, process_index, process_count, key="batch_size")  # checks the split
     source = _Windows(data, "val")
     count = max(1, min(num_batches, data.val_windows // batch_size))
+    rows = count * batch_size
     batches = []
     for b in range(count):
-        rows = [
-            source[(b * batch_size + i) % data.val_windows] for i in range(process_index, batch_size, process_count)
+        picked = [
+            source[(2 * (b * batch_size + i) + 1) * data.val_windows // (2 * rows)]
+            for i in range(process_index, batch_size, process_count)
         ]
-        batches.append({name: np.stack([row[name] for row in rows]) for name in ("inputs", "targets")})
+        batches.append({name: np.stack([row[name] for row in picked]) for name in ("inputs", "targets")})
     return batches
 
 

@@ -6,10 +6,26 @@ sources fingerprint and the tokenizer fingerprint, so changing either re-tokeniz
 (``seq_len`` and ``val_fraction`` only change how the file is cut).
 
 Windows have ``seq_len + 1`` tokens with stride ``seq_len``: inputs are ``window[:-1]``, targets
-``window[1:]``. Training windows start at token 0; the ``val_windows`` validation windows are the tail,
-starting one token after the last training target so that no token is shared between the splits::
+``window[1:]``. Sources are read in a fixed order (the stdlib in path order), so a validation split taken
+from one end would sample one corner of the corpus. Instead the stream is cut into periods of
+``P = round(1 / val_fraction)`` blocks of ``B`` windows each: ``P - 1`` training blocks, then one
+validation block. Each box below is a window's ``seq_len`` inputs; ``·`` is the final target of the
+last window of a run, which no window of the other split reads, so no token is shared between the splits::
 
-    |train 0|train 1| ... |train T-1|·|val 0|val 1| ... |val V-1|   (· = one skipped token)
+    |train 0| ... |train R-1|·|val 0| ... |val B-1|·|train R| ... |train 2R-1|·|val B| ...
+    |<------ period 0: (R + B)·seq_len + 2 tokens ->|<------ period 1 ...
+     R = (P - 1)·B training windows, then B validation windows, in every period
+
+``B`` is 8 (runs of validation windows: fewer of them border training text, and reads stay local), or
+less when the corpus holds fewer than 16 periods of 8-window blocks, down to 1, so that a small corpus is
+still sampled in many places.
+The last, partial period holds the ``w`` windows that fit in what is left: its first ``w - ceil(w / P)``
+are training windows, the rest validation. So ``val_windows == ceil((train_windows + val_windows) / P)``,
+a share of ``1 / P`` to within one window; ``1 / P`` is ``val_fraction`` exactly when ``1 / val_fraction``
+is a whole number (0.1, 0.05, 0.02, 0.01, 0.001), else within a relative ``val_fraction / (2 -
+val_fraction)`` (≤ 5.3% for val_fraction ≤ 0.1); above 0.5 is an error. A corpus of ``2·seq_len + 2``
+tokens or more has at least one window of each split. The layout leaves out two tokens a period and
+less than one window at the end.
 """
 
 from __future__ import annotations
@@ -17,13 +33,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -38,24 +53,42 @@ log = logging.getLogger(__name__)
 _FORMAT = 1
 # Text handed to one encode_batch call: bounds memory while giving the tokenizer enough to parallelise.
 _CHUNK_CHARS = 1 << 22
+# Windows per validation block, and the fewest periods a corpus is cut into before blocks shrink toward 1.
+_MAX_BLOCK = 8
+_MIN_PERIODS = 16
 
 Split = Literal["train", "val"]
 
 
+class _Layout(NamedTuple):
+    """Where the windows lie (see the module docstring): per period, ``train_block`` training windows
+    (``R``) then ``val_block`` validation windows (``B``); ``train_windows``/``val_windows`` in all."""
+
+    train_block: int
+    val_block: int
+    train_windows: int
+    val_windows: int
+
+
 @dataclass(frozen=True, eq=False)  # eq/hash by identity: fields hold a large array
 class TokenData:
-    """A cached token stream (``tokens``: (num_tokens,) memmap) and its train/val window counts."""
+    """A cached token stream (``tokens``: (num_tokens,) memmap) cut into train/val windows by
+    ``val_fraction`` as the module docstring draws; ``train_windows``/``val_windows`` count them."""
 
     tokens: np.ndarray
     seq_len: int
-    train_windows: int
-    val_windows: int
+    val_fraction: float
     path: Path
+    train_windows: int = field(init=False)
+    val_windows: int = field(init=False)
+    _layout: _Layout = field(init=False, repr=False)
 
-    @property
-    def val_start(self) -> int:
-        """Offset of the first validation window: one past the last training target."""
-        return self.train_windows * self.seq_len + 1
+    def __post_init__(self) -> None:
+        layout = _cut(len(self.tokens), self.seq_len, self.val_fraction)
+        # Derived once here (window() runs per sample); frozen dataclasses allow that only via object.
+        object.__setattr__(self, "_layout", layout)
+        object.__setattr__(self, "train_windows", layout.train_windows)
+        object.__setattr__(self, "val_windows", layout.val_windows)
 
     def windows(self, split: Split) -> int:
         return self.train_windows if split == "train" else self.val_windows
@@ -64,25 +97,29 @@ class TokenData:
         """Window ``index`` of ``split``: (seq_len + 1,) tokens; inputs ``[:-1]``, targets ``[1:]``."""
         if not 0 <= index < self.windows(split):
             raise IndexError(f"{split} window {index} out of range [0, {self.windows(split)})")
-        start = index * self.seq_len + (0 if split == "train" else self.val_start)
+        start = self._start(index, split)
         return self.tokens[start : start + self.seq_len + 1]
+
+    def _start(self, index: int, split: Split) -> int:
+        """Offset in ``tokens`` of window ``index`` of ``split`` (not range-checked; ``window`` is)."""
+        r, b = self._layout.train_block, self._layout.val_block
+        period_tokens = (r + b) * self.seq_len + 2
+        if split == "train":
+            period, i = divmod(index, r)
+            return period * period_tokens + i * self.seq_len
+        period, i = divmod(index, b)
+        # The validation run follows the period's training run, which is shorter in the last period.
+        train_here = min(r, self.train_windows - period * r)
+        return period * period_tokens + train_here * self.seq_len + 1 + i * self.seq_len
 
     def __reduce__(self) -> tuple:
         # Pickle as the file path, not the tokens: Grain sends the data source to its worker processes,
         # and a pickled memmap would copy the whole file.
-        fields = (
-            self.path,
-            self.tokens.dtype.str,
-            len(self.tokens),
-            self.seq_len,
-            self.train_windows,
-            self.val_windows,
-        )
-        return (_reopen, fields)
+        return (_reopen, (self.path, self.tokens.dtype.str, len(self.tokens), self.seq_len, self.val_fraction))
 
 
-def _reopen(path: Path, dtype: str, num_tokens: int, seq_len: int, train: int, val: int) -> TokenData:
-    return TokenData(np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,)), seq_len, train, val, path)
+def _reopen(path: Path, dtype: str, num_tokens: int, seq_len: int, val_fraction: float) -> TokenData:
+    return TokenData(np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,)), seq_len, val_fraction, path)
 
 
 def prepare_tokens(data_cfg: DataConfig, tokenizer: Tokenizer) -> TokenData:
@@ -95,26 +132,40 @@ def prepare_tokens(data_cfg: DataConfig, tokenizer: Tokenizer) -> TokenData:
     if meta is None:
         meta = _write_tokens(path, iter_documents(data_cfg), tokenizer)
     num_tokens = meta["num_tokens"]
-    train, val = _split(num_tokens, data_cfg.seq_len, data_cfg.val_fraction)
-    if train < 1:
+    tokens = np.memmap(path, dtype=meta["dtype"], mode="r", shape=(num_tokens,))
+    data = TokenData(tokens=tokens, seq_len=data_cfg.seq_len, val_fraction=data_cfg.val_fraction, path=path)
+    if data.train_windows < 1:
         raise DataError(
             f"data.seq_len={data_cfg.seq_len} leaves no training window: the corpus has {num_tokens} tokens "
-            f"({val} validation window(s) at data.val_fraction={data_cfg.val_fraction}); "
+            f"({data.val_windows} validation window(s) at data.val_fraction={data_cfg.val_fraction}); "
             "add text (data.sources, data.max_bytes) or lower data.seq_len"
         )
-    tokens = np.memmap(path, dtype=meta["dtype"], mode="r", shape=(num_tokens,))
-    return TokenData(tokens=tokens, seq_len=data_cfg.seq_len, train_windows=train, val_windows=val, path=path)
+    return data
 
 
-def _split(num_tokens: int, seq_len: int, val_fraction: float) -> tuple[int, int]:
-    """(train, val) window counts: val is the ceil(val_fraction) share of all windows, at the end."""
-    total = (num_tokens - 1) // seq_len
-    val = math.ceil(val_fraction * total)
-    if val == 0:
-        return total, 0
-    # Both splits need seq_len * windows + 1 tokens of their own (see the module docstring).
-    train = (num_tokens - 2 - val * seq_len) // seq_len
-    return max(train, 0), val
+def _cut(num_tokens: int, seq_len: int, val_fraction: float) -> _Layout:
+    """The interleaved-block layout of the module docstring for a stream of ``num_tokens`` tokens."""
+    total = max(0, (num_tokens - 1) // seq_len)  # windows if there were no validation split
+    if val_fraction == 0:
+        return _Layout(train_block=max(total, 1), val_block=0, train_windows=total, val_windows=0)
+    if val_fraction > 0.5:
+        raise DataError(
+            f"data.val_fraction={val_fraction} is above 0.5: validation is one block in every "
+            "round(1 / val_fraction) ≥ 2 blocks, so at most half the windows; lower data.val_fraction"
+        )
+    period = round(1 / val_fraction)
+    block = min(_MAX_BLOCK, max(1, total // (_MIN_PERIODS * period)))
+    train_block = (period - 1) * block
+    # Each run of windows needs seq_len * windows + 1 tokens of its own: 2 tokens a period beyond the strides.
+    full, rest = divmod(num_tokens, period * block * seq_len + 2)
+    fit = max(0, (rest - 2) // seq_len)  # windows in the partial last period, training and validation
+    val_rest = -(-fit // period)
+    return _Layout(
+        train_block=train_block,
+        val_block=block,
+        train_windows=full * train_block + fit - val_rest,
+        val_windows=full * block + val_rest,
+    )
 
 
 def _read_meta(path: Path) -> dict | None:
