@@ -30,7 +30,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         if row["kind"] == "train":
-            out[row["step"]] = row["loss"]
+            out[row["step"]] = row["step_loss"]
     return out
 
 

@@ -138,7 +138,7 @@ def train(cfg: Config) -> TrainResult:
     flops_per_step = spec.model_cfg.flops_per_token(cfg.data.seq_len) * cfg.train.batch_size * cfg.data.seq_len
     peak = peak_flops(jax.devices()[0])
     pending: list[tuple[int, dict[str, Any]]] = []  # device metrics not yet read (one-step lag keeps dispatch async)
-    window = {"t0": time.perf_counter(), "steps": 0}
+    window = {"t0": time.perf_counter(), "steps": 0, "loss": 0.0, "finite": 0}  # since the last log line
 
     def drain() -> None:
         """Read pending metrics: log, and apply the NaN policy (this is the only host sync per step)."""
@@ -160,16 +160,21 @@ def train(cfg: Config) -> TrainResult:
                         f"step {s}: {int(m['nan_streak'])} non-finite steps in a row "
                         f"(train.max_nan_skips={cfg.train.max_nan_skips}); last good checkpoint: {ckpt.latest_step()}")
             window["steps"] += 1
+            if m["finite"]:
+                window["loss"] += m["loss"]
+                window["finite"] += 1
             if s % cfg.logging.every == 0 or s == total:
                 dt = time.perf_counter() - window["t0"]
                 step_time = dt / max(window["steps"], 1)
-                scalars = {"loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                mean_loss = window["loss"] / window["finite"] if window["finite"] else m["loss"]
+                # loss: mean over the steps since the last line (steady curves); step_loss: this step's
+                scalars = {"loss": mean_loss, "step_loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
                            "tokens": m["tokens"], "step_time": step_time,
                            "tok_s": cfg.train.batch_size * cfg.data.seq_len / step_time}
                 if peak:
                     scalars["mfu"] = flops_per_step / step_time / (peak * jax.device_count())
                 writer.write(s, scalars)
-                window.update(t0=time.perf_counter(), steps=0)
+                window.update(t0=time.perf_counter(), steps=0, loss=0.0, finite=0)
 
     def run_eval(step: int) -> None:
         if eval_batches:
