@@ -224,6 +224,8 @@ def train(cfg: Config) -> TrainResult:
                 save(total)
             run_eval(total)
     ckpt.close()
+    if hasattr(train_iter, "close"):  # Grain worker processes, when data.num_workers > 0
+        train_iter.close()
     result.step_compiles = traces[0]
     writer.close()
     if proc == 0:
