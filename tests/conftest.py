@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxtune.config import Config, load_config
@@ -82,3 +85,45 @@ def gpt_params():
         return jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
 
     return make
+
+
+def _hf_gpt2_to_params(hf_model, n_layer: int) -> dict:
+    """transformers GPT2LMHeadModel state -> jaxtune loop-layout params (a test helper; the real importer is issue 3).
+
+    HF Conv1D weights are already (in, out); c_attn's 3D output columns are q | k | v with heads contiguous, the
+    same order as jaxtune's (D, 3, N*H) qkv.
+    """
+    sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    d = sd["transformer.wte.weight"].shape[1]
+
+    def ln(name):
+        return {"scale": sd[f"{name}.weight"], "bias": sd[f"{name}.bias"]}
+
+    def dense(name):
+        return {"kernel": sd[f"{name}.weight"], "bias": sd[f"{name}.bias"]}
+
+    blocks = {}
+    for i in range(n_layer):
+        h = f"transformer.h.{i}"
+        blocks[i] = {
+            "ln_1": ln(f"{h}.ln_1"),
+            "qkv": sd[f"{h}.attn.c_attn.weight"].reshape(d, 3, d),
+            "qkv_bias": sd[f"{h}.attn.c_attn.bias"].reshape(3, d),
+            "attn_out": dense(f"{h}.attn.c_proj"),
+            "ln_2": ln(f"{h}.ln_2"),
+            "fc": dense(f"{h}.mlp.c_fc"),
+            "proj": dense(f"{h}.mlp.c_proj"),
+        }
+    tree = {
+        "wte": {"embedding": sd["transformer.wte.weight"]},
+        "wpe": {"embedding": sd["transformer.wpe.weight"]},
+        "blocks": blocks,
+        "ln_f": ln("transformer.ln_f"),
+    }
+    return jax.tree.map(jnp.asarray, tree)
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2_to_params():
+    """transformers GPT2LMHeadModel -> jaxtune GPT-2 params (a test helper; the real importer is issue 3)."""
+    return _hf_gpt2_to_params

@@ -68,43 +68,7 @@ def params(cfg, gpt_params) -> dict:
 # --- HF reference -------------------------------------------------------------------------------------------------
 
 
-def hf_gpt2_to_params(hf_model, n_layer: int) -> dict:
-    """transformers GPT2LMHeadModel state -> jaxtune loop-layout params (a test helper; the real importer is issue 3).
-
-    HF Conv1D weights are already (in, out); c_attn's 3D output columns are q | k | v with heads contiguous, the
-    same order as jaxtune's (D, 3, N*H) qkv.
-    """
-    sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
-    d = sd["transformer.wte.weight"].shape[1]
-
-    def ln(name):
-        return {"scale": sd[f"{name}.weight"], "bias": sd[f"{name}.bias"]}
-
-    def dense(name):
-        return {"kernel": sd[f"{name}.weight"], "bias": sd[f"{name}.bias"]}
-
-    blocks = {}
-    for i in range(n_layer):
-        h = f"transformer.h.{i}"
-        blocks[i] = {
-            "ln_1": ln(f"{h}.ln_1"),
-            "qkv": sd[f"{h}.attn.c_attn.weight"].reshape(d, 3, d),
-            "qkv_bias": sd[f"{h}.attn.c_attn.bias"].reshape(3, d),
-            "attn_out": dense(f"{h}.attn.c_proj"),
-            "ln_2": ln(f"{h}.ln_2"),
-            "fc": dense(f"{h}.mlp.c_fc"),
-            "proj": dense(f"{h}.mlp.c_proj"),
-        }
-    tree = {
-        "wte": {"embedding": sd["transformer.wte.weight"]},
-        "wpe": {"embedding": sd["transformer.wpe.weight"]},
-        "blocks": blocks,
-        "ln_f": ln("transformer.ln_f"),
-    }
-    return jax.tree.map(jnp.asarray, tree)
-
-
-def test_logits_match_transformers_gpt2():
+def test_logits_match_transformers_gpt2(hf_gpt2_to_params):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     hf_cfg = transformers.GPT2Config(
