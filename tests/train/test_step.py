@@ -129,3 +129,19 @@ def test_schedule_warmup_then_cosine():
     assert float(lr(10)) == pytest.approx(1e-3)
     assert float(lr(110)) == pytest.approx(1e-4, rel=1e-3)
     assert float(lr(60)) == pytest.approx(0.55e-3, rel=1e-3)
+
+
+def test_bf16_compute_scan_and_remat_train():
+    """fp32 master params + bf16 compute, scanned layers and remat: params stay fp32, the loss falls."""
+    cfg, spec = _setup("model.compute_dtype=bfloat16", "model.scan_layers=true", "model.remat=dots",
+                       "optim.lr=3e-3", "optim.schedule=constant")
+    step = jax.jit(make_train_step(spec.graphdef, spec.tx, spec.lr_schedule, micro_batches=2), donate_argnums=0)
+    batch = _batch(8)
+    state = spec.init(0)
+    losses = []
+    for _ in range(10):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
+    assert state.params["blocks"]["qkv"].shape[0] == spec.model_cfg.n_layer  # stacked by the layer scan
