@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtune.models.layers import Dense, Embed, LayerNorm, attention, cache_mask, constrain, dropout, update_cache
+from jaxtune.models.layers import (Dense, Embed, LayerNorm, attention, cache_mask, constrain, dropout, residual_fence,
+                                   update_cache)
 
 REMAT_POLICIES = {
     "none": None,
@@ -126,6 +127,7 @@ class Block(nnx.Module):
         cfg, cd = self.cfg, jnp.dtype(self.cfg.compute_dtype)
         b, t, _ = x.shape
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
+        x = residual_fence(x)
         y = self.ln_1(x)
         qkv = jnp.einsum("btd,dkf->btkf", y, self.qkv[...].astype(cd)) + self.qkv_bias[...].astype(cd)
         qkv = qkv.reshape(b, t, 3, cfg.n_head, cfg.head_dim)
@@ -138,7 +140,7 @@ class Block(nnx.Module):
         impl = None if cfg.attention == "auto" else cfg.attention
         y = attention(q, k.astype(cd), v.astype(cd), mask, impl).reshape(b, t, cfg.d_model)
         y = dropout(self.attn_out(y), cfg.dropout, k_attn)
-        x = constrain(x + y, ("batch", "seq", "act_embed"))
+        x = residual_fence(constrain(x + y, ("batch", "seq", "act_embed")))
         y = self.fc(self.ln_2(x))
         y = constrain(jax.nn.gelu(y, approximate=True), ("batch", "seq", "act_mlp"))
         y = dropout(self.proj(y), cfg.dropout, k_mlp)
