@@ -29,10 +29,14 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Which network to build. ``preset`` picks a family preset; any other key set here overrides it."""
 
-    family: Literal["gpt2"] = "gpt2"
+    family: Literal["gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma3"] = "gpt2"
     preset: str = "tiny"
+    from_hf: str | None = Field(None, description="start from a HuggingFace checkpoint directory (config.json + "
+                                "safetensors); it decides the family and shapes")
     n_layer: int | None = Field(None, ge=1)
     n_head: int | None = Field(None, ge=1)
+    n_kv_head: int | None = Field(None, ge=1, description="key/value heads (grouped-query attention)")
+    head_dim: int | None = Field(None, ge=1)
     d_model: int | None = Field(None, ge=1)
     d_ff: int | None = Field(None, ge=1)
     max_seq_len: int | None = Field(None, ge=1)

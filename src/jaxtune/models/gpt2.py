@@ -8,20 +8,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtune.models.layers import (Dense, Embed, LayerNorm, attention, cache_mask, constrain, dropout, residual_fence,
-                                   update_cache)
-
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+from jaxtune.models.family import Family, Map, require
+from jaxtune.models.layers import (REMAT_POLICIES, Dense, Embed, LayerNorm, attention, constrain, dropout,
+                                   layer_mask, residual_fence, run_layers, stack_layers, update_cache)
 
 
 @dataclass(frozen=True)
@@ -39,6 +34,9 @@ class GPTConfig:
     scan_layers: bool = False
     attention: str = "auto"  # auto | xla | cudnn
     ln_eps: float = 1e-5
+    bos_id: int | None = None  # token ids carried to an exported config.json
+    eos_id: int | None = None
+    family: str = "gpt2"
 
     @property
     def ff(self) -> int:
@@ -122,8 +120,9 @@ class Block(nnx.Module):
         self.proj = Dense(cfg.ff, d, ("mlp", "embed"), rngs=rngs, std=resid_std, param_dtype=pd, dtype=cd)
         self.cfg = cfg
 
-    def __call__(self, x, key=None, kv=None, index=None, key_valid=None):
-        """x: (B, T, D). kv: optional (k, v) caches (B, S, N, H) written at ``index``. Returns (x, kv)."""
+    def __call__(self, x, mask, key=None, kv=None, index=None):
+        """x: (B, T, D); mask: None (causal) or (B|1, 1, T, S). kv: optional (k, v) caches (B, S, N, H) written
+        at ``index``. Returns (x, kv)."""
         cfg, cd = self.cfg, jnp.dtype(self.cfg.compute_dtype)
         b, t, _ = x.shape
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
@@ -132,11 +131,9 @@ class Block(nnx.Module):
         qkv = jnp.einsum("btd,dkf->btkf", y, self.qkv[...].astype(cd)) + self.qkv_bias[...].astype(cd)
         qkv = qkv.reshape(b, t, 3, cfg.n_head, cfg.head_dim)
         q, k, v = (constrain(qkv[:, :, i], ("batch", "seq", "act_heads", None)) for i in range(3))
-        mask = None
         if kv is not None:
             kv = (update_cache(kv[0], k, index), update_cache(kv[1], v, index))
             k, v = kv
-            mask = cache_mask(key_valid, index, t)
         impl = None if cfg.attention == "auto" else cfg.attention
         y = attention(q, k.astype(cd), v.astype(cd), mask, impl).reshape(b, t, cfg.d_model)
         y = dropout(self.attn_out(y), cfg.dropout, k_attn)
@@ -154,23 +151,18 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.wte = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), rngs=rngs, param_dtype=pd, dtype=cd)
         self.wpe = Embed(cfg.max_seq_len, cfg.d_model, (None, "embed"), rngs=rngs, std=0.01, param_dtype=pd, dtype=cd)
-        if cfg.scan_layers:
-            @nnx.split_rngs(splits=cfg.n_layer)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def make(r):
-                return Block(cfg, rngs=r)
-
-            self.blocks = make(rngs)
-        else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
+        self.blocks = stack_layers(lambda r: Block(cfg, rngs=r), cfg.n_layer, cfg.scan_layers, rngs)
         self.ln_f = LayerNorm(cfg.d_model, eps=cfg.ln_eps, param_dtype=pd, dtype=cd)
 
-    def __call__(self, tokens, positions=None, key=None, cache=None, index=None, key_valid=None):
+    def __call__(self, tokens, positions=None, key=None, cache=None, index=None, key_valid=None, segment_ids=None,
+                 return_hidden=False):
         """tokens: (B, T) int -> logits (B, T, V) in float32.
 
         positions: (B, T), default 0..T-1. key: dropout PRNG key (None: deterministic).
-        cache: {"k", "v"}: (L, B, S, N, H) KV cache written at slot ``index`` with ``key_valid`` (B, S);
-        when given, returns (logits, new_cache).
+        cache: {"k", "v"}: (L, B, S, N, H) KV cache written at slot ``index``; when given, returns
+        (logits, new_cache). key_valid: (B, S) which key slots hold real tokens (padding is False).
+        segment_ids: (B, T) packed-sequence ids (no attention across segments).
+        return_hidden: return the final normalised hidden states (B, T, D) instead of logits (see `logits`).
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -183,37 +175,60 @@ class GPT(nnx.Module):
             key, k_embed = jax.random.split(key)
             x = dropout(x, cfg.dropout, k_embed)
         x = constrain(x, ("batch", "seq", "act_embed"))
+        mask = layer_mask(t, cache, index, key_valid, segment_ids)
+        x, cache = run_layers(self.blocks, x, lambda blk, x, k, kv, _: blk(x, mask, k, kv, index),
+                              n_layer=cfg.n_layer, scan=cfg.scan_layers, remat=cfg.remat, key=key, cache=cache)
+        x = self.ln_f(x)
+        out = x if return_hidden else self.logits(x)
+        return (out, cache) if cache is not None else out
 
-        policy = REMAT_POLICIES[cfg.remat]
-
-        def run_block(block, x, layer_key, kv):
-            return block(x, layer_key, kv, index, key_valid)
-
-        if cfg.remat != "none":
-            run_block = nnx.remat(run_block, policy=policy)
-
-        layer_keys = None if key is None else jax.random.split(key, cfg.n_layer)
-        kvs = None if cache is None else (cache["k"], cache["v"])
-        if cfg.scan_layers:
-            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-            def scan_fn(block, x, layer_key, kv):
-                return run_block(block, x, layer_key, kv)
-
-            x, kvs = scan_fn(self.blocks, x, layer_keys, kvs)
-        else:
-            for i, block in enumerate(self.blocks):
-                x, kv = run_block(block, x, None if key is None else layer_keys[i],
-                                  None if kvs is None else (kvs[0][i], kvs[1][i]))
-                if kvs is not None:  # write the layer back in place (the cache is donated while decoding)
-                    kvs = (kvs[0].at[i].set(kv[0]), kvs[1].at[i].set(kv[1]))
-        logits = self.wte.attend(self.ln_f(x)).astype(jnp.float32)
-        logits = constrain(logits, ("batch", "seq", "act_vocab"))
-        if cache is not None:
-            return logits, {"k": kvs[0], "v": kvs[1]}
-        return logits
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden states (..., D) -> float32 logits (..., V) through the tied embedding."""
+        return constrain(self.wte.attend(hidden).astype(jnp.float32), ("batch", "seq", "act_vocab"))
 
     def init_cache(self, batch: int, length: int, dtype=None) -> dict[str, jax.Array]:
         cfg = self.cfg
         shape = (cfg.n_layer, batch, length, cfg.n_head, cfg.head_dim)
         dtype = dtype or jnp.dtype(cfg.compute_dtype)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+# --- HuggingFace: GPT2LMHeadModel (Conv1D weights are already (in, out); c_attn's columns are q | k | v) ---
+
+def _from_hf(c: dict[str, Any]) -> GPTConfig:
+    for key, allowed in [("activation_function", ("gelu_new", "gelu_pytorch_tanh")), ("scale_attn_weights", (True,)),
+                         ("scale_attn_by_inverse_layer_idx", (False,)), ("reorder_and_upcast_attn", (False,)),
+                         ("tie_word_embeddings", (True,))]:
+        require(c, key, allowed, "gpt2")
+    return GPTConfig(vocab_size=int(c["vocab_size"]), max_seq_len=int(c.get("n_positions", 1024)),
+                     n_layer=int(c["n_layer"]), n_head=int(c["n_head"]), d_model=int(c["n_embd"]),
+                     d_ff=c.get("n_inner"), ln_eps=float(c.get("layer_norm_epsilon", 1e-5)),
+                     bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"))
+
+
+def _to_hf(cfg: GPTConfig) -> dict[str, Any]:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head, "n_inner": cfg.d_ff, "layer_norm_epsilon": cfg.ln_eps,
+            "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+            "attn_pdrop": 0.0, "tie_word_embeddings": True, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
+            "use_cache": True}
+
+
+def _hf_map() -> dict[str, Map]:
+    h = "transformer.h.{i}."
+    m = {"wte.embedding": Map("transformer.wte.weight"), "wpe.embedding": Map("transformer.wpe.weight"),
+         "ln_f.scale": Map("transformer.ln_f.weight"), "ln_f.bias": Map("transformer.ln_f.bias"),
+         "blocks.{i}.qkv": Map(h + "attn.c_attn.weight", hf_ndim=2),
+         "blocks.{i}.qkv_bias": Map(h + "attn.c_attn.bias", hf_ndim=1)}
+    for ours, theirs in [("ln_1", "ln_1"), ("ln_2", "ln_2")]:
+        m[f"blocks.{{i}}.{ours}.scale"] = Map(f"{h}{theirs}.weight")
+        m[f"blocks.{{i}}.{ours}.bias"] = Map(f"{h}{theirs}.bias")
+    for ours, theirs in [("attn_out", "attn.c_proj"), ("fc", "mlp.c_fc"), ("proj", "mlp.c_proj")]:
+        m[f"blocks.{{i}}.{ours}.kernel"] = Map(f"{h}{theirs}.weight")
+        m[f"blocks.{{i}}.{ours}.bias"] = Map(f"{h}{theirs}.bias")
+    return m
+
+
+FAMILY = Family("gpt2", GPTConfig, GPT, PRESETS, ("gpt2",), _hf_map(), _from_hf, _to_hf,
+                hf_ignore=(".attn.bias", ".attn.masked_bias", "lm_head.weight"))

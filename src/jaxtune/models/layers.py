@@ -6,10 +6,12 @@ to mesh axes with one rule table. Activations are constrained at block boundarie
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxtune.train.sharding import constrain
@@ -80,21 +82,106 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, implementation: str | None):
-    """Scaled dot-product attention, (B, T, N, H) x (B, S, N, H) -> (B, T, N, H).
+class RMSNorm(nnx.Module):
+    """x / rms(x) * (offset + w), computed in float32. Llama/Qwen/Mistral: offset 0, w initialised to 1;
+    Gemma: offset 1, w initialised to 0 (its checkpoints store w, and apply 1 + w)."""
 
-    ``mask`` None means plain causal (training); otherwise a boolean (B, 1, T, S) of allowed pairs
-    (decoding with a KV cache). ``implementation="cudnn"`` goes through `jax.nn.dot_product_attention` (cuDNN
-    flash attention on GPUs). Otherwise (``None``/``"xla"``) this is the math of that function's XLA path,
-    written out, because on CPU (a small GPT-2 train step) two changes pay: no grouped-query vmap (its layout
-    copies of the scores cost ~3%), and causal queries in blocks that skip the all-masked keys (~5%).
+    def __init__(self, dim: int, *, eps: float = 1e-6, offset: float = 0.0, param_dtype=jnp.float32,
+                 dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, param_dtype), logical_axes=("norm",))
+        self.eps, self.offset, self.dtype = eps, offset, dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
+        return (y * (self.offset + self.scale[...].astype(jnp.float32))).astype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding frequencies. ``kind``: ``default``; ``linear`` (positions / factor);
+    ``llama3`` (Llama 3.1 band-wise scaling of low frequencies, with ``original_max_len``)."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    KINDS = ("default", "linear", "llama3")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"rope kind {self.kind!r} is not supported natively (supported: {', '.join(self.KINDS)})")
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """(head_dim/2,) float32 inverse frequencies, computed in float32 as transformers does."""
+        exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+        inv = (np.float32(1.0) / np.power(np.float32(self.theta), exponent)).astype(np.float32)
+        if self.kind == "linear":
+            inv = inv / np.float32(self.factor)
+        elif self.kind == "llama3":
+            low_wavelen = self.original_max_len / self.low_freq_factor
+            high_wavelen = self.original_max_len / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_len / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv = np.where(medium, smoothed, scaled)
+        return inv.astype(np.float32)
+
+    def sincos(self, positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
+        """positions (B, T) -> (cos, sin), each (B, T, 1, head_dim) float32 (half-split layout)."""
+        freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq(head_dim))
+        emb = jnp.concatenate([freqs, freqs], -1)[:, :, None, :]
+        return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate (B, T, N, H) ``x`` by position: x cos + rotate_half(x) sin (the half-split convention of HF)."""
+    h = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., h:], x[..., :h]], -1)
+    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+
+def attention_mask(q_slots: jax.Array, k_slots: jax.Array, *, window: int | None = None,
+                   key_valid: jax.Array | None = None, q_segments: jax.Array | None = None,
+                   k_segments: jax.Array | None = None) -> jax.Array:
+    """Boolean (B|1, 1, T, S) of allowed (query, key) pairs: causal over slots, within ``window`` (query - key
+    < window, the transformers convention), keys that hold real tokens, and the same packed segment."""
+    mask = k_slots[None, :] <= q_slots[:, None]
+    if window is not None:
+        mask = mask & (q_slots[:, None] - k_slots[None, :] < window)
+    mask = mask[None, None]
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, None, :]
+    if q_segments is not None:
+        mask = mask & (q_segments[:, None, :, None] == k_segments[:, None, None, :])
+    return mask
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, implementation: str | None, *,
+              scale: float | None = None, softcap: float | None = None):
+    """Scaled dot-product attention, (B, T, N, H) x (B, S, K, H) -> (B, T, N, H); K divides N (grouped-query).
+
+    ``mask`` None means plain causal (training); otherwise a boolean (B|1, 1, T, S) of allowed pairs (windows,
+    padding, packed segments, a KV cache). A fully masked query row gets a uniform average, never NaN.
+    ``scale`` defaults to 1/sqrt(H); ``softcap`` applies cap * tanh(logits / cap) (Gemma 2 style).
+    ``implementation="cudnn"`` goes through `jax.nn.dot_product_attention` (cuDNN flash attention on GPUs).
+    Otherwise (``None``/``"xla"``) this is the math of that function's XLA path, written out, because on CPU (a
+    small GPT-2 train step) two changes pay: no grouped-query vmap (its layout copies of the scores cost ~3%),
+    and causal queries in blocks that skip the all-masked keys (~5%).
     """
-    if implementation == "cudnn":
+    if implementation == "cudnn" and softcap is None:
         if mask is None:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if mask is not None:
-        return _attend(q, k, v, mask)
+        return _attend(q, k, v, mask, scale, softcap)
     # Causal: query block i needs keys [0, end of block i] only. Four blocks skip 3/8 of the score matrix;
     # the skipped scores would have been masked to exp(-huge) = 0, so the result is the same.
     t = q.shape[1]
@@ -105,19 +192,31 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
         lo, hi = i * size, (i + 1) * size
         s = min(hi, k.shape[1])  # keys past the block's last query are all masked (query i sees keys <= i)
         causal = jnp.arange(s)[None, :] <= jnp.arange(lo, hi)[:, None]  # (size, s)
-        outs.append(_attend(q[:, lo:hi], k[:, :s], v[:, :s], causal[None, None]))
+        outs.append(_attend(q[:, lo:hi], k[:, :s], v[:, :s], causal[None, None], scale, softcap))
     return jnp.concatenate(outs, axis=1) if n > 1 else outs[0]
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention of (B, T, N, H) queries over (B, S, N, H) keys where ``mask`` (.., T, S) allows."""
+def _attend(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
+    """Softmax attention of (B, T, N, H) queries over (B, S, K, H) keys where ``mask`` (.., 1, T, S) allows."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
     # bf16 inputs: bf16 products, f32 accumulation, as jax.nn.dot_product_attention does.
     precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=precision, preferred_element_type=jnp.float32)
-    logits = logits * jnp.float32(1.0 / math.sqrt(q.shape[-1]))
+    if kh == n:
+        logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=precision, preferred_element_type=jnp.float32)
+    else:  # grouped: (B, T, K, G, H) queries share each key/value head
+        qg = q.reshape(b, t, kh, n // kh, h)
+        logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
+        logits = logits.reshape(b, n, t, k.shape[1])
+    logits = logits * jnp.float32(scale)
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
     logits = jnp.where(mask, logits, jnp.float32(-0.7 * jnp.finfo(jnp.float32).max))  # (B, N, T, S)
-    probs = jax.nn.softmax(logits, axis=-1).astype(k.dtype)
-    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    if kh == n:
+        return jnp.einsum("bnts,bsnh->btnh", probs, v)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.reshape(b, kh, n // kh, t, -1), v)
+    return out.reshape(b, t, n, h)
 
 
 @jax.custom_vjp
@@ -145,15 +244,25 @@ residual_fence.defvjp(
 )
 
 
-def cache_mask(key_valid: jax.Array, index: jax.Array, t: int) -> jax.Array:
+def cache_mask(key_valid: jax.Array, index: jax.Array, t: int, window: int | None = None) -> jax.Array:
     """Attention mask for ``t`` new queries written at cache slots ``index .. index+t-1``.
 
     key_valid: (B, S) which cache slots hold real tokens (left padding is False). Returns (B, 1, t, S):
     query i may attend slot s when the slot is valid and s <= index + i (causal within the cache).
     """
-    s = jnp.arange(key_valid.shape[1])
-    causal = s[None, :] <= index + jnp.arange(t)[:, None]  # (t, S)
-    return (key_valid[:, None, None, :] & causal[None, None]).astype(bool)
+    return attention_mask(index + jnp.arange(t), jnp.arange(key_valid.shape[1]), window=window, key_valid=key_valid)
+
+
+def layer_mask(t: int, cache, index, key_valid, segment_ids, window: int | None = None) -> jax.Array | None:
+    """The attention mask of a forward pass over ``t`` new tokens: None for plain causal training (the fast
+    path), else (B|1, 1, t, S) from the cache slots, padding (``key_valid``) and packing (``segment_ids``)."""
+    if cache is None and key_valid is None and segment_ids is None and window is None:
+        return None
+    if cache is not None:
+        return cache_mask(key_valid, index, t, window)
+    slots = jnp.arange(t)
+    return attention_mask(slots, slots, window=window, key_valid=key_valid, q_segments=segment_ids,
+                          k_segments=segment_ids)
 
 
 def update_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
@@ -161,5 +270,59 @@ def update_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Arra
     return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), index, axis=1)
 
 
-__all__ = ["Dense", "Embed", "LayerNorm", "attention", "cache_mask", "constrain", "dropout", "residual_fence",
-           "update_cache"]
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def stack_layers(make_layer, n_layer: int, scan: bool, rngs: nnx.Rngs):
+    """``n_layer`` layers: an `nnx.List`, or one module whose params are stacked on a leading axis (``scan``)."""
+    if not scan:
+        return nnx.List([make_layer(rngs) for _ in range(n_layer)])
+
+    @nnx.split_rngs(splits=n_layer)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(r):
+        return make_layer(r)
+
+    return make(rngs)
+
+
+def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: jax.Array | None,
+               cache: dict[str, jax.Array] | None, layer_args: list | None = None):
+    """Apply ``body(layer, x, layer_key, kv, arg) -> (x, kv)`` through the stack; returns (x, cache).
+
+    ``cache``: {"k", "v"} (L, B, S, K, H), each layer's slice passed as ``kv`` and written back.
+    ``layer_args``: one value per layer (e.g. "sliding"/"full"): a Python value in the loop (so the layer is
+    specialised), an array stacked over layers under ``scan``. ``remat`` names a policy in REMAT_POLICIES.
+    """
+    keys = None if key is None else jax.random.split(key, n_layer)
+    kvs = None if cache is None else (cache["k"], cache["v"])
+    args = layer_args if layer_args is not None else [None] * n_layer
+
+    def wrap(fn):
+        return fn if remat == "none" else nnx.remat(fn, policy=REMAT_POLICIES[remat])
+
+    if scan:
+        scanned_args = None if layer_args is None else jnp.asarray(args)
+        run = wrap(body)
+
+        @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
+        def scan_fn(layer, x, layer_key, kv, arg):
+            return run(layer, x, layer_key, kv, arg)
+
+        x, kvs = scan_fn(layers, x, keys, kvs, scanned_args)
+    else:
+        for i, layer in enumerate(layers):
+            run = wrap(lambda lyr, x, k, kv, _a=args[i]: body(lyr, x, k, kv, _a))
+            x, kv = run(layer, x, None if keys is None else keys[i], None if kvs is None else (kvs[0][i], kvs[1][i]))
+            if kvs is not None:  # write the layer back in place (the cache is donated while decoding)
+                kvs = (kvs[0].at[i].set(kv[0]), kvs[1].at[i].set(kv[1]))
+    return x, (None if kvs is None else {"k": kvs[0], "v": kvs[1]})
+
+
+__all__ = ["REMAT_POLICIES", "Dense", "Embed", "LayerNorm", "RMSNorm", "Rope", "apply_rope", "attention", "attention_mask", "cache_mask",
+           "constrain", "dropout", "layer_mask", "residual_fence", "run_layers", "stack_layers", "update_cache"]

@@ -25,6 +25,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "vocab": "tensor",
     "embed": "fsdp",
     "heads": "tensor",
+    "kv_heads": "tensor",
     "mlp": "tensor",
     "norm": None,
     "layers": None,
@@ -33,6 +34,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "seq": None,
     "act_embed": None,
     "act_heads": "tensor",
+    "act_kv_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
 }

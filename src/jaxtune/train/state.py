@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from jaxtune.config import Config
 from jaxtune.models import build_model, model_config
+from jaxtune.models.registry import model_layout
 from jaxtune.train import sharding
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.step import TrainState, init_state
@@ -32,29 +33,26 @@ class StateSpec:
     shardings: TrainState  # NamedSharding per leaf
     abstract: TrainState  # ShapeDtypeStruct per leaf, with .sharding
 
-    def init(self, seed: int) -> TrainState:
-        """A fresh state, created sharded (each device computes only its own shards)."""
+    def init(self, seed: int, params: Any = None) -> TrainState:
+        """A fresh state, created sharded (each device computes only its own shards). ``params``: start from
+        these (already placed with ``shardings.params``, e.g. read from a HuggingFace checkpoint) instead of
+        the family's random init."""
         cfg, tx = self.model_cfg, self.tx
 
-        def make():
-            params = nnx.to_pure_dict(nnx.state(build_model(cfg, seed), nnx.Param))
+        def make(params):
+            if params is None:
+                params = nnx.to_pure_dict(nnx.state(build_model(cfg, seed), nnx.Param))
             return init_state(params, tx, seed)
 
         with sharding.use_mesh(self.mesh):
-            return jax.jit(make, out_shardings=self.shardings)()
+            return jax.jit(make, out_shardings=self.shardings)(params)
 
 
 def make_state_spec(cfg: Config, vocab_size: int, mesh: Mesh) -> StateSpec:
     model_cfg = model_config(cfg.model, vocab_size)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    abstract_model = nnx.eval_shape(lambda: build_model(model_cfg, cfg.train.seed))
-    graphdef, param_state = nnx.split(abstract_model, nnx.Param)
-    logical = nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), param_state,
-                                            is_leaf=lambda v: isinstance(v, nnx.Variable)))
-    abstract_params = nnx.to_pure_dict(param_state)
+    graphdef, abstract_params, param_sh = model_layout(model_cfg, mesh, cfg.train.seed)
     abstract_state = jax.eval_shape(lambda: init_state(abstract_params, tx, cfg.train.seed))
-    axes = sharding.param_axes(abstract_params, logical)
-    param_sh = sharding.param_shardings(mesh, abstract_params, axes)
     rep = sharding.replicated(mesh)
     # Optimizer moments mirror their parameter's sharding; scalars (counts) are replicated.
     opt_sh = optax.tree_map_params(

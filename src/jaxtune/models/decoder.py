@@ -1,0 +1,272 @@
+"""The decoder-only transformer that Llama, Qwen, Mistral and Gemma 3 share: RMSNorm, rotary positions,
+grouped-query attention, gated MLP. A family is a `DecoderConfig` (its file says how it differs) and an HF
+name map; the math lives here once.
+
+Shapes: B batch, T query length, S key length (cache), D d_model, N query heads, K key/value heads, H head dim,
+F d_ff, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtune.models.layers import (REMAT_POLICIES, Dense, Embed, RMSNorm, Rope, apply_rope, attention, constrain,
+                                   dropout, layer_mask, residual_fence, run_layers, stack_layers, update_cache)
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+LAYER_TYPES = ("full", "sliding")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    family: str = "llama"
+    vocab_size: int = 32000
+    max_seq_len: int = 2048
+    n_layer: int = 2
+    n_head: int = 4
+    n_kv_head: int | None = None  # default n_head (multi-head); fewer: grouped-query attention
+    head_dim: int | None = None  # default d_model // n_head; Gemma decouples it
+    d_model: int = 64
+    d_ff: int = 256
+    norm_eps: float = 1e-5
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + w)
+    qkv_bias: bool = False  # Qwen 2.5
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen 3, Gemma 3: RMSNorm over each head's q and k before RoPE
+    sandwich_norm: bool = False  # Gemma 3: also normalise the attention and MLP outputs before the residual add
+    mlp_act: str = "silu"  # silu (SwiGLU) | gelu_tanh (GeGLU)
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(d_model)
+    tie_embeddings: bool = True
+    rope: Rope = Rope()
+    local_rope: Rope | None = None  # sliding-window layers' RoPE when it differs (Gemma 3: base 10k)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # per layer full|sliding; None: all sliding if a window is set
+    query_scale: float | None = None  # attention scale; default head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    init_std: float = 0.02
+    dropout: float = 0.0
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    scan_layers: bool = False
+    attention: str = "auto"  # auto | xla | cudnn
+    bos_id: int | None = None  # token ids carried to an exported config.json
+    eos_id: int | None = None
+    pad_id: int | None = None
+
+    def __post_init__(self):
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            raise ValueError(f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}")
+        if self.head_dim is None and self.d_model % self.n_head:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
+                             "set model.head_dim")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
+        if self.mlp_act not in ACTIVATIONS:
+            raise ValueError(f"mlp activation {self.mlp_act!r}; supported: {sorted(ACTIVATIONS)}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layer or set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(f"layer_types must list {self.n_layer} entries of {LAYER_TYPES}, got {self.layer_types}")
+            if "sliding" in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding layers need a sliding_window")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.d_model // self.n_head
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        if self.layer_types is not None:
+            return self.layer_types
+        return ("sliding" if self.sliding_window else "full",) * self.n_layer
+
+    def replace(self, **kw) -> DecoderConfig:
+        return dataclasses.replace(self, **kw)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        d, f, n, k, h = self.d_model, self.d_ff, self.n_head, self.kv_heads, self.hd
+        attn = d * (n + 2 * k) * h + n * h * d + (self.qkv_bias and (n + 2 * k) * h) + (self.o_bias and d)
+        mlp = 3 * d * f + (self.mlp_bias and 2 * f + d)
+        norms = (4 if self.sandwich_norm else 2) * d + (2 * h if self.qk_norm else 0)
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        total = self.n_layer * (attn + mlp + norms) + d + embed
+        return total - (embed if non_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 (non-embedding params + head) + 12 L (N H) T attention, sliding layers
+        counting only their window."""
+        n = self.num_params(non_embedding=True) + self.vocab_size * self.d_model
+        span = sum(min(seq_len, self.sliding_window) if t == "sliding" else seq_len for t in self.types)
+        return 6 * n + 12 * self.n_head * self.hd * span
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
+        d, n, k, h = cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.hd
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        kw = dict(rngs=rngs, std=cfg.init_std, param_dtype=pd, dtype=cd)
+        self.q = Dense(d, n * h, ("embed", "heads"), bias=cfg.qkv_bias, **kw)
+        self.k = Dense(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, **kw)
+        self.v = Dense(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, **kw)
+        self.o = Dense(n * h, d, ("heads", "embed"), bias=cfg.o_bias, **{**kw, "std": out_std})
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, eps=cfg.norm_eps, offset=cfg.norm_offset, param_dtype=pd, dtype=cd)
+            self.k_norm = RMSNorm(h, eps=cfg.norm_eps, offset=cfg.norm_offset, param_dtype=pd, dtype=cd)
+        self.cfg = cfg
+
+    def __call__(self, x, rope, mask, kv, index):
+        cfg, cd = self.cfg, jnp.dtype(self.cfg.compute_dtype)
+        b, t, _ = x.shape
+        q = self.q(x).reshape(b, t, cfg.n_head, cfg.hd)
+        k = self.k(x).reshape(b, t, cfg.kv_heads, cfg.hd)
+        v = self.v(x).reshape(b, t, cfg.kv_heads, cfg.hd)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
+        k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
+        if kv is not None:
+            kv = (update_cache(kv[0], k, index), update_cache(kv[1], v, index))
+            k, v = kv[0].astype(cd), kv[1].astype(cd)
+        impl = None if cfg.attention == "auto" else cfg.attention
+        y = attention(q, k, v, mask, impl, scale=cfg.query_scale, softcap=cfg.attn_softcap)
+        return self.o(y.reshape(b, t, cfg.n_head * cfg.hd)), kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
+        kw = dict(rngs=rngs, std=cfg.init_std, bias=cfg.mlp_bias, param_dtype=pd, dtype=cd)
+        self.gate = Dense(cfg.d_model, cfg.d_ff, ("embed", "mlp"), **kw)
+        self.up = Dense(cfg.d_model, cfg.d_ff, ("embed", "mlp"), **kw)
+        self.down = Dense(cfg.d_ff, cfg.d_model, ("mlp", "embed"), **{**kw, "std": cfg.init_std / math.sqrt(2 * cfg.n_layer)})
+        self.act = ACTIVATIONS[cfg.mlp_act]
+
+    def __call__(self, x):
+        y = constrain(self.act(self.gate(x)) * self.up(x), ("batch", "seq", "act_mlp"))
+        return self.down(y)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
+
+        def norm():
+            return RMSNorm(cfg.d_model, eps=cfg.norm_eps, offset=cfg.norm_offset, param_dtype=pd, dtype=cd)
+
+        self.attn_norm = norm()
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = norm()
+        self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.sandwich_norm:
+            self.post_attn_norm = norm()
+            self.post_mlp_norm = norm()
+        self.cfg = cfg
+
+    def __call__(self, x, rope, mask, key=None, kv=None, index=None):
+        cfg = self.cfg
+        k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
+        x = residual_fence(x)
+        y, kv = self.attn(self.attn_norm(x), rope, mask, kv, index)
+        if cfg.sandwich_norm:
+            y = self.post_attn_norm(y)
+        x = residual_fence(constrain(x + dropout(y, cfg.dropout, k_attn), ("batch", "seq", "act_embed")))
+        y = self.mlp(self.mlp_norm(x))
+        if cfg.sandwich_norm:
+            y = self.post_mlp_norm(y)
+        return constrain(x + dropout(y, cfg.dropout, k_mlp), ("batch", "seq", "act_embed")), kv
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), rngs=rngs, std=cfg.init_std,
+                           param_dtype=pd, dtype=cd)
+        self.layers = stack_layers(lambda r: DecoderLayer(cfg, rngs=r), cfg.n_layer, cfg.scan_layers, rngs)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, offset=cfg.norm_offset, param_dtype=pd, dtype=cd)
+        if not cfg.tie_embeddings:
+            self.lm_head = Dense(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, std=cfg.init_std,
+                                 bias=False, param_dtype=pd, dtype=cd)
+
+    def __call__(self, tokens, positions=None, key=None, cache=None, index=None, key_valid=None, segment_ids=None,
+                 return_hidden=False):
+        """tokens: (B, T) int -> logits (B, T, V) float32 (the same interface as `GPT`).
+
+        positions: (B, T) RoPE positions, default 0..T-1. key: dropout key. cache: {"k", "v"} (L, B, S, K, H)
+        written at slot ``index``, returns (logits, cache). key_valid: (B, S) real-token key slots.
+        segment_ids: (B, T) packed sequences. return_hidden: final normalised hidden states instead of logits.
+        """
+        cfg = self.cfg
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        x = self.embed(tokens)
+        if cfg.embed_scale:
+            x = x * jnp.asarray(math.sqrt(cfg.d_model), jnp.dtype(cfg.param_dtype)).astype(x.dtype)
+        if key is not None:
+            key, k_embed = jax.random.split(key)
+            x = dropout(x, cfg.dropout, k_embed)
+        x = constrain(x, ("batch", "seq", "act_embed"))
+
+        types = cfg.types
+        full_rope = cfg.rope.sincos(positions, cfg.hd)
+        ctx = {"full": (full_rope, layer_mask(t, cache, index, key_valid, segment_ids))}
+        if "sliding" in types:
+            local_rope = full_rope if cfg.local_rope is None else cfg.local_rope.sincos(positions, cfg.hd)
+            ctx["sliding"] = (local_rope, layer_mask(t, cache, index, key_valid, segment_ids, cfg.sliding_window))
+
+        if cfg.scan_layers:
+            if len(ctx) > 1 and ctx["full"][1] is None:  # one traced body for both kinds: materialise the mask
+                ctx["full"] = (full_rope, layer_mask(t, cache, index, key_valid, segment_ids, cfg.max_seq_len + t))
+            layer_args = [kind == "sliding" for kind in types]
+
+            def body(layer, x, k, kv, sliding):
+                if len(ctx) == 1:
+                    rope, mask = next(iter(ctx.values()))
+                else:
+                    rope, mask = jax.tree.map(lambda a, b: jnp.where(sliding, a, b), ctx["sliding"], ctx["full"])
+                return layer(x, rope, mask, k, kv, index)
+        else:
+            layer_args = list(types)
+
+            def body(layer, x, k, kv, kind):
+                rope, mask = ctx[kind]
+                return layer(x, rope, mask, k, kv, index)
+
+        x, cache = run_layers(self.layers, x, body, n_layer=cfg.n_layer, scan=cfg.scan_layers, remat=cfg.remat,
+                              key=key, cache=cache, layer_args=layer_args)
+        x = self.norm(x)
+        out = x if return_hidden else self.logits(x)
+        return (out, cache) if cache is not None else out
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden states (..., D) -> float32 logits (..., V), soft-capped when the family does."""
+        y = self.embed.attend(hidden) if self.cfg.tie_embeddings else self.lm_head(hidden)
+        y = y.astype(jnp.float32)
+        if self.cfg.final_softcap is not None:
+            y = jnp.tanh(y / self.cfg.final_softcap) * self.cfg.final_softcap
+        return constrain(y, ("batch", "seq", "act_vocab"))
+
+    def init_cache(self, batch: int, length: int, dtype=None) -> dict[str, jax.Array]:
+        cfg = self.cfg
+        shape = (cfg.n_layer, batch, length, cfg.kv_heads, cfg.hd)
+        dtype = dtype or jnp.dtype(cfg.compute_dtype)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

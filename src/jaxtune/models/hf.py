@@ -1,0 +1,376 @@
+"""HuggingFace checkpoints in and out: config.json + safetensors (one file or sharded with an index).
+
+Reading is lazy: every safetensors file is memory-mapped, and each device's shard of each parameter is copied
+from the map on its own (`jax.make_array_from_callback`), so a model loaded onto a mesh is never assembled
+whole on the host. Only safetensors are read: never pickle (``pytorch_model.bin``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from jaxtune.models.family import TORCHAX_HINT, Family, Map, UnsupportedModelError, dtype_from_hf
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
+           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or file that cannot be read as asked; the message names the file."""
+
+
+# --- safetensors ---
+
+class SafetensorsFile:
+    """One .safetensors file, memory-mapped; ``get(name)`` is a zero-copy (lazy) numpy view."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            raw = f.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if n < 2 or 8 + n > size:
+                raise CheckpointError(f"{self.path}: not a safetensors file (bad header length); re-download it")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        header.pop("__metadata__", None)
+        self.start = 8 + n
+        for name, e in header.items():
+            if e["dtype"] not in _DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {e['dtype']}")
+            if self.start + e["data_offsets"][1] > size:
+                raise CheckpointError(f"{self.path}: truncated (tensor {name} ends past the end of the file)")
+        self.entries: dict[str, dict[str, Any]] = header
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > self.start else np.zeros(0, np.uint8)
+
+    def get(self, name: str) -> np.ndarray:
+        e = self.entries[name]
+        a, b = e["data_offsets"]
+        return self._map[self.start + a:self.start + b].view(_DTYPES[e["dtype"]]).reshape(e["shape"])
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (C-order) as one safetensors file."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, x in tensors.items():
+        if np.dtype(x.dtype) not in _NAMES:
+            raise ValueError(f"{name}: dtype {x.dtype} cannot be stored in safetensors")
+        header[name] = {"dtype": _NAMES[np.dtype(x.dtype)], "shape": list(x.shape),
+                        "data_offsets": [offset, offset + x.nbytes]}
+        offset += x.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for x in tensors.values():
+            f.write(np.ascontiguousarray(x).tobytes())
+
+
+class HFCheckpoint:
+    """A HuggingFace model directory: its config.json and every tensor in its safetensors file(s)."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory).expanduser()
+        cfg_file = self.dir / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"{self.dir}: no config.json; pass a HuggingFace model directory "
+                                  "(save_pretrained output or a hub snapshot)")
+        try:
+            self.config: dict[str, Any] = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_file}:{e.lineno}: invalid JSON ({e.msg})") from None
+        index = self.dir / INDEX
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            weight_map = {}
+        if not files:
+            pickled = [p.name for p in self.dir.glob("*.bin")] + [p.name for p in self.dir.glob("*.pt")]
+            hint = (f" ({', '.join(pickled)} are pickle files, which jaxtune never loads: convert them with "
+                    "transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, "
+                    "safe_serialization=True))") if pickled else ""
+            raise CheckpointError(f"{self.dir}: no .safetensors weights{hint}")
+        self.files: dict[str, SafetensorsFile] = {}
+        for name in files:
+            if not (self.dir / name).is_file():
+                raise CheckpointError(f"{index}: names {name}, which is missing from {self.dir}")
+            self.files[name] = SafetensorsFile(self.dir / name)
+        self.where = {t: f for f, sf in self.files.items() for t in sf.entries}
+        missing = sorted(t for t, f in weight_map.items() if t not in self.files[f].entries)
+        if missing:
+            raise CheckpointError(f"{index}: tensors {missing[:5]} are listed but absent from their files")
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def get(self, name: str) -> np.ndarray:
+        return self.files[self.where[name]].get(name)
+
+
+# --- families and config ---
+
+def family_of(config: dict[str, Any], where: str = "config.json") -> Family:
+    from jaxtune.models.registry import FAMILIES
+
+    model_type = config.get("model_type")
+    for fam in FAMILIES.values():
+        if model_type in fam.hf_model_types:
+            return fam
+    native = sorted(t for f in FAMILIES.values() for t in f.hf_model_types)
+    hint = (" (Gemma 3 4B+ are multimodal checkpoints; use a text-only Gemma3ForCausalLM checkpoint)"
+            if model_type == "gemma3" else "")
+    raise UnsupportedModelError(f"{where}: model_type={model_type!r} has no native jaxtune model{hint} "
+                                f"(native: {', '.join(native)}); {TORCHAX_HINT}")
+
+
+def read_hf_config(directory: str | Path) -> tuple[Family, Any, dict[str, Any]]:
+    """(family, family config, raw config.json) of a HuggingFace model directory; params in its stored dtype."""
+    directory = Path(directory).expanduser()
+    file = directory / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{directory}: no config.json; pass a HuggingFace model directory")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
+    fam = family_of(raw, str(file))
+    try:
+        cfg = fam.from_hf(raw)
+    except KeyError as e:
+        raise CheckpointError(f"{file}: missing required field {e.args[0]!r}") from None
+    dtype = dtype_from_hf(raw)
+    return fam, cfg.replace(param_dtype=dtype, compute_dtype=dtype), raw
+
+
+# --- parameter paths <-> HF names ---
+
+def _path_str(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _match(fam: Family, path: str) -> tuple[Map, int | None | str]:
+    """The HF mapping of a jaxtune param path: (map, layer index | None | "stacked")."""
+    if path in fam.hf_map:
+        return fam.hf_map[path], None
+    for template, m in fam.hf_map.items():
+        if "{i}" not in template:
+            continue
+        head, tail = template.split("{i}")
+        found = re.fullmatch(re.escape(head) + r"(\d+)" + re.escape(tail), path)
+        if found:
+            return m, int(found.group(1))
+        if path == head.rstrip(".") + tail:  # stacked layers (model.scan_layers): a leading layer axis
+            return m, "stacked"
+    raise KeyError(f"{fam.name}: parameter {path} has no HuggingFace name; add it to the family's hf_map")
+
+
+def _hf_tensor(x: np.ndarray, m: Map) -> np.ndarray:
+    """A jaxtune param (one layer) in HF's layout."""
+    if m.hf_ndim is not None and x.ndim != m.hf_ndim:
+        x = x.reshape(x.shape[0], -1) if m.hf_ndim == 2 else x.reshape(-1)
+    return x.T if m.transpose else x
+
+
+def load_params(ckpt: HFCheckpoint, fam: Family, abstract: Any, shardings: Any = None) -> Any:
+    """Fill a pure-dict tree of ShapeDtypeStructs from the checkpoint, each leaf placed with its sharding
+    (default: the first device), converted to the leaf's dtype shard by shard."""
+    available = ckpt.names()
+    used: set[str] = set()
+    missing: list[str] = []
+    sh_leaves = (jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+                 if shardings is not None else None)
+
+    def source(name: str, m: Map, shape: tuple[int, ...]) -> np.ndarray | None:
+        if name not in available:
+            missing.append(name)
+            return None
+        used.add(name)
+        x = ckpt.get(name)
+        x = x.T if m.transpose else x
+        if x.shape != shape:
+            if math.prod(x.shape) != math.prod(shape) or m.hf_ndim is None:
+                raise CheckpointError(f"{ckpt.dir}: tensor {name} has shape {tuple(ckpt.get(name).shape)}, but "
+                                      f"config.json implies {shape if not m.transpose else shape[::-1]}")
+            x = x.reshape(shape)
+        return x
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    plans = []
+    for path, a in leaves:
+        m, layer = _match(fam, _path_str(path))
+        if layer == "stacked":
+            srcs = [source(m.hf.format(i=i), m, a.shape[1:]) for i in range(a.shape[0])]
+        else:
+            srcs = [source(m.hf.format(i=layer), m, a.shape)]
+        plans.append((a, layer == "stacked", srcs))
+    if missing:
+        raise CheckpointError(f"{ckpt.dir}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                              f"(config.json and the weights disagree?)")
+    unexpected = sorted(n for n in available - used if not n.endswith(fam.hf_ignore))
+    if unexpected:
+        raise CheckpointError(f"{ckpt.dir}: tensors the {fam.name} config does not use: {unexpected[:8]} "
+                              f"(config.json and the weights disagree?)")
+
+    out = []
+    for k, (a, stacked, srcs) in enumerate(plans):
+        dtype = np.dtype(a.dtype)
+
+        def region(index, srcs=srcs, stacked=stacked, dtype=dtype):
+            if stacked:
+                return np.stack([srcs[i][index[1:]] for i in range(len(srcs))[index[0]]]).astype(dtype)
+            return np.asarray(srcs[0][index]).astype(dtype)
+
+        sh = sh_leaves[k] if sh_leaves is not None else SingleDeviceSharding(jax.devices()[0])
+        out.append(jax.make_array_from_callback(a.shape, sh, region))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def from_hf(directory: str | Path, *, mesh: Mesh | None = None, param_dtype: str | None = None,
+            compute_dtype: str | None = None, **overrides: Any) -> nnx.Module:
+    """A native jaxtune model with a HuggingFace checkpoint's weights.
+
+    Params keep the checkpoint's dtype unless ``param_dtype`` is given; on a ``mesh`` each parameter is sharded
+    by the rule table as it is read. ``overrides`` set other family config fields (``remat``, ``scan_layers``...).
+    """
+    from jaxtune.models.registry import model_layout
+
+    fam, cfg, _ = read_hf_config(directory)
+    cfg = cfg.replace(param_dtype=param_dtype or cfg.param_dtype,
+                      compute_dtype=compute_dtype or param_dtype or cfg.compute_dtype, **overrides)
+    graphdef, abstract, shardings = model_layout(cfg, mesh)
+    params = load_params(HFCheckpoint(directory), fam, abstract, shardings)
+    return nnx.merge(graphdef, params)
+
+
+# --- export ---
+
+def _host(x: jax.Array) -> np.ndarray:
+    if not x.is_fully_addressable:  # multi-host: gather the global value
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+
+def hf_tensors(fam: Family, params: Any, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """jaxtune params -> {HF name: numpy array in HF layout}, cast to ``dtype`` when given."""
+    out: dict[str, np.ndarray] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        m, layer = _match(fam, _path_str(path))
+        x = _host(x)
+        if dtype is not None:
+            x = x.astype(jnp_dtype(dtype))
+        if layer == "stacked":
+            for i in range(x.shape[0]):
+                out[m.hf.format(i=i)] = np.ascontiguousarray(_hf_tensor(x[i], m))
+        else:
+            out[m.hf.format(i=layer)] = np.ascontiguousarray(_hf_tensor(x, m))
+    return out
+
+
+def jnp_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def write_hf_weights(directory: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[str]:
+    """model.safetensors, or model-0000k-of-0000n.safetensors + the index when larger than one shard."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, x in tensors.items():
+        if shards[-1] and size + x.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = x
+        size += x.nbytes
+    if len(shards) == 1:
+        write_safetensors(directory / "model.safetensors", shards[0])
+        return ["model.safetensors"]
+    files = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    weight_map = {}
+    for file, shard in zip(files, shards):
+        write_safetensors(directory / file, shard)
+        weight_map.update({n: file for n in shard})
+    index = {"metadata": {"total_size": sum(x.nbytes for x in tensors.values())}, "weight_map": weight_map}
+    (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return files + [INDEX]
+
+
+def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: str | None = None,
+           max_shard_bytes: int = 5_000_000_000, overwrite: bool = False) -> Path:
+    """Write a HuggingFace model directory that `transformers.AutoModelForCausalLM.from_pretrained` loads:
+    config.json, generation_config.json, safetensors (sharded with an index past ``max_shard_bytes``) and the
+    tokenizer files.
+
+    ``source``: a run directory (its latest checkpoint and tokenizer) or a native model (``tokenizer`` then
+    optional). ``dtype``: float32/bfloat16/float16; default the params' dtype. The directory is written
+    beside ``out_dir`` and renamed into place, so a failed export leaves nothing half-written; an existing
+    ``out_dir`` is replaced only with ``overwrite``.
+    """
+    from jaxtune.models.registry import FAMILIES
+
+    out = Path(out_dir).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose a new directory or pass overwrite")
+    if isinstance(source, (str, Path)):
+        from jaxtune.evaluate import load_run
+
+        run = load_run(source)
+        cfg, params, tokenizer = run.spec.model_cfg, run.params, tokenizer or run.tokenizer
+    else:
+        cfg, params = source.cfg, nnx.to_pure_dict(nnx.state(source, nnx.Param))
+    fam = FAMILIES[cfg.family]
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}")
+    eos = getattr(tokenizer, "eos_id", None)
+    if cfg.eos_id is None and eos is not None:
+        cfg = cfg.replace(eos_id=eos, bos_id=cfg.bos_id if cfg.bos_id is not None else eos)
+    dtype = dtype or str(jax.tree.leaves(params)[0].dtype)
+    tensors = hf_tensors(fam, params, dtype)
+    if jax.process_index() != 0:
+        return out
+    config = {k: v for k, v in fam.to_hf(cfg).items()}
+    config["torch_dtype"] = dtype
+    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        gen = {k: v for k, v in [("bos_token_id", cfg.bos_id), ("eos_token_id", cfg.eos_id),
+                                 ("pad_token_id", getattr(cfg, "pad_id", None))] if v is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        write_hf_weights(tmp, tensors, max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
