@@ -4,6 +4,8 @@
     jaxtune eval RUN_DIR|CONFIG [key=value ...]
     jaxtune generate RUN_DIR --prompt TEXT [--prompt TEXT ...]
     jaxtune info CONFIG [key=value ...]
+    jaxtune export RUN_DIR OUT_DIR [--dtype bfloat16]
+    jaxtune parity HF_DIR
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import sys
 
 from jaxtune.config import ConfigError
 from jaxtune.data import DataError
+from jaxtune.models.family import UnsupportedModelError
+from jaxtune.models.hf import CheckpointError
 from jaxtune.train.sharding import ShardingError
 
-USER_ERRORS = (ConfigError, DataError, ShardingError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, ShardingError, CheckpointError, UnsupportedModelError, FileNotFoundError,
+               FileExistsError)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -77,6 +82,24 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from jaxtune.models.hf import export
+
+    out = export(args.run_dir, args.out_dir, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1e9),
+                 overwrite=args.overwrite)
+    print(f"exported {args.run_dir} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from jaxtune.parity import parity
+
+    report = parity(args.hf_dir, batch=args.batch, seq=args.seq, new_tokens=args.new_tokens,
+                    tolerance=args.tolerance, seed=args.seed)
+    print(report.format())
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxtune", description="Train language models with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +130,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(fn=_info)
+
+    p = sub.add_parser("export", help="write a run's latest checkpoint as a HuggingFace model directory")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights' dtype (default: the params' dtype)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size, in GB")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.set_defaults(fn=_export)
+
+    p = sub.add_parser("parity", help="compare the native model with transformers on a HuggingFace checkpoint")
+    p.add_argument("hf_dir")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared (0: logits only)")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max relative logit error that passes")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_parity)
 
     args = parser.parse_args(argv)
     try:

@@ -29,7 +29,8 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Which network to build. ``preset`` picks a family preset; any other key set here overrides it."""
 
-    family: Literal["gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma3"] = "gpt2"
+    family: Literal["gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma3"] | None = Field(
+        None, description="default gpt2; with from_hf, the checkpoint's")
     preset: str = "tiny"
     from_hf: str | None = Field(None, description="start from a HuggingFace checkpoint directory (config.json + "
                                 "safetensors); it decides the family and shapes")
@@ -116,6 +117,8 @@ class TrainConfig(_Section):
     on_nan: Literal["abort", "skip"] = "abort"
     max_nan_skips: int = Field(5, ge=1, description="skip: abort after this many non-finite steps in a row")
     compile_cache_dir: str | None = Field(None, description="persistent XLA compilation cache")
+    loss_chunk: int = Field(0, ge=0, description="sequence positions per cross-entropy chunk (large vocabularies); "
+                            "0: auto, chunking only when the batch's float32 logits would exceed 1 GiB")
 
     @model_validator(mode="after")
     def _divides(self) -> TrainConfig:
@@ -178,6 +181,14 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
     logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _checkpoint_tokenizer(self) -> Config:
+        """Starting from a HuggingFace checkpoint, the tokenizer is the checkpoint's unless one is configured."""
+        if self.model.from_hf and "tokenizer" not in self.model_fields_set:
+            tok = TokenizerConfig(kind="hf", path=self.model.from_hf)
+            return self.model_copy(update={"tokenizer": tok})
+        return self
 
     @property
     def run_path(self) -> Path:

@@ -109,3 +109,43 @@ def test_tiktoken_wrapper_saves_by_name(bpe, data_cfg, tmp_path, monkeypatch):
     assert (loaded.fingerprint, loaded.eos_id) == (tok.fingerprint, 256)
     with pytest.raises(DataError, match=r"unknown tiktoken encoding; known: \['bytes'\]"):
         load_tokenizer(TokenizerConfig(kind="tiktoken", path="gpt9"), data_cfg)
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+GEMMA = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{% set role = 'model' %}"
+         "{% else %}{% set role = m['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + m['content'] | trim "
+         "+ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template,in_file", [(CHATML, False), (GEMMA, True)])
+def test_checkpoint_chat_template_matches_transformers(tmp_path, template, in_file):
+    """A checkpoint's chat template (tokenizer_config.json or chat_template.jinja) renders exactly as
+    transformers' apply_chat_template, offline, and survives save/load (a run's tokenizer directory)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models as tok_models
+
+    from jaxtune.config import TokenizerConfig
+    from jaxtune.data.tokenizer import load_tokenizer, load_tokenizer_dir
+
+    vocab = {t: i for i, t in enumerate(["<eos>", "<bos>", "<|im_start|>", "<|im_end|>", "a", "b"])}
+    raw = RawTokenizer(tok_models.WordLevel(vocab, unk_token="a"))
+    raw.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": "<bos>"}
+    if in_file:
+        (tmp_path / "chat_template.jinja").write_text(template)
+    else:
+        config["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi "},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok = load_tokenizer(TokenizerConfig(kind="hf", path=str(tmp_path)), None)
+    for gen in (False, True):
+        expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        assert tok.apply_chat_template(messages, add_generation_prompt=gen) == expected
+    tok.save(tmp_path / "saved")
+    again = load_tokenizer_dir(tmp_path / "saved")
+    assert again.apply_chat_template(messages, add_generation_prompt=True) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)

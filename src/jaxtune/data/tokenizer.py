@@ -65,7 +65,7 @@ class Tokenizer(abc.ABC):
 class _HFTokenizer(Tokenizer):
     """A HuggingFace ``tokenizers.Tokenizer`` (our trained BPE, a tokenizer.json, or a hub tokenizer)."""
 
-    def __init__(self, tok: tokenizers.Tokenizer, eos_token: str, where: str):
+    def __init__(self, tok: tokenizers.Tokenizer, eos_token: str, where: str, source: Path | None = None):
         eos_id = tok.token_to_id(eos_token)
         if eos_id is None:
             raise DataError(f"{where}: eos token {eos_token!r} is not in the vocabulary")
@@ -75,6 +75,20 @@ class _HFTokenizer(Tokenizer):
         self._eos_token = eos_token
         self.eos_id = eos_id
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        self._source = source  # a checkpoint's tokenizer directory: its config files travel with save()
+        self._config = _read_json(source / "tokenizer_config.json") if source else {}
+        self.chat_template = _chat_template(source, self._config) if source else None
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """Render ``messages`` with the checkpoint's chat template, as ``transformers`` does (same Jinja
+        environment and variables), offline."""
+        if self.chat_template is None:
+            raise DataError("this tokenizer has no chat template (tokenizer_config.json chat_template or "
+                            "chat_template.jinja)")
+        specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self._config.items()
+                    if k.endswith("_token") and isinstance(v, (str, dict))}
+        return _jinja_env().from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **specials)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch_fast skips the character offsets, which we never use.
@@ -86,9 +100,13 @@ class _HFTokenizer(Tokenizer):
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / "tokenizer.json"))
-        # tokenizer_config.json makes the directory loadable by transformers.AutoTokenizer as well.
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self._eos_token}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self._source is not None:  # a checkpoint's tokenizer: keep its own config (chat template, specials)
+            for name in _TOKENIZER_FILES:
+                if (self._source / name).is_file() and self._source.resolve() != directory.resolve():
+                    shutil.copyfile(self._source / name, directory / name)
+        else:  # tokenizer_config.json makes the directory loadable by transformers.AutoTokenizer as well.
+            config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self._eos_token}
+            (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         meta = {"kind": "hf", "eos_token": self._eos_token, "eos_id": self.eos_id}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -136,7 +154,7 @@ def load_tokenizer_dir(directory: Path) -> Tokenizer:
     if meta["kind"] == "tiktoken":
         return _load_tiktoken(meta["encoding"])
     tok = tokenizers.Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
-    return _HFTokenizer(tok, meta["eos_token"], where=str(directory))
+    return _HFTokenizer(tok, meta["eos_token"], where=str(directory), source=Path(directory))
 
 
 def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
@@ -193,10 +211,46 @@ def _load_hf(path: str) -> Tokenizer:
                 "save a fast tokenizer there (AutoTokenizer.from_pretrained(...).save_pretrained(DIR))"
             )
         tok = tokenizers.Tokenizer.from_file(str(file))
-        return _HFTokenizer(tok, _eos_token_of(local, tok, path), where=f"tokenizer.path={path}")
+        return _HFTokenizer(tok, _eos_token_of(local, tok, path), where=f"tokenizer.path={path}", source=local)
     if local.exists() or path.startswith((".", "/", "~")):
         raise DataError(f"tokenizer.path={path}: not a directory with tokenizer.json, nor a hub name")
     return _load_hub(path)
+
+
+_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text()) if file.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise DataError(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    """The default chat template: chat_template.jinja, else tokenizer_config.json's (a string, or a list of
+    named templates of which "default" is used)."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    t = config.get("chat_template")
+    if isinstance(t, list):
+        t = next((x["template"] for x in t if x.get("name") == "default"), None)
+    return t
+
+
+def _jinja_env():
+    """The sandboxed Jinja environment transformers renders chat templates in."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise DataError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    return env
 
 
 def _eos_token_of(directory: Path, tok: tokenizers.Tokenizer, path: str) -> str:

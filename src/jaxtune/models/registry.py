@@ -27,14 +27,14 @@ def model_config(cfg: ModelConfig, vocab_size: int | None = None) -> Any:
     ``model.vocab_size`` is not set."""
     if cfg.from_hf:
         return _from_checkpoint(cfg, vocab_size)
-    fam = FAMILIES[cfg.family]
+    fam = FAMILIES[cfg.family or "gpt2"]
     if cfg.preset not in fam.presets:
-        raise ConfigError(f"model.preset={cfg.preset!r} is not a {cfg.family} preset; choose one of {sorted(fam.presets)}")
+        raise ConfigError(f"model.preset={cfg.preset!r} is not a {fam.name} preset; choose one of {sorted(fam.presets)}")
     fields = {f.name for f in dataclasses.fields(fam.config_cls)}
     given = {k: v for k, v in cfg.model_dump().items() if v is not None and k not in ("family", "preset", "from_hf")}
     foreign = sorted(k for k in given if k not in fields and k in STRUCTURAL)
     if foreign:
-        raise ConfigError(f"model.{foreign[0]} does not apply to the {cfg.family} family")
+        raise ConfigError(f"model.{foreign[0]} does not apply to the {fam.name} family")
     overrides = {k: v for k, v in given.items() if k in fields}
     if "vocab_size" not in overrides and vocab_size is not None:
         overrides["vocab_size"] = vocab_size
@@ -51,7 +51,7 @@ def _from_checkpoint(cfg: ModelConfig, vocab_size: int | None) -> Any:
         fam, base, _ = read_hf_config(cfg.from_hf)
     except (CheckpointError, ValueError) as e:
         raise ConfigError(f"model.from_hf={cfg.from_hf}: {e}") from None
-    if "family" in cfg.model_fields_set and cfg.family != fam.name:
+    if cfg.family is not None and cfg.family != fam.name:
         raise ConfigError(f"model.family={cfg.family} but model.from_hf={cfg.from_hf} holds a {fam.name} model; "
                           "drop model.family (the checkpoint decides)")
     fixed = [k for k in STRUCTURAL if getattr(cfg, k) is not None]

@@ -115,7 +115,7 @@ def train(cfg: Config) -> TrainResult:
     traces = [0]
     step_impl = make_train_step(spec.graphdef, spec.tx, spec.lr_schedule, micro_batches=cfg.train.micro_batches,
                                 skip_nonfinite=cfg.train.on_nan == "skip",
-                                use_dropout=spec.model_cfg.dropout > 0)
+                                use_dropout=spec.model_cfg.dropout > 0, loss_chunk=cfg.train.loss_chunk)
 
     def counted_step(state, batch):
         traces[0] += 1
@@ -124,7 +124,7 @@ def train(cfg: Config) -> TrainResult:
     batch_sh = sharding.batch_sharding(mesh)
     train_step = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh),
                          out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(spec.graphdef), in_shardings=(spec.shardings.params, batch_sh))
+    eval_step = jax.jit(make_eval_step(spec.graphdef, cfg.train.loss_chunk), in_shardings=(spec.shardings.params, batch_sh))
     generator = Generator(spec.graphdef, spec.model_cfg.max_seq_len)
 
     # Loop.

@@ -32,12 +32,17 @@ class StateSpec:
     mesh: Mesh
     shardings: TrainState  # NamedSharding per leaf
     abstract: TrainState  # ShapeDtypeStruct per leaf, with .sharding
+    from_hf: str | None = None  # initial weights: this HuggingFace checkpoint instead of the family's init
 
-    def init(self, seed: int, params: Any = None) -> TrainState:
-        """A fresh state, created sharded (each device computes only its own shards). ``params``: start from
-        these (already placed with ``shardings.params``, e.g. read from a HuggingFace checkpoint) instead of
-        the family's random init."""
+    def init(self, seed: int) -> TrainState:
+        """A fresh state, created sharded (each device computes or reads only its own shards)."""
         cfg, tx = self.model_cfg, self.tx
+        params = None
+        if self.from_hf:
+            from jaxtune.models.hf import HFCheckpoint, family_of, load_params
+
+            ckpt = HFCheckpoint(self.from_hf)
+            params = load_params(ckpt, family_of(ckpt.config), self.abstract.params, self.shardings.params)
 
         def make(params):
             if params is None:
@@ -61,5 +66,6 @@ def make_state_spec(cfg: Config, vocab_size: int, mesh: Mesh) -> StateSpec:
         transform_non_params=lambda _: rep, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     shardings = TrainState(step=rep, params=param_sh, opt_state=opt_sh, key=rep, nan_streak=rep, nan_skipped=rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
-    return StateSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract)
+    return StateSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract,
+                     cfg.model.from_hf)
 

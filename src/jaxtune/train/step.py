@@ -35,13 +35,60 @@ def init_state(params: Any, tx: optax.GradientTransformation, seed: int) -> Trai
     )
 
 
-def token_loss(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], key: jax.Array | None):
-    """Summed cross-entropy over counted tokens, and the number of counted tokens (both float32 scalars)."""
+LOGITS_BUDGET = 1 << 30  # bytes of float32 logits the auto policy materialises at once (1 GiB)
+CHUNK_BUDGET = 1 << 28  # bytes per chunk when it does chunk (256 MiB)
+
+
+def loss_chunk_size(batch: int, seq: int, vocab: int, requested: int = 0) -> int:
+    """Sequence positions per cross-entropy chunk: ``requested`` when set (> 0), else ``seq`` (no chunking)
+    while the full float32 logits fit LOGITS_BUDGET, else the largest divisor of ``seq`` within CHUNK_BUDGET."""
+    if requested > 0:
+        if seq % requested and requested < seq:
+            raise ValueError(f"train.loss_chunk={requested} does not divide the sequence length {seq}")
+        return min(requested, seq)
+    if batch * seq * vocab * 4 <= LOGITS_BUDGET:
+        return seq
+    fits = [c for c in range(1, seq + 1) if seq % c == 0 and batch * c * vocab * 4 <= CHUNK_BUDGET]
+    return max(fits or [1])
+
+
+def chunked_cross_entropy(head, hidden: jax.Array, targets: jax.Array, weights: jax.Array, chunk: int) -> jax.Array:
+    """sum(weights * CE(head(hidden), targets)) computed ``chunk`` sequence positions at a time.
+
+    hidden (B, T, D) -> head -> (B, chunk, V) float32 logits per chunk, rematerialised in the backward pass, so
+    at most one chunk of logits is alive: a 262k vocabulary never holds (B, T, V) floats.
+    """
+    b, t, d = hidden.shape
+    n = t // chunk
+    xs = (hidden.reshape(b, n, chunk, d).swapaxes(0, 1), targets.reshape(b, n, chunk).swapaxes(0, 1),
+          weights.reshape(b, n, chunk).swapaxes(0, 1))
+
+    @jax.checkpoint
+    def one(h, tgt, w):
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(head(h), tgt) * w)
+
+    total, _ = jax.lax.scan(lambda acc, x: (acc + one(*x), None), jnp.zeros((), jnp.float32), xs)
+    return total
+
+
+def token_loss(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], key: jax.Array | None,
+               loss_chunk: int = 0):
+    """Summed cross-entropy over counted tokens, and the number of counted tokens (both float32 scalars).
+
+    ``loss_chunk``: sequence positions per cross-entropy chunk (0: auto, see `loss_chunk_size`)."""
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], positions=batch.get("positions"), key=key)  # (B, T, V) float32
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
-    weights = batch.get("loss_mask", jnp.ones_like(ce))
-    return jnp.sum(ce * weights), jnp.sum(weights)
+    tokens, targets = batch["inputs"], batch["targets"]
+    weights = batch.get("loss_mask", jnp.ones(targets.shape, jnp.float32))
+    kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"), key=key)
+    b, t = tokens.shape
+    chunk = loss_chunk_size(b, t, model.cfg.vocab_size, loss_chunk)
+    if chunk >= t:
+        logits = model(tokens, **kw)  # (B, T, V) float32
+        loss_sum = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights)
+    else:
+        loss_sum = chunked_cross_entropy(model.logits, model(tokens, return_hidden=True, **kw), targets, weights,
+                                         chunk)
+    return loss_sum, jnp.sum(weights)
 
 
 def _split_micro(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
@@ -51,10 +98,11 @@ def _split_micro(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *,
-                    micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True):
+                    micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True,
+                    loss_chunk: int = 0):
     """Build the step. The loss is token-weighted over the whole batch: gradients of summed losses are
     accumulated over micro-batches and divided once by the total token count (not a mean of means)."""
-    grad_fn = jax.value_and_grad(lambda p, b, k: token_loss(graphdef, p, b, k), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, b, k: token_loss(graphdef, p, b, k, loss_chunk), has_aux=True)
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]):
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step) if use_dropout else None
@@ -97,10 +145,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef):
+def make_eval_step(graphdef: nnx.GraphDef, loss_chunk: int = 0):
     """(params, batch) -> (summed loss, token count); deterministic (no dropout)."""
 
     def eval_step(params, batch):
-        return token_loss(graphdef, params, batch, None)
+        return token_loss(graphdef, params, batch, None, loss_chunk)
 
     return eval_step
