@@ -88,42 +88,21 @@ def gpt_params():
 
 
 def _hf_gpt2_to_params(hf_model, n_layer: int) -> dict:
-    """transformers GPT2LMHeadModel state -> jaxtune loop-layout params (a test helper; the real importer is issue 3).
+    """transformers GPT2LMHeadModel -> jaxtune params, through the real importer (save_pretrained + from_hf)."""
+    import tempfile
 
-    HF Conv1D weights are already (in, out); c_attn's 3D output columns are q | k | v with heads contiguous, the
-    same order as jaxtune's (D, 3, N*H) qkv.
-    """
-    sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
-    d = sd["transformer.wte.weight"].shape[1]
+    from flax import nnx
 
-    def ln(name):
-        return {"scale": sd[f"{name}.weight"], "bias": sd[f"{name}.bias"]}
+    from jaxtune.models import from_hf
 
-    def dense(name):
-        return {"kernel": sd[f"{name}.weight"], "bias": sd[f"{name}.bias"]}
-
-    blocks = {}
-    for i in range(n_layer):
-        h = f"transformer.h.{i}"
-        blocks[i] = {
-            "ln_1": ln(f"{h}.ln_1"),
-            "qkv": sd[f"{h}.attn.c_attn.weight"].reshape(d, 3, d),
-            "qkv_bias": sd[f"{h}.attn.c_attn.bias"].reshape(3, d),
-            "attn_out": dense(f"{h}.attn.c_proj"),
-            "ln_2": ln(f"{h}.ln_2"),
-            "fc": dense(f"{h}.mlp.c_fc"),
-            "proj": dense(f"{h}.mlp.c_proj"),
-        }
-    tree = {
-        "wte": {"embedding": sd["transformer.wte.weight"]},
-        "wpe": {"embedding": sd["transformer.wpe.weight"]},
-        "blocks": blocks,
-        "ln_f": ln("transformer.ln_f"),
-    }
-    return jax.tree.map(jnp.asarray, tree)
+    with tempfile.TemporaryDirectory() as d:
+        hf_model.save_pretrained(d)
+        model = from_hf(d)
+        assert model.cfg.n_layer == n_layer
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 @pytest.fixture(scope="session")
 def hf_gpt2_to_params():
-    """transformers GPT2LMHeadModel -> jaxtune GPT-2 params (a test helper; the real importer is issue 3)."""
+    """transformers GPT2LMHeadModel -> jaxtune GPT-2 params (loop layout)."""
     return _hf_gpt2_to_params

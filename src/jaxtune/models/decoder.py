@@ -235,7 +235,7 @@ class Decoder(nnx.Module):
 
         if cfg.scan_layers:
             if len(ctx) > 1 and ctx["full"][1] is None:  # one traced body for both kinds: materialise the mask
-                ctx["full"] = (full_rope, layer_mask(t, cache, index, key_valid, segment_ids, cfg.max_seq_len + t))
+                ctx["full"] = (full_rope, layer_mask(t, cache, index, key_valid, segment_ids, explicit=True))
             layer_args = [kind == "sliding" for kind in types]
 
             def body(layer, x, k, kv, sliding):

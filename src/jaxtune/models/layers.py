@@ -253,10 +253,12 @@ def cache_mask(key_valid: jax.Array, index: jax.Array, t: int, window: int | Non
     return attention_mask(index + jnp.arange(t), jnp.arange(key_valid.shape[1]), window=window, key_valid=key_valid)
 
 
-def layer_mask(t: int, cache, index, key_valid, segment_ids, window: int | None = None) -> jax.Array | None:
+def layer_mask(t: int, cache, index, key_valid, segment_ids, window: int | None = None,
+               explicit: bool = False) -> jax.Array | None:
     """The attention mask of a forward pass over ``t`` new tokens: None for plain causal training (the fast
-    path), else (B|1, 1, t, S) from the cache slots, padding (``key_valid``) and packing (``segment_ids``)."""
-    if cache is None and key_valid is None and segment_ids is None and window is None:
+    path; ``explicit`` asks for the array instead), else (B|1, 1, t, S) from the cache slots, padding
+    (``key_valid``), packing (``segment_ids``) and a sliding ``window``."""
+    if cache is None and key_valid is None and segment_ids is None and window is None and not explicit:
         return None
     if cache is not None:
         return cache_mask(key_valid, index, t, window)
