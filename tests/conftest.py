@@ -67,9 +67,6 @@ def gpt_params():
     LayerNorm scales are 1 + noise, every other tensor (biases included) is 0.02 * noise: nothing is a constant,
     so a swapped or transposed tensor shows up in any comparison.
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from jaxtune.models.gpt2 import GPT

@@ -14,14 +14,14 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxtune.cli import main  # noqa: E402
-from jaxtune.config import load_config  # noqa: E402
-from jaxtune.data import load_tokenizer  # noqa: E402
-from jaxtune.evaluate import load_run  # noqa: E402
-from jaxtune.models import build_model, from_hf  # noqa: E402
-from jaxtune.models.gemma3 import PRESETS as GEMMA3  # noqa: E402
-from jaxtune.train.loop import train  # noqa: E402
-from jaxtune.train.step import chunked_cross_entropy, loss_chunk_size, token_loss  # noqa: E402
+from jaxtune.cli import main
+from jaxtune.config import load_config
+from jaxtune.data import load_tokenizer
+from jaxtune.evaluate import load_run
+from jaxtune.models import build_model, from_hf
+from jaxtune.models.gemma3 import PRESETS as GEMMA3
+from jaxtune.train.loop import train
+from jaxtune.train.step import chunked_cross_entropy, loss_chunk_size, token_loss
 
 DATA = ["data.sources=[python-stdlib]", "data.max_bytes=300000", "data.seq_len=32", "data.val_fraction=0.05",
         "optim.lr=1e-3", "train.steps=4", "train.batch_size=4", "eval.batches=1", "checkpoint.every=2",

@@ -56,7 +56,7 @@ def info(cfg: Config, vocab_size: int | None = None) -> dict[str, Any]:
 
 
 def format_info(d: dict[str, Any]) -> str:
-    gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
+    gib = lambda b: f"{b / 2**30:.3f} GiB"
     m = d["memory_per_device"]
     return "\n".join([
         f"model:            {d['model']}",

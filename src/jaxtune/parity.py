@@ -62,9 +62,13 @@ def _batch(directory: Path, vocab: int, batch: int, seq: int, seed: int) -> tupl
 def parity(directory: str | Path, *, batch: int = 2, seq: int = 32, new_tokens: int = 32, tolerance: float = 1e-4,
            seed: int = 0) -> ParityReport:
     import jax.numpy as jnp
-    import torch
-    import transformers
     from flax import nnx
+
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise ImportError("jaxtune parity runs the checkpoint in transformers too: pip install 'jaxtune[hf,torch]'")
 
     from jaxtune.generate import Generator
     from jaxtune.models.hf import from_hf, read_hf_config

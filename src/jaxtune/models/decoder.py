@@ -16,8 +16,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtune.models.layers import (REMAT_POLICIES, Dense, Embed, RMSNorm, Rope, apply_rope, attention, constrain,
-                                   dropout, layer_mask, residual_fence, run_layers, stack_layers, update_cache)
+from jaxtune.models.layers import (
+    REMAT_POLICIES,
+    Dense,
+    Embed,
+    RMSNorm,
+    Rope,
+    apply_rope,
+    attention,
+    constrain,
+    dropout,
+    layer_mask,
+    residual_fence,
+    run_layers,
+    stack_layers,
+    update_cache,
+)
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,

@@ -116,7 +116,7 @@ def layer_types_to_hf(types: tuple[str, ...]) -> list[str]:
 
 
 def token_ids_from_hf(c: dict[str, Any]) -> dict[str, int | None]:
-    first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731  (eos may be a list)
+    first = lambda v: v[0] if isinstance(v, list) else v
     return {"bos_id": first(c.get("bos_token_id")), "eos_id": first(c.get("eos_token_id")),
             "pad_id": first(c.get("pad_token_id"))}
 

@@ -11,8 +11,16 @@ from functools import partial
 from typing import Any
 
 from jaxtune.models.decoder import Decoder, DecoderConfig
-from jaxtune.models.family import (Family, UnsupportedModelError, decoder_from_hf, decoder_hf_map, decoder_to_hf,
-                                   require, rope_from_hf, TORCHAX_HINT)
+from jaxtune.models.family import (
+    TORCHAX_HINT,
+    Family,
+    UnsupportedModelError,
+    decoder_from_hf,
+    decoder_hf_map,
+    decoder_to_hf,
+    require,
+    rope_from_hf,
+)
 from jaxtune.models.layers import Rope
 
 _GEMMA3 = partial(DecoderConfig, family="gemma3", norm_eps=1e-6, norm_offset=1.0, qk_norm=True, sandwich_norm=True,

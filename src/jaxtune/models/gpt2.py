@@ -15,8 +15,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune.models.family import Family, Map, require
-from jaxtune.models.layers import (REMAT_POLICIES, Dense, Embed, LayerNorm, attention, constrain, dropout,
-                                   layer_mask, residual_fence, run_layers, stack_layers, update_cache)
+from jaxtune.models.layers import (
+    REMAT_POLICIES,
+    Dense,
+    Embed,
+    LayerNorm,
+    attention,
+    constrain,
+    dropout,
+    layer_mask,
+    residual_fence,
+    run_layers,
+    stack_layers,
+    update_cache,
+)
 
 
 @dataclass(frozen=True)

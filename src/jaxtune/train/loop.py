@@ -190,8 +190,7 @@ def train(cfg: Config) -> TrainResult:
             result.samples = [p + tokenizer.decode(x) for p, x in zip(cfg.eval.prompts, ids)]
             if proc == 0:
                 with open(run_dir / "samples.jsonl", "a") as f:
-                    for text in result.samples:
-                        f.write(json.dumps({"step": step, "text": text}) + "\n")
+                    f.writelines(json.dumps({"step": step, "text": text}) + "\n" for text in result.samples)
             for text in result.samples:
                 writer.message(f"--- sample @ step {step} ---\n{text}")
 

@@ -128,7 +128,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
         params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if skip_nonfinite:
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
             params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         new_state = TrainState(
             step=state.step + 1,
