@@ -56,10 +56,14 @@ def from_hf(c: dict[str, Any]) -> DecoderConfig:
         embed_scale=True, query_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
         local_rope=rope_from_hf(c, "sliding_attention", default_theta=10000.0),
         rope=rope_from_hf(c, "full_attention", default_theta=1e6),
-        attn_softcap=c.get("attn_logit_softcapping"), final_softcap=c.get("final_logit_softcapping"))
+        # Gemma 3 in transformers keeps attn_logit_softcapping in its config but never applies it (Gemma 2 did):
+        # the checkpoint's model is the one without it.
+        attn_softcap=None, final_softcap=c.get("final_logit_softcapping"))
 
 
 def to_hf(cfg: DecoderConfig) -> dict[str, Any]:
+    if cfg.attn_softcap is not None:
+        raise ValueError("Gemma 3 in transformers does not apply an attention logit soft-cap; this model has one")
     scalar = cfg.query_scale ** -2 if cfg.query_scale else cfg.hd
     extra: dict[str, Any] = {}
     types = cfg.types
@@ -72,7 +76,7 @@ def to_hf(cfg: DecoderConfig) -> dict[str, Any]:
         raise ValueError("Gemma 3 config.json has no scaling for the sliding layers' RoPE")
     return decoder_to_hf(cfg, "gemma3_text", "Gemma3ForCausalLM", act_key="hidden_activation",
                          query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
-                         rope_local_base_freq=local.theta, attn_logit_softcapping=cfg.attn_softcap,
+                         rope_local_base_freq=local.theta, attn_logit_softcapping=None,
                          final_logit_softcapping=cfg.final_softcap, **extra)
 
 

@@ -30,7 +30,9 @@ def from_hf(c: dict[str, Any]) -> DecoderConfig:
 def to_hf(cfg: DecoderConfig) -> dict[str, Any]:
     if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or "full" in cfg.types and cfg.sliding_window:
         raise ValueError("a Mistral config.json has no biases, no q/k norm, and one window for every layer")
-    return decoder_to_hf(cfg, "mistral", "MistralForCausalLM")
+    c = decoder_to_hf(cfg, "mistral", "MistralForCausalLM")
+    del c["layer_types"]  # transformers 5 reads mistral + layer_types as Ministral; sliding_window says it all
+    return c
 
 
 FAMILY = Family("mistral", DecoderConfig, Decoder, PRESETS, ("mistral",), decoder_hf_map(), from_hf, to_hf,
