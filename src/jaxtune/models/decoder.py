@@ -217,8 +217,10 @@ class Decoder(nnx.Module):
         self.layers = stack_layers(lambda r: DecoderLayer(cfg, rngs=r), cfg.n_layer, cfg.scan_layers, rngs)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, offset=cfg.norm_offset, param_dtype=pd, dtype=cd)
         if not cfg.tie_embeddings:
-            self.lm_head = Dense(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, std=cfg.init_std,
-                                 bias=False, param_dtype=pd, dtype=cd)
+            # (V, D) like the embedding, not a (D, V) Dense: XLA:CPU computes the weight gradient of a (D, V)
+            # head through a transposed copy of the logits gradient that falls back to a slow dot (~15% of a step)
+            self.lm_head = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), rngs=rngs, std=cfg.init_std,
+                                 param_dtype=pd, dtype=cd)
 
     def __call__(self, tokens, positions=None, key=None, cache=None, index=None, key_valid=None, segment_ids=None,
                  return_hidden=False):
@@ -273,7 +275,7 @@ class Decoder(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states (..., D) -> float32 logits (..., V), soft-capped when the family does."""
-        y = self.embed.attend(hidden) if self.cfg.tie_embeddings else self.lm_head(hidden)
+        y = (self.embed if self.cfg.tie_embeddings else self.lm_head).attend(hidden)
         y = y.astype(jnp.float32)
         if self.cfg.final_softcap is not None:
             y = jnp.tanh(y / self.cfg.final_softcap) * self.cfg.final_softcap

@@ -138,7 +138,7 @@ def decoder_hf_map(**renames: str) -> dict[str, Map]:
     """jaxtune `Decoder` param -> HF tensor, in the Llama naming; ``renames`` replaces the HF name of a param
     (Gemma 3 calls its pre-MLP norm ``pre_feedforward_layernorm``)."""
     m = {"embed.embedding": Map("model.embed_tokens.weight"), "norm.scale": Map("model.norm.weight"),
-         "lm_head.kernel": Map("lm_head.weight", transpose=True),
+         "lm_head.embedding": Map("lm_head.weight"),
          "layers.{i}.attn_norm.scale": Map(_L + "input_layernorm.weight"),
          "layers.{i}.mlp_norm.scale": Map(_L + "post_attention_layernorm.weight"),
          "layers.{i}.attn.q_norm.scale": Map(_L + "self_attn.q_norm.weight"),
