@@ -129,3 +129,23 @@ def test_parity_command(hf_llama, capsys):
     out = capsys.readouterr().out
     assert "PASS" in out and "greedy agreement:       8/8, 8/8" in out and "tokenized sample text" in out
     assert main(["parity", str(hf_llama), "--new-tokens", "0", "--seq", "16", "--tolerance", "0"]) == 1
+
+
+def test_pretrained_gpt2_run_exports_to_transformers(tiny_cfg, tmp_path):
+    """A GPT-2 pretrained from scratch (our BPE, scanned layers) exports to a directory that transformers loads
+    (model and tokenizer) with our logits (<=1e-5 rel); bf16 export halves the weights."""
+    cfg = tiny_cfg("train.steps=2", "model.scan_layers=true")
+    train(cfg)
+    out = tmp_path / "gpt2-export"
+    assert main(["export", str(cfg.run_path), str(out)]) == 0
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(hf).__name__ == "GPT2LMHeadModel" and not info["missing_keys"]
+    ids = np.asarray([transformers.AutoTokenizer.from_pretrained(out).encode("import os\nprint(os.getcwd())")])
+    run = load_run(cfg.run_path)
+    ours = np.asarray(nnx.merge(run.spec.graphdef, run.params)(jnp.asarray(ids)))
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+    assert main(["export", str(cfg.run_path), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    size = lambda d: (d / "model.safetensors").stat().st_size
+    assert size(tmp_path / "bf16") < 0.55 * size(out)
