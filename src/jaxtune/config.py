@@ -161,6 +161,16 @@ class MeshConfig(_Section):
         return self
 
 
+class DistributedConfig(_Section):
+    """Multi-host runs (`jax.distributed.initialize`); see jaxtune.train.distributed. Leave everything unset on
+    TPU VMs, SLURM and Open MPI: JAX reads the cluster from the environment."""
+
+    initialize: Literal["auto", "always", "never"] = "auto"
+    coordinator_address: str | None = Field(None, description="host:port of process 0 (or JAX_COORDINATOR_ADDRESS)")
+    num_processes: int | None = Field(None, ge=1)
+    process_id: int | None = Field(None, ge=0)
+
+
 class LoggingConfig(_Section):
     every: int = Field(10, ge=1)
     progress: bool = True
@@ -180,6 +190,7 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")

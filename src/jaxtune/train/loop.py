@@ -18,7 +18,7 @@ import jax
 from jaxtune.config import Config, ConfigError, dump_config, identity_diff
 from jaxtune.data import load_tokenizer, make_eval_batches, make_train_iterator, prepare_tokens
 from jaxtune.generate import Generator
-from jaxtune.train import sharding
+from jaxtune.train import distributed, sharding
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import MetricsWriter, peak_flops, plot_loss
 from jaxtune.train.state import make_state_spec
@@ -42,21 +42,36 @@ class TrainResult:
 
 
 class _Preemption:
-    """SIGTERM sets a flag; the loop checkpoints at the next step boundary and exits cleanly."""
+    """SIGTERM stops the run at a step boundary with a checkpoint.
 
-    def __init__(self):
+    One process: a SIGTERM handler sets a flag. Several (jax.distributed): JAX's preemption service already
+    listens for SIGTERM on every host and agrees on one step for all of them
+    (`multihost_utils.reached_preemption_sync_point`, asked at every step), so every host saves the same step.
+    """
+
+    def __init__(self, multi_host: bool):
+        self.multi_host = multi_host
         self.requested = False
         self._previous = None
 
     def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
+        if not self.multi_host:
+            try:
+                self._previous = signal.signal(signal.SIGTERM, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                self._previous = None
         return self
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def reached(self, step: int) -> bool:
+        """Whether to save and stop after ``step``; call it once per step, on every host."""
+        if self.multi_host:
+            from jax.experimental import multihost_utils
+
+            self.requested = self.requested or multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
 
     def __exit__(self, *exc):
         if self._previous is not None:
@@ -65,6 +80,7 @@ class _Preemption:
 
 def train(cfg: Config) -> TrainResult:
     """Train (or resume) the run described by ``cfg``; re-running the same config resumes it."""
+    multi_host = distributed.initialize(cfg.distributed)  # before anything touches a device
     run_dir = cfg.run_path
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.train.compile_cache_dir:
@@ -198,7 +214,7 @@ def train(cfg: Config) -> TrainResult:
         drain()  # never save a state whose loss has not been checked
         ckpt.save(step, state, train_iter.get_state(), cfg.to_dict())
 
-    with _Preemption() as preemption, sharding.use_mesh(mesh):
+    with _Preemption(multi_host) as preemption, sharding.use_mesh(mesh):
         step = start
         while step < total:
             batch = sharding.global_batch(mesh, next(train_iter))
@@ -210,9 +226,10 @@ def train(cfg: Config) -> TrainResult:
             if cfg.eval.every and step % cfg.eval.every == 0 and step < total:
                 drain()
                 run_eval(step)
-            if step % cfg.checkpoint.every == 0 or step == total or preemption.requested:
+            stop = preemption.reached(step)
+            if step % cfg.checkpoint.every == 0 or step == total or stop:
                 save(step)
-            if preemption.requested:
+            if stop:
                 writer.message(f"SIGTERM: saved step {step}, exiting; re-run the same command to resume")
                 result.preempted = True
                 break

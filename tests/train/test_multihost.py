@@ -1,0 +1,89 @@
+"""A real 2-process `jax.distributed` run on localhost (CPU, gloo collectives), launched by the test: the same
+losses as one process on the same global batch, and its checkpoint resumes in a one-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxtune.config import load_config
+from jaxtune.data import load_tokenizer, prepare_tokens
+from jaxtune.train.loop import train
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from jaxtune.config import load_config
+    from jaxtune.train.loop import train
+    import jax
+
+    result = train(load_config(None, sys.argv[2:]))
+    assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())
+    with open(sys.argv[1], "w") as f:
+        json.dump({"losses": result.losses, "process": jax.process_index(), "compiles": result.step_compiles}, f)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_and_resume_in_one(tmp_path, tiny_overrides):
+    base = tiny_overrides + ["train.steps=10", "checkpoint.every=5", "checkpoint.async_save=false"]
+    ref_cfg = load_config(None, base + [f"run_dir={tmp_path / 'single'}"])
+    prepare_tokens(ref_cfg.data, load_tokenizer(ref_cfg.tokenizer, ref_cfg.data))  # the shared cache, built once
+    ref = train(ref_cfg)
+
+    run_dir = tmp_path / "two"
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / f"out{i}.json"), *base, f"run_dir={run_dir}",
+                          f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+                          f"distributed.process_id={i}", "mesh.data=2", "mesh.fsdp=2"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    for i in range(2):
+        got = json.loads((tmp_path / f"out{i}.json").read_text())
+        assert got["process"] == i and got["compiles"] == 1
+        for step, loss in got["losses"].items():  # every process sees the global loss
+            assert abs(loss - ref.losses[int(step)]) <= 1e-5 * abs(ref.losses[int(step)]), (i, step)
+
+    # The 2-process checkpoint of step 5 resumes in one process (one device) and continues the same trajectory.
+    shutil.rmtree(run_dir / "checkpoints" / "10")
+    resumed = train(load_config(None, base + [f"run_dir={run_dir}"]))
+    assert sorted(resumed.losses) == list(range(6, 11))
+    for step, loss in resumed.losses.items():
+        assert abs(loss - ref.losses[step]) <= 1e-5 * abs(ref.losses[step]), step
+
+
+def test_single_process_does_not_initialize(tiny_cfg):
+    from jaxtune.train import distributed
+
+    assert distributed.initialize(tiny_cfg().distributed) is False
+
+
+@pytest.mark.parametrize("env,expected", [({"SLURM_NTASKS": "4"}, True), ({"SLURM_NTASKS": "1"}, False),
+                                          ({"TPU_WORKER_HOSTNAMES": "a,b"}, True), ({}, False)])
+def test_cluster_detection(monkeypatch, env, expected):
+    from jaxtune.train import distributed
+
+    for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert distributed._cluster_detected() is expected
