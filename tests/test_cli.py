@@ -74,3 +74,19 @@ def test_console_script_runs_the_shipped_quickstart(tmp_path, data_cache):
     assert "validation loss" in proc.stdout + proc.stderr and "sample @ step 12" in proc.stdout + proc.stderr
     for name in ("loss.png", "metrics.jsonl", "config.yaml", "checkpoints/12", "tokenizer/tokenizer.json"):
         assert (run_dir / name).exists(), name
+
+
+def test_info_plans_a_mesh_of_hypothetical_devices(capsys):
+    """`jaxtune info CONFIG --devices N --mesh ...` gives per-device memory for a pod from one CPU: FSDP over 8
+    devices holds an eighth of the params of one device, and a non-dividing layout is a named error."""
+    from jaxtune.cli import main
+
+    assert main(["info", "gpt2-124m", "--devices", "1", "--mesh", "data=1"]) == 0
+    one = capsys.readouterr().out
+    assert main(["info", "gpt2-124m", "--devices", "8", "--mesh", "data=1,fsdp=8"]) == 0
+    eight = capsys.readouterr().out
+    assert "{'data': 1, 'fsdp': 8, 'tensor': 1} over 8 device(s)" in eight
+    params = lambda out: float(out.split("params ")[-1].split(" GiB")[0])  # noqa: E731
+    assert abs(params(one) / params(eight) - 8) < 0.1
+    assert main(["info", "gpt2-124m", "--devices", "7", "--mesh", "data=1,fsdp=7"]) == 2
+    assert "does not divide mesh axis fsdp of size 7" in capsys.readouterr().err

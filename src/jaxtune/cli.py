@@ -78,7 +78,13 @@ def _info(args: argparse.Namespace) -> int:
     from jaxtune.config import load_config
     from jaxtune.info import format_info, info
 
-    print(format_info(info(load_config(args.config, args.overrides))))
+    mesh = []
+    for part in filter(None, (args.mesh or "").split(",")):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("data", "fsdp", "tensor") or not value:
+            raise ConfigError(f"--mesh {args.mesh!r}: expected e.g. data=2,fsdp=4,tensor=1")
+        mesh.append(f"mesh.{key.strip()}={value}")
+    print(format_info(info(load_config(args.config, [*args.overrides, *mesh]), devices=args.devices)))
     return 0
 
 
@@ -129,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="parameters, FLOPs per token and memory per device for a config")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
+    p.add_argument("--mesh", help="mesh sizes, e.g. data=2,fsdp=4,tensor=1 (one may be -1)")
+    p.add_argument("--devices", type=int, help="plan for this many devices instead of this host's")
     p.set_defaults(fn=_info)
 
     p = sub.add_parser("export", help="write a run's latest checkpoint as a HuggingFace model directory")

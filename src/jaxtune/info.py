@@ -23,12 +23,16 @@ def _bytes_per_device(abstract: Any) -> int:
     return total
 
 
-def info(cfg: Config, vocab_size: int | None = None) -> dict[str, Any]:
+def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None) -> dict[str, Any]:
     """Model size, training FLOPs per token and a per-device memory estimate for ``cfg`` on this host's
-    devices. ``vocab_size`` defaults to model.vocab_size, else tokenizer.vocab_size (for bpe)."""
+    devices, or on ``devices`` hypothetical ones (planning a pod from a laptop). ``vocab_size`` defaults to
+    model.vocab_size, else tokenizer.vocab_size (for bpe)."""
     vocab = vocab_size or cfg.model.vocab_size or cfg.tokenizer.vocab_size
     mcfg = model_config(cfg.model, vocab)
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    if devices is None:
+        mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    else:
+        mesh = sharding.abstract_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
     spec = make_state_spec(cfg, vocab, mesh)
     params_b = _bytes_per_device(spec.abstract.params)
     opt_b = _bytes_per_device(spec.abstract.opt_state)
@@ -47,7 +51,7 @@ def info(cfg: Config, vocab_size: int | None = None) -> dict[str, Any]:
         "params_non_embedding": mcfg.num_params(non_embedding=True),
         "flops_per_token": mcfg.flops_per_token(seq),
         "flops_per_step": mcfg.flops_per_token(seq) * cfg.train.batch_size * seq,
-        "devices": mesh.devices.size,
+        "devices": math.prod(mesh.shape.values()),
         "mesh": dict(mesh.shape),
         "memory_per_device": {"params": params_b, "grads": params_b, "optimizer": opt_b, "activations": act_b,
                               "total": 2 * params_b + opt_b + act_b},

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -47,21 +47,31 @@ class ShardingError(ValueError):
     """A mesh or layout that cannot work; the message names the config key or parameter."""
 
 
-def make_mesh(data: int, fsdp: int, tensor: int, devices: list[Any] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over ``devices`` (default: all); one size may be -1 (the rest)."""
-    devices = list(jax.devices() if devices is None else devices)
+def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tuple[int, int, int]:
+    """The (data, fsdp, tensor) sizes over ``n_devices``, resolving one -1 ("the rest")."""
     sizes = [data, fsdp, tensor]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
-        if len(devices) % known:
-            raise ShardingError(f"mesh: {len(devices)} devices do not divide by the fixed axes' product {known}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if math.prod(sizes) != len(devices):
+        if n_devices % known:
+            raise ShardingError(f"mesh: {n_devices} devices do not divide by the fixed axes' product {known}")
+        sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) != n_devices:
         raise ShardingError(
             f"mesh.data × mesh.fsdp × mesh.tensor = {'×'.join(map(str, sizes))} = {math.prod(sizes)}, "
-            f"but there are {len(devices)} devices; make the product match or set one axis to -1"
+            f"but there are {n_devices} devices; make the product match or set one axis to -1"
         )
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+    return tuple(sizes)
+
+
+def make_mesh(data: int, fsdp: int, tensor: int, devices: list[Any] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over ``devices`` (default: all); one size may be -1 (the rest)."""
+    devices = list(jax.devices() if devices is None else devices)
+    return Mesh(np.asarray(devices).reshape(mesh_shape(data, fsdp, tensor, len(devices))), MESH_AXES)
+
+
+def abstract_mesh(data: int, fsdp: int, tensor: int, n_devices: int) -> AbstractMesh:
+    """The same mesh over ``n_devices`` hypothetical devices: for planning (shapes and bytes per device)."""
+    return AbstractMesh(mesh_shape(data, fsdp, tensor, n_devices), MESH_AXES)
 
 
 def spec(names: tuple[str | None, ...]) -> P:
