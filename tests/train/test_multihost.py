@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -27,7 +29,8 @@ WORKER = textwrap.dedent(
     result = train(load_config(None, sys.argv[2:]))
     assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())
     with open(sys.argv[1], "w") as f:
-        json.dump({"losses": result.losses, "process": jax.process_index(), "compiles": result.step_compiles}, f)
+        json.dump({"losses": result.losses, "process": jax.process_index(), "compiles": result.step_compiles,
+                   "step": result.step, "preempted": result.preempted}, f)
     """
 )
 
@@ -38,6 +41,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch(tmp_path, overrides: list[str]) -> list[subprocess.Popen]:
+    """Two processes of one jax.distributed job on localhost, 2 CPU devices each (4 in all)."""
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    return [
+        subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / f"out{i}.json"), *overrides,
+                          f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+                          f"distributed.process_id={i}"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+
+
+def _finish(tmp_path, procs) -> list[dict]:
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+
+
 def test_two_processes_match_one_and_resume_in_one(tmp_path, tiny_overrides):
     base = tiny_overrides + ["train.steps=10", "checkpoint.every=5", "checkpoint.async_save=false"]
     ref_cfg = load_config(None, base + [f"run_dir={tmp_path / 'single'}"])
@@ -45,20 +68,8 @@ def test_two_processes_match_one_and_resume_in_one(tmp_path, tiny_overrides):
     ref = train(ref_cfg)
 
     run_dir = tmp_path / "two"
-    port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / f"out{i}.json"), *base, f"run_dir={run_dir}",
-                          f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
-                          f"distributed.process_id={i}", "mesh.data=2", "mesh.fsdp=2"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    for i in range(2):
-        got = json.loads((tmp_path / f"out{i}.json").read_text())
+    results = _finish(tmp_path, _launch(tmp_path, [*base, f"run_dir={run_dir}", "mesh.data=2", "mesh.fsdp=2"]))
+    for i, got in enumerate(results):
         assert got["process"] == i and got["compiles"] == 1
         for step, loss in got["losses"].items():  # every process sees the global loss
             assert abs(loss - ref.losses[int(step)]) <= 1e-5 * abs(ref.losses[int(step)]), (i, step)
@@ -69,6 +80,25 @@ def test_two_processes_match_one_and_resume_in_one(tmp_path, tiny_overrides):
     assert sorted(resumed.losses) == list(range(6, 11))
     for step, loss in resumed.losses.items():
         assert abs(loss - ref.losses[step]) <= 1e-5 * abs(ref.losses[step]), step
+
+
+def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path, tiny_overrides):
+    """SIGTERM to process 1 only: JAX's preemption sync point makes both processes save the same step, with
+    one committed checkpoint, and exit 0."""
+    run_dir = tmp_path / "run"
+    procs = _launch(tmp_path, [*tiny_overrides, "train.steps=100000", "checkpoint.every=100000",
+                               f"run_dir={run_dir}", "eval.batches=1"])
+    deadline = time.time() + 300
+    while time.time() < deadline:  # wait until training is under way (process 0 logs every step)
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    a, b = _finish(tmp_path, procs)
+    assert a["preempted"] and b["preempted"] and a["step"] == b["step"] < 100000
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [str(a["step"])]
+    assert (run_dir / "checkpoints" / str(a["step"]) / "commit_success.txt").is_file()
 
 
 def test_single_process_does_not_initialize(tiny_cfg):
