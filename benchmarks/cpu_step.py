@@ -19,9 +19,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
-import resource
-import statistics
 import sys
 import time
 
@@ -32,6 +29,7 @@ import numpy as np
 import optax
 import torch
 import torch.nn.functional as F
+from _harness import interleave, pin_threads, run_record, timing_row
 from torch import nn
 
 from jaxtune.config import load_config
@@ -127,12 +125,6 @@ def make_torch_step(model: nn.Module, opt: torch.optim.Optimizer, grad_clip: flo
     return step
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU time of this process (all threads): the work a step costs, contention or not."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def tune_malloc() -> None:
     """Keep freed memory in one glibc heap instead of returning it to the OS (an experiment, not advice).
 
@@ -169,14 +161,9 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.steps < 10 or args.warmup < 3:
         ap.error("use at least 3 warm-up and 10 timed steps")
-    if args.threads:  # before jax creates its CPU client, which sizes its thread pool from the affinity mask
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
+    threads = pin_threads(args.threads)
     if args.malloc_arena:
         tune_malloc()
-
-    # XLA's CPU client sizes its intra-op pool to the cores this process may use; give torch the same.
-    threads = len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
     torch.manual_seed(0)
 
     n_batches = args.warmup + args.steps + 1
@@ -231,32 +218,20 @@ def main(argv=None) -> dict:
             impls["PyTorch torch.compile"] = {"fn": lambda i, s=cstep: s(*torch_batches[i], lrs[i])}
 
         # Step 0 compiles (jit / inductor) and gives the first-step losses from identical weights.
-        for name, im in impls.items():
+        for im in impls.values():
             t0 = time.perf_counter()
-            im["losses"] = [im["fn"](0)]
+            im["outputs"] = [im["fn"](0)]
             im["first_step_s"] = time.perf_counter() - t0
-            im["times"], im["cpu"] = [], []
-        for i in range(1, n_batches):
-            names = list(impls)
-            k = i % len(names)
-            for name in names[k:] + names[:k]:  # rotate the order so no implementation always runs first
-                c0, t0 = _cpu_seconds(), time.perf_counter()
-                impls[name]["losses"].append(impls[name]["fn"](i))
-                dt, dc = time.perf_counter() - t0, _cpu_seconds() - c0
-                if i > args.warmup:
-                    impls[name]["times"].append(dt)
-                    impls[name]["cpu"].append(dc)
+        interleave(impls, range(1, n_batches), timed=lambda i: i > args.warmup)
 
     tokens = args.batch * args.seq
     ref_name = "PyTorch eager"
-    ref_loss = impls[ref_name]["losses"]
+    ref_loss = impls[ref_name]["outputs"]
     rows = []
     for name, im in impls.items():
-        ms = statistics.median(im["times"]) * 1e3
-        rows.append({"implementation": name, "tokens_per_s": tokens / (ms / 1e3), "ms_per_step": ms,
-                     "ms_per_step_min": min(im["times"]) * 1e3, "cpu_ms_per_step": statistics.median(im["cpu"]) * 1e3,
-                     "first_step_s": im["first_step_s"],
-                     "loss_step1": im["losses"][0], "loss_step2": im["losses"][1], "loss_last": im["losses"][-1]})
+        losses = im["outputs"]
+        rows.append({"implementation": name, **timing_row(im, tokens), "first_step_s": im["first_step_s"],
+                     "loss_step1": losses[0], "loss_step2": losses[1], "loss_last": losses[-1]})
     ref_tps = next(r["tokens_per_s"] for r in rows if r["implementation"] == ref_name)
     for r in rows:
         r["ratio_vs_eager"] = r["tokens_per_s"] / ref_tps
@@ -283,24 +258,16 @@ def main(argv=None) -> dict:
               f" {r['first_step_s']:>14.1f} |")
     bad = [r["implementation"] for r in rows if r["loss_step1_rel_diff_vs_eager"] > LOSS_RTOL]
 
-    result = {"machine": {"cpu": _cpu_model(), "cores": os.cpu_count()},
-              "config": vars(args) | {"threads": threads, "params": mc.num_params(),
-                                      "loadavg_before_after": [load0, os.getloadavg()]},
-              "versions": {"python": platform.python_version(), "jax": jax.__version__,
-                           "jaxlib": jaxlib.__version__, "flax": flax.__version__, "optax": optax.__version__,
-                           "torch": torch.__version__, "numpy": np.__version__},
-              "rows": rows}
+    result = run_record(jax=jax, jaxlib=jaxlib, flax=flax, optax=optax, torch=torch, numpy=np) | {
+        "config": vars(args) | {"threads": threads, "params": mc.num_params(),
+                                "loadavg_before_after": [load0, os.getloadavg()]},
+        "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if bad:  # the timings compare different computations: fail loudly
         sys.exit(f"first-step loss differs from PyTorch eager by more than {LOSS_RTOL:g} (relative) for {bad}")
     return result
-
-
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":

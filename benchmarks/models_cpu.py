@@ -27,9 +27,6 @@ import argparse
 import json
 import math
 import os
-import platform
-import resource
-import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +40,7 @@ import optax
 import torch
 import torch.nn.functional as F
 import transformers
+from _harness import interleave, pin_threads, run_record, timing_row
 from flax import nnx
 
 from jaxtune.models import from_hf
@@ -135,16 +133,6 @@ def make_torch_step(model: torch.nn.Module):
     return step
 
 
-def _cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-
-
 # ---------------------------------------------------------------- main
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -175,10 +163,7 @@ def main(argv=None) -> dict:
         ap.error("use at least 1 warm-up and 5 timed rounds")
     if args.seq + 1 > args.max_pos:
         ap.error("--seq must be below --max-pos")
-    if args.threads:  # before jax creates its CPU client, which sizes its thread pool from the affinity mask
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
-    threads = len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
+    threads = pin_threads(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
@@ -208,10 +193,12 @@ def main(argv=None) -> dict:
                          "jaxtune_config": {k: getattr(native.cfg, k) for k in ("sliding_window", "layer_types",
                                                                                  "tie_embeddings")
                                             if hasattr(native.cfg, k)}}
-            impls[(fam, "jaxtune")] = {"fn": lambda s=jstep: s(x_j, y_j), "check": lambda s=jstep: s(x_j, y_j, True)}
+            impls[(fam, "jaxtune")] = {"fn": lambda _, s=jstep: s(x_j, y_j),
+                                       "check": lambda s=jstep: s(x_j, y_j, True)}
             for a in attns:
                 tstep = make_torch_step(models[a])
-                impls[(fam, f"hf {a}")] = {"fn": lambda s=tstep: s(x_t, y_t), "check": lambda s=tstep: s(x_t, y_t, True)}
+                impls[(fam, f"hf {a}")] = {"fn": lambda _, s=tstep: s(x_t, y_t),
+                                           "check": lambda s=tstep: s(x_t, y_t, True)}
         except Exception as e:  # noqa: BLE001  (report the family and go on with the others)
             failures.append(f"{fam}: setup failed: {type(e).__name__}: {e}")
             print(failures[-1], file=sys.stderr)
@@ -223,20 +210,10 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             im["loss"], im["grad_norm"] = im["check"]()  # jaxtune: trace + compile + run
             im["first_step_s"] = time.perf_counter() - t0
-            im["times"], im["cpu"] = [], []
 
     load0 = os.getloadavg()
     t_start = time.perf_counter()
-    names = list(impls)
-    for r in range(args.warmup + args.steps):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:  # rotate so no pair always runs first (or right after another)
-            c0, t0 = _cpu_seconds(), time.perf_counter()
-            impls[name]["fn"]()
-            dt, dc = time.perf_counter() - t0, _cpu_seconds() - c0
-            if r >= args.warmup:
-                impls[name]["times"].append(dt)
-                impls[name]["cpu"].append(dc)
+    interleave(impls, range(args.warmup + args.steps), timed=lambda r: r >= args.warmup)
     timed_s = time.perf_counter() - t_start
     load1 = os.getloadavg()
 
@@ -244,10 +221,8 @@ def main(argv=None) -> dict:
     tokens = args.batch * args.seq
     rows = []
     for (fam, impl), im in impls.items():
-        ms = statistics.median(im["times"]) * 1e3
         ref = impls[(fam, "hf eager")]
-        rows.append({"family": fam, "implementation": impl, "tokens_per_s": tokens / (ms / 1e3), "ms_per_step": ms,
-                     "ms_per_step_min": min(im["times"]) * 1e3, "cpu_ms_per_step": statistics.median(im["cpu"]) * 1e3,
+        rows.append({"family": fam, "implementation": impl, **timing_row(im, tokens),
                      "first_step_s": im["first_step_s"], "loss": im["loss"], "grad_norm": im["grad_norm"],
                      "loss_rel_diff_vs_eager": abs(im["loss"] - ref["loss"]) / abs(ref["loss"]),
                      "grad_norm_rel_diff_vs_eager": abs(im["grad_norm"] - ref["grad_norm"]) / abs(ref["grad_norm"])})
@@ -293,13 +268,11 @@ def main(argv=None) -> dict:
     for f in failures:
         print(f"FAILED {f}")
 
-    result = {"machine": {"cpu": _cpu_model(), "cores": os.cpu_count()},
-              "config": vars(args) | {"threads": threads, "tokens_per_step": tokens,
-                                      "loadavg_before_after": [load0, load1], "timed_s": timed_s},
-              "versions": {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-                           "flax": flax.__version__, "optax": optax.__version__, "torch": torch.__version__,
-                           "transformers": transformers.__version__, "numpy": np.__version__},
-              "families": info, "rows": rows, "failures": failures}
+    result = run_record(jax=jax, jaxlib=jaxlib, flax=flax, optax=optax, torch=torch, transformers=transformers,
+                        numpy=np) | {
+        "config": vars(args) | {"threads": threads, "tokens_per_step": tokens,
+                                "loadavg_before_after": [load0, load1], "timed_s": timed_s},
+        "families": info, "rows": rows, "failures": failures}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

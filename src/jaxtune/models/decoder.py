@@ -26,6 +26,7 @@ from jaxtune.models.layers import (
     attention,
     constrain,
     dropout,
+    kv_cache,
     layer_mask,
     residual_fence,
     run_layers,
@@ -283,6 +284,4 @@ class Decoder(nnx.Module):
 
     def init_cache(self, batch: int, length: int, dtype=None) -> dict[str, jax.Array]:
         cfg = self.cfg
-        shape = (cfg.n_layer, batch, length, cfg.kv_heads, cfg.hd)
-        dtype = dtype or jnp.dtype(cfg.compute_dtype)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        return kv_cache(cfg.n_layer, batch, length, cfg.kv_heads, cfg.hd, dtype or jnp.dtype(cfg.compute_dtype))

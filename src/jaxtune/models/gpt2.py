@@ -23,6 +23,7 @@ from jaxtune.models.layers import (
     attention,
     constrain,
     dropout,
+    kv_cache,
     layer_mask,
     residual_fence,
     run_layers,
@@ -200,9 +201,7 @@ class GPT(nnx.Module):
 
     def init_cache(self, batch: int, length: int, dtype=None) -> dict[str, jax.Array]:
         cfg = self.cfg
-        shape = (cfg.n_layer, batch, length, cfg.n_head, cfg.head_dim)
-        dtype = dtype or jnp.dtype(cfg.compute_dtype)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        return kv_cache(cfg.n_layer, batch, length, cfg.n_head, cfg.head_dim, dtype or jnp.dtype(cfg.compute_dtype))
 
 
 # --- HuggingFace: GPT2LMHeadModel (Conv1D weights are already (in, out); c_attn's columns are q | k | v) ---

@@ -272,6 +272,12 @@ def update_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Arra
     return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), index, axis=1)
 
 
+def kv_cache(n_layer: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> dict[str, jax.Array]:
+    """An empty KV cache {"k", "v"}: (L, B, S, K, H) each, the layout `run_layers` slices per layer."""
+    shape = (n_layer, batch, length, kv_heads, head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -326,5 +332,6 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
     return x, (None if kvs is None else {"k": kvs[0], "v": kvs[1]})
 
 
-__all__ = ["REMAT_POLICIES", "Dense", "Embed", "LayerNorm", "RMSNorm", "Rope", "apply_rope", "attention", "attention_mask", "cache_mask",
-           "constrain", "dropout", "layer_mask", "residual_fence", "run_layers", "stack_layers", "update_cache"]
+__all__ = ["REMAT_POLICIES", "Dense", "Embed", "LayerNorm", "RMSNorm", "Rope", "apply_rope", "attention",
+           "attention_mask", "cache_mask", "constrain", "dropout", "kv_cache", "layer_mask", "residual_fence",
+           "run_layers", "stack_layers", "update_cache"]

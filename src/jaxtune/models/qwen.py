@@ -10,30 +10,26 @@ from jaxtune.models.decoder import Decoder, DecoderConfig
 from jaxtune.models.family import Family, decoder_from_hf, decoder_hf_map, decoder_to_hf, require
 from jaxtune.models.layers import Rope
 
-_Q25 = partial(DecoderConfig, family="qwen2", qkv_bias=True, norm_eps=1e-6, rope=Rope(theta=1e6),
-               bos_id=151643, eos_id=151645)
+# What every released checkpoint of a generation shares; a preset adds its sizes.
+_Q25 = partial(DecoderConfig, family="qwen2", qkv_bias=True, norm_eps=1e-6, rope=Rope(theta=1e6), vocab_size=151936,
+               max_seq_len=32768, bos_id=151643, eos_id=151645)
 _Q3 = partial(DecoderConfig, family="qwen3", qk_norm=True, norm_eps=1e-6, rope=Rope(theta=1e6), head_dim=128,
-              bos_id=151643, eos_id=151645)
+              vocab_size=151936, max_seq_len=40960, bos_id=151643, eos_id=151645)
+_TINY = {"vocab_size": 512, "max_seq_len": 128, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 64, "d_ff": 128,
+         "bos_id": None, "eos_id": None}  # tests: GQA, dims that divide an 8-device mesh
 
 QWEN2_PRESETS = {
-    "tiny": partial(_Q25, vocab_size=512, max_seq_len=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128,
-                    bos_id=None, eos_id=None),
-    "qwen2.5-0.5b": partial(_Q25, vocab_size=151936, max_seq_len=32768, n_layer=24, n_head=14, n_kv_head=2,
-                            d_model=896, d_ff=4864),
-    "qwen2.5-1.5b": partial(_Q25, vocab_size=151936, max_seq_len=32768, n_layer=28, n_head=12, n_kv_head=2,
-                            d_model=1536, d_ff=8960),
-    "qwen2.5-7b": partial(_Q25, vocab_size=152064, max_seq_len=32768, n_layer=28, n_head=28, n_kv_head=4,
-                          d_model=3584, d_ff=18944, tie_embeddings=False),
+    "tiny": partial(_Q25, **_TINY),
+    "qwen2.5-0.5b": partial(_Q25, n_layer=24, n_head=14, n_kv_head=2, d_model=896, d_ff=4864),
+    "qwen2.5-1.5b": partial(_Q25, n_layer=28, n_head=12, n_kv_head=2, d_model=1536, d_ff=8960),
+    "qwen2.5-7b": partial(_Q25, n_layer=28, n_head=28, n_kv_head=4, d_model=3584, d_ff=18944, vocab_size=152064,
+                          tie_embeddings=False),
 }
 QWEN3_PRESETS = {
-    "tiny": partial(_Q3, vocab_size=512, max_seq_len=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64, head_dim=32,
-                    d_ff=128, bos_id=None, eos_id=None),
-    "qwen3-0.6b": partial(_Q3, vocab_size=151936, max_seq_len=40960, n_layer=28, n_head=16, n_kv_head=8,
-                          d_model=1024, d_ff=3072),
-    "qwen3-1.7b": partial(_Q3, vocab_size=151936, max_seq_len=40960, n_layer=28, n_head=16, n_kv_head=8,
-                          d_model=2048, d_ff=6144),
-    "qwen3-8b": partial(_Q3, vocab_size=151936, max_seq_len=40960, n_layer=36, n_head=32, n_kv_head=8,
-                        d_model=4096, d_ff=12288, tie_embeddings=False),
+    "tiny": partial(_Q3, **_TINY, head_dim=32),
+    "qwen3-0.6b": partial(_Q3, n_layer=28, n_head=16, n_kv_head=8, d_model=1024, d_ff=3072),
+    "qwen3-1.7b": partial(_Q3, n_layer=28, n_head=16, n_kv_head=8, d_model=2048, d_ff=6144),
+    "qwen3-8b": partial(_Q3, n_layer=36, n_head=32, n_kv_head=8, d_model=4096, d_ff=12288, tie_embeddings=False),
 }
 
 

@@ -1,0 +1,73 @@
+"""What every CPU benchmark here shares: the same cores for XLA and torch, implementations timed interleaved in
+one process (order rotated every round), medians, and the machine/version record that goes into RESULTS.md.
+
+Scripts run as ``python benchmarks/NAME.py``, so this module imports as ``_harness``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+
+def pin_threads(threads: int | None) -> int:
+    """Restrict the process to ``threads`` cores (all when None) and give torch as many threads as XLA gets.
+
+    Call before jax creates its CPU client: XLA sizes its intra-op pool from the affinity mask.
+    """
+    if threads:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+    n = len(os.sched_getaffinity(0))
+    import torch
+
+    torch.set_num_threads(n)
+    return n
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process (all threads): the work a step costs, contention or not."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+
+
+def interleave(impls: dict[Hashable, dict[str, Any]], rounds: Iterable[int], timed: Callable[[int], bool]) -> None:
+    """Run each ``impls[name]["fn"](round)`` once per round, rotating the order so no implementation always
+    runs first; rounds where ``timed(round)`` append wall and CPU seconds to ``impls[name]["times"/"cpu"]``,
+    and every result is appended to ``impls[name]["outputs"]``."""
+    for im in impls.values():
+        im.setdefault("times", [])
+        im.setdefault("cpu", [])
+        im.setdefault("outputs", [])
+    names = list(impls)
+    for r in rounds:
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            impls[name]["outputs"].append(impls[name]["fn"](r))
+            dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
+            if timed(r):
+                impls[name]["times"].append(dt)
+                impls[name]["cpu"].append(dc)
+
+
+def timing_row(im: dict[str, Any], tokens_per_step: int) -> dict[str, float]:
+    """Median tokens/s and ms/step, the fastest step, and median CPU ms/step of one implementation."""
+    ms = statistics.median(im["times"]) * 1e3
+    return {"tokens_per_s": tokens_per_step / (ms / 1e3), "ms_per_step": ms, "ms_per_step_min": min(im["times"]) * 1e3,
+            "cpu_ms_per_step": statistics.median(im["cpu"]) * 1e3}
+
+
+def run_record(**modules: Any) -> dict[str, Any]:
+    """Machine and versions (python plus each given module's ``__version__``) for the JSON and RESULTS.md."""
+    return {"machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
+            "versions": {"python": platform.python_version()} | {k: m.__version__ for k, m in modules.items()}}
