@@ -1,10 +1,10 @@
 """``jaxtune`` command line: parses arguments and calls library functions, nothing more.
 
     jaxtune train CONFIG [key=value ...]
-    jaxtune eval RUN_DIR|CONFIG [key=value ...]
-    jaxtune generate RUN_DIR --prompt TEXT [--prompt TEXT ...]
+    jaxtune eval RUN_DIR|MODEL_DIR|CONFIG [key=value ...] [--data test.jsonl]
+    jaxtune generate RUN_DIR --prompt TEXT [--prompt TEXT ...] [--chat]
     jaxtune info CONFIG [key=value ...]
-    jaxtune export RUN_DIR OUT_DIR [--dtype bfloat16]
+    jaxtune export RUN_DIR OUT_DIR [--dtype bfloat16] [--adapter]
     jaxtune parity HF_DIR
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from jaxtune.config import ConfigError
 from jaxtune.data import DataError
@@ -39,17 +40,25 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from jaxtune.evaluate import evaluate
 
-    result = evaluate(args.target, args.overrides, batches=args.batches)
+    overrides = list(args.overrides)
+    model_dir = Path(args.target).expanduser()
+    if args.data and not any(o.startswith("data.format=") for o in overrides) and not (model_dir / "config.yaml").is_file():
+        from jaxtune.data.sft import detect_format  # a model directory has no data.format of its own
+
+        overrides.append(f"data.format={detect_format(args.data)}")
+    result = evaluate(args.target, overrides, batches=args.batches, data=args.data)
     print(json.dumps(result))
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
     from jaxtune.evaluate import load_run
-    from jaxtune.generate import Generator
+    from jaxtune.generate import Generator, encode_prompt, stop_ids
 
     run = load_run(args.run_dir)
     tok = run.tokenizer
+    if args.chat and tok.chat_template is None:
+        raise ConfigError(f"{args.run_dir}: the tokenizer has no chat template, so --chat cannot format prompts")
     gen = Generator(run.spec.graphdef, run.spec.model_cfg.max_seq_len)
     prompts = [p.encode().decode("unicode_escape") if args.escapes else p for p in args.prompt]
     streamed: list[int] = []
@@ -61,16 +70,16 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.write(tok.decode(streamed)[len(before):])
             sys.stdout.flush()
 
-    if len(prompts) == 1:
+    if len(prompts) == 1 and not args.chat:
         sys.stdout.write(prompts[0])
-    outs = gen(run.params, [tok.encode(p) for p in prompts], max_new_tokens=args.max_new_tokens,
-               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id, seed=args.seed,
-               on_step=stream if len(prompts) == 1 else None)
+    outs = gen(run.weights, [encode_prompt(tok, p, args.chat) for p in prompts], max_new_tokens=args.max_new_tokens,
+               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=stop_ids(tok, args.chat),
+               seed=args.seed, on_step=stream if len(prompts) == 1 else None)
     if len(prompts) == 1:
         print()
     else:
         for p, ids in zip(prompts, outs):
-            print(f"--- {p!r}\n{p}{tok.decode(ids)}")
+            print(f"--- {p!r}\n{'' if args.chat else p}{tok.decode(ids)}")
     return 0
 
 
@@ -92,8 +101,10 @@ def _export(args: argparse.Namespace) -> int:
     from jaxtune.models.hf import export
 
     out = export(args.run_dir, args.out_dir, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1e9),
-                 overwrite=args.overwrite)
-    print(f"exported {args.run_dir} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+                 overwrite=args.overwrite, adapter=args.adapter)
+    how = ("peft.PeftModel.from_pretrained(base_model, OUT_DIR)" if args.adapter
+           else "transformers.AutoModelForCausalLM.from_pretrained")
+    print(f"exported {args.run_dir} to {out} (load with {how})")
     return 0
 
 
@@ -115,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
     p.set_defaults(fn=_train)
 
-    p = sub.add_parser("eval", help="validation loss/perplexity of a run's latest checkpoint")
-    p.add_argument("target", help="run directory or config")
+    p = sub.add_parser("eval", help="held-out loss/perplexity of a run's latest checkpoint or of a model directory")
+    p.add_argument("target", help="run directory, HuggingFace model directory (e.g. an export) or config")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--batches", type=int, default=None, help="validation batches (default: eval.batches)")
+    p.add_argument("--data", help="test set (file, glob or hf:NAME) in the run's data.format; a model directory's "
+                   "format is read from the first row unless data.format=... is given")
+    p.add_argument("--batches", type=int, default=None, help="batches (default: eval.batches, or all of --data)")
     p.set_defaults(fn=_eval)
 
     p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
@@ -130,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--escapes", action="store_true", help=r"interpret \n and \t in prompts")
+    p.add_argument("--chat", action="store_true", help="each prompt is a user turn, formatted by the chat template; "
+                   "generation stops at the end of the assistant's turn")
     p.set_defaults(fn=_generate)
 
     p = sub.add_parser("info", help="parameters, FLOPs per token and memory per device for a config")
@@ -146,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="weights' dtype (default: the params' dtype)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size, in GB")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--adapter", action="store_true", help="LoRA runs: write a PEFT adapter instead of the merged model")
     p.set_defaults(fn=_export)
 
     p = sub.add_parser("parity", help="compare the native model with transformers on a HuggingFace checkpoint")

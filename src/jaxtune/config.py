@@ -26,6 +26,42 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+# LoRA target names: the native decoder's module names, and the HuggingFace/PEFT names users know them by.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_HF_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+                 "down_proj": "down"}
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters (LoRA, as PEFT defines it): ``W x + (alpha / rank) B A dropout(x)`` on the target
+    projections, base weights frozen. ``rank: 0`` is full fine-tuning. With LoRA, ``model.param_dtype`` is the
+    frozen base's dtype (bfloat16 halves its memory); the adapters are always float32."""
+
+    rank: int = Field(0, ge=0, description="0: no adapters (every parameter trains)")
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    targets: list[str] = Field(list(LORA_TARGETS), description="q k v o gate up down (or q_proj ... down_proj), "
+                               "or 'all'")
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        names = [v] if isinstance(v, str) else list(v)
+        if names in (["all"], ["all-linear"]):
+            return list(LORA_TARGETS)
+        out = []
+        for n in names:
+            ours = LORA_HF_NAMES.get(n, n)
+            if ours not in LORA_TARGETS:
+                raise ValueError(f"unknown LoRA target {n!r}; choose from {list(LORA_TARGETS)} "
+                                 f"(or {list(LORA_HF_NAMES)}, or 'all')")
+            if ours not in out:
+                out.append(ours)
+        if not out:
+            raise ValueError("needs at least one target module")
+        return out
+
+
 class ModelConfig(_Section):
     """Which network to build. ``preset`` picks a family preset; any other key set here overrides it."""
 
@@ -48,15 +84,36 @@ class ModelConfig(_Section):
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
     scan_layers: bool = False
     attention: Literal["auto", "xla", "cudnn"] = "auto"
+    lora: LoraConfig = LoraConfig()
 
 
 class DataConfig(_Section):
-    """Pretraining text. ``sources`` entries: ``python-stdlib`` (the running interpreter's own standard
+    """Training data. ``sources`` entries: ``python-stdlib`` (the running interpreter's own standard
     library source, present on every machine), a local file, glob or directory (.txt/.jsonl/.parquet), or
-    ``hf:NAME`` for a HuggingFace dataset (``hf:roneneldan/TinyStories``)."""
+    ``hf:NAME`` for a HuggingFace dataset (``hf:roneneldan/TinyStories``).
+
+    ``format: text`` is pretraining text cut into windows; the other formats are supervised fine-tuning rows
+    (see `jaxtune.data.sft`): ``messages`` (OpenAI chat), ``sharegpt`` (``conversations`` of ``from``/``value``),
+    ``alpaca`` (``instruction``/``input``/``output``) and ``prompt_completion``, rendered by the tokenizer's chat
+    template (or ``chat_template``), loss on the tokens ``loss_on`` names, packed into ``seq_len`` rows."""
 
     sources: list[str] = ["python-stdlib"]
+    format: Literal["text", "messages", "sharegpt", "alpaca", "prompt_completion"] = "text"
     text_field: str = "text"
+    fields: dict[str, str] = Field({}, description="SFT field names when they differ from the format's: messages, "
+                                   "role, content, system, instruction, input, output, prompt, completion")
+    roles: dict[str, str] = Field({}, description="sharegpt: speaker names -> system/user/assistant "
+                                  "(default human->user, gpt->assistant)")
+    chat_template: str | None = Field(None, description="chatml, a .jinja file, or template text; default the "
+                                      "tokenizer's own")
+    loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    bad_rows: Literal["raise", "drop"] = Field("raise", description="raise: stop at the first bad row (file:line); "
+                                               "drop: skip bad rows, counted per reason")
+    overlong: Literal["truncate", "drop", "raise"] = Field("truncate", description="rows longer than seq_len + 1 "
+                                                           "tokens")
+    packing: bool = Field(True, description="pack several rows per sequence (segment ids keep them apart); "
+                          "false: one row per sequence, padded")
+    val_sources: list[str] = Field([], description="held-out SFT data; default: data.val_fraction of the rows")
     hf_split: str = "train"
     hf_config: str | None = None
     max_bytes: int | None = Field(None, ge=1, description="stop reading sources after this many bytes of text")
@@ -65,7 +122,7 @@ class DataConfig(_Section):
     cache_dir: str = "~/.cache/jaxtune"
     num_workers: int = Field(0, ge=0, description="grain worker processes; 0 reads in the main process")
 
-    @field_validator("sources", mode="before")
+    @field_validator("sources", "val_sources", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
@@ -86,6 +143,8 @@ class TokenizerConfig(_Section):
     path: str | None = Field(None, description="hf: tokenizer directory or hub name; tiktoken: encoding name")
     vocab_size: int = Field(8192, ge=260)
     train_bytes: int = Field(20_000_000, ge=1, description="bpe: text bytes used to train the tokenizer")
+    special_tokens: list[str] = Field([], description="bpe: extra special tokens, e.g. a chat template's "
+                                      "<|im_start|> and <|im_end|>")
 
     @model_validator(mode="after")
     def _path_when_needed(self) -> TokenizerConfig:

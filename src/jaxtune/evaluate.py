@@ -9,8 +9,16 @@ from typing import Any
 
 import jax
 
-from jaxtune.config import Config, ConfigError, load_config
-from jaxtune.data import Tokenizer, load_tokenizer, load_tokenizer_dir, make_eval_batches, prepare_tokens
+from jaxtune.config import Config, ConfigError, DataConfig, load_config
+from jaxtune.data import (
+    Tokenizer,
+    load_tokenizer,
+    load_tokenizer_dir,
+    make_sequence_batches,
+    make_training_data,
+    prepare_tokens,
+)
+from jaxtune.data.pipeline import TextWindows
 from jaxtune.train import sharding
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.state import StateSpec, make_state_spec
@@ -22,8 +30,14 @@ class LoadedRun:
     cfg: Config
     tokenizer: Tokenizer
     spec: StateSpec
-    params: Any
+    params: Any  # the trained params (a LoRA run's adapters)
+    frozen: tuple  # (frozen base,) for LoRA, else ()
     step: int  # 0: no checkpoint, the freshly initialised model
+
+    @property
+    def weights(self) -> Any:
+        """What the model is merged from (`jaxtune.models.registry.merge`, `Generator`)."""
+        return self.spec.weights(self.params, self.frozen)
 
 
 def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRun:
@@ -32,9 +46,13 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     A config whose run has no checkpoint yet gives the initial model (step 0), useful as a baseline.
     """
     path = Path(target).expanduser()
-    if path.is_dir():
+    if path.is_dir() and not (path / "config.yaml").is_file() and (path / "config.json").is_file():
+        # An exported (or any HuggingFace) model directory: its weights, its tokenizer, default settings.
+        cfg = load_config(None, [f"model.from_hf={path}", f"run_dir={path}", *overrides])
+    elif path.is_dir():
         if not (path / "config.yaml").is_file():
-            raise ConfigError(f"{path} is not a run directory (no config.yaml); pass a run directory or a config")
+            raise ConfigError(f"{path} is not a run directory (no config.yaml) nor a HuggingFace model (no "
+                              "config.json); pass a run directory, a model directory or a config")
         cfg = load_config(path / "config.yaml", overrides)
         cfg = cfg.model_copy(update={"run_dir": str(path)})
     else:
@@ -54,25 +72,54 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         ckpt.close()
     if not step:
         state = spec.init(cfg.train.seed)
-    return LoadedRun(cfg, tokenizer, spec, state.params, step)
+    return LoadedRun(cfg, tokenizer, spec, state.params, spec.load_frozen(cfg.train.seed), step)
 
 
-def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), batches: int | None = None) -> dict[str, float]:
-    """Validation loss and perplexity of a run's latest checkpoint on its data's validation split."""
+def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), batches: int | None = None,
+             data: str | None = None) -> dict[str, Any]:
+    """Held-out loss and perplexity of a run's latest checkpoint (or a HuggingFace model directory).
+
+    Without ``data``: the run's own held-out split (``eval.batches`` batches). With ``data`` (a file, glob or
+    ``hf:`` dataset in the run's ``data.format``): every sequence of it, loss on the tokens the run trains on
+    (the assistant's, for chat data)."""
     run = load_run(target, overrides)
-    cfg = run.cfg
-    data = prepare_tokens(cfg.data, run.tokenizer)
-    if not data.val_windows:
-        raise ConfigError("data.val_fraction is 0: there is no validation split to evaluate on")
-    mesh = run.spec.mesh
-    eval_batches = make_eval_batches(data, batch_size=cfg.train.batch_size, num_batches=batches or cfg.eval.batches,
-                                     process_index=jax.process_index(), process_count=jax.process_count())
-    step = jax.jit(make_eval_step(run.spec.graphdef), in_shardings=(run.spec.shardings.params,
-                                                                     sharding.batch_sharding(mesh)))
+    cfg, tok = run.cfg, run.tokenizer
+    split = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    size = cfg.train.batch_size
+    extra: dict[str, Any] = {}
+    if data is None:
+        held_out = make_training_data(cfg.data, tok, batch_size=size, seed=cfg.train.seed,
+                                      eval_batches=batches or cfg.eval.batches, **split)
+        eval_batches = held_out.eval_batches
+        if not eval_batches:
+            raise ConfigError("data.val_fraction is 0 (and no data.val_sources): there is nothing held out to "
+                              "evaluate on; pass a test file (jaxtune eval RUN --data FILE)")
+    else:
+        source, extra = _test_sequences(cfg.data, tok, data)
+        eval_batches = make_sequence_batches(source, batch_size=size, num_batches=batches or len(source), **split)
+    mesh, spec = run.spec.mesh, run.spec
+    step = jax.jit(make_eval_step(spec.graphdef), in_shardings=(spec.shardings.params, sharding.batch_sharding(mesh),
+                                                                spec.frozen_shardings))
     total = count = 0.0
     with sharding.use_mesh(mesh):
         for b in eval_batches:
-            s, n = jax.device_get(step(run.params, sharding.global_batch(mesh, b)))
+            s, n = jax.device_get(step(run.params, sharding.global_batch(mesh, b), run.frozen))
             total, count = total + float(s), count + float(n)
     loss = total / max(count, 1.0)
-    return {"step": run.step, "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+    return {"step": run.step, "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count, **extra}
+
+
+def _test_sequences(data_cfg: DataConfig, tok: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
+    """Every sequence of the test data ``data`` (in ``data_cfg``'s format), and what was read."""
+    test_cfg = data_cfg.model_copy(update={"sources": [data], "val_sources": [], "val_fraction": 0.0})
+    if data_cfg.format == "text":
+        tokens = prepare_tokens(test_cfg, tok)
+        return TextWindows(tokens, "train"), {"sequences": tokens.train_windows}
+    from jaxtune.data.sft import SFTStats, load_examples, resolve_chat_template, sequences
+
+    resolve_chat_template(test_cfg, tok)
+    stats = SFTStats()
+    rows = load_examples(test_cfg.sources, test_cfg, tok, stats)
+    if not rows:
+        raise ConfigError(f"--data {data}: no usable rows ({stats.rows} read, dropped {dict(stats.dropped)})")
+    return sequences(rows, test_cfg), {"rows": stats.rows, "examples": len(rows), "dropped": dict(stats.dropped)}

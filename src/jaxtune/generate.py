@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtune.models.registry import merge
+
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +47,22 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: 
     return jax.random.categorical(key, logits, -1).astype(jnp.int32)
 
 
+def encode_prompt(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
+    """Prompt ids: the text as is, or (``chat``) as one user turn rendered by the chat template with the
+    assistant's generation prompt."""
+    if not chat:
+        return tokenizer.encode(text)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode_chat([rendered])[0]
+
+
+def stop_ids(tokenizer: Any, chat: bool = False) -> list[int]:
+    """EOS, and for chat the template's end-of-turn token (``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``)."""
+    from jaxtune.data.sft import end_of_turn_ids
+
+    return [tokenizer.eos_id, *(end_of_turn_ids(tokenizer) if chat else [])]
+
+
 class Generator:
     """Jitted prefill/decode for one model graph; reuse it to keep compiled buckets."""
 
@@ -56,7 +74,7 @@ class Generator:
     @functools.partial(jax.jit, static_argnums=(0, 4, 6, 7, 8))
     def _prefill(self, params, tokens, valid, cache_len, key, temperature, top_k, top_p):
         self.compiles += 1
-        model = nnx.merge(self.graphdef, params)
+        model = merge(self.graphdef, params)
         b, p = tokens.shape
         key_valid = jnp.concatenate([valid, jnp.ones((b, cache_len - p), bool)], axis=1)  # (B, S)
         positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
@@ -68,7 +86,7 @@ class Generator:
     @functools.partial(jax.jit, static_argnums=(0, 7, 8, 9), donate_argnums=(2,))
     def _decode(self, params, cache, key_valid, token, position, index, temperature, top_k, top_p, key):
         self.compiles += 1
-        model = nnx.merge(self.graphdef, params)
+        model = merge(self.graphdef, params)
         logits, cache = model(token[:, None], positions=position[:, None], cache=cache, index=index,
                               key_valid=key_valid)
         nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, index + 1), temperature, top_k, top_p)
@@ -76,12 +94,14 @@ class Generator:
 
     def __call__(self, params: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 eos_id: int | None = None, seed: int = 0,
+                 eos_id: int | Sequence[int] | None = None, seed: int = 0,
                  on_step: Callable[[np.ndarray], None] | None = None) -> list[list[int]]:
         """Generate continuations of ``prompts`` (token ids); returns the new ids per prompt (EOS excluded).
 
+        ``params``: the model's params, or (adapters, base) for LoRA. ``eos_id``: one or several stop ids.
         on_step(tokens (B,)) is called after each generated position, for streaming.
         """
+        stops = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         longest = max(len(p) for p in prompts)
@@ -110,7 +130,7 @@ class Generator:
             ids = np.asarray(nxt)
             for i, tok in enumerate(ids):
                 if not done[i]:
-                    if eos_id is not None and tok == eos_id:
+                    if int(tok) in stops:
                         done[i] = True
                     else:
                         out[i].append(int(tok))

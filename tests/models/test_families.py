@@ -32,5 +32,5 @@ def test_family_trains_from_preset(tiny_cfg, family, extra):
 def test_num_params_matches_the_model(tiny_cfg, family):
     """`num_params` (used by info and MFU) equals the parameters the module really creates."""
     cfg = tiny_cfg(f"model.family={family}")
-    _, abstract, _ = model_layout(model_config(cfg.model, 512), None)
+    _, (abstract,), _ = model_layout(model_config(cfg.model, 512), None)
     assert info(cfg, vocab_size=512)["params"] == sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))

@@ -9,13 +9,21 @@ How the training loop uses it::
 """
 
 from jaxtune.data.errors import DataError
-from jaxtune.data.pipeline import Batch, make_eval_batches, make_train_iterator
+from jaxtune.data.pipeline import (
+    Batch,
+    TrainingData,
+    make_eval_batches,
+    make_sequence_batches,
+    make_train_iterator,
+    make_training_data,
+)
 from jaxtune.data.sources import iter_documents, sources_fingerprint
 from jaxtune.data.tokenizer import Tokenizer, load_tokenizer, load_tokenizer_dir
 from jaxtune.data.tokens import TokenData, prepare_tokens
 
 __all__ = [
     "Batch",
+    "TrainingData",
     "DataError",
     "TokenData",
     "Tokenizer",
@@ -23,6 +31,8 @@ __all__ = [
     "load_tokenizer",
     "load_tokenizer_dir",
     "make_eval_batches",
+    "make_sequence_batches",
+    "make_training_data",
     "make_train_iterator",
     "prepare_tokens",
     "sources_fingerprint",

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import grain
 import numpy as np
 
+from jaxtune.config import DataConfig
 from jaxtune.data.errors import DataError
-from jaxtune.data.tokens import Split, TokenData
+from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.data.tokens import Split, TokenData, prepare_tokens
 
 Batch = dict[str, np.ndarray]  # {"inputs": int32 (B, T), "targets": int32 (B, T)}
 
 
-class _Windows:
+class TextWindows:
     """Grain random-access source over one split: ``[i]`` is {"inputs": (T,), "targets": (T,)} int32.
 
     Holds only the ``TokenData`` (which pickles as its file path), so it travels cheaply to Grain workers.
@@ -41,7 +45,7 @@ class _Windows:
 
 
 def make_train_iterator(
-    data: TokenData,
+    data: TokenData | Any,
     *,
     global_batch: int,
     seed: int,
@@ -50,13 +54,14 @@ def make_train_iterator(
     num_workers: int = 0,
 ) -> grain.DatasetIterator:
     """An endless iterator of this process's training batches: {"inputs", "targets"}: int32 (global_batch //
-    process_count, seq_len). ``get_state()`` is a JSON-serialisable dict; ``set_state`` on a fresh iterator
+    process_count, seq_len) (and the SFT keys, for `jaxtune.data.sft.PackedRows`). ``data``: pretraining
+    `TokenData` (its training windows) or any random-access source of equal-shaped examples. ``get_state()`` is a JSON-serialisable dict; ``set_state`` on a fresh iterator
     made with the same arguments continues exactly where the saved one was (``num_workers`` included: the
     state's shape depends on it). Close it (``.close()``) to stop worker processes.
     """
     local_batch = _local_batch(global_batch, process_index, process_count, key="train.batch_size")
     ds = (
-        grain.MapDataset.source(_Windows(data, "train"))
+        grain.MapDataset.source(TextWindows(data, "train") if isinstance(data, TokenData) else data)
         .shuffle(seed=_shuffle_seed(seed))
         .repeat()  # forever; shuffle reseeds every epoch because it sees the epoch in the index
         .slice(slice(process_index, None, process_count))
@@ -86,7 +91,7 @@ def make_eval_batches(
             "no validation windows: data.val_fraction is 0 or the corpus is too small; raise data.val_fraction"
         )
     _local_batch(batch_size, process_index, process_count, key="batch_size")  # checks the split
-    source = _Windows(data, "val")
+    source = TextWindows(data, "val")
     count = max(1, min(num_batches, data.val_windows // batch_size))
     rows = count * batch_size
     batches = []
@@ -97,6 +102,50 @@ def make_eval_batches(
         ]
         batches.append({name: np.stack([row[name] for row in picked]) for name in ("inputs", "targets")})
     return batches
+
+
+def make_sequence_batches(source: Any, *, batch_size: int, num_batches: int, process_index: int = 0,
+                          process_count: int = 1) -> list[Batch]:
+    """The first ``num_batches`` batches of ``source``'s sequences in order (this process's rows ``p::P`` of each);
+    the last batch is filled with empty sequences (no counted token, segment 0) so every batch has one shape."""
+    _local_batch(batch_size, process_index, process_count, key="batch_size")
+    count = min(num_batches, -(-len(source) // batch_size))
+    empty = {k: np.zeros_like(v) for k, v in source[0].items()}
+    batches = []
+    for b in range(count):
+        picked = [source[g] if g < len(source) else empty
+                  for g in range(b * batch_size + process_index, (b + 1) * batch_size, process_count)]
+        batches.append({name: np.stack([row[name] for row in picked]) for name in picked[0]})
+    return batches
+
+
+@dataclass
+class TrainingData:
+    """What the training loop reads: the endless training iterator, fixed held-out batches, and lines to report
+    at the start of training (what was read, dropped, truncated)."""
+
+    train_iter: Any
+    eval_batches: list[Batch]
+    report: list[str]
+
+
+def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int, eval_batches: int,
+                       process_index: int = 0, process_count: int = 1) -> TrainingData:
+    """Pretraining windows (``data.format=text``) or packed fine-tuning sequences, as batches of ``batch_size``."""
+    split = dict(process_index=process_index, process_count=process_count)
+    if data_cfg.format == "text":
+        tokens = prepare_tokens(data_cfg, tokenizer)
+        it = make_train_iterator(tokens, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers, **split)
+        val = (make_eval_batches(tokens, batch_size=batch_size, num_batches=eval_batches, **split)
+               if tokens.val_windows else [])
+        return TrainingData(it, val, [])
+    from jaxtune.data.sft import prepare_sft
+
+    sft = prepare_sft(data_cfg, tokenizer)
+    it = make_train_iterator(sft.train, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers, **split)
+    val = (make_sequence_batches(sft.val, batch_size=batch_size, num_batches=eval_batches, **split)
+           if sft.val is not None else [])
+    return TrainingData(it, val, sft.stats.lines())
 
 
 def _local_batch(global_batch: int, process_index: int, process_count: int, key: str) -> int:

@@ -51,16 +51,16 @@ class _Stdlib:
 
 
 @dataclass(frozen=True)
-class _LocalFiles:
+class LocalFiles:
     paths: tuple[Path, ...]
 
 
 @dataclass(frozen=True)
-class _HFDataset:
+class HFDataset:
     name: str
 
 
-_Source = _Stdlib | _LocalFiles | _HFDataset
+_Source = _Stdlib | LocalFiles | HFDataset
 
 
 def iter_documents(data_cfg: DataConfig) -> Iterator[str]:
@@ -68,7 +68,7 @@ def iter_documents(data_cfg: DataConfig) -> Iterator[str]:
 
     Raises ``DataError`` for a source that matches nothing, a malformed record, or when nothing came out.
     """
-    docs = (doc for source in _resolve(data_cfg) for doc in _documents(source, data_cfg) if doc.strip())
+    docs = (doc for source in resolve_sources(data_cfg) for doc in _documents(source, data_cfg) if doc.strip())
     if data_cfg.max_bytes is not None:
         docs = take_bytes(docs, data_cfg.max_bytes)
     produced = False
@@ -104,30 +104,32 @@ def sources_fingerprint(data_cfg: DataConfig) -> str:
     """
     h = hashlib.sha256()
     h.update(json.dumps([data_cfg.text_field, data_cfg.max_bytes]).encode())
-    for source in _resolve(data_cfg):
+    for source in resolve_sources(data_cfg):
         match source:
             case _Stdlib(root, paths):
                 h.update(f"stdlib\0{sys.version}\0{root}\n".encode())
                 for p in paths:
                     h.update(f"{p.relative_to(root)}\0{p.stat().st_size}\n".encode())
-            case _LocalFiles(paths):
+            case LocalFiles(paths):
                 for p in paths:
                     st = p.stat()
                     h.update(f"file\0{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-            case _HFDataset(name):
+            case HFDataset(name):
                 h.update(json.dumps(["hf", name, data_cfg.hf_config, data_cfg.hf_split]).encode())
     return h.hexdigest()
 
 
-def _resolve(data_cfg: DataConfig) -> list[_Source]:
+def resolve_sources(data_cfg: DataConfig, entries: list[str] | None = None) -> list[_Source]:
+    """What each of ``entries`` (default ``data.sources``) names: the stdlib, local files, or a HF dataset."""
+    key = "data.sources" if entries is None or entries is data_cfg.sources else "data.val_sources"
     sources: list[_Source] = []
-    for i, entry in enumerate(data_cfg.sources):
+    for i, entry in enumerate(data_cfg.sources if entries is None else entries):
         if entry == STDLIB:
             sources.append(_stdlib())
         elif entry.startswith(HF_PREFIX):
-            sources.append(_HFDataset(entry[len(HF_PREFIX) :]))
+            sources.append(HFDataset(entry[len(HF_PREFIX) :]))
         else:
-            sources.append(_LocalFiles(_local_paths(entry, key=f"data.sources[{i}]")))
+            sources.append(LocalFiles(_local_paths(entry, key=f"{key}[{i}]")))
     return sources
 
 
@@ -175,10 +177,10 @@ def _walk(directory: Path) -> tuple[Path, ...]:
 
 def _documents(source: _Source, data_cfg: DataConfig) -> Iterator[str]:
     match source:
-        case _Stdlib(_, paths) | _LocalFiles(paths):
+        case _Stdlib(_, paths) | LocalFiles(paths):
             for path in paths:
                 yield from _file_documents(path, data_cfg.text_field)
-        case _HFDataset(name):
+        case HFDataset(name):
             yield from _hf_documents(name, data_cfg)
 
 

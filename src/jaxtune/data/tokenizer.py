@@ -12,6 +12,8 @@ the pipeline inserts.
 from __future__ import annotations
 
 import abc
+import datetime
+import functools
 import hashlib
 import json
 import logging
@@ -46,9 +48,26 @@ class Tokenizer(abc.ABC):
     vocab_size: int  # size of the id space (max id + 1)
     eos_id: int
     fingerprint: str  # stable across save/load; keys the token cache
+    chat_template: str | None = None  # Jinja chat template (transformers' convention); saved with the tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
+
+    def encode_chat(self, texts: list[str]) -> list[list[int]]:
+        """Encodes rendered chat text, where special-token spellings (``<|im_start|>``, ``<bos>``) are the special
+        tokens, as a chat template means them (``encode_batch`` spells them out as text)."""
+        raise DataError(f"{type(self).__name__} cannot encode chat templates; use a HuggingFace tokenizer")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """Render ``messages`` with ``chat_template`` as ``transformers`` does (same sandboxed Jinja environment
+        and variables), offline."""
+        if self.chat_template is None:
+            raise DataError("this tokenizer has no chat template (tokenizer_config.json chat_template or "
+                            "chat_template.jinja); set data.chat_template (e.g. chatml)")
+        return _render(self.chat_template, messages, add_generation_prompt, self._special_strings())
+
+    def _special_strings(self) -> dict[str, str]:
+        return {}
 
     @abc.abstractmethod
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -78,17 +97,19 @@ class _HFTokenizer(Tokenizer):
         self._source = source  # a checkpoint's tokenizer directory: its config files travel with save()
         self._config = _read_json(source / "tokenizer_config.json") if source else {}
         self.chat_template = _chat_template(source, self._config) if source else None
+        self._source_template = self.chat_template
+        self._chat_tok: tokenizers.Tokenizer | None = None
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """Render ``messages`` with the checkpoint's chat template, as ``transformers`` does (same Jinja
-        environment and variables), offline."""
-        if self.chat_template is None:
-            raise DataError("this tokenizer has no chat template (tokenizer_config.json chat_template or "
-                            "chat_template.jinja)")
+    def _special_strings(self) -> dict[str, str]:
         specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self._config.items()
                     if k.endswith("_token") and isinstance(v, (str, dict))}
-        return _jinja_env().from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+        return {"eos_token": self._eos_token, **specials}
+
+    def encode_chat(self, texts: list[str]) -> list[list[int]]:
+        if self._chat_tok is None:  # a copy that maps special-token text to the special ids
+            self._chat_tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            self._chat_tok.encode_special_tokens = False
+        return [e.ids for e in self._chat_tok.encode_batch_fast(texts, add_special_tokens=False)]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch_fast skips the character offsets, which we never use.
@@ -106,7 +127,11 @@ class _HFTokenizer(Tokenizer):
                     shutil.copyfile(self._source / name, directory / name)
         else:  # tokenizer_config.json makes the directory loadable by transformers.AutoTokenizer as well.
             config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self._eos_token}
+            if self.chat_template is not None:
+                config["chat_template"] = self.chat_template
             (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.chat_template is not None and self.chat_template != self._source_template:
+            (directory / "chat_template.jinja").write_text(self.chat_template)  # data.chat_template overrides
         meta = {"kind": "hf", "eos_token": self._eos_token, "eos_id": self.eos_id}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -159,7 +184,8 @@ def load_tokenizer_dir(directory: Path) -> Tokenizer:
 
 def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
     """Trains once per (corpus, vocab_size, train_bytes); later runs load the cached directory."""
-    key_src = json.dumps([sources_fingerprint(data_cfg), tok_cfg.vocab_size, tok_cfg.train_bytes, _BPE_VERSION])
+    key_src = json.dumps([sources_fingerprint(data_cfg), tok_cfg.vocab_size, tok_cfg.train_bytes, _BPE_VERSION,
+                          *([data_cfg.format, tok_cfg.special_tokens] if data_cfg.format != "text" else [])])
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     directory = Path(data_cfg.cache_dir).expanduser() / f"bpe-{key}"
     if not (directory / META_FILE).is_file():
@@ -167,7 +193,8 @@ def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
             "training a %d-token byte-level BPE on %d bytes of data.sources", tok_cfg.vocab_size, tok_cfg.train_bytes
         )
         trained = _HFTokenizer(
-            _train_bpe(take_bytes(iter_documents(data_cfg), tok_cfg.train_bytes), tok_cfg.vocab_size),
+            _train_bpe(take_bytes(_corpus(data_cfg), tok_cfg.train_bytes), tok_cfg.vocab_size,
+                       tuple(tok_cfg.special_tokens)),
             EOS_TOKEN,
             where="tokenizer.kind=bpe",
         )
@@ -186,14 +213,23 @@ def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
     return load_tokenizer_dir(directory)
 
 
-def _train_bpe(docs: Iterator[str], vocab_size: int) -> tokenizers.Tokenizer:
+def _corpus(data_cfg: DataConfig) -> Iterator[str]:
+    """What a BPE learns from: the documents, or for chat/instruction data the text of every turn."""
+    if data_cfg.format == "text":
+        return iter_documents(data_cfg)
+    from jaxtune.data.sft import iter_turn_texts  # sft imports this module
+
+    return iter_turn_texts(data_cfg)
+
+
+def _train_bpe(docs: Iterator[str], vocab_size: int, specials: tuple[str, ...] = ()) -> tokenizers.Tokenizer:
     """GPT-2 style byte-level BPE: any string encodes (no unknown tokens) and decodes back exactly."""
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
+        special_tokens=[EOS_TOKEN, *(t for t in specials if t != EOS_TOKEN)],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -238,18 +274,47 @@ def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     return t
 
 
+def _render(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+            specials: dict[str, str]) -> str:
+    return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    return _jinja_env().from_string(template)
+
+
+@functools.cache
 def _jinja_env():
     """The sandboxed Jinja environment transformers renders chat templates in."""
     import jinja2
+    import jinja2.ext
+    import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise DataError(f"chat template: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class GenerationTag(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask markers) renders its body; the
+        loss mask is found without it (`jaxtune.data.sft`), so templates with and without markers work alike."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, GenerationTag])
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env
 
 

@@ -20,6 +20,7 @@ from jaxtune.models.layers import (
     REMAT_POLICIES,
     Dense,
     Embed,
+    LoraSpec,
     RMSNorm,
     Rope,
     apply_rope,
@@ -80,6 +81,7 @@ class DecoderConfig:
     bos_id: int | None = None  # token ids carried to an exported config.json
     eos_id: int | None = None
     pad_id: int | None = None
+    lora: LoraSpec | None = None  # adapters on the projections it targets (q k v o gate up down)
 
     def __post_init__(self):
         if self.n_kv_head is not None and self.n_head % self.n_kv_head:
@@ -96,6 +98,14 @@ class DecoderConfig:
                 raise ValueError(f"layer_types must list {self.n_layer} entries of {LAYER_TYPES}, got {self.layer_types}")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding layers need a sliding_window")
+
+    @property
+    def needs_key(self) -> bool:
+        """Whether training draws random numbers (dropout, LoRA dropout)."""
+        return self.dropout > 0 or (self.lora is not None and self.lora.dropout > 0)
+
+    def lora_on(self, name: str) -> LoraSpec | None:
+        return None if self.lora is None else self.lora.on(name)
 
     @property
     def kv_heads(self) -> int:
@@ -137,21 +147,23 @@ class Attention(nnx.Module):
         d, n, k, h = cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.hd
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
         kw = dict(rngs=rngs, std=cfg.init_std, param_dtype=pd, dtype=cd)
-        self.q = Dense(d, n * h, ("embed", "heads"), bias=cfg.qkv_bias, **kw)
-        self.k = Dense(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, **kw)
-        self.v = Dense(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, **kw)
-        self.o = Dense(n * h, d, ("heads", "embed"), bias=cfg.o_bias, **{**kw, "std": out_std})
+        self.q = Dense(d, n * h, ("embed", "heads"), bias=cfg.qkv_bias, lora=cfg.lora_on("q"), **kw)
+        self.k = Dense(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, lora=cfg.lora_on("k"), **kw)
+        self.v = Dense(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, lora=cfg.lora_on("v"), **kw)
+        self.o = Dense(n * h, d, ("heads", "embed"), bias=cfg.o_bias, lora=cfg.lora_on("o"), **{**kw, "std": out_std})
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, eps=cfg.norm_eps, offset=cfg.norm_offset, param_dtype=pd, dtype=cd)
             self.k_norm = RMSNorm(h, eps=cfg.norm_eps, offset=cfg.norm_offset, param_dtype=pd, dtype=cd)
         self.cfg = cfg
 
-    def __call__(self, x, rope, mask, kv, index):
+    def __call__(self, x, rope, mask, kv, index, key=None):
+        """key: LoRA dropout (None: none)."""
         cfg, cd = self.cfg, jnp.dtype(self.cfg.compute_dtype)
         b, t, _ = x.shape
-        q = self.q(x).reshape(b, t, cfg.n_head, cfg.hd)
-        k = self.k(x).reshape(b, t, cfg.kv_heads, cfg.hd)
-        v = self.v(x).reshape(b, t, cfg.kv_heads, cfg.hd)
+        kq, kk, kv_, ko = _keys(key, 4)
+        q = self.q(x, kq).reshape(b, t, cfg.n_head, cfg.hd)
+        k = self.k(x, kk).reshape(b, t, cfg.kv_heads, cfg.hd)
+        v = self.v(x, kv_).reshape(b, t, cfg.kv_heads, cfg.hd)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
@@ -162,21 +174,28 @@ class Attention(nnx.Module):
             k, v = kv[0].astype(cd), kv[1].astype(cd)
         impl = None if cfg.attention == "auto" else cfg.attention
         y = attention(q, k, v, mask, impl, scale=cfg.query_scale, softcap=cfg.attn_softcap)
-        return self.o(y.reshape(b, t, cfg.n_head * cfg.hd)), kv
+        return self.o(y.reshape(b, t, cfg.n_head * cfg.hd), ko), kv
+
+
+def _keys(key: jax.Array | None, n: int) -> list[jax.Array | None]:
+    return [None] * n if key is None else list(jax.random.split(key, n))
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         kw = dict(rngs=rngs, std=cfg.init_std, bias=cfg.mlp_bias, param_dtype=pd, dtype=cd)
-        self.gate = Dense(cfg.d_model, cfg.d_ff, ("embed", "mlp"), **kw)
-        self.up = Dense(cfg.d_model, cfg.d_ff, ("embed", "mlp"), **kw)
-        self.down = Dense(cfg.d_ff, cfg.d_model, ("mlp", "embed"), **{**kw, "std": cfg.init_std / math.sqrt(2 * cfg.n_layer)})
+        self.gate = Dense(cfg.d_model, cfg.d_ff, ("embed", "mlp"), lora=cfg.lora_on("gate"), **kw)
+        self.up = Dense(cfg.d_model, cfg.d_ff, ("embed", "mlp"), lora=cfg.lora_on("up"), **kw)
+        self.down = Dense(cfg.d_ff, cfg.d_model, ("mlp", "embed"), lora=cfg.lora_on("down"),
+                          **{**kw, "std": cfg.init_std / math.sqrt(2 * cfg.n_layer)})
         self.act = ACTIVATIONS[cfg.mlp_act]
 
-    def __call__(self, x):
-        y = constrain(self.act(self.gate(x)) * self.up(x), ("batch", "seq", "act_mlp"))
-        return self.down(y)
+    def __call__(self, x, key=None):
+        """key: LoRA dropout (None: none)."""
+        kg, ku, kd = _keys(key, 3)
+        y = constrain(self.act(self.gate(x, kg)) * self.up(x, ku), ("batch", "seq", "act_mlp"))
+        return self.down(y, kd)
 
 
 class DecoderLayer(nnx.Module):
@@ -198,12 +217,15 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, rope, mask, key=None, kv=None, index=None):
         cfg = self.cfg
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
+        # LoRA dropout keys: folded from the layer key, so the residual dropout stream is the same with or without
+        lora_drop = key is not None and cfg.lora is not None and cfg.lora.dropout > 0
+        k_lora_attn, k_lora_mlp = (jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)) if lora_drop else (None, None)
         x = residual_fence(x)
-        y, kv = self.attn(self.attn_norm(x), rope, mask, kv, index)
+        y, kv = self.attn(self.attn_norm(x), rope, mask, kv, index, k_lora_attn)
         if cfg.sandwich_norm:
             y = self.post_attn_norm(y)
         x = residual_fence(constrain(x + dropout(y, cfg.dropout, k_attn), ("batch", "seq", "act_embed")))
-        y = self.mlp(self.mlp_norm(x))
+        y = self.mlp(self.mlp_norm(x), k_lora_mlp)
         if cfg.sandwich_norm:
             y = self.post_mlp_norm(y)
         return constrain(x + dropout(y, cfg.dropout, k_mlp), ("batch", "seq", "act_embed")), kv

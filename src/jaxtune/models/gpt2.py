@@ -56,6 +56,11 @@ class GPTConfig:
         return self.d_ff or 4 * self.d_model
 
     @property
+    def needs_key(self) -> bool:
+        """Whether training draws random numbers (dropout)."""
+        return self.dropout > 0
+
+    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from jaxtune.config import ConfigError
 from jaxtune.models.family import TORCHAX_HINT, Family, Map, UnsupportedModelError, dtype_from_hf
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
@@ -261,7 +262,7 @@ def from_hf(directory: str | Path, *, mesh: Mesh | None = None, param_dtype: str
     cfg = cfg.replace(param_dtype=param_dtype or cfg.param_dtype,
                       compute_dtype=compute_dtype or param_dtype or cfg.compute_dtype, **overrides)
     graphdef, abstract, shardings = model_layout(cfg, mesh)
-    params = load_params(HFCheckpoint(directory), fam, abstract, shardings)
+    params = load_params(HFCheckpoint(directory), fam, abstract[0], shardings and shardings[0])
     return nnx.merge(graphdef, params)
 
 
@@ -318,8 +319,32 @@ def write_hf_weights(directory: Path, tensors: dict[str, np.ndarray], max_shard_
     return files + [INDEX]
 
 
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose a new directory or pass overwrite")
+
+
+def write_dir_atomically(out: Path, fill: Any) -> None:
+    """``fill(tmp)`` writes a directory beside ``out``, which is then renamed into place (replacing an old
+    ``out`` only once the new one is complete), so a failed write leaves nothing half-written."""
+    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: str | None = None,
-           max_shard_bytes: int = 5_000_000_000, overwrite: bool = False) -> Path:
+           max_shard_bytes: int = 5_000_000_000, overwrite: bool = False, adapter: bool = False) -> Path:
     """Write a HuggingFace model directory that `transformers.AutoModelForCausalLM.from_pretrained` loads:
     config.json, generation_config.json, safetensors (sharded with an index past ``max_shard_bytes``) and the
     tokenizer files.
@@ -328,19 +353,29 @@ def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: st
     optional). ``dtype``: float32/bfloat16/float16; default the params' dtype. The directory is written
     beside ``out_dir`` and renamed into place, so a failed export leaves nothing half-written; an existing
     ``out_dir`` is replaced only with ``overwrite``.
+
+    A LoRA run exports merged (``W + scale A B``: an ordinary checkpoint), or with ``adapter`` as a PEFT adapter
+    directory (`jaxtune.models.lora.write_adapter`) for ``peft.PeftModel.from_pretrained(base, out_dir)``.
     """
+    from jaxtune.models.lora import merge_adapters, write_adapter
     from jaxtune.models.registry import FAMILIES
 
     out = Path(out_dir).expanduser()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; choose a new directory or pass overwrite")
+    check_out_dir(out, overwrite)
     if isinstance(source, (str, Path)):
         from jaxtune.evaluate import load_run
 
         run = load_run(source)
         cfg, params, tokenizer = run.spec.model_cfg, run.params, tokenizer or run.tokenizer
+        if getattr(cfg, "lora", None) is not None:
+            if adapter:
+                return write_adapter(out, FAMILIES[cfg.family], cfg.lora, params, base_model=run.cfg.model.from_hf,
+                                     tokenizer=tokenizer, overwrite=overwrite)
+            params, cfg = merge_adapters(params, run.frozen[0], cfg.lora), cfg.replace(lora=None)
     else:
         cfg, params = source.cfg, nnx.to_pure_dict(nnx.state(source, nnx.Param))
+    if adapter and getattr(cfg, "lora", None) is None:
+        raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full model")
     fam = FAMILIES[cfg.family]
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}")
@@ -353,9 +388,8 @@ def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: st
         return out
     config = {k: v for k, v in fam.to_hf(cfg).items()}
     config["torch_dtype"] = dtype
-    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
+
+    def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         gen = {k: v for k, v in [("bos_token_id", cfg.bos_id), ("eos_token_id", cfg.eos_id),
                                  ("pad_token_id", getattr(cfg, "pad_id", None))] if v is not None}
@@ -363,14 +397,6 @@ def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: st
         write_hf_weights(tmp, tensors, max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_dir_atomically(out, fill)
     return out

@@ -23,20 +23,56 @@ def dtype_of(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """Low-rank adapters on the projections named in ``targets`` (PEFT's LoRA): ``y = W x + s B A drop(x)``
+    with ``s = alpha / rank``, A (in, rank) uniform(±1/sqrt(in)) like PEFT's kaiming init, B (rank, out) zeros."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ()
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def on(self, name: str) -> LoraSpec | None:
+        """This spec for projection ``name`` when it is a target, else None."""
+        return self if name in self.targets else None
+
+
+class LoRAParam(nnx.Param):
+    """A LoRA adapter matrix. With adapters, these are the only parameters that train."""
+
+
 class Dense(nnx.Module):
-    """y = x @ W (+ b). ``W`` is (in, out) with logical axes ``axes``; computed in ``dtype``."""
+    """y = x @ W (+ b) (+ LoRA). ``W`` is (in, out) with logical axes ``axes``; computed in ``dtype``.
+
+    ``lora``: adapters ``lora_a`` (in, r) and ``lora_b`` (r, out), float32 whatever ``param_dtype``, sharded
+    along ``W``'s in and out axes so they sit with their base weight."""
 
     def __init__(self, d_in: int, d_out: int, axes: Axes, *, rngs: nnx.Rngs, std: float = 0.02,
-                 bias: bool = True, param_dtype=jnp.float32, dtype=jnp.float32):
+                 bias: bool = True, param_dtype=jnp.float32, dtype=jnp.float32, lora: LoraSpec | None = None):
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), param_dtype),
                                 logical_axes=axes)
         self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype), logical_axes=axes[-1:]) if bias else None
         self.dtype = dtype
+        self.lora = lora
+        if lora is not None:
+            bound = 1.0 / math.sqrt(d_in)
+            self.lora_a = LoRAParam(jax.random.uniform(rngs.params(), (d_in, lora.rank), jnp.float32, -bound, bound),
+                                    logical_axes=(axes[0], "lora_rank"))
+            self.lora_b = LoRAParam(jnp.zeros((lora.rank, d_out), jnp.float32), logical_axes=("lora_rank", axes[-1]))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """``key``: LoRA dropout (None: none)."""
         y = x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora is not None:
+            h = dropout(x, self.lora.dropout, key).astype(self.dtype) @ self.lora_a[...].astype(self.dtype)
+            y = y + (h @ self.lora_b[...].astype(self.dtype)) * jnp.asarray(self.lora.scale, self.dtype)
         return y
 
 

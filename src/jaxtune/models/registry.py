@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from jaxtune.config import ConfigError, ModelConfig
 from jaxtune.models import gemma3, gpt2, llama, mistral, qwen
 from jaxtune.models.family import Family
+from jaxtune.models.layers import LoRAParam, LoraSpec
 from jaxtune.train import sharding
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen.QWEN2, qwen.QWEN3, mistral.FAMILY,
@@ -35,13 +36,23 @@ def model_config(cfg: ModelConfig, vocab_size: int | None = None) -> Any:
     foreign = sorted(k for k in given if k not in fields and k in STRUCTURAL)
     if foreign:
         raise ConfigError(f"model.{foreign[0]} does not apply to the {fam.name} family")
-    overrides = {k: v for k, v in given.items() if k in fields}
+    overrides = {k: v for k, v in given.items() if k in fields and k != "lora"}
     if "vocab_size" not in overrides and vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     try:
-        return fam.presets[cfg.preset](**overrides)
+        return _with_lora(fam.presets[cfg.preset](**overrides), cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _with_lora(model_cfg: Any, cfg: ModelConfig) -> Any:
+    if not cfg.lora.rank:
+        return model_cfg
+    if "lora" not in {f.name for f in dataclasses.fields(model_cfg)}:
+        raise ConfigError(f"model.lora: LoRA is implemented for the decoder families (llama, qwen2, qwen3, mistral, "
+                          f"gemma3), not {model_cfg.family}; set model.lora.rank=0 for full fine-tuning")
+    spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets))
+    return model_cfg.replace(lora=spec)
 
 
 def _from_checkpoint(cfg: ModelConfig, vocab_size: int | None) -> Any:
@@ -65,22 +76,41 @@ def _from_checkpoint(cfg: ModelConfig, vocab_size: int | None) -> Any:
     if updates.get("max_seq_len", 0) > base.max_seq_len:
         raise ConfigError(f"model.max_seq_len={updates['max_seq_len']} exceeds the checkpoint's "
                           f"{base.max_seq_len}")
-    return base.replace(**updates)
+    return _with_lora(base.replace(**updates), cfg)
 
 
 def build_model(cfg: Any, seed: int) -> nnx.Module:
     return FAMILIES[cfg.family].module_cls(cfg, rngs=nnx.Rngs(params=seed))
 
 
-def model_layout(cfg: Any, mesh: Mesh | None, seed: int = 0) -> tuple[nnx.GraphDef, Any, Any]:
-    """(graphdef, abstract params (pure dict of ShapeDtypeStructs), NamedShardings on ``mesh`` or None),
-    without allocating anything."""
+def param_groups(cfg: Any) -> tuple:
+    """How a model's parameters split: (trainable, frozen) filters with LoRA, else all of them train."""
+    return (LoRAParam, nnx.Param) if getattr(cfg, "lora", None) else (nnx.Param,)
+
+
+def model_layout(cfg: Any, mesh: Mesh | None, seed: int = 0) -> tuple[nnx.GraphDef, list[Any], list[Any] | None]:
+    """(graphdef, abstract params, NamedShardings on ``mesh`` or None) without allocating anything. The params are
+    a list with one pure dict of ShapeDtypeStructs per `param_groups` entry: [params], or [adapters, frozen base]
+    with LoRA; ``nnx.merge(graphdef, *groups)`` rebuilds the model."""
     abstract_model = nnx.eval_shape(lambda: build_model(cfg, seed))
-    graphdef, param_state = nnx.split(abstract_model, nnx.Param)
-    abstract = nnx.to_pure_dict(param_state)
+    graphdef, *states = nnx.split(abstract_model, *param_groups(cfg))
+    abstract = [nnx.to_pure_dict(s) for s in states]
     if mesh is None:
         return graphdef, abstract, None
-    logical = nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), param_state,
-                                            is_leaf=lambda v: isinstance(v, nnx.Variable)))
-    axes = sharding.param_axes(abstract, logical)
-    return graphdef, abstract, sharding.param_shardings(mesh, abstract, axes)
+    shardings = []
+    for state, tree in zip(states, abstract):
+        logical = nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), state,
+                                                is_leaf=lambda v: isinstance(v, nnx.Variable)))
+        shardings.append(sharding.param_shardings(mesh, tree, sharding.param_axes(tree, logical)))
+    return graphdef, abstract, shardings
+
+
+def init_params(cfg: Any, seed: int) -> list[Any]:
+    """The family's initial params, split as `model_layout` splits them (call under jit to place them)."""
+    _, *states = nnx.split(build_model(cfg, seed), *param_groups(cfg))
+    return [nnx.to_pure_dict(s) for s in states]
+
+
+def merge(graphdef: nnx.GraphDef, weights: Any) -> nnx.Module:
+    """The model from its graph and weights: one params dict, or a tuple (adapters, frozen base) with LoRA."""
+    return nnx.merge(graphdef, *weights) if isinstance(weights, (tuple, list)) else nnx.merge(graphdef, weights)

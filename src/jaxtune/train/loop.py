@@ -16,8 +16,8 @@ from typing import Any
 import jax
 
 from jaxtune.config import Config, ConfigError, dump_config, identity_diff
-from jaxtune.data import load_tokenizer, make_eval_batches, make_train_iterator, prepare_tokens
-from jaxtune.generate import Generator
+from jaxtune.data import load_tokenizer, make_training_data
+from jaxtune.generate import Generator, encode_prompt, stop_ids
 from jaxtune.train import distributed, sharding
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import MetricsWriter, peak_flops, plot_loss
@@ -39,6 +39,7 @@ class TrainResult:
     nan_skipped: int = 0
     preempted: bool = False
     samples: list[str] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "samples"} per evaluation
 
 
 class _Preemption:
@@ -108,11 +109,11 @@ def train(cfg: Config) -> TrainResult:
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.data)
     if proc == 0:
         tokenizer.save(run_dir / "tokenizer")
-    tokens = prepare_tokens(cfg.data, tokenizer)
-    train_iter = make_train_iterator(tokens, global_batch=cfg.train.batch_size, seed=cfg.train.seed,
-                                     process_index=proc, process_count=n_proc, num_workers=cfg.data.num_workers)
-    eval_batches = (make_eval_batches(tokens, batch_size=cfg.train.batch_size, num_batches=cfg.eval.batches,
-                                      process_index=proc, process_count=n_proc) if tokens.val_windows else [])
+    data = make_training_data(cfg.data, tokenizer, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
+                              eval_batches=cfg.eval.batches, process_index=proc, process_count=n_proc)
+    train_iter, eval_batches = data.train_iter, data.eval_batches
+    if proc == 0:
+        tokenizer.save(run_dir / "tokenizer")  # again: fine-tuning data may have set its chat template
 
     # Model, optimizer, shardings.
     spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
@@ -120,28 +121,31 @@ def train(cfg: Config) -> TrainResult:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's context "
                           f"(model.max_seq_len={spec.model_cfg.max_seq_len}); lower data.seq_len or raise max_seq_len")
 
-    # Restore or init.
+    # Restore or init. Frozen params (a LoRA base) are not in the checkpoint: they are read again.
     if start:
         state, data_state = ckpt.restore(start, spec.abstract)
         train_iter.set_state(data_state)
     else:
         state = spec.init(cfg.train.seed)
+    frozen = spec.load_frozen(cfg.train.seed)
 
     # The step, jitted once: state donated, shardings explicit.
     traces = [0]
     step_impl = make_train_step(spec.graphdef, spec.tx, spec.lr_schedule, micro_batches=cfg.train.micro_batches,
                                 skip_nonfinite=cfg.train.on_nan == "skip",
-                                use_dropout=spec.model_cfg.dropout > 0, loss_chunk=cfg.train.loss_chunk)
+                                use_dropout=spec.model_cfg.needs_key, loss_chunk=cfg.train.loss_chunk)
 
-    def counted_step(state, batch):
+    def counted_step(state, batch, frozen):
         traces[0] += 1
-        return step_impl(state, batch)
+        return step_impl(state, batch, frozen)
 
     batch_sh = sharding.batch_sharding(mesh)
-    train_step = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh),
+    train_step = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh, spec.frozen_shardings),
                          out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(spec.graphdef, cfg.train.loss_chunk), in_shardings=(spec.shardings.params, batch_sh))
+    eval_step = jax.jit(make_eval_step(spec.graphdef, cfg.train.loss_chunk),
+                        in_shardings=(spec.shardings.params, batch_sh, spec.frozen_shardings))
     generator = Generator(spec.graphdef, spec.model_cfg.max_seq_len)
+    chat = cfg.data.format != "text" and tokenizer.chat_template is not None
 
     # Loop.
     total = cfg.train.steps
@@ -151,6 +155,8 @@ def train(cfg: Config) -> TrainResult:
         writer.message(f"resumed from {ckpt.directory / str(start)} (step {start}/{total})")
     for moved in ckpt.set_aside:
         writer.message(f"ignored an unfinished checkpoint, moved to {moved}")
+    for line in data.report:
+        writer.message(line)
     flops_per_step = spec.model_cfg.flops_per_token(cfg.data.seq_len) * cfg.train.batch_size * cfg.data.seq_len
     peak = peak_flops(jax.devices()[0])
     pending: list[tuple[int, dict[str, Any]]] = []  # device metrics not yet read (one-step lag keeps dispatch async)
@@ -193,22 +199,27 @@ def train(cfg: Config) -> TrainResult:
                 window.update(t0=time.perf_counter(), steps=0, loss=0.0, finite=0)
 
     def run_eval(step: int) -> None:
+        record: dict[str, Any] = {"step": step, "loss": None, "samples": []}
         if eval_batches:
-            sums = [jax.device_get(eval_step(state.params, sharding.global_batch(mesh, b))) for b in eval_batches]
+            sums = [jax.device_get(eval_step(state.params, sharding.global_batch(mesh, b), frozen))
+                    for b in eval_batches]
             loss = sum(float(a) for a, _ in sums) / max(sum(float(n) for _, n in sums), 1.0)
-            result.eval_loss = loss
+            result.eval_loss = record["loss"] = loss
             writer.write(step, {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}, kind="eval")
             writer.message(f"step {step}: validation loss {loss:.4f}, perplexity {math.exp(min(loss, 50.0)):.2f}")
         if cfg.eval.prompts:
-            ids = generator(state.params, [tokenizer.encode(p) for p in cfg.eval.prompts],
+            ids = generator(spec.weights(state.params, frozen),
+                            [encode_prompt(tokenizer, p, chat) for p in cfg.eval.prompts],
                             max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature,
-                            top_k=cfg.eval.top_k, top_p=cfg.eval.top_p, eos_id=tokenizer.eos_id, seed=step)
-            result.samples = [p + tokenizer.decode(x) for p, x in zip(cfg.eval.prompts, ids)]
+                            top_k=cfg.eval.top_k, top_p=cfg.eval.top_p, eos_id=stop_ids(tokenizer, chat), seed=step)
+            result.samples = record["samples"] = [
+                (f"user: {p}\nassistant: " if chat else p) + tokenizer.decode(x) for p, x in zip(cfg.eval.prompts, ids)]
             if proc == 0:
                 with open(run_dir / "samples.jsonl", "a") as f:
                     f.writelines(json.dumps({"step": step, "text": text}) + "\n" for text in result.samples)
             for text in result.samples:
                 writer.message(f"--- sample @ step {step} ---\n{text}")
+        result.evals.append(record)
 
     def save(step: int) -> None:
         drain()  # never save a state whose loss has not been checked
@@ -216,9 +227,11 @@ def train(cfg: Config) -> TrainResult:
 
     with _Preemption(multi_host) as preemption, sharding.use_mesh(mesh):
         step = start
+        if start == 0 and (eval_batches or cfg.eval.prompts):
+            run_eval(0)  # the baseline the run report compares against
         while step < total:
             batch = sharding.global_batch(mesh, next(train_iter))
-            state, metrics = train_step(state, batch)
+            state, metrics = train_step(state, batch, frozen)
             step += 1
             drain()
             pending.append((step, metrics))
@@ -250,9 +263,31 @@ def train(cfg: Config) -> TrainResult:
                    "eval_loss": result.eval_loss, "nan_skipped": result.nan_skipped, "preempted": result.preempted,
                    "params": spec.model_cfg.num_params(), "step_compiles": result.step_compiles}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if result.evals:
+            _write_report(run_dir / "report.md", result.evals)
         if not result.preempted:
             print(_summary_text(run_dir, summary), flush=True)
     return result
+
+
+def _write_report(path: Path, evals: list[dict[str, Any]]) -> None:
+    """report.md: held-out loss at every evaluation, and the samples of the first and last one side by side
+    (appended to on resume, so a resumed run keeps its baseline)."""
+    lines = [] if path.exists() else ["# Run report", ""]
+    losses = [e for e in evals if e["loss"] is not None]
+    if losses:
+        lines += ["| step | held-out loss | perplexity |", "|--:|--:|--:|"]
+        lines += [f"| {e['step']} | {e['loss']:.4f} | {math.exp(min(e['loss'], 50.0)):.2f} |" for e in losses]
+        lines.append("")
+    first, last = evals[0], evals[-1]
+    if last["samples"]:
+        for k, after in enumerate(last["samples"]):
+            lines.append(f"## Prompt {k + 1}")
+            if first is not last and k < len(first["samples"]):
+                lines += [f"**Before (step {first['step']}):**", "", "```", first["samples"][k], "```", ""]
+            lines += [f"**After (step {last['step']}):**", "", "```", after, "```", ""]
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def _summary_text(run_dir: Path, s: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "norm": None,
     "layers": None,
+    "lora_rank": None,
     # activations
     "batch": BATCH_AXES,
     "seq": None,

@@ -16,8 +16,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtune.config import Config
-from jaxtune.models import build_model, model_config
-from jaxtune.models.registry import model_layout
+from jaxtune.models import model_config
+from jaxtune.models.registry import init_params, model_layout
 from jaxtune.train import sharding
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.step import TrainState, init_state
@@ -33,30 +33,52 @@ class StateSpec:
     shardings: TrainState  # NamedSharding per leaf
     abstract: TrainState  # ShapeDtypeStruct per leaf, with .sharding
     from_hf: str | None = None  # initial weights: this HuggingFace checkpoint instead of the family's init
+    # Parameters that do not train (a LoRA model's base), outside the train state: never in the optimizer nor in
+    # checkpoints, re-read from `from_hf` (or re-initialised from the seed) by `load_frozen`. () without LoRA.
+    frozen_abstract: tuple = ()
+    frozen_shardings: tuple = ()
 
     def init(self, seed: int) -> TrainState:
         """A fresh state, created sharded (each device computes or reads only its own shards)."""
         cfg, tx = self.model_cfg, self.tx
         params = None
-        if self.from_hf:
-            from jaxtune.models.hf import HFCheckpoint, family_of, load_params
-
-            ckpt = HFCheckpoint(self.from_hf)
-            params = load_params(ckpt, family_of(ckpt.config), self.abstract.params, self.shardings.params)
+        if self.from_hf and not self.frozen_abstract:  # full fine-tuning starts from the checkpoint
+            params = self._read_hf(self.abstract.params, self.shardings.params)
 
         def make(params):
             if params is None:
-                params = nnx.to_pure_dict(nnx.state(build_model(cfg, seed), nnx.Param))
+                params = init_params(cfg, seed)[0]
             return init_state(params, tx, seed)
 
         with sharding.use_mesh(self.mesh):
             return jax.jit(make, out_shardings=self.shardings)(params)
 
+    def load_frozen(self, seed: int) -> tuple:
+        """The frozen params, placed on the mesh: the checkpoint's (``from_hf``) or the seed's initial ones."""
+        if not self.frozen_abstract:
+            return ()
+        if self.from_hf:
+            return (self._read_hf(self.frozen_abstract[0], self.frozen_shardings[0]),)
+        with sharding.use_mesh(self.mesh):
+            return jax.jit(lambda: tuple(init_params(self.model_cfg, seed)[1:]),
+                           out_shardings=self.frozen_shardings)()
+
+    def weights(self, params: Any, frozen: tuple) -> Any:
+        """What `jaxtune.models.registry.merge` takes: ``params``, or (adapters, base) with LoRA."""
+        return (params, *frozen) if frozen else params
+
+    def _read_hf(self, abstract: Any, shardings: Any) -> Any:
+        from jaxtune.models.hf import HFCheckpoint, family_of, load_params
+
+        ckpt = HFCheckpoint(self.from_hf)
+        return load_params(ckpt, family_of(ckpt.config), abstract, shardings)
+
 
 def make_state_spec(cfg: Config, vocab_size: int, mesh: Mesh) -> StateSpec:
     model_cfg = model_config(cfg.model, vocab_size)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    graphdef, abstract_params, param_sh = model_layout(model_cfg, mesh, cfg.train.seed)
+    graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
+    abstract_params, param_sh = abstract_groups[0], group_sh[0]
     abstract_state = jax.eval_shape(lambda: init_state(abstract_params, tx, cfg.train.seed))
     rep = sharding.replicated(mesh)
     # Optimizer moments mirror their parameter's sharding; scalars (counts) are replicated.
@@ -66,6 +88,7 @@ def make_state_spec(cfg: Config, vocab_size: int, mesh: Mesh) -> StateSpec:
         transform_non_params=lambda _: rep, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     shardings = TrainState(step=rep, params=param_sh, opt_state=opt_sh, key=rep, nan_streak=rep, nan_skipped=rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+    frozen = tuple(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), g, sh)
+                   for g, sh in zip(abstract_groups[1:], group_sh[1:]))
     return StateSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract,
-                     cfg.model.from_hf)
-
+                     cfg.model.from_hf, frozen, tuple(group_sh[1:]))

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxtune.models.registry import merge
+
 
 class TrainState(NamedTuple):
     step: jax.Array  # int32 (): optimizer steps taken
@@ -72,11 +74,12 @@ def chunked_cross_entropy(head, hidden: jax.Array, targets: jax.Array, weights: 
 
 
 def token_loss(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], key: jax.Array | None,
-               loss_chunk: int = 0):
+               loss_chunk: int = 0, frozen: tuple = ()):
     """Summed cross-entropy over counted tokens, and the number of counted tokens (both float32 scalars).
 
-    ``loss_chunk``: sequence positions per cross-entropy chunk (0: auto, see `loss_chunk_size`)."""
-    model = nnx.merge(graphdef, params)
+    ``loss_chunk``: sequence positions per cross-entropy chunk (0: auto, see `loss_chunk_size`). ``frozen``:
+    the parameters that do not train (a LoRA model's base), merged with ``params`` into the model."""
+    model = merge(graphdef, (params, *frozen) if frozen else params)
     tokens, targets = batch["inputs"], batch["targets"]
     weights = batch.get("loss_mask", jnp.ones(targets.shape, jnp.float32))
     kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"), key=key)
@@ -102,17 +105,18 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
                     loss_chunk: int = 0):
     """Build the step. The loss is token-weighted over the whole batch: gradients of summed losses are
     accumulated over micro-batches and divided once by the total token count (not a mean of means)."""
-    grad_fn = jax.value_and_grad(lambda p, b, k: token_loss(graphdef, p, b, k, loss_chunk), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, b, k, f: token_loss(graphdef, p, b, k, loss_chunk, f), has_aux=True)
 
-    def train_step(state: TrainState, batch: dict[str, jax.Array]):
+    def train_step(state: TrainState, batch: dict[str, jax.Array], frozen: tuple = ()):
+        """``frozen``: parameters that do not train (a LoRA base): read, never updated, no optimizer state."""
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step) if use_dropout else None
         if micro_batches == 1:
-            (loss_sum, tokens), grads = grad_fn(state.params, batch, step_key)
+            (loss_sum, tokens), grads = grad_fn(state.params, batch, step_key, frozen)
         else:
             def micro(carry, xs):
                 i, mb = xs
                 key = None if step_key is None else jax.random.fold_in(step_key, i)
-                (l, n), g = grad_fn(state.params, mb, key)
+                (l, n), g = grad_fn(state.params, mb, key, frozen)
                 acc_g, acc_l, acc_n = carry
                 return (jax.tree.map(jnp.add, acc_g, g), acc_l + l, acc_n + n), None
 
@@ -146,9 +150,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
 
 
 def make_eval_step(graphdef: nnx.GraphDef, loss_chunk: int = 0):
-    """(params, batch) -> (summed loss, token count); deterministic (no dropout)."""
+    """(params, batch, frozen=()) -> (summed loss, token count); deterministic (no dropout)."""
 
-    def eval_step(params, batch):
-        return token_loss(graphdef, params, batch, None, loss_chunk)
+    def eval_step(params, batch, frozen=()):
+        return token_loss(graphdef, params, batch, None, loss_chunk, frozen)
 
     return eval_step

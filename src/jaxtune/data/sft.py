@@ -1,0 +1,538 @@
+"""Supervised fine-tuning data: rows → conversations → token ids with a loss mask → packed fixed-length rows.
+
+**Rows.** ``data.format`` says how a row reads (field names can be renamed with ``data.fields``):
+
+* ``messages``: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (OpenAI chat);
+* ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`` (``data.roles``
+  maps other speaker names);
+* ``alpaca``: ``{"instruction", "input" (optional), "output", "system" (optional)}``: one user turn
+  (instruction, then the input after a blank line) and the assistant's output;
+* ``prompt_completion``: ``{"prompt", "completion"}``: raw text, no chat template, completion then EOS.
+
+A conversation is an optional system message, then user and assistant turns alternating, starting with the user
+and ending with the assistant, every content a non-empty string. A row that is not valid UTF-8, not JSON, lacks a
+field, names an unknown role, breaks the order or has an empty content is *bad*: ``data.bad_rows=raise`` stops
+with its file:line, ``drop`` skips it and counts it per reason (`REASONS`).
+
+**Loss mask without template markers.** The conversation is rendered with the tokenizer's chat template (or
+``data.chat_template``). For each assistant turn ``i``, the template renders the conversation up to turn ``i``
+with the generation prompt (``P``) and up to and including turn ``i`` (``F``); the reply is ``F[len(P):]``
+without its trailing whitespace: the content plus the template's end-of-turn (``<|im_end|>``, ``<|eot_id|>``,
+``<end_of_turn>``), which the model must learn to emit. This needs only that the template renders a prefix of the
+conversation as a prefix of the text, which holds for ChatML, Llama 3, Gemma, Mistral and most others; a template
+for which it does not is an error that says so. The text is encoded piece by piece (prompt pieces, reply pieces),
+so a reply's tokens are exactly those the model produces after the prompt at inference time.
+``data.loss_on``: ``assistant`` (every assistant turn), ``last_assistant``, or ``all`` (every token).
+
+**Length.** A row of ``n`` tokens fills ``n - 1`` positions (inputs ``[:-1]``, targets ``[1:]``). Rows longer than
+``seq_len + 1`` tokens are truncated, dropped or raise (``data.overlong``); a row left with no trained token is
+dropped (reason ``no_trainable_tokens``), so no sequence is ever all padding by accident.
+
+**Packing.** Rows are packed best-fit-decreasing into sequences of ``seq_len`` positions. Each row in a sequence
+has its own segment id (1, 2, ...; padding is 0) and positions restarting at 0, and attention never crosses
+segments, so a packed row computes exactly what it would alone. With ``data.packing=false`` every sequence holds
+one row, padded. Either way every batch has the one shape (B, seq_len): the step compiles once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxtune.config import DataConfig
+from jaxtune.data.errors import DataError
+from jaxtune.data.sources import HF_PREFIX, HFDataset, LocalFiles, resolve_sources
+from jaxtune.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FIELDS = {
+    "messages": {"messages": "messages", "role": "role", "content": "content"},
+    "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
+    "prompt_completion": {"prompt": "prompt", "completion": "completion"},
+}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
+ROLES = ("system", "user", "assistant")
+# Why a row was dropped: bad rows (data.bad_rows) first, then length (data.overlong) and empty-loss rows.
+REASONS = ("non_utf8", "invalid_json", "missing_field", "bad_type", "unknown_role", "role_order", "empty_content")
+DROP_REASONS = (*REASONS, "overlong", "no_trainable_tokens")
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+SHIPPED_TEMPLATES = {"chatml": CHATML}
+CHATML_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+class BadRow(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+# --- reading rows ---
+
+def _rows(sources: list[str], data_cfg: DataConfig) -> Iterator[tuple[str, Any]]:
+    """(where, record) for every row of ``sources``; record is a `BadRow` when it cannot be read."""
+    for source in resolve_sources(data_cfg, sources):
+        if isinstance(source, LocalFiles):
+            for path in source.paths:
+                yield from _file_rows(path)
+        elif isinstance(source, HFDataset):
+            yield from _hf_rows(source.name, data_cfg)
+        else:
+            raise DataError("data.sources: python-stdlib is source code, not fine-tuning data; "
+                            f"give JSONL/JSON/parquet files of {data_cfg.format} rows")
+
+
+def _file_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, record in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path}[row {i}]", record
+        return
+    raw = path.read_bytes()
+    if suffix == ".json" and raw.lstrip()[:1] == b"[":
+        try:
+            records = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{path}: not a valid UTF-8 JSON array ({e}); use JSONL to skip bad rows") from None
+        for i, record in enumerate(records):
+            yield f"{path}[{i}]", record
+        return
+    for lineno, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield where, BadRow("non_utf8", f"not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8")
+            continue
+        try:
+            yield where, json.loads(text)
+        except json.JSONDecodeError as e:
+            yield where, BadRow("invalid_json", f"not valid JSON ({e.msg} at column {e.colno}); each line must be "
+                                "one JSON object")
+
+
+def _hf_rows(name: str, data_cfg: DataConfig) -> Iterator[tuple[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"data.sources: {HF_PREFIX}{name} needs the HuggingFace datasets library: "
+                        "pip install 'jaxtune[hf]'") from None
+    rows = datasets.load_dataset(name, data_cfg.hf_config, split=data_cfg.hf_split, streaming=True)
+    for i, row in enumerate(rows):
+        yield f"{HF_PREFIX}{name}[{data_cfg.hf_split}][{i}]", row
+
+
+# --- rows -> conversations ---
+
+@dataclass(frozen=True)
+class Example:
+    """A row understood: ``messages`` for the chat formats, or (``prompt``, ``completion``)."""
+
+    messages: tuple[dict[str, str], ...] = ()
+    prompt: str = ""
+    completion: str = ""
+
+    def texts(self) -> list[str]:
+        return [m["content"] for m in self.messages] if self.messages else [self.prompt, self.completion]
+
+
+def _fields(data_cfg: DataConfig) -> dict[str, str]:
+    defaults = DEFAULT_FIELDS[data_cfg.format]
+    unknown = sorted(set(data_cfg.fields) - set(defaults))
+    if unknown:
+        raise DataError(f"data.fields.{unknown[0]} does not apply to data.format={data_cfg.format}; "
+                        f"its fields are {sorted(defaults)}")
+    return {**defaults, **data_cfg.fields}
+
+
+def _string(record: dict, key: str, name: str, required: bool = True) -> str:
+    if key not in record or record[key] is None:
+        if required:
+            raise BadRow("missing_field", f"no {key!r} field (found {sorted(record)})"
+                         + (f"; set data.fields.{name} to the field's name" if key == name else ""))
+        return ""
+    value = record[key]
+    if not isinstance(value, str):
+        raise BadRow("bad_type", f"field {key!r} is {type(value).__name__}, not a string")
+    return value
+
+
+def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Example:
+    """A row as an `Example`, or `BadRow` saying why it is not one."""
+    if isinstance(record, BadRow):
+        raise record
+    if not isinstance(record, dict):
+        raise BadRow("bad_type", f"a row must be a JSON object, not {type(record).__name__}")
+    fmt = data_cfg.format
+    if fmt == "prompt_completion":
+        prompt, completion = _string(record, fields["prompt"], "prompt"), _string(record, fields["completion"],
+                                                                                 "completion")
+        if not completion.strip():
+            raise BadRow("empty_content", "the completion is empty")
+        return Example(prompt=prompt, completion=completion)
+    if fmt == "alpaca":
+        instruction = _string(record, fields["instruction"], "instruction")
+        extra = _string(record, fields["input"], "input", required=False)
+        output = _string(record, fields["output"], "output")
+        system = _string(record, fields["system"], "system", required=False)
+        if not instruction.strip() or not output.strip():
+            raise BadRow("empty_content", f"empty {'instruction' if not instruction.strip() else 'output'}")
+        user = instruction + (f"\n\n{extra}" if extra.strip() else "")
+        msgs = ([{"role": "system", "content": system}] if system.strip() else []) + [
+            {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+        return Example(messages=tuple(msgs))
+    turns = record.get(fields["messages"])
+    if turns is None:
+        raise BadRow("missing_field", f"no {fields['messages']!r} field (found {sorted(record)}); "
+                     "set data.fields.messages to the field holding the conversation")
+    if not isinstance(turns, list) or not turns:
+        raise BadRow("bad_type", f"{fields['messages']!r} must be a non-empty list of turns")
+    role_names = {**SHAREGPT_ROLES, **data_cfg.roles} if fmt == "sharegpt" else {r: r for r in ROLES}
+    msgs = []
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRow("bad_type", f"turn {k} is {type(turn).__name__}, not an object")
+        speaker = _string(turn, fields["role"], "role")
+        if speaker not in role_names:
+            raise BadRow("unknown_role", f"turn {k} has role {speaker!r}; known: {sorted(role_names)}"
+                         + ("; map it with data.roles" if fmt == "sharegpt" else ""))
+        content = _string(turn, fields["content"], "content")
+        if not content.strip():
+            raise BadRow("empty_content", f"turn {k} ({speaker}) has empty content")
+        msgs.append({"role": role_names[speaker], "content": content})
+    _check_order([m["role"] for m in msgs])
+    return Example(messages=tuple(msgs))
+
+
+def _check_order(roles: list[str]) -> None:
+    body = roles[1:] if roles[0] == "system" else roles
+    for k, role in enumerate(body):
+        expected = "user" if k % 2 == 0 else "assistant"
+        if role != expected:
+            offset = len(roles) - len(body)
+            raise BadRow("role_order", f"turn {k + offset} is {role!r} where {expected!r} was expected (an optional "
+                         "system turn, then user and assistant alternating)")
+    if not body or body[-1] != "assistant":
+        raise BadRow("role_order", "the conversation does not end with an assistant turn")
+
+
+def iter_turn_texts(data_cfg: DataConfig) -> Iterator[str]:
+    """The text of every turn of every readable row: what a BPE tokenizer for this data learns from."""
+    fields = _fields(data_cfg)
+    for _, record in _rows(data_cfg.sources, data_cfg):
+        try:
+            yield "\n".join(parse_row(record, data_cfg, fields).texts())
+        except BadRow:
+            continue
+
+
+# --- conversations -> token ids + loss mask ---
+
+def resolve_chat_template(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:
+    """Sets ``tokenizer.chat_template`` from ``data.chat_template`` (a shipped name, a .jinja file or template
+    text); without it the tokenizer's own template is used, and is required for the chat formats."""
+    spec = data_cfg.chat_template
+    if spec is not None:
+        if spec in SHIPPED_TEMPLATES:
+            tokenizer.chat_template = SHIPPED_TEMPLATES[spec]
+        elif spec.endswith(".jinja") and "{" not in spec:
+            path = Path(spec).expanduser()
+            if not path.is_file():
+                raise DataError(f"data.chat_template: no such file {spec}")
+            tokenizer.chat_template = path.read_text()
+        elif "{%" in spec or "{{" in spec:
+            tokenizer.chat_template = spec
+        else:
+            raise DataError(f"data.chat_template={spec!r}: not a shipped template ({sorted(SHIPPED_TEMPLATES)}), a "
+                            ".jinja file or template text")
+    if data_cfg.format != "prompt_completion" and tokenizer.chat_template is None:
+        raise DataError(f"data.format={data_cfg.format} needs a chat template and the tokenizer has none; set "
+                        "data.chat_template (chatml, a .jinja file, or template text)")
+
+
+@dataclass
+class Encoded:
+    ids: np.ndarray  # int32 (n,)
+    mask: np.ndarray  # bool (n,): token j is a trained target
+
+
+class Encoder:
+    """Conversations -> (ids, mask) with the tokenizer's chat template, as the module docstring describes."""
+
+    def __init__(self, tokenizer: Tokenizer, data_cfg: DataConfig):
+        self.tok = tokenizer
+        self.loss_on = data_cfg.loss_on
+
+    def pieces(self, ex: Example) -> list[tuple[str, bool]]:
+        """The rendered text as (piece, trained) in order."""
+        if not ex.messages:
+            return [(ex.prompt, self.loss_on == "all"), (ex.completion, True)]
+        msgs = [dict(m) for m in ex.messages]
+        render = self.tok.apply_chat_template
+        full = render(msgs)
+        if self.loss_on == "all":
+            return [(full, True)]
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        if self.loss_on == "last_assistant":
+            turns = turns[-1:]
+        pieces, pos = [], 0
+        for i in turns:
+            prompt = render(msgs[:i], add_generation_prompt=True)
+            reply = render(msgs[: i + 1])
+            end = len(reply.rstrip())
+            if not (reply.startswith(prompt) and full.startswith(reply) and len(prompt) >= pos):
+                raise DataError("the chat template does not render a conversation's beginning as the beginning of "
+                                "its text, so the assistant's tokens cannot be located; set data.chat_template "
+                                "to a template that does (e.g. chatml) or data.loss_on=all")
+            if msgs[i]["content"].strip() not in full[len(prompt):end]:
+                raise DataError("the chat template does not render the assistant's content after its generation "
+                                "prompt; set data.chat_template (e.g. chatml) or data.loss_on=all")
+            pieces += [(full[pos:len(prompt)], False), (full[len(prompt):end], True)]
+            pos = end
+        pieces.append((full[pos:], False))
+        return [p for p in pieces if p[0]]
+
+    def encode(self, examples: list[Example]) -> list[Encoded]:
+        all_pieces = [self.pieces(ex) for ex in examples]
+        flat = [text for pieces in all_pieces for text, _ in pieces]
+        chat = bool(examples) and bool(examples[0].messages)
+        ids_flat = self.tok.encode_chat(flat) if chat else self.tok.encode_batch(flat)
+        out, k = [], 0
+        for ex, pieces in zip(examples, all_pieces):
+            ids: list[int] = []
+            mask: list[bool] = []
+            for _, trained in pieces:
+                ids += ids_flat[k]
+                mask += [trained] * len(ids_flat[k])
+                k += 1
+            if not ex.messages:  # raw prompt/completion: the completion ends with EOS
+                ids.append(self.tok.eos_id)
+                mask.append(True)
+            out.append(Encoded(np.asarray(ids, np.int32), np.asarray(mask, bool)))
+        return out
+
+
+# --- examples, packing, batches ---
+
+@dataclass
+class Examples:
+    """Encoded rows, concatenated: row ``i`` is ``tokens[offsets[i]:offsets[i + 1]]`` (and ``mask``)."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def of(cls, rows: list[Encoded]) -> Examples:
+        lengths = np.array([len(r.ids) for r in rows], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        cat = (lambda xs, dt: np.concatenate(xs).astype(dt)) if rows else (lambda xs, dt: np.zeros(0, dt))
+        return cls(cat([r.ids for r in rows], np.int32), cat([r.mask for r in rows], bool), offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.tokens[a:b], self.mask[a:b]
+
+    @property
+    def positions_used(self) -> np.ndarray:
+        """Sequence positions each row fills: its length minus one."""
+        return np.diff(self.offsets) - 1
+
+
+def pack(sizes: np.ndarray, capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: rows of ``sizes`` (each ≤ capacity) into as few bins of ``capacity`` as it finds.
+    Deterministic: ties go to the earlier row and the earliest opened bin."""
+    order = sorted(range(len(sizes)), key=lambda i: (-int(sizes[i]), i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free space, bin index), sorted
+    for i in order:
+        need = int(sizes[i])
+        k = bisect.bisect_left(free, (need, -1))
+        if k == len(free):
+            bins.append([i])
+            bisect.insort(free, (capacity - need, len(bins) - 1))
+        else:
+            space, b = free.pop(k)
+            bins[b].append(i)
+            bisect.insort(free, (space - need, b))
+    return [sorted(b) for b in bins]
+
+
+class PackedRows:
+    """Grain random-access source: sequence ``[r]`` is {"inputs", "targets", "positions", "segment_ids"}: int32
+    (T,) and "loss_mask": float32 (T,), the rows of bin ``r`` one after another, then padding (segment 0)."""
+
+    def __init__(self, examples: Examples, bins: list[list[int]], seq_len: int):
+        self.examples, self.bins, self.seq_len = examples, bins, seq_len
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, r: int) -> dict[str, np.ndarray]:
+        t = self.seq_len
+        out = {k: np.zeros(t, np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
+        out["loss_mask"] = np.zeros(t, np.float32)
+        pos = 0
+        for seg, i in enumerate(self.bins[r], 1):
+            ids, mask = self.examples.row(i)
+            n = len(ids) - 1
+            out["inputs"][pos:pos + n] = ids[:-1]
+            out["targets"][pos:pos + n] = ids[1:]
+            out["loss_mask"][pos:pos + n] = mask[1:]
+            out["positions"][pos:pos + n] = np.arange(n)
+            out["segment_ids"][pos:pos + n] = seg
+            pos += n
+        return out
+
+
+@dataclass
+class SFTStats:
+    rows: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    truncated: int = 0
+    train_examples: int = 0
+    val_examples: int = 0
+    train_sequences: int = 0
+    val_sequences: int = 0
+    trained_tokens: int = 0  # targets with loss, training split
+    fill: float = 0.0  # fraction of training sequence positions holding a row (the rest is padding)
+
+    def lines(self) -> list[str]:
+        out = [f"fine-tuning data: {self.rows} rows -> {self.train_examples} training and {self.val_examples} "
+               f"held-out examples; {self.train_sequences} training sequences ({self.fill:.1%} filled), "
+               f"{self.trained_tokens} trained tokens"]
+        if self.dropped:
+            out.append("dropped rows: " + ", ".join(f"{r} {self.dropped[r]}" for r in DROP_REASONS
+                                                    if self.dropped[r]))
+        if self.truncated:
+            out.append(f"truncated rows (data.overlong=truncate): {self.truncated}")
+        return out
+
+
+@dataclass
+class SFTData:
+    train: PackedRows
+    val: PackedRows | None
+    stats: SFTStats
+
+
+def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, stats: SFTStats,
+                  chunk: int = 1024) -> list[Encoded]:
+    """Every good row of ``sources`` encoded, length-checked (``data.overlong``), with drops counted in ``stats``."""
+    fields = _fields(data_cfg)
+    encoder = Encoder(tokenizer, data_cfg)
+    limit = data_cfg.seq_len + 1
+    out: list[Encoded] = []
+    pending: list[tuple[str, Example]] = []
+
+    def flush() -> None:
+        for (where, _), enc in zip(pending, encoder.encode([ex for _, ex in pending])):
+            if len(enc.ids) > limit:
+                if data_cfg.overlong == "raise":
+                    raise DataError(f"{where}: {len(enc.ids)} tokens, more than data.seq_len + 1 = {limit}; set "
+                                    "data.overlong=truncate or drop, or raise data.seq_len")
+                if data_cfg.overlong == "drop":
+                    stats.dropped["overlong"] += 1
+                    continue
+                stats.truncated += 1
+                enc = Encoded(enc.ids[:limit], enc.mask[:limit])
+            if len(enc.ids) < 2 or not enc.mask[1:].any():
+                stats.dropped["no_trainable_tokens"] += 1
+                continue
+            out.append(enc)
+        pending.clear()
+
+    for where, record in _rows(sources, data_cfg):
+        stats.rows += 1
+        try:
+            pending.append((where, parse_row(record, data_cfg, fields)))
+        except BadRow as bad:
+            if data_cfg.bad_rows == "raise":
+                raise DataError(f"{where}: {bad.detail}; fix the row or set data.bad_rows=drop") from None
+            stats.dropped[bad.reason] += 1
+        if len(pending) >= chunk:
+            flush()
+    flush()
+    return out
+
+
+def _held_out(enc: Encoded, fraction: float) -> bool:
+    """A row's split, from its tokens: identical rows always land in the same split."""
+    h = int.from_bytes(hashlib.sha256(enc.ids.tobytes()).digest()[:8], "little")
+    return h / 2**64 < fraction
+
+
+def prepare_sft(data_cfg: DataConfig, tokenizer: Tokenizer) -> SFTData:
+    """Read, encode, split and pack the fine-tuning data (see the module docstring)."""
+    resolve_chat_template(data_cfg, tokenizer)
+    stats = SFTStats()
+    rows = load_examples(data_cfg.sources, data_cfg, tokenizer, stats)
+    if data_cfg.val_sources:
+        train, val = rows, load_examples(data_cfg.val_sources, data_cfg, tokenizer, stats)
+    else:
+        split = [_held_out(r, data_cfg.val_fraction) for r in rows]
+        train = [r for r, v in zip(rows, split) if not v]
+        val = [r for r, v in zip(rows, split) if v]
+    if not train:
+        raise DataError(f"data.sources hold no usable training rows ({stats.rows} read; dropped: "
+                        f"{dict(stats.dropped) or 'none'}); check data.format and data.fields")
+    train_set, val_set = sequences(train, data_cfg), sequences(val, data_cfg) if val else None
+    stats.train_examples, stats.val_examples = len(train), len(val)
+    stats.train_sequences, stats.val_sequences = len(train_set), len(val_set) if val_set else 0
+    stats.trained_tokens = int(sum(int(r.mask[1:].sum()) for r in train))
+    stats.fill = float(train_set.examples.positions_used.sum()) / (len(train_set) * data_cfg.seq_len)
+    return SFTData(train_set, val_set, stats)
+
+
+def sequences(rows: list[Encoded], data_cfg: DataConfig) -> PackedRows:
+    """Encoded rows packed (or one per sequence, ``data.packing=false``) into ``data.seq_len`` sequences."""
+    examples = Examples.of(rows)
+    sizes = examples.positions_used
+    bins = pack(sizes, data_cfg.seq_len) if data_cfg.packing else [[i] for i in range(len(rows))]
+    return PackedRows(examples, bins, data_cfg.seq_len)
+
+
+def detect_format(path: str) -> str:
+    """The SFT format a JSONL/JSON file's first row looks like (``text`` when it looks like none)."""
+    for _, record in _file_rows(Path(path).expanduser()):
+        if isinstance(record, dict):
+            for key, fmt in (("messages", "messages"), ("conversations", "sharegpt"), ("instruction", "alpaca"),
+                             ("prompt", "prompt_completion")):
+                if key in record:
+                    return fmt
+        return "text"
+    return "text"
+
+
+def end_of_turn_ids(tokenizer: Tokenizer) -> list[int]:
+    """Token ids that end an assistant turn under the chat template (besides EOS): generation stops at them."""
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    try:
+        prompt = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True)
+        reply = tokenizer.apply_chat_template(msgs)[len(prompt):].rstrip()
+    except DataError:
+        return []
+    tail = reply[reply.find("y") + 1:] if "y" in reply else ""
+    ids = tokenizer.encode_chat([tail])[0] if tail else []
+    return ids[:1] if len(ids) == 1 else []

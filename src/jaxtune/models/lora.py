@@ -1,0 +1,129 @@
+"""LoRA adapters out of a model: merged into the base weights, or written as a PEFT adapter directory.
+
+The adapters themselves live in `jaxtune.models.layers.Dense` (``lora_a`` (in, r), ``lora_b`` (r, out)); a
+LoRA model's params split into (adapters, frozen base) by `jaxtune.models.registry.param_groups`. PEFT stores
+``lora_A.weight`` (r, in) and ``lora_B.weight`` (out, r) under the base module's HuggingFace name prefixed with
+``base_model.model.``, so the names come from the family's hf_map like every other export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtune.models.family import Family
+from jaxtune.models.layers import LoraSpec
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def _adapter_nodes(tree: Any, path: tuple = ()):
+    """(path, {"lora_a", "lora_b"}) for every adapted projection in an adapters tree."""
+    if isinstance(tree, dict):
+        if "lora_a" in tree:
+            yield path, tree
+            return
+        for k, v in tree.items():
+            yield from _adapter_nodes(v, (*path, k))
+
+
+def _node(tree: dict, path: tuple) -> dict:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def lora_delta(a: jax.Array, b: jax.Array, spec: LoraSpec) -> jax.Array:
+    """scale * A @ B in float32: (in, r) @ (r, out), or per layer for stacked (L, in, r) @ (L, r, out)."""
+    return jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32)) * spec.scale
+
+
+def merge_adapters(adapters: Any, base: Any, spec: LoraSpec) -> Any:
+    """The base params with each adapted kernel replaced by ``W + scale A B`` (in W's dtype): the params of the
+    same model without LoRA, which export as an ordinary HuggingFace checkpoint. Inputs are not modified."""
+    merged = jax.tree.map(lambda x: x, base)  # a copy of the dict structure; arrays are immutable
+    for path, node in _adapter_nodes(adapters):
+        target = _node(merged, path)
+        w = target["kernel"]
+        target["kernel"] = (w.astype(jnp.float32) + lora_delta(node["lora_a"], node["lora_b"], spec)).astype(w.dtype)
+    return merged
+
+
+def peft_tensors(fam: Family, adapters: Any) -> dict[str, np.ndarray]:
+    """Adapters -> {PEFT name: float32 array}: ``base_model.model.<hf module>.lora_A.weight`` (r, in) and
+    ``.lora_B.weight`` (out, r)."""
+    from jaxtune.models.hf import _host, _match
+
+    out: dict[str, np.ndarray] = {}
+    for path, node in _adapter_nodes(adapters):
+        m, layer = _match(fam, ".".join(str(p) for p in (*path, "kernel")))
+        if not (m.transpose and m.hf_ndim is None and m.hf.endswith(".weight")):
+            raise ValueError(f"{fam.name}: {'.'.join(map(str, path))} is not a plain linear layer in HuggingFace; "
+                             "export the merged model instead")
+        a, b = np.asarray(_host(node["lora_a"]), np.float32), np.asarray(_host(node["lora_b"]), np.float32)
+        layers = range(a.shape[0]) if layer == "stacked" else [layer]
+        for i in layers:
+            ai, bi = (a[i], b[i]) if layer == "stacked" else (a, b)
+            name = PEFT_PREFIX + m.hf.format(i=i).removesuffix(".weight")
+            out[f"{name}.lora_A.weight"] = np.ascontiguousarray(ai.T)
+            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(bi.T)
+    return out
+
+
+def peft_config(fam: Family, spec: LoraSpec, base_model: str | None) -> dict[str, Any]:
+    """adapter_config.json for PEFT's LoraConfig: target modules by their HuggingFace names."""
+    hf_names = {}
+    for ours in spec.targets:
+        part = "self_attn" if ours in ("q", "k", "v", "o") else "mlp"
+        m = fam.hf_map.get(f"layers.{{i}}.{'attn' if part == 'self_attn' else 'mlp'}.{ours}.kernel")
+        if m is None:
+            raise ValueError(f"{fam.name}: no HuggingFace name for LoRA target {ours}")
+        hf_names[ours] = m.hf.removesuffix(".weight").rsplit(".", 1)[-1]
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(hf_names.values()),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def write_adapter(out_dir: str | Path, fam: Family, spec: LoraSpec, adapters: Any, *, base_model: str | None = None,
+                  tokenizer: Any = None, overwrite: bool = False) -> Path:
+    """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors [+ tokenizer]) that
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads. Written beside ``out_dir`` and renamed into place."""
+    from jaxtune.models.hf import check_out_dir, write_dir_atomically, write_safetensors
+
+    out = Path(out_dir).expanduser()
+    check_out_dir(out, overwrite)
+    tensors = peft_tensors(fam, adapters)
+    if jax.process_index() != 0:
+        return out
+
+    def fill(tmp: Path) -> None:
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(fam, spec, base_model), indent=2) + "\n")
+        write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+
+    write_dir_atomically(out, fill)
+    return out
