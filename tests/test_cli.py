@@ -90,3 +90,24 @@ def test_info_plans_a_mesh_of_hypothetical_devices(capsys):
     assert abs(params(one) / params(eight) - 8) < 0.1
     assert main(["info", "gpt2-124m", "--devices", "7", "--mesh", "data=1,fsdp=7"]) == 2
     assert "does not divide mesh axis fsdp of size 7" in capsys.readouterr().err
+
+
+def test_console_script_runs_the_fine_tuning_quickstart(tmp_path, data_cache):
+    """The fine-tuning quickstart, shortened: chat SFT on the generated data, offline; the data report, the
+    step-0 baseline and the run report's before/after samples are there, and --chat generation runs."""
+    exe = shutil.which("jaxtune") or str(Path(sys.executable).parent / "jaxtune")
+    run_dir = tmp_path / "fq"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [exe, "train", "finetune-quickstart", f"run_dir={run_dir}", f"data.cache_dir={data_cache}",
+           "train.steps=12", "eval.every=0", "eval.max_new_tokens=6", "checkpoint.every=12", "logging.every=4",
+           "eval.batches=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fine-tuning data: 4000 rows" in out and "step 0: validation loss" in out
+    report = (run_dir / "report.md").read_text()
+    assert "Before (step 0)" in report and "After (step 12)" in report and "user: What is 12 plus 30?" in report
+    proc = subprocess.run([exe, "generate", str(run_dir), "--chat", "--prompt", "What is 2 plus 2?",
+                           "--max-new-tokens", "4", "--temperature", "0"], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]

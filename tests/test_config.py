@@ -13,15 +13,48 @@ SHIPPED = sorted(SHIPPED_CONFIGS.glob("*.yaml"))
 
 def test_configs_are_shipped():
     names = {p.stem for p in SHIPPED}
-    assert {"quickstart", "gpt2-124m", "minigpt-tinystories"} <= names
+    assert {"quickstart", "gpt2-124m", "minigpt-tinystories", "finetune-quickstart", "gemma3-270m-lora",
+            "gemma3-1b-lora-dolly", "gemma3-1b-full-adafactor", "qwen-lora", "llama-lora"} <= names
+
+
+# Fine-tuning recipes start from hub checkpoints, which tests cannot download: their model config is checked on
+# the family preset with the same shapes.
+HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemma-3-1b-it": ("gemma3", "gemma3-1b"),
+               "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", "qwen2.5-0.5b"),
+               "meta-llama/Llama-3.2-1B-Instruct": ("llama", "llama3.2-1b")}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_every_shipped_config_loads_and_builds_its_model_config(path):
     cfg = load_config(path)
-    mcfg = model_config(cfg.model, cfg.tokenizer.vocab_size)
+    model = cfg.model
+    if model.from_hf:
+        family, preset = HUB_PRESETS[model.from_hf]
+        model = model.model_copy(update={"from_hf": None, "family": family, "preset": preset})
+    mcfg = model_config(model, None if cfg.model.from_hf else cfg.tokenizer.vocab_size)
     assert mcfg.max_seq_len >= cfg.data.seq_len
     assert cfg.train.batch_size % cfg.train.micro_batches == 0
+    if cfg.model.lora.rank:
+        assert mcfg.lora is not None and mcfg.lora.targets == tuple(cfg.model.lora.targets)
+    if cfg.data.format != "text":
+        assert cfg.data.chat_template or cfg.model.from_hf or cfg.data.format == "prompt_completion"
+
+
+def test_fine_tuning_recipes_hold_their_seeds_settings():
+    g270 = load_config("gemma3-270m-lora")  # seed 004
+    assert (g270.model.lora.rank, g270.model.lora.alpha) == (8, 16)
+    assert g270.model.lora.targets == ["q", "k", "v", "o", "gate", "up", "down"]
+    assert (g270.optim.lr, g270.optim.schedule, g270.model.compute_dtype, g270.eval.every) == (
+        2e-5, "cosine", "bfloat16", 200)
+    dolly = load_config("gemma3-1b-lora-dolly")  # seed 000
+    assert (dolly.model.lora.rank, dolly.model.lora.alpha, dolly.model.lora.targets) == (8, 16, ["q", "k", "v", "o"])
+    assert (dolly.optim.name, dolly.optim.lr, dolly.optim.warmup_steps, dolly.optim.schedule) == (
+        "adamw", 1e-4, 50, "cosine")
+    assert (dolly.optim.weight_decay, dolly.optim.grad_clip, dolly.data.seq_len) == (0.01, 1.0, 512)
+    full = load_config("gemma3-1b-full-adafactor")
+    assert (full.optim.name, full.model.remat, full.model.lora.rank) == ("adafactor", "full", 0)
+    for name in ("qwen-lora", "llama-lora"):
+        assert load_config(name).model.lora.rank > 0
 
 
 def test_shipped_config_by_name_and_recipes():

@@ -127,6 +127,14 @@ class DataConfig(_Section):
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
+    @field_validator("roles")
+    @classmethod
+    def _known_roles(cls, v: dict[str, str]) -> dict[str, str]:
+        wrong = {k: r for k, r in v.items() if r not in ("system", "user", "assistant")}
+        if wrong:
+            raise ValueError(f"roles map speaker names to system, user or assistant; not {wrong}")
+        return v
+
     @field_validator("sources")
     @classmethod
     def _not_empty(cls, v: list[str]) -> list[str]:

@@ -34,7 +34,8 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
     else:
         mesh = sharding.abstract_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
     spec = make_state_spec(cfg, vocab, mesh)
-    params_b = _bytes_per_device(spec.abstract.params)
+    trained_b = _bytes_per_device(spec.abstract.params)  # a LoRA run trains only its adapters
+    params_b = trained_b + _bytes_per_device(spec.frozen_abstract)
     opt_b = _bytes_per_device(spec.abstract.opt_state)
     seq, batch = cfg.data.seq_len, cfg.train.batch_size // cfg.train.micro_batches
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -53,8 +54,9 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
         "flops_per_step": mcfg.flops_per_token(seq) * cfg.train.batch_size * seq,
         "devices": math.prod(mesh.shape.values()),
         "mesh": dict(mesh.shape),
-        "memory_per_device": {"params": params_b, "grads": params_b, "optimizer": opt_b, "activations": act_b,
-                              "total": 2 * params_b + opt_b + act_b},
+        "trainable_params": sum(math.prod(a.shape) for a in jax.tree.leaves(spec.abstract.params)),
+        "memory_per_device": {"params": params_b, "grads": trained_b, "optimizer": opt_b, "activations": act_b,
+                              "total": params_b + trained_b + opt_b + act_b},
         "model": mcfg,
     }
 
@@ -64,7 +66,8 @@ def format_info(d: dict[str, Any]) -> str:
     m = d["memory_per_device"]
     return "\n".join([
         f"model:            {d['model']}",
-        f"parameters:       {d['params']:,} ({d['params_non_embedding']:,} non-embedding)",
+        f"parameters:       {d['params']:,} ({d['params_non_embedding']:,} non-embedding; "
+        f"{d['trainable_params']:,} trained)",
         f"FLOPs per token:  {d['flops_per_token']:.3e} (training: 6N + attention)",
         f"FLOPs per step:   {d['flops_per_step']:.3e}",
         f"mesh:             {d['mesh']} over {d['devices']} device(s)",

@@ -3,6 +3,8 @@ NaN policies and bad inputs. Tiny model, real stdlib text, CPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -161,7 +163,7 @@ def test_unfinished_checkpoint_is_never_loaded(tiny_cfg):
 
 def _poison(monkeypatch, nan_steps: set[int]):
     """Feed NaN into the loss at the given steps through a loss mask (a real NaN path: data, not a mock)."""
-    real = loop_mod.make_train_iterator
+    real = loop_mod.make_training_data
 
     class Poisoned:
         def __init__(self, it):
@@ -181,7 +183,11 @@ def _poison(monkeypatch, nan_steps: set[int]):
         def set_state(self, s):
             self.it.set_state(s)
 
-    monkeypatch.setattr(loop_mod, "make_train_iterator", lambda *a, **k: Poisoned(real(*a, **k)))
+    def poisoned_data(*a, **k):
+        data = real(*a, **k)
+        return dataclasses.replace(data, train_iter=Poisoned(data.train_iter))
+
+    monkeypatch.setattr(loop_mod, "make_training_data", poisoned_data)
 
 
 def test_nan_abort_keeps_last_good_checkpoint(tiny_cfg, monkeypatch):

@@ -118,3 +118,49 @@ def test_non_dividing_dimension_is_a_named_error():
     abstract = {"w": jax.ShapeDtypeStruct((60, 240), "float32")}
     with pytest.raises(ShardingError, match=r"\['w'\] \(60, 240\): dimension 60 does not divide mesh axis fsdp of size 8"):
         param_shardings(EightWayFsdp(), abstract, {"w": ("embed", "mlp")})
+
+
+def test_lora_adapters_shard_with_their_base(tmp_path, tiny_overrides):
+    """LoRA on 8 devices: A (in, r) is sharded like its base kernel's input axis and B (r, out) like its output
+    axis, the frozen base exactly as without LoRA; data8 and data2 x fsdp2 x tensor2 give the single-device
+    losses (<=1e-5 rel) and compile once."""
+    from jaxtune.train.sharding import abstract_mesh
+    from jaxtune.train.state import make_state_spec
+
+    base = tiny_overrides + ["train.steps=10", "checkpoint.every=10", "model.n_head=8", "model.family=llama",
+                             "model.lora.rank=4", "optim.lr=1e-2", f"run_dir={tmp_path / 'layout'}"]
+    cfg = load_config(None, base)
+    for mesh_shape in [(2, 2, 2), (1, 8, 1), (1, 1, 8)]:
+        mesh = abstract_mesh(*mesh_shape, 8)
+        spec = make_state_spec(cfg, 512, mesh)
+        plain = make_state_spec(load_config(None, base + ["model.lora.rank=0"]), 512, mesh)
+        (base_params,) = spec.frozen_abstract
+        assert jax.tree.map(lambda a: a.sharding.spec, base_params) == jax.tree.map(
+            lambda a: a.sharding.spec, plain.abstract.params)
+        checked = 0
+        for layer, mods in spec.abstract.params["layers"].items():
+            for part in mods.values():
+                for name, adapter in part.items():
+                    kernel = base_params["layers"][layer][next(k for k in ("attn", "mlp") if name in
+                                                               base_params["layers"][layer][k])][name]["kernel"]
+                    assert adapter["lora_a"].sharding.spec[0] == kernel.sharding.spec[0], (mesh_shape, name)
+                    assert adapter["lora_b"].sharding.spec[1] == kernel.sharding.spec[1], (mesh_shape, name)
+                    checked += 1
+        assert checked == 2 * 7  # 2 layers x q k v o gate up down
+
+    ref = train(load_config(None, base[:-1] + [f"run_dir={tmp_path / 'single'}"]))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    layouts = {k: LAYOUTS[k] for k in ("data8", "data2_fsdp2_tensor2")}  # data8: the script's reshard source
+    probe = ["layers", 0, "mlp", "gate", "lora_a"]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(layouts), json.dumps(probe), *base],
+                          capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert out.pop("reshard")["bitwise"]
+    for name, r in out.items():
+        for step, loss in r["losses"].items():
+            assert abs(loss - ref.losses[int(step)]) <= 1e-5 * abs(ref.losses[int(step)]), (name, step)
+        assert r["compiles"] == 1
+    assert out["data2_fsdp2_tensor2"]["fc_spec"] == "P('fsdp', None)"  # (embed, lora_rank), like the kernel's embed
+    assert out["data2_fsdp2_tensor2"]["fc_shard_bytes"] * 2 == out["data2_fsdp2_tensor2"]["fc_bytes"]
+    assert ref.losses[10] < ref.losses[1]  # the adapters learn

@@ -19,8 +19,9 @@ with its file:line, ``drop`` skips it and counts it per reason (`REASONS`).
 with the generation prompt (``P``) and up to and including turn ``i`` (``F``); the reply is ``F[len(P):]``
 without its trailing whitespace: the content plus the template's end-of-turn (``<|im_end|>``, ``<|eot_id|>``,
 ``<end_of_turn>``), which the model must learn to emit. This needs only that the template renders a prefix of the
-conversation as a prefix of the text, which holds for ChatML, Llama 3, Gemma, Mistral and most others; a template
-for which it does not is an error that says so. The text is encoded piece by piece (prompt pieces, reply pieces),
+conversation as a prefix of the text, which holds for ChatML, Llama 3, Gemma and most others (Mistral's only without
+a system message, which it moves into the last user turn; Qwen 3's not, as it rewrites earlier turns); a template
+for which it does not is an error that says so (``data.loss_on=all`` still works). The text is encoded piece by piece (prompt pieces, reply pieces),
 so a reply's tokens are exactly those the model produces after the prompt at inference time.
 ``data.loss_on``: ``assistant`` (every assistant turn), ``last_assistant``, or ``all`` (every token).
 
@@ -50,7 +51,7 @@ import numpy as np
 
 from jaxtune.config import DataConfig
 from jaxtune.data.errors import DataError
-from jaxtune.data.sources import HF_PREFIX, HFDataset, LocalFiles, resolve_sources
+from jaxtune.data.sources import HF_PREFIX, SYNTHETIC_PREFIX, HFDataset, LocalFiles, Synthetic, resolve_sources
 from jaxtune.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,11 @@ def _rows(sources: list[str], data_cfg: DataConfig) -> Iterator[tuple[str, Any]]
                 yield from _file_rows(path)
         elif isinstance(source, HFDataset):
             yield from _hf_rows(source.name, data_cfg)
+        elif isinstance(source, Synthetic):
+            from jaxtune.data.synthetic import GENERATORS
+
+            for i, record in enumerate(GENERATORS[source.name]()):
+                yield f"{SYNTHETIC_PREFIX}{source.name}[{i}]", record
         else:
             raise DataError("data.sources: python-stdlib is source code, not fine-tuning data; "
                             f"give JSONL/JSON/parquet files of {data_cfg.format} rows")
@@ -104,7 +110,7 @@ def _file_rows(path: Path) -> Iterator[tuple[str, Any]]:
         for i, record in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path}[row {i}]", record
         return
-    raw = path.read_bytes()
+    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows tools) is not row 1
     if suffix == ".json" and raw.lstrip()[:1] == b"[":
         try:
             records = json.loads(raw.decode("utf-8"))
@@ -455,8 +461,9 @@ def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer
                 if data_cfg.overlong == "drop":
                     stats.dropped["overlong"] += 1
                     continue
-                stats.truncated += 1
                 enc = Encoded(enc.ids[:limit], enc.mask[:limit])
+                if enc.mask[1:].any():
+                    stats.truncated += 1
             if len(enc.ids) < 2 or not enc.mask[1:].any():
                 stats.dropped["no_trainable_tokens"] += 1
                 continue

@@ -5,6 +5,7 @@ Each ``data.sources`` entry is one of
 * ``python-stdlib``: every ``.py`` file of the running interpreter's standard library (no site-packages),
   sorted by path. It exists on every machine, so a run needs no download.
 * ``hf:NAME``: a HuggingFace dataset, streamed (``pip install 'jaxtune[hf]'``).
+* ``synthetic:NAME``: fine-tuning rows the package generates (``synthetic:arithmetic``), for offline quickstarts.
 * a local file, a glob (``data/**/*.jsonl``) or a directory (read recursively, hidden entries skipped,
   only ``.txt .md .py .jsonl .json .parquet`` files).
 
@@ -37,6 +38,7 @@ from jaxtune.data.errors import DataError
 
 STDLIB = "python-stdlib"
 HF_PREFIX = "hf:"
+SYNTHETIC_PREFIX = "synthetic:"
 # Document separator inside plain-text files (GPT-2's end-of-text spelling, used by TinyStories' .txt).
 TEXT_SEPARATOR = "<|endoftext|>"
 # What a directory source reads; a file named directly, or matched by a glob, is read whatever its suffix.
@@ -60,7 +62,14 @@ class HFDataset:
     name: str
 
 
-_Source = _Stdlib | LocalFiles | HFDataset
+@dataclass(frozen=True)
+class Synthetic:
+    """Rows the package generates (`jaxtune.data.synthetic`), so a fine-tuning run needs no download."""
+
+    name: str
+
+
+_Source = _Stdlib | LocalFiles | HFDataset | Synthetic
 
 
 def iter_documents(data_cfg: DataConfig) -> Iterator[str]:
@@ -116,6 +125,8 @@ def sources_fingerprint(data_cfg: DataConfig) -> str:
                     h.update(f"file\0{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
             case HFDataset(name):
                 h.update(json.dumps(["hf", name, data_cfg.hf_config, data_cfg.hf_split]).encode())
+            case Synthetic(name):
+                h.update(json.dumps(["synthetic", name]).encode())
     return h.hexdigest()
 
 
@@ -128,6 +139,14 @@ def resolve_sources(data_cfg: DataConfig, entries: list[str] | None = None) -> l
             sources.append(_stdlib())
         elif entry.startswith(HF_PREFIX):
             sources.append(HFDataset(entry[len(HF_PREFIX) :]))
+        elif entry.startswith(SYNTHETIC_PREFIX):
+            from jaxtune.data.synthetic import GENERATORS
+
+            name = entry[len(SYNTHETIC_PREFIX):]
+            if name not in GENERATORS:
+                raise DataError(f"{key}[{i}]: unknown generated data {entry!r}; available: "
+                                f"{[SYNTHETIC_PREFIX + n for n in GENERATORS]}")
+            sources.append(Synthetic(name))
         else:
             sources.append(LocalFiles(_local_paths(entry, key=f"{key}[{i}]")))
     return sources
@@ -182,6 +201,8 @@ def _documents(source: _Source, data_cfg: DataConfig) -> Iterator[str]:
                 yield from _file_documents(path, data_cfg.text_field)
         case HFDataset(name):
             yield from _hf_documents(name, data_cfg)
+        case Synthetic(name):
+            raise DataError(f"data.sources: {SYNTHETIC_PREFIX}{name} is fine-tuning data; set data.format=messages")
 
 
 def _file_documents(path: Path, text_field: str) -> Iterator[str]:

@@ -88,11 +88,33 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict
             f.write(np.ascontiguousarray(x).tobytes())
 
 
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]  # never *.bin / *.pt (pickle)
+
+
+def resolve_hf_dir(name: str | Path) -> Path:
+    """A local model directory as is; a hub name (``org/model``) downloaded once into the HuggingFace cache
+    (config, safetensors, tokenizer files only) and its snapshot directory returned."""
+    path = Path(name).expanduser()
+    text = str(name)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(f"{name}: not a local directory; downloading it from the hub needs "
+                              "huggingface_hub: pip install 'jaxtune[hf]'") from None
+    try:
+        return Path(snapshot_download(text, allow_patterns=HUB_FILES))
+    except Exception as e:  # offline, gated, missing: say which, keep the hub's message
+        raise CheckpointError(f"{name}: not a local directory, and the hub download failed: {e}") from None
+
+
 class HFCheckpoint:
-    """A HuggingFace model directory: its config.json and every tensor in its safetensors file(s)."""
+    """A HuggingFace model directory (or hub name, see `resolve_hf_dir`): its config.json and every tensor in its
+    safetensors file(s)."""
 
     def __init__(self, directory: str | Path):
-        self.dir = Path(directory).expanduser()
+        self.dir = resolve_hf_dir(directory)
         cfg_file = self.dir / "config.json"
         if not cfg_file.is_file():
             raise CheckpointError(f"{self.dir}: no config.json; pass a HuggingFace model directory "
@@ -148,8 +170,9 @@ def family_of(config: dict[str, Any], where: str = "config.json") -> Family:
 
 
 def read_hf_config(directory: str | Path) -> tuple[Family, Any, dict[str, Any]]:
-    """(family, family config, raw config.json) of a HuggingFace model directory; params in its stored dtype."""
-    directory = Path(directory).expanduser()
+    """(family, family config, raw config.json) of a HuggingFace model directory (or hub name); params in its
+    stored dtype."""
+    directory = resolve_hf_dir(directory)
     file = directory / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{directory}: no config.json; pass a HuggingFace model directory")
