@@ -19,7 +19,9 @@ from jaxtune.data import (
     prepare_tokens,
 )
 from jaxtune.data.pipeline import TextWindows
+from jaxtune.models import model_config
 from jaxtune.train import sharding
+from jaxtune.train.loop import check_context
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.state import StateSpec, make_state_spec
 from jaxtune.train.step import make_eval_step
@@ -49,6 +51,10 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     if path.is_dir() and not (path / "config.yaml").is_file() and (path / "config.json").is_file():
         # An exported (or any HuggingFace) model directory: its weights, its tokenizer, default settings.
         cfg = load_config(None, [f"model.from_hf={path}", f"run_dir={path}", *overrides])
+        if not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
+            context = model_config(cfg.model).max_seq_len
+            cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": min(cfg.data.seq_len,
+                                                                                            context)})})
     elif path.is_dir():
         if not (path / "config.yaml").is_file():
             raise ConfigError(f"{path} is not a run directory (no config.yaml) nor a HuggingFace model (no "
@@ -84,6 +90,7 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     (the assistant's, for chat data)."""
     run = load_run(target, overrides)
     cfg, tok = run.cfg, run.tokenizer
+    check_context(cfg, run.spec.model_cfg)
     split = dict(process_index=jax.process_index(), process_count=jax.process_count())
     size = cfg.train.batch_size
     extra: dict[str, Any] = {}

@@ -117,9 +117,7 @@ def train(cfg: Config) -> TrainResult:
 
     # Model, optimizer, shardings.
     spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
-    if spec.model_cfg.max_seq_len < cfg.data.seq_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's context "
-                          f"(model.max_seq_len={spec.model_cfg.max_seq_len}); lower data.seq_len or raise max_seq_len")
+    check_context(cfg, spec.model_cfg)
 
     # Restore or init. Frozen params (a LoRA base) are not in the checkpoint: they are read again.
     if start:
@@ -145,7 +143,7 @@ def train(cfg: Config) -> TrainResult:
     eval_step = jax.jit(make_eval_step(spec.graphdef, cfg.train.loss_chunk),
                         in_shardings=(spec.shardings.params, batch_sh, spec.frozen_shardings))
     generator = Generator(spec.graphdef, spec.model_cfg.max_seq_len)
-    chat = cfg.data.format != "text" and tokenizer.chat_template is not None
+    chat = cfg.data.format not in ("text", "prompt_completion") and tokenizer.chat_template is not None
 
     # Loop.
     total = cfg.train.steps
@@ -268,6 +266,12 @@ def train(cfg: Config) -> TrainResult:
         if not result.preempted:
             print(_summary_text(run_dir, summary), flush=True)
     return result
+
+
+def check_context(cfg: Config, model_cfg: Any) -> None:
+    if model_cfg.max_seq_len < cfg.data.seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's context "
+                          f"(model.max_seq_len={model_cfg.max_seq_len}); lower data.seq_len or raise max_seq_len")
 
 
 def _write_report(path: Path, evals: list[dict[str, Any]]) -> None:
