@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import yaml
 
 from jaxtune.cli import main
 from jaxtune.config import ConfigError, load_config
@@ -517,3 +518,37 @@ def test_lora_config_errors():
     assert len(load_config(None, ["model.lora.targets=all"]).model.lora.targets) == 7
     cfg = model_config(load_config(None, ["model.family=qwen3", "model.lora.rank=2", "model.lora.alpha=6"]).model)
     assert cfg.lora.scale == 3.0 and cfg.lora.targets == ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def test_bf16_frozen_base_and_full_adafactor_remat(chat, tmp_path):
+    """LoRA with model.param_dtype=bfloat16 holds the frozen base in bf16 (read from the fp32 checkpoint) and the
+    adapters in fp32, and trains; full fine-tuning with Adafactor, full remat and 2 micro-batches trains every
+    parameter (the embedding moves), compiling once."""
+    from jaxtune.train.sharding import make_mesh
+    from jaxtune.train.state import make_state_spec
+
+    cfg = load_config(None, _lora_overrides(chat, tmp_path / "bf16", "model.param_dtype=bfloat16",
+                                            "model.compute_dtype=bfloat16", "train.steps=3", "optim.decay_steps=3"))
+    spec = make_state_spec(cfg, HF_VOCAB, make_mesh(-1, 1, 1))
+    assert {a.dtype for a in jax.tree.leaves(spec.frozen_abstract)} == {jnp.dtype("bfloat16")}
+    assert {a.dtype for a in jax.tree.leaves(spec.abstract.params)} == {jnp.dtype("float32")}
+    result = train(cfg)
+    assert result.step == 3 and all(np.isfinite(list(result.losses.values())))
+
+    full = load_config(None, _lora_overrides(chat, tmp_path / "full", "model.lora.rank=0", "optim.name=adafactor",
+                                             "model.remat=full", "train.micro_batches=2", "train.steps=3",
+                                             "optim.decay_steps=3", "optim.lr=1e-2"))
+    spec = make_state_spec(full, HF_VOCAB, make_mesh(-1, 1, 1))
+    assert spec.frozen_abstract == ()
+    start = load_run(_config_file(full, tmp_path))  # no checkpoint yet: the checkpoint's weights
+    result = train(full)
+    assert result.step == 3 and result.step_compiles == 1 and all(np.isfinite(list(result.losses.values())))
+    end = load_run(tmp_path / "full")
+    embed = lambda run: np.asarray(run.params["embed"]["embedding"])
+    assert not np.array_equal(embed(start), embed(end))
+
+
+def _config_file(cfg, tmp_path: Path) -> Path:
+    path = tmp_path / "full.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return path

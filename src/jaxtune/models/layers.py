@@ -360,8 +360,11 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
 
         x, kvs = scan_fn(layers, x, keys, kvs, scanned_args)
     else:
+        def bound(arg):  # a closure, not a default argument: remat would treat a default as a traced input
+            return lambda lyr, x, k, kv: body(lyr, x, k, kv, arg)
+
         for i, layer in enumerate(layers):
-            run = wrap(lambda lyr, x, k, kv, _a=args[i]: body(lyr, x, k, kv, _a))
+            run = wrap(bound(args[i]))
             x, kv = run(layer, x, None if keys is None else keys[i], None if kvs is None else (kvs[0][i], kvs[1][i]))
             if kvs is not None:  # write the layer back in place (the cache is donated while decoding)
                 kvs = (kvs[0].at[i].set(kv[0]), kvs[1].at[i].set(kv[1]))
