@@ -291,8 +291,8 @@ def from_hf(directory: str | Path, *, mesh: Mesh | None = None, param_dtype: str
 
 # --- export ---
 
-def _host(x: jax.Array) -> np.ndarray:
-    if not x.is_fully_addressable:  # multi-host: gather the global value
+def _host(x: jax.Array | np.ndarray) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # multi-host: gather the global value
         from jax.experimental import multihost_utils
 
         x = multihost_utils.process_allgather(x, tiled=True)
