@@ -21,8 +21,8 @@ from jaxtune.data import (
 from jaxtune.data.pipeline import TextWindows
 from jaxtune.models import model_config
 from jaxtune.train import sharding
-from jaxtune.train.loop import check_context
 from jaxtune.train.checkpoint import Checkpointer
+from jaxtune.train.loop import check_context
 from jaxtune.train.state import StateSpec, make_state_spec
 from jaxtune.train.step import make_eval_step
 

@@ -23,17 +23,17 @@ from jaxtune.data.tokens import TokenData, prepare_tokens
 
 __all__ = [
     "Batch",
-    "TrainingData",
     "DataError",
     "TokenData",
     "Tokenizer",
+    "TrainingData",
     "iter_documents",
     "load_tokenizer",
     "load_tokenizer_dir",
     "make_eval_batches",
     "make_sequence_batches",
-    "make_training_data",
     "make_train_iterator",
+    "make_training_data",
     "prepare_tokens",
     "sources_fingerprint",
 ]

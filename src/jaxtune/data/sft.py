@@ -425,9 +425,9 @@ class SFTStats:
     fill: float = 0.0  # fraction of training sequence positions holding a row (the rest is padding)
 
     def lines(self) -> list[str]:
-        out = [f"fine-tuning data: {self.rows} rows -> {self.train_examples} training and {self.val_examples} "
-               f"held-out examples; {self.train_sequences} training sequences ({self.fill:.1%} filled), "
-               f"{self.trained_tokens} trained tokens"]
+        out = [(f"fine-tuning data: {self.rows} rows -> {self.train_examples} training and {self.val_examples} "
+                f"held-out examples; {self.train_sequences} training sequences ({self.fill:.1%} filled), "
+                f"{self.trained_tokens} trained tokens")]
         if self.dropped:
             out.append("dropped rows: " + ", ".join(f"{r} {self.dropped[r]}" for r in DROP_REASONS
                                                     if self.dropped[r]))

@@ -299,7 +299,7 @@ def _jinja_env():
         """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask markers) renders its body; the
         loss mask is found without it (`jaxtune.data.sft`), so templates with and without markers work alike."""
 
-        tags = {"generation"}
+        tags = frozenset({"generation"})
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno

@@ -105,7 +105,7 @@ def resolve_hf_dir(name: str | Path) -> Path:
                               "huggingface_hub: pip install 'jaxtune[hf]'") from None
     try:
         return Path(snapshot_download(text, allow_patterns=HUB_FILES))
-    except Exception as e:  # offline, gated, missing: say which, keep the hub's message
+    except Exception as e:  # noqa: BLE001 (offline, gated, missing: reported with the hub's message)
         raise CheckpointError(f"{name}: not a local directory, and the hub download failed: {e}") from None
 
 
