@@ -476,6 +476,7 @@ def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer
             pending.append((where, parse_row(record, data_cfg, fields)))
         except BadRow as bad:
             if data_cfg.bad_rows == "raise":
+                flush()  # an earlier row's length error comes first
                 raise DataError(f"{where}: {bad.detail}; fix the row or set data.bad_rows=drop") from None
             stats.dropped[bad.reason] += 1
         if len(pending) >= chunk:
