@@ -107,13 +107,11 @@ def train(cfg: Config) -> TrainResult:
 
     # Data.
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.data)
-    if proc == 0:
-        tokenizer.save(run_dir / "tokenizer")
     data = make_training_data(cfg.data, tokenizer, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                               eval_batches=cfg.eval.batches, process_index=proc, process_count=n_proc)
     train_iter, eval_batches = data.train_iter, data.eval_batches
     if proc == 0:
-        tokenizer.save(run_dir / "tokenizer")  # again: fine-tuning data may have set its chat template
+        tokenizer.save(run_dir / "tokenizer")  # after the data: fine-tuning data may set its chat template
 
     # Model, optimizer, shardings.
     spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
