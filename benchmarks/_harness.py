@@ -15,6 +15,16 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 
+def add_common_args(ap: Any, **shape: int) -> None:
+    """The flags every CPU benchmark shares: its model and batch shape (``layers=4, d_model=256, ...`` give the
+    flags ``--layers``, ``--d-model`` ... and this script's defaults), ``--threads`` and ``--json``."""
+    for name, default in shape.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="pin the process to this many cores (XLA and torch both use them all); default: all")
+    ap.add_argument("--json", help="also write the table and run details to this path")
+
+
 def pin_threads(threads: int | None) -> int:
     """Restrict the process to ``threads`` cores (all when None) and give torch as many threads as XLA gets.
 

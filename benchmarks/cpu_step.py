@@ -29,7 +29,7 @@ import numpy as np
 import optax
 import torch
 import torch.nn.functional as F
-from _harness import interleave, pin_threads, run_record, timing_row
+from _harness import add_common_args, interleave, pin_threads, run_record, timing_row
 from torch import nn
 
 from jaxtune.config import load_config
@@ -143,21 +143,13 @@ def tune_malloc() -> None:
 # ---------------------------------------------------------------- main
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
+    add_common_args(ap, layers=4, d_model=256, heads=4, vocab=8192, seq=256, batch=8)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per implementation (>= 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation after compiling")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="pin the process to this many cores (XLA and torch both use them all); default: all")
     ap.add_argument("--malloc-arena", action="store_true",
                     help="glibc malloc: one arena, no mmap, no trim (see tune_malloc); affects both frameworks; "
                          "RSS can grow")
-    ap.add_argument("--json", help="also write the table and run details to this path")
     args = ap.parse_args(argv)
     if args.steps < 10 or args.warmup < 3:
         ap.error("use at least 3 warm-up and 10 timed steps")

@@ -52,7 +52,7 @@ import peft
 import torch
 import torch.nn.functional as F
 import transformers
-from _harness import interleave, pin_threads, run_record, timing_row
+from _harness import add_common_args, interleave, pin_threads, run_record, timing_row
 
 from jaxtune.config import load_config
 from jaxtune.models.lora import peft_tensors
@@ -137,24 +137,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds (>= 3)")
     ap.add_argument("--steps", type=int, default=2, help="steps per implementation per round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the first (compiling) step")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--d-ff", type=int, default=688)
-    ap.add_argument("--vocab", type=int, default=8192)
+    add_common_args(ap, batch=4, seq=512, layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=8192)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--alpha", type=float, default=16.0)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="pin the process to this many cores (XLA and torch both use them all); default: all")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the transformers sdpa row")
     ap.add_argument("--hf-unpacked", action="store_true",
                     help="give transformers plain causal rows (no position_ids): less masking work, and a different "
                          "function, so the step-1 loss check is reported but not enforced")
-    ap.add_argument("--json", help="also write the rows and run details to this path")
     args = ap.parse_args(argv)
     if args.rounds < 3 or args.steps < 1 or args.warmup < 0:
         ap.error("use at least 3 timed rounds and 1 step per round")

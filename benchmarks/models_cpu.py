@@ -40,7 +40,7 @@ import optax
 import torch
 import torch.nn.functional as F
 import transformers
-from _harness import interleave, pin_threads, run_record, timing_row
+from _harness import add_common_args, interleave, pin_threads, run_record, timing_row
 from flax import nnx
 
 from jaxtune.models import from_hf
@@ -139,21 +139,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--families", default=",".join(FAMILY_NAMES), help="comma-separated subset of " + ",".join(FAMILY_NAMES))
     ap.add_argument("--steps", type=int, default=8, help="timed rounds (each pair runs once per round; >= 5)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the first (compiling) step")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
+    add_common_args(ap, batch=4, seq=256, layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=8192)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--d-ff", type=int, default=688)
-    ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--max-pos", type=int, default=512)
     ap.add_argument("--window", type=int, default=128, help="sliding window (mistral: every layer; gemma3: even layers)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="pin the process to this many cores (XLA and torch both use them all); default: all")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the transformers sdpa rows")
-    ap.add_argument("--json", help="also write the rows and run details to this path")
     args = ap.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILY_NAMES]
