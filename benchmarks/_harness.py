@@ -50,10 +50,20 @@ def cpu_model() -> str:
         return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
-def interleave(impls: dict[Hashable, dict[str, Any]], rounds: Iterable[int], timed: Callable[[int], bool]) -> None:
+def first_call(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and its wall seconds: the first step, where jaxtune traces and compiles."""
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def interleave(impls: dict[Hashable, dict[str, Any]], rounds: Iterable[int],
+               timed: Callable[[int], bool]) -> dict[str, Any]:
     """Run each ``impls[name]["fn"](round)`` once per round, rotating the order so no implementation always
     runs first; rounds where ``timed(round)`` append wall and CPU seconds to ``impls[name]["times"/"cpu"]``,
-    and every result is appended to ``impls[name]["outputs"]``."""
+    and every result is appended to ``impls[name]["outputs"]``. Returns the whole run's wall seconds and the
+    load average before and after it (other work on the machine skews the figures)."""
+    load_before, t_start = os.getloadavg(), time.perf_counter()
     for im in impls.values():
         im.setdefault("times", [])
         im.setdefault("cpu", [])
@@ -68,6 +78,7 @@ def interleave(impls: dict[Hashable, dict[str, Any]], rounds: Iterable[int], tim
             if timed(r):
                 impls[name]["times"].append(dt)
                 impls[name]["cpu"].append(dc)
+    return {"seconds": time.perf_counter() - t_start, "load_before": load_before, "load_after": os.getloadavg()}
 
 
 def timing_row(im: dict[str, Any], tokens_per_step: int) -> dict[str, float]:

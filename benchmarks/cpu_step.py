@@ -20,7 +20,6 @@ import ctypes
 import json
 import os
 import sys
-import time
 
 import flax
 import jax
@@ -29,7 +28,7 @@ import numpy as np
 import optax
 import torch
 import torch.nn.functional as F
-from _harness import add_common_args, interleave, pin_threads, run_record, timing_row
+from _harness import add_common_args, first_call, interleave, pin_threads, run_record, timing_row
 from torch import nn
 
 from jaxtune.config import load_config
@@ -211,9 +210,8 @@ def main(argv=None) -> dict:
 
         # Step 0 compiles (jit / inductor) and gives the first-step losses from identical weights.
         for im in impls.values():
-            t0 = time.perf_counter()
-            im["outputs"] = [im["fn"](0)]
-            im["first_step_s"] = time.perf_counter() - t0
+            first, im["first_step_s"] = first_call(lambda im=im: im["fn"](0))
+            im["outputs"] = [first]
         interleave(impls, range(1, n_batches), timed=lambda i: i > args.warmup)
 
     tokens = args.batch * args.seq

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -52,7 +51,7 @@ import peft
 import torch
 import torch.nn.functional as F
 import transformers
-from _harness import add_common_args, interleave, pin_threads, run_record, timing_row
+from _harness import add_common_args, first_call, interleave, pin_threads, run_record, timing_row
 
 from jaxtune.config import load_config
 from jaxtune.models.lora import peft_tensors
@@ -224,14 +223,9 @@ def main(argv=None) -> dict:
 
         for im in impls.values():
             im["fn"] = lambda _, st=im["step"]: [st() for _ in range(args.steps)]
-            t0 = time.perf_counter()
-            im["first_loss"] = im["step"]()  # jaxtune: trace + XLA compile + run
-            im["first_step_s"] = time.perf_counter() - t0
-        load0 = os.getloadavg()
-        t_start = time.perf_counter()
-        interleave(impls, range(args.warmup + args.rounds), timed=lambda r: r >= args.warmup)
-        timed_s = time.perf_counter() - t_start
-        load1 = os.getloadavg()
+            im["first_loss"], im["first_step_s"] = first_call(im["step"])  # jaxtune: trace + XLA compile + run
+        run = interleave(impls, range(args.warmup + args.rounds), timed=lambda r: r >= args.warmup)
+        timed_s, load0, load1 = run["seconds"], run["load_before"], run["load_after"]
     tmp.cleanup()
 
     # ---- report (times are per round of --steps steps: per step below)

@@ -26,10 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import tempfile
-import time
 
 import flax
 import jax
@@ -40,7 +38,7 @@ import optax
 import torch
 import torch.nn.functional as F
 import transformers
-from _harness import add_common_args, interleave, pin_threads, run_record, timing_row
+from _harness import add_common_args, first_call, interleave, pin_threads, run_record, timing_row
 from flax import nnx
 
 from jaxtune.models import from_hf
@@ -197,15 +195,10 @@ def main(argv=None) -> dict:
             continue
         for a in ["jaxtune"] + [f"hf {a}" for a in attns]:
             im = impls[(fam, a)]
-            t0 = time.perf_counter()
-            im["loss"], im["grad_norm"] = im["check"]()  # jaxtune: trace + compile + run
-            im["first_step_s"] = time.perf_counter() - t0
+            (im["loss"], im["grad_norm"]), im["first_step_s"] = first_call(im["check"])  # jaxtune: trace + compile
 
-    load0 = os.getloadavg()
-    t_start = time.perf_counter()
-    interleave(impls, range(args.warmup + args.steps), timed=lambda r: r >= args.warmup)
-    timed_s = time.perf_counter() - t_start
-    load1 = os.getloadavg()
+    run = interleave(impls, range(args.warmup + args.steps), timed=lambda r: r >= args.warmup)
+    timed_s, load0, load1 = run["seconds"], run["load_before"], run["load_after"]
 
     # ---- report
     tokens = args.batch * args.seq
