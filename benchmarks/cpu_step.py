@@ -33,8 +33,7 @@ from torch import nn
 
 from jaxtune.config import load_config
 from jaxtune.train import sharding
-from jaxtune.train.state import make_state_spec
-from jaxtune.train.step import make_train_step
+from jaxtune.train.state import build_steps, make_state_spec
 
 LOSS_RTOL = 1e-5  # same weights and batch: first-step losses agree to float32 reduction-order noise
 
@@ -173,8 +172,7 @@ def main(argv=None) -> dict:
     spec = make_state_spec(cfg, args.vocab, mesh)
     state = spec.init(cfg.train.seed)
     init_params = jax.device_get(state.params)  # before the first step donates the state
-    step_impl = make_train_step(spec.graphdef, spec.tx, spec.lr_schedule, micro_batches=cfg.train.micro_batches,
-                                skip_nonfinite=cfg.train.on_nan == "skip", use_dropout=spec.model_cfg.dropout > 0)
+    step_impl, _ = build_steps(spec, cfg.train)
     jax_batches = [sharding.global_batch(mesh, b) for b in host_batches]
     lrs = [float(spec.lr_schedule(i)) for i in range(n_batches)]
 

@@ -57,8 +57,7 @@ from jaxtune.config import load_config
 from jaxtune.models.lora import peft_tensors
 from jaxtune.models.registry import FAMILIES
 from jaxtune.train import sharding
-from jaxtune.train.state import make_state_spec
-from jaxtune.train.step import make_train_step
+from jaxtune.train.state import build_steps, make_state_spec
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RTOL = 1e-4  # same weights, adapters and batch: step-1 losses agree to float32 reduction-order noise
@@ -178,9 +177,7 @@ def main(argv=None) -> dict:
     setup_s = time.perf_counter() - t0
     init_adapters = jax.device_get(state.params)  # before the first step donates the state
     n_adapter = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(init_adapters))
-    step_impl = make_train_step(spec.graphdef, spec.tx, spec.lr_schedule, micro_batches=cfg.train.micro_batches,
-                                skip_nonfinite=cfg.train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key,
-                                loss_chunk=cfg.train.loss_chunk)
+    step_impl, _ = build_steps(spec, cfg.train)
     jax_batches = [sharding.global_batch(mesh, b) for b in host_batches]
 
     # ---- transformers + PEFT: same checkpoint, same initial adapters, same batches

@@ -53,13 +53,13 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from jaxtune.evaluate import load_run
-    from jaxtune.generate import Generator, encode_prompt, stop_ids
+    from jaxtune.generate import encode_prompt, stop_ids
 
     run = load_run(args.run_dir)
     tok = run.tokenizer
     if args.chat and tok.chat_template is None:
         raise ConfigError(f"{args.run_dir}: the tokenizer has no chat template, so --chat cannot format prompts")
-    gen = Generator(run.spec.graphdef, run.spec.model_cfg.max_seq_len)
+    gen = run.spec.generator()
     prompts = [p.encode().decode("unicode_escape") if args.escapes else p for p in args.prompt]
     streamed: list[int] = []
 

@@ -52,10 +52,10 @@ class LoraConfig(_Section):
         out = []
         for n in names:
             ours = LORA_HF_NAMES.get(n, n)
-            if ours not in LORA_TARGETS:
-                raise ValueError(f"unknown LoRA target {n!r}; choose from {list(LORA_TARGETS)} "
+            if not isinstance(ours, str) or not ours.replace("_", "").isalnum():
+                raise ValueError(f"LoRA target {n!r} is not a module name; choose from {list(LORA_TARGETS)} "
                                  f"(or {list(LORA_HF_NAMES)}, or 'all')")
-            if ours not in out:
+            if ours not in out:  # other names are modules of a torchax model (qkv_proj...): checked when built
                 out.append(ours)
         if not out:
             raise ValueError("needs at least one target module")
@@ -85,6 +85,28 @@ class ModelConfig(_Section):
     scan_layers: bool = False
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     lora: LoraConfig = LoraConfig()
+    backend: Literal["native", "torchax"] = Field("native", description="native: jaxtune's Flax model of the family; "
+                                                  "torchax: the HuggingFace PyTorch model itself, run through JAX")
+    hf_config: str | None = Field(None, description="torchax: a transformers config.json (or its directory) to build "
+                                  "a randomly initialised model instead of from_hf")
+    trust_remote_code: bool = Field(False, description="torchax: allow model code shipped with the checkpoint")
+
+    @model_validator(mode="after")
+    def _backend_keys(self) -> ModelConfig:
+        if self.backend == "torchax":
+            if bool(self.from_hf) == bool(self.hf_config):
+                raise ValueError("model.backend=torchax needs exactly one of model.from_hf (a checkpoint) or "
+                                 "model.hf_config (a config.json, random init)")
+            shaped = [k for k in ("family", "n_layer", "n_head", "n_kv_head", "head_dim", "d_model", "d_ff",
+                                  "vocab_size", "dropout") if getattr(self, k) is not None]
+            if shaped or self.scan_layers or self.attention != "auto":
+                key = shaped[0] if shaped else "scan_layers" if self.scan_layers else "attention"
+                raise ValueError(f"model.{key} does not apply to model.backend=torchax: the transformers config "
+                                 "decides the architecture; edit its config.json instead")
+        elif self.hf_config or self.trust_remote_code:
+            key = "hf_config" if self.hf_config else "trust_remote_code"
+            raise ValueError(f"model.{key} is for model.backend=torchax")
+        return self
 
 
 class DataConfig(_Section):
@@ -263,6 +285,9 @@ class Config(_Section):
     @model_validator(mode="after")
     def _checkpoint_tokenizer(self) -> Config:
         """Starting from a HuggingFace checkpoint, the tokenizer is the checkpoint's unless one is configured."""
+        if self.model.backend == "torchax" and self.mesh.tensor != 1:
+            raise ValueError("mesh.tensor must be 1 with model.backend=torchax (its parameters are sharded by "
+                             "shape over mesh.fsdp); use mesh.fsdp instead")
         if self.model.from_hf and "tokenizer" not in self.model_fields_set:
             tok = TokenizerConfig(kind="hf", path=self.model.from_hf)
             return self.model_copy(update={"tokenizer": tok})

@@ -105,8 +105,8 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
         source, extra = _test_sequences(cfg.data, tok, data)
         eval_batches = make_sequence_batches(source, batch_size=size, num_batches=batches or len(source), **split)
     mesh, spec = run.spec.mesh, run.spec
-    step = jax.jit(make_eval_step(spec.graphdef), in_shardings=(spec.shardings.params, sharding.batch_sharding(mesh),
-                                                                spec.frozen_shardings))
+    step = jax.jit(make_eval_step(spec.loss_fn(cfg.train.loss_chunk)),
+                   in_shardings=(spec.shardings.params, sharding.batch_sharding(mesh), spec.frozen_shardings))
     total = count = 0.0
     with sharding.use_mesh(mesh):
         for b in eval_batches:

@@ -63,6 +63,22 @@ def stop_ids(tokenizer: Any, chat: bool = False) -> list[int]:
     return [tokenizer.eos_id, *(end_of_turn_ids(tokenizer) if chat else [])]
 
 
+def collect(ids: np.ndarray, out: list[list[int]], done: np.ndarray, eos_id: int | Sequence[int] | None,
+            on_step: Callable[[np.ndarray], None] | None) -> bool:
+    """Append one generated position ``ids`` (B,) to the unfinished rows of ``out``, marking rows that emitted a
+    stop id as ``done`` (in place); calls ``on_step`` (stopped rows as -1). Returns whether every row is done."""
+    stops = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
+    for i, tok in enumerate(ids):
+        if not done[i]:
+            if int(tok) in stops:
+                done[i] = True
+            else:
+                out[i].append(int(tok))
+    if on_step is not None:
+        on_step(np.where(done, -1, ids))
+    return bool(done.all())
+
+
 class Generator:
     """Jitted prefill/decode for one model graph; reuse it to keep compiled buckets."""
 
@@ -101,7 +117,6 @@ class Generator:
         ``params``: the model's params, or (adapters, base) for LoRA. ``eos_id``: one or several stop ids.
         on_step(tokens (B,)) is called after each generated position, for streaming.
         """
-        stops = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         longest = max(len(p) for p in prompts)
@@ -127,16 +142,7 @@ class Generator:
         out: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
         for t in range(max_new_tokens):
-            ids = np.asarray(nxt)
-            for i, tok in enumerate(ids):
-                if not done[i]:
-                    if int(tok) in stops:
-                        done[i] = True
-                    else:
-                        out[i].append(int(tok))
-            if on_step is not None:
-                on_step(np.where(done, -1, ids))
-            if done.all() or t == max_new_tokens - 1:
+            if collect(np.asarray(nxt), out, done, eos_id, on_step) or t == max_new_tokens - 1:
                 break
             nxt, cache = self._decode(params, cache, key_valid, nxt, jnp.asarray(lengths + t), p_len + t,
                                       *sampling, key)

@@ -37,7 +37,7 @@ from jaxtune.models.hf import HFCheckpoint, SafetensorsFile, load_params
 from jaxtune.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, write_adapter
 from jaxtune.models.registry import FAMILIES, merge, model_layout
 from jaxtune.train.loop import train
-from jaxtune.train.step import init_state, make_train_step, token_loss
+from jaxtune.train.step import init_state, make_train_step, native_loss, token_loss
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -164,7 +164,7 @@ def test_batch_without_trained_tokens():
     assert all(k in ("lora_a", "lora_b") for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
                for k in [p[-1].key])
     tx = optax.adamw(1e-2, weight_decay=0.0)
-    step = jax.jit(make_train_step(graphdef, tx, optax.constant_schedule(1e-2), micro_batches=2, use_dropout=False))
+    step = jax.jit(make_train_step(native_loss(graphdef), tx, optax.constant_schedule(1e-2), micro_batches=2, use_dropout=False))
     examples = _conversations()
     batch = _stack([PackedRows(examples, [[0, 1]], SEQ)[0], PackedRows(examples, [[2]], SEQ)[0]])
     batch["loss_mask"] = jnp.zeros_like(batch["loss_mask"])

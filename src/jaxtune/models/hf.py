@@ -389,6 +389,14 @@ def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: st
         from jaxtune.evaluate import load_run
 
         run = load_run(source)
+        if run.cfg.model.backend == "torchax":
+            from jaxtune.torchax.state import export_run
+
+            fill = export_run(run, tokenizer=tokenizer or run.tokenizer, dtype=dtype, adapter=adapter,
+                              max_shard_bytes=max_shard_bytes)
+            if jax.process_index() == 0:
+                write_dir_atomically(out, fill)
+            return out
         cfg, params, tokenizer = run.spec.model_cfg, run.params, tokenizer or run.tokenizer
         if getattr(cfg, "lora", None) is not None:
             if adapter:

@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtune.config import ConfigError, ModelConfig
+from jaxtune.config import LORA_TARGETS, ConfigError, ModelConfig
 from jaxtune.models import gemma3, gpt2, llama, mistral, qwen
 from jaxtune.models.family import Family
 from jaxtune.models.layers import LoRAParam, LoraSpec
@@ -51,6 +51,10 @@ def _with_lora(model_cfg: Any, cfg: ModelConfig) -> Any:
     if "lora" not in {f.name for f in dataclasses.fields(model_cfg)}:
         raise ConfigError(f"model.lora: LoRA is implemented for the decoder families (llama, qwen2, qwen3, mistral, "
                           f"gemma3), not {model_cfg.family}; set model.lora.rank=0 for full fine-tuning")
+    foreign = [t for t in cfg.lora.targets if t not in LORA_TARGETS]
+    if foreign:
+        raise ConfigError(f"model.lora.targets: {foreign[0]!r} is not a projection of the native models; choose from "
+                          f"{list(LORA_TARGETS)} (HF module names of other architectures need model.backend=torchax)")
     spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets))
     return model_cfg.replace(lora=spec)
 

@@ -17,12 +17,11 @@ import jax
 
 from jaxtune.config import Config, ConfigError, dump_config, identity_diff
 from jaxtune.data import load_tokenizer, make_training_data
-from jaxtune.generate import Generator, encode_prompt, stop_ids
+from jaxtune.generate import encode_prompt, stop_ids
 from jaxtune.train import distributed, sharding
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import MetricsWriter, peak_flops, plot_loss
-from jaxtune.train.state import make_state_spec
-from jaxtune.train.step import make_eval_step, make_train_step
+from jaxtune.train.state import build_steps, make_state_spec
 
 
 class NonFiniteLossError(RuntimeError):
@@ -127,9 +126,7 @@ def train(cfg: Config) -> TrainResult:
 
     # The step, jitted once: state donated, shardings explicit.
     traces = [0]
-    step_impl = make_train_step(spec.graphdef, spec.tx, spec.lr_schedule, micro_batches=cfg.train.micro_batches,
-                                skip_nonfinite=cfg.train.on_nan == "skip",
-                                use_dropout=spec.model_cfg.needs_key, loss_chunk=cfg.train.loss_chunk)
+    step_impl, eval_impl = build_steps(spec, cfg.train)
 
     def counted_step(state, batch, frozen):
         traces[0] += 1
@@ -138,9 +135,8 @@ def train(cfg: Config) -> TrainResult:
     batch_sh = sharding.batch_sharding(mesh)
     train_step = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh, spec.frozen_shardings),
                          out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(spec.graphdef, cfg.train.loss_chunk),
-                        in_shardings=(spec.shardings.params, batch_sh, spec.frozen_shardings))
-    generator = Generator(spec.graphdef, spec.model_cfg.max_seq_len)
+    eval_step = jax.jit(eval_impl, in_shardings=(spec.shardings.params, batch_sh, spec.frozen_shardings))
+    generator = spec.generator()
     chat = cfg.data.format not in ("text", "prompt_completion") and tokenizer.chat_template is not None
 
     # Loop.

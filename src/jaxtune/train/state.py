@@ -2,11 +2,13 @@
 
 ``StateSpec`` holds the model graph, the optimizer and an abstract state whose leaves carry their
 shardings, so a state is created (jit with out_shardings) or restored (Orbax) directly in place on the
-mesh, never as a full host copy.
+mesh, never as a full host copy. ``model.backend: torchax`` builds `jaxtune.torchax.state.TorchaxSpec`, which
+offers the same attributes and methods (the loop, evaluation and benchmarks use only those).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +17,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtune.config import Config
+from jaxtune.config import Config, TrainConfig
+from jaxtune.generate import Generator
 from jaxtune.models import model_config
 from jaxtune.models.registry import init_params, model_layout
 from jaxtune.train import sharding
 from jaxtune.train.optim import make_optimizer, schedule
-from jaxtune.train.step import TrainState, init_state
+from jaxtune.train.step import LossFn, TrainState, init_state, make_eval_step, make_train_step, native_loss
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,13 @@ class StateSpec:
         """What `jaxtune.models.registry.merge` takes: ``params``, or (adapters, base) with LoRA."""
         return (params, *frozen) if frozen else params
 
+    def loss_fn(self, loss_chunk: int = 0) -> LossFn:
+        return native_loss(self.graphdef, loss_chunk)
+
+    def generator(self) -> Generator:
+        """Sampling for eval prompts and `jaxtune generate`: called with `weights` and token ids."""
+        return Generator(self.graphdef, self.model_cfg.max_seq_len)
+
     def _read_hf(self, abstract: Any, shardings: Any) -> Any:
         from jaxtune.models.hf import HFCheckpoint, family_of, load_params
 
@@ -75,13 +85,25 @@ class StateSpec:
 
 
 def make_state_spec(cfg: Config, vocab_size: int, mesh: Mesh) -> StateSpec:
+    if cfg.model.backend == "torchax":
+        from jaxtune.torchax.state import make_torchax_spec
+
+        return make_torchax_spec(cfg, vocab_size, mesh)
     model_cfg = model_config(cfg.model, vocab_size)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
+    shardings, abstract, frozen = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed)
+    return StateSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract,
+                     cfg.model.from_hf, frozen, tuple(group_sh[1:]))
+
+
+def state_layout(tx: optax.GradientTransformation, abstract_groups: list[Any], group_sh: list[Any], mesh: Mesh,
+                 seed: int) -> tuple[TrainState, TrainState, tuple]:
+    """(state shardings, abstract state, abstract frozen groups) from the parameter groups ([trainable,
+    *frozen]) and their shardings: optimizer moments mirror their parameter's sharding; scalars are replicated."""
     abstract_params, param_sh = abstract_groups[0], group_sh[0]
-    abstract_state = jax.eval_shape(lambda: init_state(abstract_params, tx, cfg.train.seed))
+    abstract_state = jax.eval_shape(lambda: init_state(abstract_params, tx, seed))
     rep = sharding.replicated(mesh)
-    # Optimizer moments mirror their parameter's sharding; scalars (counts) are replicated.
     opt_sh = optax.tree_map_params(
         tx, lambda leaf, sh, p: sh if leaf.shape == p.shape else rep,  # factored (Adafactor) stats: replicated
         abstract_state.opt_state, param_sh, abstract_params,
@@ -90,5 +112,12 @@ def make_state_spec(cfg: Config, vocab_size: int, mesh: Mesh) -> StateSpec:
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
     frozen = tuple(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), g, sh)
                    for g, sh in zip(abstract_groups[1:], group_sh[1:]))
-    return StateSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract,
-                     cfg.model.from_hf, frozen, tuple(group_sh[1:]))
+    return shardings, abstract, frozen
+
+
+def build_steps(spec: Any, train: TrainConfig) -> tuple[Callable, Callable]:
+    """(train step, eval step), unjitted, as `train()` builds them from the spec and ``train`` config."""
+    loss = spec.loss_fn(train.loss_chunk)
+    step = make_train_step(loss, spec.tx, spec.lr_schedule, micro_batches=train.micro_batches,
+                           skip_nonfinite=train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key)
+    return step, make_eval_step(loss)

@@ -7,6 +7,7 @@ A batch is a dict of (B, T) arrays: ``inputs`` and ``targets`` (int32), optional
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -73,6 +74,11 @@ def chunked_cross_entropy(head, hidden: jax.Array, targets: jax.Array, weights: 
     return total
 
 
+def weighted_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+    """sum(weights * CE): logits (B, T, V) float32, targets (B, T) int32, weights (B, T) float32."""
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights)
+
+
 def token_loss(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], key: jax.Array | None,
                loss_chunk: int = 0, frozen: tuple = ()):
     """Summed cross-entropy over counted tokens, and the number of counted tokens (both float32 scalars).
@@ -86,12 +92,19 @@ def token_loss(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array],
     b, t = tokens.shape
     chunk = loss_chunk_size(b, t, model.cfg.vocab_size, loss_chunk)
     if chunk >= t:
-        logits = model(tokens, **kw)  # (B, T, V) float32
-        loss_sum = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights)
+        loss_sum = weighted_cross_entropy(model(tokens, **kw), targets, weights)  # (B, T, V) float32 logits
     else:
         loss_sum = chunked_cross_entropy(model.logits, model(tokens, return_hidden=True, **kw), targets, weights,
                                          chunk)
     return loss_sum, jnp.sum(weights)
+
+
+LossFn = Callable[[Any, dict[str, jax.Array], jax.Array | None, tuple], tuple[jax.Array, jax.Array]]
+
+
+def native_loss(graphdef: nnx.GraphDef, loss_chunk: int = 0) -> LossFn:
+    """``(params, batch, key, frozen) -> (summed loss, counted tokens)`` for a native model graph."""
+    return lambda p, b, k, f: token_loss(graphdef, p, b, k, loss_chunk, f)
 
 
 def _split_micro(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
@@ -100,12 +113,13 @@ def _split_micro(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
     return {k: v.reshape(v.shape[0] // n, n, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *,
-                    micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True,
-                    loss_chunk: int = 0):
-    """Build the step. The loss is token-weighted over the whole batch: gradients of summed losses are
-    accumulated over micro-batches and divided once by the total token count (not a mean of means)."""
-    grad_fn = jax.value_and_grad(lambda p, b, k, f: token_loss(graphdef, p, b, k, loss_chunk, f), has_aux=True)
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *,
+                    micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True):
+    """Build the step around ``loss_fn(params, batch, key, frozen) -> (summed loss, counted tokens)`` (a native
+    model's `native_loss`, or a torchax model's). The loss is token-weighted over the whole batch: gradients of
+    summed losses are accumulated over micro-batches and divided once by the total token count (not a mean of
+    means)."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def train_step(state: TrainState, batch: dict[str, jax.Array], frozen: tuple = ()):
         """``frozen``: parameters that do not train (a LoRA base): read, never updated, no optimizer state."""
@@ -149,10 +163,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, loss_chunk: int = 0):
+def make_eval_step(loss_fn: LossFn):
     """(params, batch, frozen=()) -> (summed loss, token count); deterministic (no dropout)."""
 
     def eval_step(params, batch, frozen=()):
-        return token_loss(graphdef, params, batch, None, loss_chunk, frozen)
+        return loss_fn(params, batch, None, frozen)
 
     return eval_step
