@@ -103,3 +103,18 @@ def _hf_gpt2_to_params(hf_model, n_layer: int) -> dict:
 def hf_gpt2_to_params():
     """transformers GPT2LMHeadModel -> jaxtune GPT-2 params (loop layout)."""
     return _hf_gpt2_to_params
+
+
+TORCHAX_LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+
+
+@pytest.fixture
+def torchax_overrides(tiny_overrides, tmp_path) -> list[str]:
+    """`tiny_overrides` for model.backend=torchax: a tiny random transformers Llama (its config.json) of the same
+    size instead of the native model keys."""
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "hf-llama-config"
+    transformers.LlamaConfig(**TORCHAX_LLAMA).save_pretrained(directory)
+    return [o for o in tiny_overrides if not o.startswith("model.")] + ["model.backend=torchax",
+                                                                       f"model.hf_config={directory}"]

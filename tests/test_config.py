@@ -24,10 +24,24 @@ HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemm
                "meta-llama/Llama-3.2-1B-Instruct": ("llama", "llama3.2-1b")}
 
 
+# torchax recipes: a tiny transformers config of the hub model's architecture, to build it with the recipe's LoRA.
+TORCHAX_HUB = {"microsoft/Phi-3-mini-4k-instruct": ("Phi3Config", {"pad_token_id": 0})}
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
-def test_every_shipped_config_loads_and_builds_its_model_config(path):
+def test_every_shipped_config_loads_and_builds_its_model_config(path, tmp_path):
     cfg = load_config(path)
     model = cfg.model
+    if model.backend == "torchax":  # the recipe's LoRA targets exist in (a tiny model of) its architecture
+        transformers = pytest.importorskip("transformers")
+        from jaxtune.torchax.model import build_torch_model
+
+        cls, extra = TORCHAX_HUB[model.from_hf]
+        getattr(transformers, cls)(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, **extra).save_pretrained(tmp_path)
+        module = build_torch_model(model.model_copy(update={"from_hf": None, "hf_config": str(tmp_path)}), 0)
+        assert any("lora_A" in n for n, _ in module.named_parameters())
+        return
     if model.from_hf:
         family, preset = HUB_PRESETS[model.from_hf]
         model = model.model_copy(update={"from_hf": None, "family": family, "preset": preset})

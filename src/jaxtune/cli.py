@@ -112,7 +112,7 @@ def _parity(args: argparse.Namespace) -> int:
     from jaxtune.parity import parity
 
     report = parity(args.hf_dir, batch=args.batch, seq=args.seq, new_tokens=args.new_tokens,
-                    tolerance=args.tolerance, seed=args.seed)
+                    tolerance=args.tolerance, seed=args.seed, backend=args.backend)
     print(report.format())
     return 0 if report.ok else 1
 
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared (0: logits only)")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max relative logit error that passes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=["native", "torchax"], default="native",
+                   help="torchax: also run the transformers model through torchax (native vs torchax vs eager)")
     p.set_defaults(fn=_parity)
 
     args = parser.parse_args(argv)

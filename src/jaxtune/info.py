@@ -9,7 +9,6 @@ import jax
 import numpy as np
 
 from jaxtune.config import Config
-from jaxtune.models import model_config
 from jaxtune.train import sharding
 from jaxtune.train.state import make_state_spec
 
@@ -28,23 +27,24 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
     devices, or on ``devices`` hypothetical ones (planning a pod from a laptop). ``vocab_size`` defaults to
     model.vocab_size, else tokenizer.vocab_size (for bpe)."""
     vocab = vocab_size or cfg.model.vocab_size or cfg.tokenizer.vocab_size
-    mcfg = model_config(cfg.model, vocab)
     if devices is None:
         mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     else:
         mesh = sharding.abstract_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
     spec = make_state_spec(cfg, vocab, mesh)
+    mcfg = spec.model_cfg  # a native family's config, or a torchax model's ModelInfo
+    compute_dtype = getattr(mcfg, "compute_dtype", cfg.model.compute_dtype)
     trained_b = _bytes_per_device(spec.abstract.params)  # a LoRA run trains only its adapters
     params_b = trained_b + _bytes_per_device(spec.frozen_abstract)
     opt_b = _bytes_per_device(spec.abstract.opt_state)
     seq, batch = cfg.data.seq_len, cfg.train.batch_size // cfg.train.micro_batches
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = max(batch // dp, 1)
-    act_item = np.dtype(mcfg.compute_dtype).itemsize
+    act_item = np.dtype(compute_dtype).itemsize
     # Saved activations per layer ~ (34 D + 5 N T) bytes/token at 2 bytes (Korthikanti et al. 2022), scaled to
     # the compute dtype; full remat keeps only each layer's input.
     per_token_layer = (34 * mcfg.d_model + 5 * mcfg.n_head * seq) * act_item / 2
-    if mcfg.remat == "full":
+    if getattr(mcfg, "remat", cfg.model.remat) == "full":
         per_token_layer = mcfg.d_model * act_item
     act_b = int(rows * seq * (mcfg.n_layer * per_token_layer + 4 * mcfg.vocab_size) / mesh.shape["tensor"])
     return {

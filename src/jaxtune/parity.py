@@ -1,8 +1,10 @@
-"""``jaxtune parity HF_DIR``: is the native model the checkpoint's model? Run it before a long job.
+"""``jaxtune parity HF_DIR [--backend torchax]``: is jaxtune's model the checkpoint's model? Run it before a long
+job.
 
-Loads the checkpoint natively and in `transformers` (CPU, float32, eager attention), runs the same batch
+Loads the checkpoint in jaxtune and in `transformers` (CPU, float32, eager attention), runs the same batch
 through both, and compares: logits (relative error max|ours - theirs| / max|theirs| and mean|diff| /
-mean|theirs|) and greedy generation (our KV-cache generator against ``transformers.generate``).
+mean|theirs|) and greedy generation (our generator against ``transformers.generate``). With the torchax backend
+the transformers model run through torchax is compared too (and the native model, when the family has one).
 """
 
 from __future__ import annotations
@@ -21,30 +23,41 @@ SAMPLE_TEXT = (
 
 
 @dataclass
-class ParityReport:
-    family: str
+class Comparison:
+    """One model's logits against transformers' eager PyTorch on the same batch."""
+
+    name: str  # "native" / "torchax"
     max_rel: float
     mean_rel: float
-    greedy_agree: list[int] = field(default_factory=list)  # matching leading tokens, per prompt
+    greedy_agree: list[int] = field(default_factory=list)  # matching leading generated tokens, per prompt
+
+
+@dataclass
+class ParityReport:
+    family: str
+    comparisons: list[Comparison]
     new_tokens: int = 0
     tolerance: float = 1e-4
     text_source: str = "random ids"
 
     @property
     def ok(self) -> bool:
-        return self.max_rel <= self.tolerance and all(a == self.new_tokens for a in self.greedy_agree)
+        return all(c.max_rel <= self.tolerance and all(a == self.new_tokens for a in c.greedy_agree)
+                   for c in self.comparisons)
 
     def format(self) -> str:
-        agree = ", ".join(f"{a}/{self.new_tokens}" for a in self.greedy_agree)
-        return "\n".join([
-            f"family:                 {self.family}",
-            f"batch:                  {self.text_source}",
-            f"logits max rel. error:  {self.max_rel:.3e}  (max|ours - transformers| / max|transformers|; "
-            f"tolerance {self.tolerance:g})",
-            f"logits mean rel. error: {self.mean_rel:.3e}  (mean|ours - transformers| / mean|transformers|)",
-            f"greedy agreement:       {agree}  (leading generated tokens equal, per prompt)",
-            f"result:                 {'PASS' if self.ok else 'FAIL'}",
-        ])
+        lines = [f"family:                 {self.family}", f"batch:                  {self.text_source}"]
+        for c in self.comparisons:
+            agree = ", ".join(f"{a}/{self.new_tokens}" for a in c.greedy_agree) or "not run"
+            lines += [
+                f"[{c.name} vs transformers eager]",
+                f"  logits max rel. error:  {c.max_rel:.3e}  (max|ours - transformers| / max|transformers|; "
+                f"tolerance {self.tolerance:g})",
+                f"  logits mean rel. error: {c.mean_rel:.3e}  (mean|ours - transformers| / mean|transformers|)",
+                f"  greedy agreement:       {agree}  (leading generated tokens equal, per prompt)",
+            ]
+        lines.append(f"result:                 {'PASS' if self.ok else 'FAIL'}")
+        return "\n".join(lines)
 
 
 def _batch(directory: Path, vocab: int, batch: int, seq: int, seed: int) -> tuple[np.ndarray, str]:
@@ -60,43 +73,93 @@ def _batch(directory: Path, vocab: int, batch: int, seq: int, seed: int) -> tupl
 
 
 def parity(directory: str | Path, *, batch: int = 2, seq: int = 32, new_tokens: int = 32, tolerance: float = 1e-4,
-           seed: int = 0) -> ParityReport:
-    import jax.numpy as jnp
-    from flax import nnx
+           seed: int = 0, backend: str = "native") -> ParityReport:
+    """Compare the checkpoint's model in jaxtune with transformers (eager attention, float32) on one batch.
 
+    ``backend="native"``: jaxtune's Flax model. ``"torchax"``: the transformers model itself run through
+    torchax, and also the native model when the family has one (native vs torchax vs PyTorch eager)."""
     try:
         import torch
         import transformers
     except ImportError:
         raise ImportError("jaxtune parity runs the checkpoint in transformers too: pip install 'jaxtune[hf,torch]'")
 
-    from jaxtune.generate import Generator
-    from jaxtune.models.hf import from_hf, read_hf_config
+    from jaxtune.models.family import UnsupportedModelError
+    from jaxtune.models.hf import read_hf_config
 
     directory = Path(directory).expanduser()
-    fam, cfg, _ = read_hf_config(directory)
-    native = from_hf(directory, param_dtype="float32")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                                attn_implementation="eager")
     theirs.eval()
-    tokens, source = _batch(directory, cfg.vocab_size, batch, seq, seed)
-    ours = np.asarray(native(jnp.asarray(tokens)))
+    vocab = theirs.get_input_embeddings().num_embeddings
+    tokens, source = _batch(directory, vocab, batch, seq, seed)
     with torch.no_grad():
         ref = theirs(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
-    diff = np.abs(ours - ref)
-    report = ParityReport(fam.name, float(diff.max() / np.abs(ref).max()), float(diff.mean() / np.abs(ref).mean()),
-                          new_tokens=new_tokens, tolerance=tolerance, text_source=source)
-    if new_tokens:
-        graphdef, state = nnx.split(native, nnx.Param)
-        prompts = [list(map(int, row[: seq // 2 + i])) for i, row in enumerate(tokens)]  # different lengths
-        gen = Generator(graphdef, cfg.max_seq_len)(nnx.to_pure_dict(state), prompts, max_new_tokens=new_tokens)
-        greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
-                                               pad_token_id=0)
-        for p, mine in zip(prompts, gen):
-            with torch.no_grad():
-                out = theirs.generate(torch.tensor([p]), generation_config=greedy, attention_mask=torch.ones(1, len(p),
-                                      dtype=torch.long))
-            hf_ids = out[0, len(p):].tolist()
-            agree = next((i for i, (a, b) in enumerate(zip(mine, hf_ids)) if a != b), min(len(mine), len(hf_ids)))
-            report.greedy_agree.append(agree)
-    return report
+    prompts = [list(map(int, row[: seq // 2 + i])) for i, row in enumerate(tokens)]  # different lengths
+    hf_greedy = _hf_greedy(theirs, prompts, new_tokens) if new_tokens else []
+    family, runs = theirs.config.model_type, []
+    try:
+        fam, cfg, _ = read_hf_config(directory)
+        family = fam.name
+        runs.append(("native", *_native(directory, cfg.max_seq_len)))
+    except UnsupportedModelError:
+        if backend == "native":
+            raise
+    if backend == "torchax":
+        runs.append(("torchax", *_torchax(directory)))
+    comparisons = []
+    for name, logits_fn, generate in runs:
+        ours = np.asarray(logits_fn(tokens))
+        diff = np.abs(ours - ref)
+        c = Comparison(name, float(diff.max() / np.abs(ref).max()), float(diff.mean() / np.abs(ref).mean()))
+        if new_tokens:
+            for mine, hf_ids in zip(generate(prompts, new_tokens), hf_greedy):
+                c.greedy_agree.append(next((i for i, (a, b) in enumerate(zip(mine, hf_ids)) if a != b),
+                                           min(len(mine), len(hf_ids))))
+        comparisons.append(c)
+    return ParityReport(family, comparisons, new_tokens=new_tokens, tolerance=tolerance, text_source=source)
+
+
+def _hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    import torch
+    import transformers
+
+    greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+                                           pad_token_id=0)
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = model.generate(torch.tensor([p]), generation_config=greedy,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def _native(directory: Path, max_seq_len: int):
+    """(logits(tokens), greedy(prompts, n)) of jaxtune's native model of the checkpoint."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxtune.generate import Generator
+    from jaxtune.models.hf import from_hf
+
+    native = from_hf(directory, param_dtype="float32")
+    graphdef, state = nnx.split(native, nnx.Param)
+    params = nnx.to_pure_dict(state)
+    return (lambda tokens: native(jnp.asarray(tokens)),
+            lambda prompts, n: Generator(graphdef, max_seq_len)(params, prompts, max_new_tokens=n))
+
+
+def _torchax(directory: Path):
+    """(logits(tokens), greedy(prompts, n)) of the transformers model run through torchax."""
+    import jax
+
+    from jaxtune.config import ModelConfig
+    from jaxtune.torchax.model import TorchaxModel, build_torch_model
+    from jaxtune.torchax.state import TorchaxGenerator
+
+    model = TorchaxModel(build_torch_model(ModelConfig(backend="torchax", from_hf=str(directory)), 0))
+    weights = model.initial()[0]
+    logits = jax.jit(model.logits)
+    return (lambda tokens: logits(weights, tokens),
+            lambda prompts, n: TorchaxGenerator(model, model.info.max_seq_len)(weights, prompts, max_new_tokens=n))

@@ -508,12 +508,16 @@ def test_real_chat_data_learns_and_reports(tmp_path, data_cache):
 # --- configuration errors --------------------------------------------------------------------------------------------
 
 def test_lora_config_errors():
-    """LoRA on GPT-2 is refused naming the decoder families; unknown targets are refused at load; HF names and
-    'all' are accepted."""
+    """LoRA on GPT-2 is refused naming the decoder families; targets that are not module names are refused at load,
+    and names the native models lack when the model is built (torchax models check theirs); HF names and 'all' are
+    accepted."""
     with pytest.raises(ConfigError, match="decoder families"):
         model_config(load_config(None, ["model.lora.rank=4"]).model, VOCAB)
-    with pytest.raises(ConfigError, match="foo"):
-        load_config(None, ["model.lora.targets=[q_proj, foo]"])
+    with pytest.raises(ConfigError, match="'foo' is not a projection of the native models"):
+        model_config(load_config(None, ["model.family=llama", "model.lora.rank=2",
+                                        "model.lora.targets=[q_proj, foo]"]).model, VOCAB)
+    with pytest.raises(ConfigError, match="is not a module name"):
+        load_config(None, ["model.lora.targets=[q_proj, 'foo bar']"])
     assert load_config(None, ["model.lora.targets=[q_proj, v]"]).model.lora.targets == ["q", "v"]
     assert len(load_config(None, ["model.lora.targets=all"]).model.lora.targets) == 7
     cfg = model_config(load_config(None, ["model.family=qwen3", "model.lora.rank=2", "model.lora.alpha=6"]).model)

@@ -112,7 +112,9 @@ def _run_driver(tmp_path: Path, mode: str, at: int, overrides: list[str]) -> sub
                           env=env, timeout=600)
 
 
-def test_kill9_and_resume_is_bit_exact(tmp_path, tiny_overrides):
+@pytest.mark.parametrize("backend", ["native", "torchax"])
+def test_kill9_and_resume_is_bit_exact(tmp_path, backend, request):
+    tiny_overrides = request.getfixturevalue("tiny_overrides" if backend == "native" else "torchax_overrides")
     ref_cfg = load_config(None, tiny_overrides + [f"run_dir={tmp_path / 'ref'}"])
     ref = train(ref_cfg)
     ref_params, _ = _final_params(ref_cfg, 20)

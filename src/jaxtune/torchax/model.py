@@ -162,6 +162,7 @@ class ModelInfo:
     max_seq_len: int
     n_layer: int
     d_model: int
+    n_head: int
     n_params: int  # unique parameters (tied ones once), adapters included
     n_embed: int  # embedding parameters
     needs_key: bool  # dropout somewhere: the step passes a key
@@ -188,7 +189,7 @@ class TorchaxModel:
         if remat not in REMAT_POLICIES:
             raise ConfigError(f"model.remat={remat!r}; choose one of {sorted(REMAT_POLICIES)}")
         self.remat = remat
-        self.autocast = None if compute_dtype == "float32" else jnp.dtype(compute_dtype)
+        self.compute_dtype = jnp.dtype(compute_dtype)
         params = dict(module.named_parameters())  # tied weights appear once
         total = sum(p.numel() for p in module.parameters())
         if sum(p.numel() for p in params.values()) != total:
@@ -206,6 +207,7 @@ class TorchaxModel:
             family=hf.model_type, vocab_size=module.get_input_embeddings().num_embeddings,
             max_seq_len=getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 0),
             n_layer=len(_layer_stack(module)), d_model=getattr(hf, "hidden_size", None) or hf.n_embd,
+            n_head=getattr(hf, "num_attention_heads", None) or hf.n_head,
             n_params=total, n_embed=embed, needs_key=bool(dropout or lora_dropout))
         self._layers = _layer_stack(module)
         self._wrapped = False
@@ -239,14 +241,17 @@ class TorchaxModel:
         from torchax import interop
 
         self._wrap_layers()
-        flat = {**self.buffers, **flatten(weights)}
-        kwargs = {"input_ids": tokens, "use_cache": False}
+        # Mixed precision: weights (float32 master copies, or a bfloat16 LoRA base) enter the forward in the
+        # compute dtype; their gradients flow back through the cast in float32. (torchax's autocast mode is not
+        # used: its cast policy breaks on ops with list arguments, e.g. the cat inside torch.diff.)
+        cd = self.compute_dtype
+        flat = {**self.buffers, **{n: jnp.asarray(w, cd if jnp.issubdtype(w.dtype, jnp.floating) else None)
+                                   for n, w in flatten(weights).items()}}
+        kwargs = {"input_ids": jnp.asarray(tokens), "use_cache": False}
         if positions is not None:
-            kwargs["position_ids"] = positions
+            kwargs["position_ids"] = jnp.asarray(positions)
         tflat, tkwargs = interop.torch_view((flat, kwargs))
         prop = {"prng": key} if key is not None else {}
-        if self.autocast is not None:
-            prop["autocast_dtype"] = self.autocast
         with self.env, self.env.override_property(**prop), _naming_failures(self.module):
             out = torch.func.functional_call(self.module, tflat, args=(), kwargs=tkwargs, tie_weights=True,
                                              strict=False)
@@ -317,6 +322,10 @@ def _naming_failures(module: Any) -> Iterator[None]:
         raise UnsupportedOpError(
             f"torchax has no JAX lowering for {op}, used in {where}. Register one with "
             "torchax's env.override_op_definition, or use a model without this op") from None
+    except Exception as e:  # a lowering that exists but fails: say where, keep the original error
+        if stack:
+            e.add_note(f"(raised while torchax ran {stack[-1]})")
+        raise
     finally:
         pre.remove()
         post.remove()
