@@ -39,7 +39,6 @@ import json
 import math
 import sys
 import tempfile
-import time
 import warnings
 
 import flax
@@ -51,13 +50,12 @@ import peft
 import torch
 import torch.nn.functional as F
 import transformers
-from _harness import add_common_args, first_call, interleave, pin_threads, run_record, timing_row
+from _harness import add_common_args, first_call, interleave, jaxtune_step, pin_threads, run_record, timing_row
 
 from jaxtune.config import load_config
 from jaxtune.models.lora import peft_tensors
 from jaxtune.models.registry import FAMILIES
 from jaxtune.train import sharding
-from jaxtune.train.state import build_steps, make_state_spec
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RTOL = 1e-4  # same weights, adapters and batch: step-1 losses agree to float32 reduction-order noise
@@ -168,16 +166,10 @@ def main(argv=None) -> dict:
     ocfg = cfg.optim
 
     # ---- jaxtune: the LoRA step as train() builds and jits it
-    t0 = time.perf_counter()
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    spec = make_state_spec(cfg, None, mesh)
-    state = spec.init(cfg.train.seed)
-    frozen = spec.load_frozen(cfg.train.seed)
-    jax.block_until_ready((state, frozen))
-    setup_s = time.perf_counter() - t0
+    js = jaxtune_step(cfg)
+    mesh, state, frozen, train_step, setup_s = (js[k] for k in ("mesh", "state", "frozen", "train_step", "setup_s"))
     init_adapters = jax.device_get(state.params)  # before the first step donates the state
     n_adapter = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(init_adapters))
-    step_impl, _ = build_steps(spec, cfg.train)
     jax_batches = [sharding.global_batch(mesh, b) for b in host_batches]
 
     # ---- transformers + PEFT: same checkpoint, same initial adapters, same batches
@@ -192,9 +184,6 @@ def main(argv=None) -> dict:
 
     impls: dict[str, dict] = {}
     with sharding.use_mesh(mesh):
-        train_step = jax.jit(step_impl, in_shardings=(spec.shardings, sharding.batch_sharding(mesh),
-                                                      spec.frozen_shardings),
-                             out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
         box = {"state": state, "i": 0}
 
         def jax_step():

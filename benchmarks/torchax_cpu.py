@@ -51,7 +51,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 
 import flax
 import huggingface_hub
@@ -63,13 +62,12 @@ import optax
 import torch
 import torch.nn.functional as F
 import transformers
-from _harness import add_common_args, first_call, interleave, pin_threads, run_record, timing_row
+from _harness import add_common_args, first_call, interleave, jaxtune_step, pin_threads, run_record, timing_row
 
 from jaxtune.config import load_config
 from jaxtune.torchax.compat import import_torchax
 from jaxtune.train import sharding
 from jaxtune.train.optim import decay_mask
-from jaxtune.train.state import build_steps, make_state_spec
 
 LOSS_RTOL = 1e-5  # same weights and batch: step-1 losses agree to float32 reduction-order noise
 NATIVE, TORCHAX, EAGER = "jaxtune native (jax.jit)", "jaxtune torchax (jax.jit)", "PyTorch eager (sdpa)"
@@ -110,19 +108,10 @@ def text_batches(rng: np.random.RandomState, n: int, batch: int, seq: int, vocab
 def jaxtune_side(cfg, host_batches):
     """One backend's step as ``train()`` builds and jits it: (step() -> loss, running the next batch; setup seconds;
     lowered() -> the jitted step lowered for abstract state, for --hlo-stats)."""
-    t0 = time.perf_counter()
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    spec = make_state_spec(cfg, None, mesh)
-    state = spec.init(cfg.train.seed)
-    frozen = spec.load_frozen(cfg.train.seed)
-    jax.block_until_ready((state, frozen))
-    setup_s = time.perf_counter() - t0
-    step_impl, _ = build_steps(spec, cfg.train)
+    js = jaxtune_step(cfg)
+    spec, mesh, state, frozen, train_step, setup_s = (js[k] for k in ("spec", "mesh", "state", "frozen", "train_step",
+                                                                       "setup_s"))
     batches = [sharding.global_batch(mesh, b) for b in host_batches]
-    with sharding.use_mesh(mesh):
-        train_step = jax.jit(step_impl, in_shardings=(spec.shardings, sharding.batch_sharding(mesh),
-                                                      spec.frozen_shardings),
-                             out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
     box = {"state": state, "i": 0}
 
     def step():

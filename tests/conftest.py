@@ -105,8 +105,9 @@ def hf_gpt2_to_params():
     return _hf_gpt2_to_params
 
 
-TORCHAX_LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+TORCHAX_LLAMA = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                 "tie_word_embeddings": True}
 
 
 @pytest.fixture
@@ -118,3 +119,28 @@ def torchax_overrides(tiny_overrides, tmp_path) -> list[str]:
     transformers.LlamaConfig(**TORCHAX_LLAMA).save_pretrained(directory)
     return [o for o in tiny_overrides if not o.startswith("model.")] + ["model.backend=torchax",
                                                                        f"model.hf_config={directory}"]
+
+
+CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def save_chatml_tokenizer(directory: Path, texts: list[str]) -> int:
+    """A 300-id byte-level BPE trained on ``texts`` with the ChatML specials (ids 0, 1, 2), saved as a transformers
+    tokenizer directory with the ChatML chat template; returns its vocabulary size."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxtune.data.sft import CHATML
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=CHAT_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": CHATML}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    assert [tok.token_to_id(s) for s in CHAT_SPECIALS] == [0, 1, 2]
+    return tok.get_vocab_size()

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import save_chatml_tokenizer
 
 from jaxtune.config import ModelConfig, load_config
 
@@ -149,7 +150,6 @@ def test_loss_and_grads_equal_pytorch_eager(family, tmp_path):
 # --- 2. training: torchax vs native from the same HF checkpoint ----------------------------------------------------
 
 HF_VOCAB = 320  # the checkpoints' vocabulary; the BPE below has 300 ids
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["red", "green", "blue", "cat", "dog", "fish", "one", "two", "three", "sun", "moon", "star", "tree", "river",
          "stone", "bird"]
 STEPS = 20
@@ -168,24 +168,6 @@ def chat(tmp_path_factory) -> dict:
     path = root / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"root": root, "train": path, "texts": [m["content"] for r in rows for m in r["messages"]]}
-
-
-def _save_tokenizer(directory: Path, texts: list[str]) -> int:
-    """A 300-id byte-level BPE with the ChatML specials, saved as a transformers tokenizer directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from jaxtune.data.sft import CHATML
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": CHATML}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return tok.get_vocab_size()
 
 
 def _run(directory: Path, chat: dict, run_dir: Path, backend: str):
@@ -212,7 +194,7 @@ def test_training_matches_native(family, chat, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_config(_configs(HF_VOCAB, pad_token_id=0)[family]()).eval()
     _perturb(hf, seed=2)
     hf.save_pretrained(d, safe_serialization=True)
-    assert _save_tokenizer(d, chat["texts"]) <= HF_VOCAB
+    assert save_chatml_tokenizer(d, chat["texts"]) <= HF_VOCAB
 
     native = _run(d, chat, tmp_path / "native", "native")
     ours = _run(d, chat, tmp_path / "torchax", "torchax")

@@ -26,11 +26,12 @@ import numpy as np
 import optax
 import pytest
 import yaml
+from conftest import save_chatml_tokenizer
 
 from jaxtune.cli import main
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import load_tokenizer
-from jaxtune.data.sft import CHATML, Encoded, Examples, PackedRows
+from jaxtune.data.sft import Encoded, Examples, PackedRows
 from jaxtune.evaluate import load_run
 from jaxtune.models import model_config
 from jaxtune.models.hf import HFCheckpoint, SafetensorsFile, load_params
@@ -44,7 +45,6 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 CHAT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "chat-en.jsonl"
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 HF_VOCAB = 320  # the checkpoints' vocabulary; the BPE below has 300 ids
 # Our module paths -> the HF module names PEFT uses, per decoder layer.
 HF_MODULES = {("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_proj", ("attn", "v"): "self_attn.v_proj",
@@ -197,23 +197,6 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def _save_tokenizer(directory: Path, texts: list[str]) -> int:
-    """A 300-id byte-level BPE with the ChatML specials, saved as a transformers tokenizer directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": CHATML}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    assert [tok.token_to_id(s) for s in SPECIALS] == [0, 1, 2]
-    return tok.get_vocab_size()
-
-
 def _save_hf_model(directory: Path, config, seed: int, noise: float) -> None:
     """A random transformers model, every tensor perturbed (norm weights are constants otherwise)."""
     torch.manual_seed(seed)
@@ -244,7 +227,7 @@ def chat(tmp_path_factory):
     ]:
         d = root / name
         _save_hf_model(d, config, seed=len(dirs), noise=noise)
-        assert _save_tokenizer(d, texts) <= HF_VOCAB
+        assert save_chatml_tokenizer(d, texts) <= HF_VOCAB
         dirs[name] = d
     return {"root": root, "train": train_file, "test": test_file, **dirs}
 
