@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +51,12 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     path = Path(target).expanduser()
     if path.is_dir() and not (path / "config.yaml").is_file() and (path / "config.json").is_file():
         # An exported (or any HuggingFace) model directory: its weights, its tokenizer, default settings.
-        cfg = load_config(None, [f"model.from_hf={path}", f"run_dir={path}", *overrides])
+        native = _has_native_model(path) or any(o.startswith("model.backend=") for o in overrides)
+        cfg = load_config(None, [f"model.from_hf={path}", f"run_dir={path}",
+                                 *([] if native else ["model.backend=torchax"]), *overrides])
         if not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
-            context = model_config(cfg.model).max_seq_len
+            context = (model_config(cfg.model).max_seq_len if cfg.model.backend == "native"
+                       else _hf_context(path))
             cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": min(cfg.data.seq_len,
                                                                                             context)})})
     elif path.is_dir():
@@ -79,6 +83,23 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     if not step:
         state = spec.init(cfg.train.seed)
     return LoadedRun(cfg, tokenizer, spec, state.params, spec.load_frozen(cfg.train.seed), step)
+
+
+def _has_native_model(directory: Path) -> bool:
+    """Whether jaxtune has a native model for this HF directory's model_type (else it runs through torchax)."""
+    from jaxtune.models.family import UnsupportedModelError
+    from jaxtune.models.hf import family_of
+
+    try:
+        family_of(json.loads((directory / "config.json").read_text()))
+    except UnsupportedModelError:
+        return False
+    return True
+
+
+def _hf_context(directory: Path) -> int:
+    raw = json.loads((directory / "config.json").read_text())
+    return int(raw.get("max_position_embeddings") or raw.get("n_positions") or 2048)
 
 
 def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), batches: int | None = None,

@@ -113,6 +113,12 @@ def test_phi3_lora_exports_a_peft_adapter_peft_reloads(phi3_dir, tiny_overrides,
     with torch.no_grad():
         assert rel(hf(torch.from_numpy(tokens.astype(np.int64))).logits.numpy(), theirs) <= TOL
 
+    # `jaxtune eval` on the exported directory picks the torchax backend itself (Phi-3 has no native model).
+    from jaxtune.evaluate import evaluate
+
+    res = evaluate(merged, overrides=[o for o in over if o.startswith("data.")], batches=1)
+    assert np.isfinite(res["loss"]) and res["tokens"] > 0
+
 
 def test_unknown_lora_target_names_the_model_modules(phi3_dir, tiny_overrides):
     over = [o for o in tiny_overrides if not o.startswith("model.")] + [

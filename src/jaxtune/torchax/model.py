@@ -191,10 +191,12 @@ class TorchaxModel:
         self.remat = remat
         self.compute_dtype = jnp.dtype(compute_dtype)
         params = dict(module.named_parameters())  # tied weights appear once
-        total = sum(p.numel() for p in module.parameters())
-        if sum(p.numel() for p in params.values()) != total:
-            raise RuntimeError(f"{type(module).__name__}: named parameters hold "
-                               f"{sum(p.numel() for p in params.values())} values but the module {total}")
+        total = sum(p.numel() for p in params.values())
+        out_emb, in_emb = module.get_output_embeddings(), module.get_input_embeddings()
+        if getattr(module.config, "tie_word_embeddings", False) and out_emb is not None and (
+                out_emb.weight is not in_emb.weight):
+            raise RuntimeError(f"{type(module).__name__}: the config ties the output embedding to the input one, "
+                               "but the module holds two tensors; training would untie them")
         self.trainable_names = [n for n, p in params.items() if p.requires_grad]
         self.frozen_names = [n for n, p in params.items() if not p.requires_grad]
         self.buffers = {n: jnp.asarray(to_numpy(b)) for n, b in module.named_buffers()}
