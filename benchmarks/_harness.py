@@ -25,6 +25,14 @@ def add_common_args(ap: Any, **shape: int) -> None:
     ap.add_argument("--json", help="also write the table and run details to this path")
 
 
+def add_round_args(ap: Any, rounds: int) -> None:
+    """The flags of a benchmark timed in interleaved rounds (`interleave`): ``--rounds`` (default ``rounds``),
+    ``--steps`` per implementation per round and ``--warmup`` rounds."""
+    ap.add_argument("--rounds", type=int, default=rounds, help="timed rounds (>= 3)")
+    ap.add_argument("--steps", type=int, default=2, help="steps per implementation per round")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the first (compiling) step")
+
+
 def pin_threads(threads: int | None) -> int:
     """Restrict the process to ``threads`` cores (all when None) and give torch as many threads as XLA gets.
 

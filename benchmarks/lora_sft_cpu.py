@@ -50,7 +50,16 @@ import peft
 import torch
 import torch.nn.functional as F
 import transformers
-from _harness import add_common_args, first_call, interleave, jaxtune_step, pin_threads, run_record, timing_row
+from _harness import (
+    add_common_args,
+    add_round_args,
+    first_call,
+    interleave,
+    jaxtune_step,
+    pin_threads,
+    run_record,
+    timing_row,
+)
 
 from jaxtune.config import load_config
 from jaxtune.models.lora import peft_tensors
@@ -130,9 +139,7 @@ def peft_model(directory: str, attn: str, a: argparse.Namespace, adapters) -> tu
 # ---------------------------------------------------------------- main
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=8, help="timed rounds (>= 3)")
-    ap.add_argument("--steps", type=int, default=2, help="steps per implementation per round")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the first (compiling) step")
+    add_round_args(ap, rounds=8)
     add_common_args(ap, batch=4, seq=512, layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=8192)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--alpha", type=float, default=16.0)

@@ -62,7 +62,16 @@ import optax
 import torch
 import torch.nn.functional as F
 import transformers
-from _harness import add_common_args, first_call, interleave, jaxtune_step, pin_threads, run_record, timing_row
+from _harness import (
+    add_common_args,
+    add_round_args,
+    first_call,
+    interleave,
+    jaxtune_step,
+    pin_threads,
+    run_record,
+    timing_row,
+)
 
 from jaxtune.config import load_config
 from jaxtune.torchax.compat import import_torchax
@@ -232,9 +241,7 @@ def hlo_stats(lowered) -> dict:
 # ---------------------------------------------------------------- main
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=6, help="timed rounds (>= 3)")
-    ap.add_argument("--steps", type=int, default=2, help="steps per implementation per round")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the first (compiling) step")
+    add_round_args(ap, rounds=6)
     add_common_args(ap, batch=8, seq=256, layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=8192)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--recipe-steps", type=int, default=1, help="steps per round of the un-jitted torchax recipe")
