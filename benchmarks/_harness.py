@@ -104,12 +104,14 @@ def run_record(**modules: Any) -> dict[str, Any]:
 
 def jaxtune_step(cfg: Any) -> dict[str, Any]:
     """jaxtune's step exactly as ``train()`` builds it: ``make_state_spec`` → ``init`` / ``load_frozen`` →
-    ``build_steps`` → ``jax.jit`` with explicit in/out shardings and the state donated. Returns {"spec", "mesh",
+    ``jit_steps`` (``jax.jit`` with explicit in/out shardings and the state donated). Returns {"spec", "mesh",
     "state", "frozen", "train_step" (call it under ``sharding.use_mesh(mesh)``), "setup_s" (spec + state)}."""
     import jax
 
-    from jaxtune.train import sharding
-    from jaxtune.train.state import build_steps, make_state_spec
+    from jaxtune import sharding
+    from jaxtune.backends import make_state_spec
+    from jaxtune.train.objectives import make_objective
+    from jaxtune.train.step import jit_steps
 
     t0 = time.perf_counter()
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -118,8 +120,6 @@ def jaxtune_step(cfg: Any) -> dict[str, Any]:
     frozen = spec.load_frozen(cfg.train.seed)
     jax.block_until_ready((state, frozen))
     setup_s = time.perf_counter() - t0
-    step_impl, _ = build_steps(spec, cfg.train)
-    train_step = jax.jit(step_impl, in_shardings=(spec.shardings, sharding.batch_sharding(mesh), spec.frozen_shardings),
-                         out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
+    train_step = jit_steps(spec, make_objective(cfg.objective), cfg.train).train
     return {"spec": spec, "mesh": mesh, "state": state, "frozen": frozen, "train_step": train_step,
             "setup_s": setup_s}

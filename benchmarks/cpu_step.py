@@ -1,7 +1,7 @@
 """CPU train-step throughput: jaxtune's real GPT-2 train step vs a PyTorch GPT of identical architecture.
 
-jaxtune side: the step exactly as ``train()`` builds it (``make_state_spec`` → ``make_train_step`` →
-``jax.jit`` with explicit shardings, state donated, traced under ``use_mesh``). PyTorch side: the same
+jaxtune side: the step exactly as ``train()`` builds it (``make_state_spec`` → ``jit_steps``: the objective's
+loss, ``make_train_step``, ``jax.jit`` with explicit shardings, state donated, traced under ``use_mesh``). PyTorch side: the same
 network written here (learned positions, pre-LayerNorm, fused qkv with bias, causal SDPA, tanh-GELU MLP 4x,
 tied embeddings, no dropout) with the same AdamW (decay on matrices only), global-norm clipping and lr
 schedule, started from the jaxtune parameters so the first-step losses must agree.
@@ -32,8 +32,10 @@ from _harness import add_common_args, first_call, interleave, pin_threads, run_r
 from torch import nn
 
 from jaxtune.config import load_config
-from jaxtune.train import sharding
-from jaxtune.train.state import build_steps, make_state_spec
+from jaxtune import sharding
+from jaxtune.backends import make_state_spec
+from jaxtune.train.objectives import make_objective
+from jaxtune.train.step import jit_steps
 
 LOSS_RTOL = 1e-5  # same weights and batch: first-step losses agree to float32 reduction-order noise
 
@@ -172,7 +174,7 @@ def main(argv=None) -> dict:
     spec = make_state_spec(cfg, args.vocab, mesh)
     state = spec.init(cfg.train.seed)
     init_params = jax.device_get(state.params)  # before the first step donates the state
-    step_impl, _ = build_steps(spec, cfg.train)
+    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train)
     jax_batches = [sharding.global_batch(mesh, b) for b in host_batches]
     lrs = [float(spec.lr_schedule(i)) for i in range(n_batches)]
 
@@ -190,12 +192,10 @@ def main(argv=None) -> dict:
     impls: dict[str, dict] = {}
     load0 = os.getloadavg()
     with sharding.use_mesh(mesh):
-        train_step = jax.jit(step_impl, in_shardings=(spec.shardings, sharding.batch_sharding(mesh)),
-                             out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
         box = {"state": state}
 
         def jax_step(i):
-            box["state"], metrics = train_step(box["state"], jax_batches[i])
+            box["state"], metrics = steps.train(box["state"], jax_batches[i], ())
             jax.block_until_ready((box["state"], metrics))
             return float(metrics["loss"])
 

@@ -64,7 +64,7 @@ from _harness import (
 from jaxtune.config import load_config
 from jaxtune.models.lora import peft_tensors
 from jaxtune.models.registry import FAMILIES
-from jaxtune.train import sharding
+from jaxtune import sharding
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RTOL = 1e-4  # same weights, adapters and batch: step-1 losses agree to float32 reduction-order noise

@@ -74,8 +74,8 @@ from _harness import (
 )
 
 from jaxtune.config import load_config
-from jaxtune.torchax.compat import import_torchax
-from jaxtune.train import sharding
+from jaxtune.backends.torchax.compat import import_torchax
+from jaxtune import sharding
 from jaxtune.train.optim import decay_mask
 
 LOSS_RTOL = 1e-5  # same weights and batch: step-1 losses agree to float32 reduction-order noise

@@ -131,7 +131,7 @@ def save_chatml_tokenizer(directory: Path, texts: list[str]) -> int:
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from jaxtune.data.sft import CHATML
+    from jaxtune.data.chat import CHATML
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

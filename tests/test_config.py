@@ -34,7 +34,7 @@ def test_every_shipped_config_loads_and_builds_its_model_config(path, tmp_path):
     model = cfg.model
     if model.backend == "torchax":  # the recipe's LoRA targets exist in (a tiny model of) its architecture
         transformers = pytest.importorskip("transformers")
-        from jaxtune.torchax.model import build_torch_model
+        from jaxtune.backends.torchax.model import build_torch_model
 
         cls, extra = TORCHAX_HUB[model.from_hf]
         getattr(transformers, cls)(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtune.generate import Generator, bucket, sample_logits
+from jaxtune.models.sampling import Generator, bucket, sample_logits
 from jaxtune.models.gpt2 import GPT, GPTConfig
 
 CFG = GPTConfig.tiny()  # 128-token context

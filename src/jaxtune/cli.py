@@ -17,9 +17,9 @@ from pathlib import Path
 
 from jaxtune.config import ConfigError
 from jaxtune.data import DataError
+from jaxtune.io import CheckpointError
 from jaxtune.models.family import UnsupportedModelError
-from jaxtune.models.hf import CheckpointError
-from jaxtune.train.sharding import ShardingError
+from jaxtune.sharding import ShardingError
 
 USER_ERRORS = (ConfigError, DataError, ShardingError, CheckpointError, UnsupportedModelError, FileNotFoundError,
                FileExistsError)
@@ -27,7 +27,7 @@ USER_ERRORS = (ConfigError, DataError, ShardingError, CheckpointError, Unsupport
 
 def _train(args: argparse.Namespace) -> int:
     from jaxtune.config import load_config
-    from jaxtune.train.loop import NonFiniteLossError, train
+    from jaxtune.loop import NonFiniteLossError, train
 
     try:
         train(load_config(args.config, args.overrides))
@@ -43,7 +43,7 @@ def _eval(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     model_dir = Path(args.target).expanduser()
     if args.data and not any(o.startswith("data.format=") for o in overrides) and not (model_dir / "config.yaml").is_file():
-        from jaxtune.data.sft import detect_format  # a model directory has no data.format of its own
+        from jaxtune.data import detect_format  # a model directory has no data.format of its own
 
         overrides.append(f"data.format={detect_format(args.data)}")
     result = evaluate(args.target, overrides, batches=args.batches, data=args.data)
@@ -53,7 +53,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from jaxtune.evaluate import load_run
-    from jaxtune.generate import encode_prompt, stop_ids
+    from jaxtune.generate import sample
 
     run = load_run(args.run_dir)
     tok = run.tokenizer
@@ -72,9 +72,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     if len(prompts) == 1 and not args.chat:
         sys.stdout.write(prompts[0])
-    outs = gen(run.weights, [encode_prompt(tok, p, args.chat) for p in prompts], max_new_tokens=args.max_new_tokens,
-               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=stop_ids(tok, args.chat),
-               seed=args.seed, on_step=stream if len(prompts) == 1 else None)
+    outs = sample(gen, run.weights, tok, prompts, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  on_step=stream if len(prompts) == 1 else None)
     if len(prompts) == 1:
         print()
     else:
@@ -98,7 +98,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from jaxtune.models.hf import export
+    from jaxtune.export import export
 
     out = export(args.run_dir, args.out_dir, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1e9),
                  overwrite=args.overwrite, adapter=args.adapter)

@@ -1,6 +1,6 @@
 """Run configuration: YAML + dotted ``key=value`` overrides, typed, validated at load, frozen.
 
-One section per concern (model, data, tokenizer, optim, train, eval, checkpoint, mesh, logging), each a
+One section per concern (model, data, tokenizer, optim, objective, train, eval, checkpoint, mesh, logging), each a
 pydantic model that forbids unknown keys. Errors name the key (``optim.lr``) and, for unknown keys, suggest
 the nearest valid one. Components receive only their own section (a model gets ``ModelConfig``, never ``Config``).
 """
@@ -10,10 +10,11 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from flax import traverse_util
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
 
@@ -30,6 +31,7 @@ class _Section(BaseModel):
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 LORA_HF_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
                  "down_proj": "down"}
+LORA_OUR_TO_HF = {ours: hf for hf, ours in LORA_HF_NAMES.items()}
 
 
 class LoraConfig(_Section):
@@ -62,51 +64,71 @@ class LoraConfig(_Section):
         return out
 
 
-class ModelConfig(_Section):
-    """Which network to build. ``preset`` picks a family preset; any other key set here overrides it."""
+class _ModelSection(_Section):
+    """Keys every backend reads. ``backend`` picks the section's class (`ModelConfig`): each backend accepts only
+    its own keys, so a key of another backend is an error that says which backend it belongs to."""
 
+    from_hf: str | None = Field(None, description="start from a HuggingFace checkpoint directory (config.json + "
+                                "safetensors) or hub name; it decides the family and shapes")
+    max_seq_len: int | None = Field(None, ge=1)
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    lora: LoraConfig = LoraConfig()
+
+
+class NativeModelConfig(_ModelSection):
+    """``backend: native``: jaxtune's Flax model of the family. ``preset`` picks a family preset; any other key set
+    here overrides it."""
+
+    backend: Literal["native"] = "native"
     family: Literal["gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma3"] | None = Field(
         None, description="default gpt2; with from_hf, the checkpoint's")
     preset: str = "tiny"
-    from_hf: str | None = Field(None, description="start from a HuggingFace checkpoint directory (config.json + "
-                                "safetensors); it decides the family and shapes")
     n_layer: int | None = Field(None, ge=1)
     n_head: int | None = Field(None, ge=1)
     n_kv_head: int | None = Field(None, ge=1, description="key/value heads (grouped-query attention)")
     head_dim: int | None = Field(None, ge=1)
     d_model: int | None = Field(None, ge=1)
     d_ff: int | None = Field(None, ge=1)
-    max_seq_len: int | None = Field(None, ge=1)
     vocab_size: int | None = Field(None, ge=2, description="default: the tokenizer's vocabulary size")
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
     scan_layers: bool = False
     attention: Literal["auto", "xla", "cudnn"] = "auto"
-    lora: LoraConfig = LoraConfig()
-    backend: Literal["native", "torchax"] = Field("native", description="native: jaxtune's Flax model of the family; "
-                                                  "torchax: the HuggingFace PyTorch model itself, run through JAX")
-    hf_config: str | None = Field(None, description="torchax: a transformers config.json (or its directory) to build "
-                                  "a randomly initialised model instead of from_hf")
-    trust_remote_code: bool = Field(False, description="torchax: allow model code shipped with the checkpoint")
+
+
+class TorchaxModelConfig(_ModelSection):
+    """``backend: torchax``: the HuggingFace PyTorch model itself, run through JAX. The transformers config decides
+    the architecture."""
+
+    HINT: ClassVar[str] = "the transformers config decides the architecture; edit its config.json instead"
+
+    backend: Literal["torchax"] = "torchax"
+    hf_config: str | None = Field(None, description="a transformers config.json (or its directory) to build a "
+                                  "randomly initialised model instead of from_hf")
+    trust_remote_code: bool = Field(False, description="allow model code shipped with the checkpoint")
 
     @model_validator(mode="after")
-    def _backend_keys(self) -> ModelConfig:
-        if self.backend == "torchax":
-            if bool(self.from_hf) == bool(self.hf_config):
-                raise ValueError("model.backend=torchax needs exactly one of model.from_hf (a checkpoint) or "
-                                 "model.hf_config (a config.json, random init)")
-            shaped = [k for k in ("family", "n_layer", "n_head", "n_kv_head", "head_dim", "d_model", "d_ff",
-                                  "vocab_size", "dropout") if getattr(self, k) is not None]
-            if shaped or self.scan_layers or self.attention != "auto":
-                key = shaped[0] if shaped else "scan_layers" if self.scan_layers else "attention"
-                raise ValueError(f"model.{key} does not apply to model.backend=torchax: the transformers config "
-                                 "decides the architecture; edit its config.json instead")
-        elif self.hf_config or self.trust_remote_code:
-            key = "hf_config" if self.hf_config else "trust_remote_code"
-            raise ValueError(f"model.{key} is for model.backend=torchax")
+    def _one_source(self) -> TorchaxModelConfig:
+        if bool(self.from_hf) == bool(self.hf_config):
+            raise ValueError("model.backend=torchax needs exactly one of model.from_hf (a checkpoint) or "
+                             "model.hf_config (a config.json, random init)")
         return self
+
+
+# The model section's class per backend (a backend is `jaxtune.backends.BACKENDS`' entry plus its section here).
+MODEL_SECTIONS: dict[str, type[_ModelSection]] = {"native": NativeModelConfig, "torchax": TorchaxModelConfig}
+
+
+def _backend_of(v: Any) -> str:
+    return (v.get("backend") if isinstance(v, dict) else getattr(v, "backend", None)) or "native"
+
+
+ModelConfig = Annotated[
+    Annotated[NativeModelConfig, Tag("native")] | Annotated[TorchaxModelConfig, Tag("torchax")],
+    Discriminator(_backend_of, custom_error_type="backend",
+                  custom_error_message=f"model.backend must be one of {list(MODEL_SECTIONS)}"),
+]
 
 
 class DataConfig(_Section):
@@ -218,6 +240,13 @@ class TrainConfig(_Section):
         return self
 
 
+class ObjectiveConfig(_Section):
+    """What the training minimises (`jaxtune.train.objectives`)."""
+
+    name: Literal["cross_entropy"] = Field("cross_entropy", description="next-token cross-entropy on the tokens "
+                                           "with loss (pretraining text, SFT's assistant turns)")
+
+
 class EvalConfig(_Section):
     every: int = Field(0, ge=0, description="0: only at the end")
     batches: int = Field(8, ge=1)
@@ -271,10 +300,11 @@ class LoggingConfig(_Section):
 class Config(_Section):
     name: str = "run"
     run_dir: str = "runs/${name}"
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig = NativeModelConfig()
     data: DataConfig = DataConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     optim: OptimConfig = OptimConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -285,9 +315,6 @@ class Config(_Section):
     @model_validator(mode="after")
     def _checkpoint_tokenizer(self) -> Config:
         """Starting from a HuggingFace checkpoint, the tokenizer is the checkpoint's unless one is configured."""
-        if self.model.backend == "torchax" and self.mesh.tensor != 1:
-            raise ValueError("mesh.tensor must be 1 with model.backend=torchax (its parameters are sharded by "
-                             "shape over mesh.fsdp); use mesh.fsdp instead")
         if self.model.from_hf and "tokenizer" not in self.model_fields_set:
             tok = TokenizerConfig(kind="hf", path=self.model.from_hf)
             return self.model_copy(update={"tokenizer": tok})
@@ -302,7 +329,7 @@ class Config(_Section):
 
 
 # Keys that define what a checkpoint *is*: resuming with any of them changed is an error.
-IDENTITY_SECTIONS = ("model", "data", "tokenizer", "optim")
+IDENTITY_SECTIONS = ("model", "data", "tokenizer", "optim", "objective")
 IDENTITY_KEYS = ("train.seed", "train.batch_size", "train.micro_batches")
 
 
@@ -317,14 +344,8 @@ def identity_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     ]
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+def _flatten(d: dict[str, Any]) -> dict[str, Any]:
+    return traverse_util.flatten_dict(d, sep=".")
 
 
 def resolve_config_path(path: str | Path) -> Path:
@@ -386,26 +407,44 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
 def _explain(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
-        loc = [str(x) for x in e["loc"]]
+        loc, section = _section_at([str(x) for x in e["loc"]])
         key = ".".join(loc)
         if e["type"] == "extra_forbidden":
-            valid = _fields_at(loc[:-1])
-            near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
-            hint = f"; did you mean {'.'.join(loc[:-1] + near[:1])}?" if near else f"; valid keys: {', '.join(valid)}"
-            lines.append(f"  {key}: unknown key{hint}")
+            lines.append(f"  {key}: {_unknown_key(loc, section)}")
+        elif e["type"] == "backend":
+            lines.append(f"  {key}.backend: {e['msg']} (got {_backend_of(e.get('input'))!r})")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
 
 
-def _fields_at(loc: list[str]) -> list[str]:
-    model: type[BaseModel] = Config
-    for part in loc:
-        ann = model.model_fields[part].annotation
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
-        model = ann
-    return list(model.model_fields)
+def _section_at(loc: list[str]) -> tuple[list[str], type[BaseModel] | None]:
+    """The key path as the user wrote it (without pydantic's backend tag after ``model``), and the section class
+    holding its last key (None past the sections)."""
+    model: type[BaseModel] | None = Config
+    if loc[:1] == ["model"] and len(loc) > 1 and loc[1] in MODEL_SECTIONS:
+        model, loc = MODEL_SECTIONS[loc[1]], ["model", *loc[2:]]
+        parents = loc[1:-1]
+    else:
+        parents = loc[:-1]
+    for part in parents:
+        ann = model.model_fields[part].annotation if model is not None and part in model.model_fields else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return loc, model
+
+
+def _unknown_key(loc: list[str], section: type[BaseModel] | None) -> str:
+    valid = list(section.model_fields) if section is not None else []
+    name = loc[-1]
+    owners = [b for b, cls in MODEL_SECTIONS.items() if name in cls.model_fields] if loc[:1] == ["model"] else []
+    if owners and section is not None:
+        tag = section.model_fields["backend"].default
+        hint = getattr(section, "HINT", "")
+        return (f"model.{name} does not apply to model.backend={tag}{': ' + hint if hint else ''}; "
+                f"model.{name} is for model.backend={owners[0]}")
+    near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f"unknown key; did you mean {'.'.join(loc[:-1] + near[:1])}?" if near else \
+        f"unknown key; valid keys: {', '.join(valid)}"
 
 
 def dump_config(cfg: Config, path: Path) -> None:

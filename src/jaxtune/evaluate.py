@@ -1,64 +1,66 @@
-"""Load a trained run and evaluate it: validation loss/perplexity, and the model for generation."""
+"""Evaluation: a run loaded back from disk (`load_run`), its held-out loss (`evaluate`, `jaxtune eval`), and the
+training loop's evaluations (`Evaluator`: held-out loss, prompt samples, report.md)."""
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from jaxtune.config import Config, ConfigError, DataConfig, load_config
+from jaxtune import sharding
+from jaxtune.backends import backend_for_checkpoint, make_state_spec
+from jaxtune.config import Config, ConfigError, load_config
 from jaxtune.data import (
     Tokenizer,
+    format_sample,
     load_tokenizer,
     load_tokenizer_dir,
     make_sequence_batches,
     make_training_data,
-    prepare_tokens,
+    renders_chat,
+    test_sequences,
 )
-from jaxtune.data.pipeline import TextWindows
-from jaxtune.models import model_config
-from jaxtune.train import sharding
+from jaxtune.generate import sample
+from jaxtune.models.family import check_fits
+from jaxtune.models.hf import read_config_json
 from jaxtune.train.checkpoint import Checkpointer
-from jaxtune.train.loop import check_context
-from jaxtune.train.state import StateSpec, make_state_spec
-from jaxtune.train.step import make_eval_step
+from jaxtune.train.metrics import StepLog, perplexity
+from jaxtune.train.objectives import make_objective
+from jaxtune.train.state import ModelSpec
+from jaxtune.train.step import Steps, jit_steps
 
 
 @dataclass
 class LoadedRun:
     cfg: Config
     tokenizer: Tokenizer
-    spec: StateSpec
+    spec: ModelSpec
     params: Any  # the trained params (a LoRA run's adapters)
     frozen: tuple  # (frozen base,) for LoRA, else ()
     step: int  # 0: no checkpoint, the freshly initialised model
 
     @property
     def weights(self) -> Any:
-        """What the model is merged from (`jaxtune.models.registry.merge`, `Generator`)."""
+        """What the model's forward and sampler take (`ModelSpec.weights`)."""
         return self.spec.weights(self.params, self.frozen)
 
 
 def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRun:
-    """A run directory (with config.yaml) or a config file -> its latest checkpoint's params on a mesh.
+    """A run directory (with config.yaml), a HuggingFace model directory or a config file -> its latest
+    checkpoint's params on a mesh.
 
-    A config whose run has no checkpoint yet gives the initial model (step 0), useful as a baseline.
-    """
+    A config whose run has no checkpoint yet gives the initial model (step 0), useful as a baseline. A model
+    directory runs on the first backend that can run it (native, else torchax), with ``data.seq_len`` capped at the
+    model's context unless set."""
     path = Path(target).expanduser()
-    if path.is_dir() and not (path / "config.yaml").is_file() and (path / "config.json").is_file():
-        # An exported (or any HuggingFace) model directory: its weights, its tokenizer, default settings.
-        native = _has_native_model(path) or any(o.startswith("model.backend=") for o in overrides)
-        cfg = load_config(None, [f"model.from_hf={path}", f"run_dir={path}",
-                                 *([] if native else ["model.backend=torchax"]), *overrides])
-        if not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
-            context = (model_config(cfg.model).max_seq_len if cfg.model.backend == "native"
-                       else _hf_context(path))
-            cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": min(cfg.data.seq_len,
-                                                                                            context)})})
+    hf_dir = path.is_dir() and not (path / "config.yaml").is_file() and (path / "config.json").is_file()
+    if hf_dir:  # an exported (or any HuggingFace) model directory: its weights, its tokenizer, default settings
+        backend = ([] if any(o.startswith("model.backend=") for o in overrides)
+                   else [f"model.backend={backend_for_checkpoint(read_config_json(path))}"])
+        cfg = load_config(None, [f"model.from_hf={path}", f"run_dir={path}", *backend, *overrides])
     elif path.is_dir():
         if not (path / "config.yaml").is_file():
             raise ConfigError(f"{path} is not a run directory (no config.yaml) nor a HuggingFace model (no "
@@ -72,10 +74,12 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     tokenizer = load_tokenizer_dir(tok_dir) if tok_dir.is_dir() else load_tokenizer(cfg.tokenizer, cfg.data)
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
-    ckpt_dir = run_dir / "checkpoints"
+    if hf_dir and not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
+        seq_len = min(cfg.data.seq_len, spec.model_cfg.max_seq_len)
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": seq_len})})
     step = 0
-    if ckpt_dir.is_dir():
-        ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
+    if (run_dir / "checkpoints").is_dir():
+        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
         step = ckpt.latest_step() or 0
         if step:
             state, _ = ckpt.restore(step, spec.abstract)
@@ -83,23 +87,6 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     if not step:
         state = spec.init(cfg.train.seed)
     return LoadedRun(cfg, tokenizer, spec, state.params, spec.load_frozen(cfg.train.seed), step)
-
-
-def _has_native_model(directory: Path) -> bool:
-    """Whether jaxtune has a native model for this HF directory's model_type (else it runs through torchax)."""
-    from jaxtune.models.family import UnsupportedModelError
-    from jaxtune.models.hf import family_of
-
-    try:
-        family_of(json.loads((directory / "config.json").read_text()))
-    except UnsupportedModelError:
-        return False
-    return True
-
-
-def _hf_context(directory: Path) -> int:
-    raw = json.loads((directory / "config.json").read_text())
-    return int(raw.get("max_position_embeddings") or raw.get("n_positions") or 2048)
 
 
 def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), batches: int | None = None,
@@ -110,8 +97,8 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     ``hf:`` dataset in the run's ``data.format``): every sequence of it, loss on the tokens the run trains on
     (the assistant's, for chat data)."""
     run = load_run(target, overrides)
-    cfg, tok = run.cfg, run.tokenizer
-    check_context(cfg, run.spec.model_cfg)
+    cfg, tok, spec = run.cfg, run.tokenizer, run.spec
+    check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
     split = dict(process_index=jax.process_index(), process_count=jax.process_count())
     size = cfg.train.batch_size
     extra: dict[str, Any] = {}
@@ -123,31 +110,86 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
             raise ConfigError("data.val_fraction is 0 (and no data.val_sources): there is nothing held out to "
                               "evaluate on; pass a test file (jaxtune eval RUN --data FILE)")
     else:
-        source, extra = _test_sequences(cfg.data, tok, data)
+        source, extra = test_sequences(cfg.data, tok, data)
         eval_batches = make_sequence_batches(source, batch_size=size, num_batches=batches or len(source), **split)
-    mesh, spec = run.spec.mesh, run.spec
-    step = jax.jit(make_eval_step(spec.loss_fn(cfg.train.loss_chunk)),
-                   in_shardings=(spec.shardings.params, sharding.batch_sharding(mesh), spec.frozen_shardings))
-    total = count = 0.0
-    with sharding.use_mesh(mesh):
-        for b in eval_batches:
-            s, n = jax.device_get(step(run.params, sharding.global_batch(mesh, b), run.frozen))
-            total, count = total + float(s), count + float(n)
-    loss = total / max(count, 1.0)
-    return {"step": run.step, "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count, **extra}
+    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train)
+    with sharding.use_mesh(spec.mesh):
+        result = steps.evaluate(run.params, run.frozen, eval_batches)
+    return {"step": run.step, "loss": result.loss, "perplexity": perplexity(result.loss), "tokens": result.count,
+            **result.metrics, **extra}
 
 
-def _test_sequences(data_cfg: DataConfig, tok: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
-    """Every sequence of the test data ``data`` (in ``data_cfg``'s format), and what was read."""
-    test_cfg = data_cfg.model_copy(update={"sources": [data], "val_sources": [], "val_fraction": 0.0})
-    if data_cfg.format == "text":
-        tokens = prepare_tokens(test_cfg, tok)
-        return TextWindows(tokens, "train"), {"sequences": tokens.train_windows}
-    from jaxtune.data.sft import SFTStats, load_examples, resolve_chat_template, sequences
+@dataclass
+class Evaluator:
+    """The training loop's evaluations, every ``eval.every`` steps, before the first step and at the end: held-out
+    loss (with the objective's metrics) on the fixed eval batches, and samples for ``eval.prompts``, written to
+    metrics.jsonl, samples.jsonl and report.md."""
 
-    resolve_chat_template(test_cfg, tok)
-    stats = SFTStats()
-    rows = load_examples(test_cfg.sources, test_cfg, tok, stats)
-    if not rows:
-        raise ConfigError(f"--data {data}: no usable rows ({stats.rows} read, dropped {dict(stats.dropped)})")
-    return sequences(rows, test_cfg), {"rows": stats.rows, "examples": len(rows), "dropped": dict(stats.dropped)}
+    cfg: Config
+    steps: Steps
+    tokenizer: Tokenizer
+    batches: list[Any]
+    run_dir: Path
+    log: StepLog
+    evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "samples"} per evaluation
+
+    def __post_init__(self) -> None:
+        self.generator = self.steps.spec.generator()
+        self.chat = renders_chat(self.cfg.data.format) and self.tokenizer.chat_template is not None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.batches or self.cfg.eval.prompts)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.eval.every
+        return bool(every) and step % every == 0 and step < self.cfg.train.steps
+
+    def run(self, step: int, params: Any, frozen: tuple) -> None:
+        record: dict[str, Any] = {"step": step, "loss": None, "samples": []}
+        if self.batches:
+            result = self.steps.evaluate(params, frozen, self.batches)
+            record["loss"] = loss = result.loss
+            self.log.writer.write(step, {"loss": loss, "perplexity": perplexity(loss), **result.metrics}, kind="eval")
+            self.log.message(f"step {step}: validation loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
+        if self.cfg.eval.prompts:
+            e = self.cfg.eval
+            ids = sample(self.generator, self.steps.spec.weights(params, frozen), self.tokenizer, e.prompts,
+                         chat=self.chat, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k,
+                         top_p=e.top_p, seed=step)
+            record["samples"] = [format_sample(p, self.tokenizer.decode(x), self.chat) for p, x in zip(e.prompts, ids)]
+            if jax.process_index() == 0:
+                with open(self.run_dir / "samples.jsonl", "a") as f:
+                    f.writelines(json.dumps({"step": step, "text": text}) + "\n" for text in record["samples"])
+            for text in record["samples"]:
+                self.log.message(f"--- sample @ step {step} ---\n{text}")
+        self.evals.append(record)
+
+    @property
+    def last_loss(self) -> float | None:
+        return next((e["loss"] for e in reversed(self.evals) if e["loss"] is not None), None)
+
+    @property
+    def samples(self) -> list[str]:
+        return next((e["samples"] for e in reversed(self.evals) if e["samples"]), [])
+
+    def write_report(self) -> None:
+        """report.md: held-out loss at every evaluation, and the samples of the first and last one side by side
+        (appended to on resume, so a resumed run keeps its baseline)."""
+        if not self.evals:
+            return
+        path = self.run_dir / "report.md"
+        lines = [] if path.exists() else ["# Run report", ""]
+        losses = [e for e in self.evals if e["loss"] is not None]
+        if losses:
+            lines += ["| step | held-out loss | perplexity |", "|--:|--:|--:|"]
+            lines += [f"| {e['step']} | {e['loss']:.4f} | {perplexity(e['loss']):.2f} |" for e in losses]
+            lines.append("")
+        first, last = self.evals[0], self.evals[-1]
+        for k, after in enumerate(last["samples"]):
+            lines.append(f"## Prompt {k + 1}")
+            if first is not last and k < len(first["samples"]):
+                lines += [f"**Before (step {first['step']}):**", "", "```", first["samples"][k], "```", ""]
+            lines += [f"**After (step {last['step']}):**", "", "```", after, "```", ""]
+        with open(path, "a") as f:
+            f.write("\n".join(lines) + "\n")

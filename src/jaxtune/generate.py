@@ -1,149 +1,27 @@
-"""Text generation with a KV cache: one prefill over the (left-padded) prompts, then one token per step.
+"""Sampling from a trained model by prompt text: what `jaxtune generate` and the training loop's eval prompts share.
 
-Shapes are static per length bucket (powers of two), so a session compiles one prefill per prompt bucket and
-one decode step per cache bucket, whatever the prompts. Sampling: greedy (temperature 0), temperature, top-k,
-top-p; stops at EOS per sequence.
+The model-level samplers live with their backend (`jaxtune.models.sampling.Generator` for native models, a torchax
+one for HF models); this module turns prompt strings into ids (plain, or as a user turn through the chat template)
+and stops at EOS and, for chat, the template's end-of-turn token.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxtune.models.registry import merge
-
-log = logging.getLogger(__name__)
+from jaxtune.data import encode_prompt, stop_ids
+from jaxtune.train.state import Sampler
 
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """Smallest power of two >= n (and >= minimum)."""
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
+def sample(generator: Sampler, weights: Any, tokenizer: Any, prompts: list[str], *, chat: bool, max_new_tokens: int,
+           temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+           on_step: Callable[[np.ndarray], None] | None = None) -> list[list[int]]:
+    """The new token ids for each prompt string (stop ids excluded). ``generator``: a `ModelSpec.generator()` (keep
+    it to reuse its compiled shapes); ``weights``: `ModelSpec.weights`."""
+    return generator(weights, [encode_prompt(tokenizer, p, chat) for p in prompts], max_new_tokens=max_new_tokens,
+                     temperature=temperature, top_k=top_k, top_p=top_p, eos_id=stop_ids(tokenizer, chat), seed=seed,
+                     on_step=on_step)
 
-
-def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None, top_p: float | None):
-    """(B, V) float32 logits -> (B,) int32 token ids."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, -1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k is not None:
-        _, keep = jax.lax.top_k(logits, top_k)  # exactly k candidates, even with tied logits
-        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], keep].set(
-            jnp.take_along_axis(logits, keep, -1))
-    if top_p is not None:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, -1)
-        probs = jax.nn.softmax(sorted_logits, -1)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop_sorted = (jnp.cumsum(probs, -1) - probs) >= top_p
-        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-        logits = jnp.where(drop, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, -1).astype(jnp.int32)
-
-
-def encode_prompt(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
-    """Prompt ids: the text as is, or (``chat``) as one user turn rendered by the chat template with the
-    assistant's generation prompt."""
-    if not chat:
-        return tokenizer.encode(text)
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return tokenizer.encode_chat([rendered])[0]
-
-
-def stop_ids(tokenizer: Any, chat: bool = False) -> list[int]:
-    """EOS, and for chat the template's end-of-turn token (``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``)."""
-    from jaxtune.data.sft import end_of_turn_ids
-
-    return [tokenizer.eos_id, *(end_of_turn_ids(tokenizer) if chat else [])]
-
-
-def collect(ids: np.ndarray, out: list[list[int]], done: np.ndarray, eos_id: int | Sequence[int] | None,
-            on_step: Callable[[np.ndarray], None] | None) -> bool:
-    """Append one generated position ``ids`` (B,) to the unfinished rows of ``out``, marking rows that emitted a
-    stop id as ``done`` (in place); calls ``on_step`` (stopped rows as -1). Returns whether every row is done."""
-    stops = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
-    for i, tok in enumerate(ids):
-        if not done[i]:
-            if int(tok) in stops:
-                done[i] = True
-            else:
-                out[i].append(int(tok))
-    if on_step is not None:
-        on_step(np.where(done, -1, ids))
-    return bool(done.all())
-
-
-class Generator:
-    """Jitted prefill/decode for one model graph; reuse it to keep compiled buckets."""
-
-    def __init__(self, graphdef: nnx.GraphDef, max_seq_len: int):
-        self.graphdef = graphdef
-        self.max_seq_len = max_seq_len
-        self.compiles = 0  # traced programs (prefill + decode), for compile-count checks
-
-    @functools.partial(jax.jit, static_argnums=(0, 4, 6, 7, 8))
-    def _prefill(self, params, tokens, valid, cache_len, key, temperature, top_k, top_p):
-        self.compiles += 1
-        model = merge(self.graphdef, params)
-        b, p = tokens.shape
-        key_valid = jnp.concatenate([valid, jnp.ones((b, cache_len - p), bool)], axis=1)  # (B, S)
-        positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-        cache = model.init_cache(b, cache_len)
-        logits, cache = model(tokens, positions=positions, cache=cache, index=0, key_valid=key_valid)
-        nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, p), temperature, top_k, top_p)
-        return nxt, cache, key_valid
-
-    @functools.partial(jax.jit, static_argnums=(0, 7, 8, 9), donate_argnums=(2,))
-    def _decode(self, params, cache, key_valid, token, position, index, temperature, top_k, top_p, key):
-        self.compiles += 1
-        model = merge(self.graphdef, params)
-        logits, cache = model(token[:, None], positions=position[:, None], cache=cache, index=index,
-                              key_valid=key_valid)
-        nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, index + 1), temperature, top_k, top_p)
-        return nxt, cache
-
-    def __call__(self, params: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 eos_id: int | Sequence[int] | None = None, seed: int = 0,
-                 on_step: Callable[[np.ndarray], None] | None = None) -> list[list[int]]:
-        """Generate continuations of ``prompts`` (token ids); returns the new ids per prompt (EOS excluded).
-
-        ``params``: the model's params, or (adapters, base) for LoRA. ``eos_id``: one or several stop ids.
-        on_step(tokens (B,)) is called after each generated position, for streaming.
-        """
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate: every prompt needs at least one token")
-        longest = max(len(p) for p in prompts)
-        if longest >= self.max_seq_len:
-            raise ValueError(f"generate: a prompt has {longest} tokens; the model's context is {self.max_seq_len}")
-        if longest + max_new_tokens > self.max_seq_len:
-            max_new_tokens = self.max_seq_len - longest
-            log.warning("generate: limiting new tokens to %d to fit the %d-token context", max_new_tokens,
-                        self.max_seq_len)
-        p_len = min(bucket(longest), self.max_seq_len)
-        cache_len = min(bucket(p_len + max_new_tokens), self.max_seq_len)
-        if p_len + max_new_tokens > cache_len:  # a short context: bucket the prompt exactly
-            p_len = longest
-        tokens = np.zeros((len(prompts), p_len), np.int32)
-        valid = np.zeros((len(prompts), p_len), bool)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends at slot p_len - 1
-            tokens[i, p_len - len(p):] = p
-            valid[i, p_len - len(p):] = True
-        key = jax.random.key(seed)
-        sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
-        nxt, cache, key_valid = self._prefill(params, tokens, valid, cache_len, key, *sampling)
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        out: list[list[int]] = [[] for _ in prompts]
-        done = np.zeros(len(prompts), bool)
-        for t in range(max_new_tokens):
-            if collect(np.asarray(nxt), out, done, eos_id, on_step) or t == max_new_tokens - 1:
-                break
-            nxt, cache = self._decode(params, cache, key_valid, nxt, jnp.asarray(lengths + t), p_len + t,
-                                      *sampling, key)
-        return out

@@ -8,9 +8,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxtune import sharding
+from jaxtune.backends import make_state_spec
 from jaxtune.config import Config
-from jaxtune.train import sharding
-from jaxtune.train.state import make_state_spec
 
 
 def _bytes_per_device(abstract: Any) -> int:

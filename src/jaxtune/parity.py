@@ -14,6 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxtune.backends import BACKENDS
+from jaxtune.data import load_hf_tokenizer
+from jaxtune.models.hf import read_config_json, read_hf_config
+
 SAMPLE_TEXT = (
     "The history of science is the study of the development of science and scientific knowledge, including "
     "both the natural and social sciences. Science is a body of empirical, theoretical, and practical knowledge "
@@ -63,9 +67,7 @@ class ParityReport:
 def _batch(directory: Path, vocab: int, batch: int, seq: int, seed: int) -> tuple[np.ndarray, str]:
     """Real text through the checkpoint's tokenizer when it has one, else seeded random ids."""
     if (directory / "tokenizer.json").is_file():
-        from jaxtune.data.tokenizer import _load_hf
-
-        tok = _load_hf(str(directory))
+        tok = load_hf_tokenizer(str(directory))
         ids = tok.encode(SAMPLE_TEXT)
         if len(ids) >= seq + batch and max(ids) < vocab:
             return np.stack([ids[i:i + seq] for i in range(batch)]).astype(np.int32), "tokenized sample text"
@@ -84,9 +86,6 @@ def parity(directory: str | Path, *, batch: int = 2, seq: int = 32, new_tokens: 
     except ImportError:
         raise ImportError("jaxtune parity runs the checkpoint in transformers too: pip install 'jaxtune[hf,torch]'")
 
-    from jaxtune.models.family import UnsupportedModelError
-    from jaxtune.models.hf import read_hf_config
-
     directory = Path(directory).expanduser()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                                attn_implementation="eager")
@@ -97,16 +96,12 @@ def parity(directory: str | Path, *, batch: int = 2, seq: int = 32, new_tokens: 
         ref = theirs(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
     prompts = [list(map(int, row[: seq // 2 + i])) for i, row in enumerate(tokens)]  # different lengths
     hf_greedy = _hf_greedy(theirs, prompts, new_tokens) if new_tokens else []
-    family, runs = theirs.config.model_type, []
-    try:
-        fam, cfg, _ = read_hf_config(directory)
-        family = fam.name
-        runs.append(("native", *_native(directory, cfg.max_seq_len)))
-    except UnsupportedModelError:
-        if backend == "native":
-            raise
-    if backend == "torchax":
-        runs.append(("torchax", *_torchax(directory)))
+    native = BACKENDS["native"].runs(read_config_json(directory))
+    if backend == "native" and not native:
+        read_hf_config(directory)  # raises UnsupportedModelError, saying why and what to do
+    family = read_hf_config(directory)[0].name if native else theirs.config.model_type
+    names = (["native"] if native else []) + (["torchax"] if backend == "torchax" else [])
+    runs = [(name, *BACKENDS[name].parity_model(directory)) for name in names]
     comparisons = []
     for name, logits_fn, generate in runs:
         ours = np.asarray(logits_fn(tokens))
@@ -133,33 +128,3 @@ def _hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[in
                                  attention_mask=torch.ones(1, len(p), dtype=torch.long))
         out.append(ids[0, len(p):].tolist())
     return out
-
-
-def _native(directory: Path, max_seq_len: int):
-    """(logits(tokens), greedy(prompts, n)) of jaxtune's native model of the checkpoint."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxtune.generate import Generator
-    from jaxtune.models.hf import from_hf
-
-    native = from_hf(directory, param_dtype="float32")
-    graphdef, state = nnx.split(native, nnx.Param)
-    params = nnx.to_pure_dict(state)
-    return (lambda tokens: native(jnp.asarray(tokens)),
-            lambda prompts, n: Generator(graphdef, max_seq_len)(params, prompts, max_new_tokens=n))
-
-
-def _torchax(directory: Path):
-    """(logits(tokens), greedy(prompts, n)) of the transformers model run through torchax."""
-    import jax
-
-    from jaxtune.config import ModelConfig
-    from jaxtune.torchax.model import TorchaxModel, build_torch_model
-    from jaxtune.torchax.state import TorchaxGenerator
-
-    model = TorchaxModel(build_torch_model(ModelConfig(backend="torchax", from_hf=str(directory)), 0))
-    weights = model.initial()[0]
-    logits = jax.jit(model.logits)
-    return (lambda tokens: logits(weights, tokens),
-            lambda prompts, n: TorchaxGenerator(model, model.info.max_seq_len)(weights, prompts, max_new_tokens=n))

@@ -16,6 +16,7 @@ from jaxtune.data import (
     make_eval_batches,
     make_train_iterator,
     prepare_tokens,
+    test_sequences,
 )
 from jaxtune.data import tokens as tokens_module
 
@@ -284,3 +285,13 @@ def test_eval_batches_spread_over_the_validation_windows(tmp_path):
     assert small_inputs == sorted(small_inputs) and set(small_inputs) == set(val_starts.tolist())
     with pytest.raises(DataError, match="no validation windows"):
         make_eval_batches(arange_data(tmp_path, 5 * SEQ + 1), batch_size=4, num_batches=1)
+
+
+def test_test_sequences_of_text_is_every_window(corpus, tmp_path):
+    cfg, tok, _ = corpus
+    text = "\n".join(f"line {i}: the quick brown fox" for i in range(200))
+    (tmp_path / "test.txt").write_text(text)
+    source, info = test_sequences(cfg, tok, str(tmp_path / "test.txt"))
+    ids = [*tok.encode(text), tok.eos_id]
+    assert info == {"sequences": (len(ids) - 1) // cfg.seq_len} and len(source) == info["sequences"]
+    np.testing.assert_array_equal(source[1]["inputs"], ids[cfg.seq_len:2 * cfg.seq_len])

@@ -16,22 +16,18 @@ import pytest
 
 from jaxtune.config import ConfigError, DataConfig, TokenizerConfig, load_config
 from jaxtune.data import DataError, load_tokenizer
-from jaxtune.data.pipeline import make_sequence_batches
+from jaxtune.data.chat import encode_prompt, end_of_turn_ids, format_sample, stop_ids
+from jaxtune.data.formats import REASONS, Example, detect_format, field_names, parse_row
+from jaxtune.data.pipeline import make_sequence_batches, test_sequences
 from jaxtune.data.sft import (
     DROP_REASONS,
-    REASONS,
     Encoded,
     Encoder,
-    Example,
     Examples,
     PackedRows,
     SFTStats,
-    _fields,
-    detect_format,
-    end_of_turn_ids,
     load_examples,
     pack,
-    parse_row,
     prepare_sft,
     sequences,
 )
@@ -209,7 +205,7 @@ def test_assistant_mask_per_template(tok_dirs, family):
         assert tok.encode(s) != [sid]
 
     data_cfg = cfg()
-    ex = parse_row({"messages": list(CONVO)}, data_cfg, _fields(data_cfg))
+    ex = parse_row({"messages": list(CONVO)}, data_cfg, field_names(data_cfg))
     assert ex.messages == CONVO
     full = tok.apply_chat_template(list(CONVO))
     (enc,) = Encoder(tok, data_cfg).encode([ex])
@@ -283,7 +279,7 @@ def test_generation_markers_render_and_mask_like_plain_chatml(tok_dirs, chatml):
     # The same vocabulary, template given as data.chat_template text: identical ids and mask.
     same_vocab = fresh(tok_dirs, "chatml")
     data_cfg = cfg(chat_template=CHATML_GENERATION)
-    from jaxtune.data.sft import resolve_chat_template
+    from jaxtune.data.chat import resolve_chat_template
 
     resolve_chat_template(data_cfg, same_vocab)
     assert same_vocab.chat_template == CHATML_GENERATION
@@ -293,8 +289,8 @@ def test_generation_markers_render_and_mask_like_plain_chatml(tok_dirs, chatml):
 
 
 def test_chat_template_setting(tok_dirs, tmp_path):
-    from jaxtune.data.sft import CHATML as SHIPPED
-    from jaxtune.data.sft import resolve_chat_template
+    from jaxtune.data.chat import CHATML as SHIPPED
+    from jaxtune.data.chat import resolve_chat_template
 
     plain = fresh(tok_dirs, "plain")
     assert plain.chat_template is None
@@ -359,7 +355,7 @@ def test_template_that_is_not_prefix_stable_is_an_error(tok_dirs, template, mess
 
 
 def parsed(record, data_cfg):
-    return parse_row(record, data_cfg, _fields(data_cfg))
+    return parse_row(record, data_cfg, field_names(data_cfg))
 
 
 def test_sharegpt_rows():
@@ -522,7 +518,7 @@ def test_bad_rows_drop_counts_each_reason(chatml, tmp_path):
     assert stats.rows == len(BAD) + len(GOOD)  # the blank line is not a row
     assert stats.truncated == 0
     # iter_turn_texts (what a BPE learns from) skips the bad rows too.
-    from jaxtune.data.sft import iter_turn_texts
+    from jaxtune.data.formats import iter_turn_texts
 
     assert list(iter_turn_texts(data_cfg)) == ["\n".join(m["content"] for m in g["messages"]) for g in GOOD]
 
@@ -887,3 +883,27 @@ def test_end_of_turn_ids(tok_dirs, chatml):
     no_marker.chat_template = no_marker.chat_template.replace("'\\n'", "' END OF TURN\\n'")
     assert no_marker.apply_chat_template([{"role": "user", "content": "x"}]) == "user: x END OF TURN\n"
     assert end_of_turn_ids(no_marker) == []  # several plain-text tokens: not one id to stop at
+
+
+def test_prompts_stops_and_samples_for_generation(chatml):
+    text = "What is 2 plus 2?"
+    assert encode_prompt(chatml, text) == chatml.encode(text)
+    rendered = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    assert encode_prompt(chatml, text, chat=True) == chatml.encode_chat([rendered])[0]
+    assert stop_ids(chatml) == [chatml.eos_id]
+    assert stop_ids(chatml, chat=True) == [chatml.eos_id, chatml._tok.token_to_id("<|im_end|>")]
+    assert format_sample("Hi?", "Hello.", chat=True) == "user: Hi?\nassistant: Hello."
+    assert format_sample("Once", " upon", chat=False) == "Once upon"
+
+
+def test_test_sequences_reads_every_row(chatml, tmp_path):
+    path = write_jsonl(tmp_path / "test.jsonl", many_rows(12))
+    data_cfg = cfg(sources=["unused.jsonl"], seq_len=96, val_fraction=0.3, bad_rows="drop")
+    source, info = test_sequences(data_cfg, chatml, str(path))
+    rows = load_examples([str(path)], data_cfg, chatml, SFTStats())
+    assert info == {"rows": 12, "examples": 12, "dropped": {}}
+    check_sequences(source, rows, 96)  # nothing held out: every row is a test row
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"not json\n")
+    with pytest.raises(DataError, match=r"--data .*bad.jsonl: no usable rows \(1 read, dropped {'invalid_json': 1}\)"):
+        test_sequences(data_cfg, chatml, str(bad))

@@ -11,7 +11,7 @@ import pytest
 from jaxtune.info import info
 from jaxtune.models import FAMILIES, model_config
 from jaxtune.models.registry import model_layout
-from jaxtune.train.loop import train
+from jaxtune.loop import train
 
 
 @pytest.mark.parametrize("family,extra", [

@@ -34,9 +34,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtune.generate import Generator
+from jaxtune.models.sampling import Generator
 from jaxtune.models.family import UnsupportedModelError
-from jaxtune.models.hf import CheckpointError, HFCheckpoint, export, from_hf, read_hf_config, write_safetensors
+from jaxtune.export import export
+from jaxtune.io import CheckpointError, write_safetensors
+from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -439,7 +441,7 @@ SHARD_SCRIPT = textwrap.dedent(
     import jax, numpy as np
     from flax import nnx
     from jaxtune.models import from_hf
-    from jaxtune.train.sharding import make_mesh
+    from jaxtune.sharding import make_mesh
 
     assert jax.device_count() == 8, jax.devices()
     jobs, tokens, out = json.loads(sys.argv[1]), np.load(sys.argv[2]), sys.argv[3]

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import save_chatml_tokenizer
 
-from jaxtune.config import ModelConfig, load_config
+from jaxtune.config import TorchaxModelConfig, load_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -31,15 +31,17 @@ _spec = importlib.util.find_spec("torchax")
 if _spec is None or _spec.origin is None:
     pytest.skip("torchax is not installed", allow_module_level=True)
 
-from jaxtune.torchax import compat
-from jaxtune.torchax.model import (
+from jaxtune.backends.torchax import compat
+from jaxtune.backends.torchax.model import (
     TorchaxModel,
     UnsupportedOpError,
     _naming_failures,
     build_torch_model,
     flatten,
 )
-from jaxtune.train.step import weighted_cross_entropy
+from jaxtune.train.logprobs import token_logps
+from jaxtune.train.objectives import CrossEntropy
+from jaxtune.train.step import objective_loss
 
 
 def rel(ours, ref) -> float:
@@ -111,7 +113,7 @@ def _eager_loss(module, batch: dict, positions: bool = True):
 def test_loss_and_grads_equal_pytorch_eager(family, tmp_path):
     """One packed batch (two segments per row, loss mask with zeros): the torchax loss and the gradient of every
     parameter (jax.value_and_grad under jit) equal PyTorch autograd's on the same module (rel <= 1e-5)."""
-    module = build_torch_model(ModelConfig(backend="torchax", hf_config=str(_hf_config_dir(tmp_path, family, V1))),
+    module = build_torch_model(TorchaxModelConfig(hf_config=str(_hf_config_dir(tmp_path, family, V1))),
                                seed=0)
     _perturb(module, seed=1)
     model = TorchaxModel(module)
@@ -122,7 +124,7 @@ def test_loss_and_grads_equal_pytorch_eager(family, tmp_path):
     def loss_fn(p, b):
         logits = model.logits(p, b["inputs"], b["positions"])
         assert logits.shape == (B1, T1, V1) and logits.dtype == jnp.float32
-        return weighted_cross_entropy(logits, b["targets"], b["loss_mask"])
+        return -jnp.sum(token_logps(logits, b["targets"]) * b["loss_mask"])
 
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, {k: jnp.asarray(v) for k, v in batch.items()})
 
@@ -171,7 +173,7 @@ def chat(tmp_path_factory) -> dict:
 
 
 def _run(directory: Path, chat: dict, run_dir: Path, backend: str):
-    from jaxtune.train.loop import train
+    from jaxtune.loop import train
 
     cfg = load_config(None, [
         f"model.from_hf={directory}", f"model.backend={backend}", "data.format=messages",
@@ -238,15 +240,15 @@ def _stack(rows: list[dict]) -> dict[str, jax.Array]:
 @pytest.fixture(scope="module")
 def gemma3_spec(tmp_path_factory):
     """The Gemma 3 TorchaxSpec (random init through model.hf_config), its jitted loss-and-grad, and noisy params."""
-    from jaxtune.torchax.state import make_torchax_spec
-    from jaxtune.train.sharding import make_mesh
+    from jaxtune.backends import make_state_spec
+    from jaxtune.sharding import make_mesh
 
     d = _hf_config_dir(tmp_path_factory.mktemp("gemma3"), "gemma3", V3)
     cfg = load_config(None, ["model.backend=torchax", f"model.hf_config={d}"])
-    spec = make_torchax_spec(cfg, V3, make_mesh(1, 1, 1, jax.devices()[:1]))
+    spec = make_state_spec(cfg, V3, make_mesh(1, 1, 1, jax.devices()[:1]))
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: jnp.asarray(a + 0.05 * rng.standard_normal(a.shape), a.dtype), spec.host_params)
-    loss_fn = spec.loss_fn()
+    loss_fn = objective_loss(CrossEntropy(), spec.forward(), spec.weights)
     fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None, ()), has_aux=True))
     return spec, params, fn
 
@@ -425,7 +427,7 @@ def module_hooks() -> tuple[int, int]:
 def test_nest_flatten_merge_and_fsdp_axes():
     """nest/flatten are inverse on dotted module paths; merge_weights overlays trainable params on the frozen base
     (and passes params through without one); fsdp_axes shards the largest dimension fsdp divides."""
-    from jaxtune.torchax.model import fsdp_axes, merge_weights, nest
+    from jaxtune.backends.torchax.model import fsdp_axes, merge_weights, nest
 
     flat = {"model.layers.0.q.weight": 1, "model.layers.0.q.lora_A": 2, "model.layers.1.q.weight": 3, "lm_head": 4}
     tree = nest(flat)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import ConfigError, load_config
-from jaxtune.train.loop import train
+from jaxtune.loop import train
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -40,7 +40,7 @@ def test_trains_evaluates_resumes_and_exports(torchax_overrides, tmp_path):
     """Compile once, learn, eval + samples, resume with one more compile only, then a merged export that
     transformers reloads with tied weights still tied and the same logits."""
     from jaxtune.evaluate import load_run
-    from jaxtune.models.hf import export
+    from jaxtune.export import export
 
     cfg = load_config(None, torchax_overrides + ["train.steps=10", "eval.prompts=['def f(x):']",
                                                  "eval.max_new_tokens=6"])
@@ -81,7 +81,8 @@ def phi3_dir(tmp_path):
 def test_phi3_lora_exports_a_peft_adapter_peft_reloads(phi3_dir, tiny_overrides, tmp_path):
     from jaxtune.evaluate import load_run
     from jaxtune.models.family import UnsupportedModelError
-    from jaxtune.models.hf import export, read_hf_config
+    from jaxtune.export import export
+    from jaxtune.models.hf import read_hf_config
 
     with pytest.raises(UnsupportedModelError):
         read_hf_config(phi3_dir)  # really not a native family
@@ -132,7 +133,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import jax
     from jaxtune.config import load_config
-    from jaxtune.train.loop import train
+    from jaxtune.loop import train
 
     assert jax.device_count() == 8
     layouts, base = json.loads(sys.argv[1]), sys.argv[2:]
@@ -149,7 +150,7 @@ SCRIPT = textwrap.dedent(
 def test_sharded_layouts_match_single_device(torchax_overrides):
     """Data parallel and FSDP-by-shape on 8 simulated devices give the 1-device losses (1e-5), compiled once;
     under fsdp=8 every large parameter and its Adam moments hold 1/8 per device."""
-    from jaxtune.torchax.model import fsdp_axes
+    from jaxtune.backends.torchax.model import fsdp_axes
 
     base = torchax_overrides + ["train.steps=6", "checkpoint.every=100"]
     single = train(load_config(None, base))
@@ -176,8 +177,8 @@ def test_fsdp_shards_parameters_and_moments(torchax_overrides):
         import sys
         import jax
         from jaxtune.config import load_config
-        from jaxtune.train.sharding import make_mesh
-        from jaxtune.train.state import make_state_spec
+        from jaxtune.sharding import make_mesh
+        from jaxtune.backends import make_state_spec
         cfg = load_config(None, sys.argv[1:] + ["mesh.data=1", "mesh.fsdp=8"])
         spec = make_state_spec(cfg, 512, make_mesh(1, 8, 1))
         state = spec.init(0)
@@ -197,15 +198,15 @@ def _hf_config(overrides: list[str]) -> str:
 
 
 def _model(hf_config: str, **kw):
-    from jaxtune.config import ModelConfig
-    from jaxtune.torchax.model import TorchaxModel, build_torch_model
+    from jaxtune.config import TorchaxModelConfig
+    from jaxtune.backends.torchax.model import TorchaxModel, build_torch_model
 
-    mc = ModelConfig(backend="torchax", hf_config=hf_config, **kw)
+    mc = TorchaxModelConfig(hf_config=hf_config, **kw)
     return TorchaxModel(build_torch_model(mc, 0), remat=mc.remat, compute_dtype=mc.compute_dtype)
 
 
 def _loss_and_grads(model, tokens, frozen=()):
-    from jaxtune.torchax.model import merge_weights
+    from jaxtune.backends.torchax.model import merge_weights
 
     def loss(p):
         lg = model.logits(merge_weights(p, frozen), tokens)[:, :-1]
@@ -256,7 +257,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="model.n_layer does not apply"):
         load_config(None, ["model.backend=torchax", "model.hf_config=x", "model.n_layer=2"])
     with pytest.raises(ConfigError, match="mesh.tensor must be 1"):
-        load_config(None, ["model.backend=torchax", "model.hf_config=x", "mesh.tensor=2"])
+        train(load_config(None, ["model.backend=torchax", "model.hf_config=x", "mesh.tensor=2"]))
     with pytest.raises(ConfigError, match="model.hf_config is for model.backend=torchax"):
         load_config(None, ["model.hf_config=x"])
     cfg = load_config(None, ["model.backend=torchax", f"model.hf_config={tmp_path / 'missing'}"])

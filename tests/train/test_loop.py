@@ -19,11 +19,11 @@ import pytest
 
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import DataError
-from jaxtune.train import loop as loop_mod
+from jaxtune import loop as loop_mod
 from jaxtune.train.checkpoint import Checkpointer
-from jaxtune.train.loop import NonFiniteLossError, train
-from jaxtune.train.sharding import make_mesh
-from jaxtune.train.state import make_state_spec
+from jaxtune.loop import NonFiniteLossError, train
+from jaxtune.sharding import make_mesh
+from jaxtune.backends import make_state_spec
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -74,7 +74,7 @@ DRIVER = textwrap.dedent(
     import os, signal, sys
     from jaxtune.config import load_config
     from jaxtune.train import metrics, checkpoint
-    from jaxtune.train.loop import train
+    from jaxtune.loop import train
 
     mode, at = sys.argv[1], int(sys.argv[2])
     cfg = load_config(None, sys.argv[3:])

@@ -17,13 +17,13 @@ import pytest
 
 from jaxtune.config import load_config
 from jaxtune.data import load_tokenizer, prepare_tokens
-from jaxtune.train.loop import train
+from jaxtune.loop import train
 
 WORKER = textwrap.dedent(
     """
     import json, sys
     from jaxtune.config import load_config
-    from jaxtune.train.loop import train
+    from jaxtune.loop import train
     import jax
 
     result = train(load_config(None, sys.argv[2:]))

@@ -12,8 +12,8 @@ import jax
 import pytest
 
 from jaxtune.config import load_config
-from jaxtune.train.loop import train
-from jaxtune.train.sharding import ShardingError, make_mesh, param_shardings
+from jaxtune.loop import train
+from jaxtune.sharding import ShardingError, make_mesh, param_shardings
 
 LAYOUTS = {  # (data, fsdp, tensor)
     "data8": (8, 1, 1),
@@ -29,9 +29,9 @@ SCRIPT = textwrap.dedent(
     import jax, numpy as np
     from jaxtune.config import load_config
     from jaxtune.train.checkpoint import Checkpointer
-    from jaxtune.train.loop import train
-    from jaxtune.train.sharding import make_mesh
-    from jaxtune.train.state import make_state_spec
+    from jaxtune.loop import train
+    from jaxtune.sharding import make_mesh
+    from jaxtune.backends import make_state_spec
 
     assert jax.device_count() == 8, jax.devices()
     layouts, probe, base = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
@@ -124,8 +124,8 @@ def test_lora_adapters_shard_with_their_base(tmp_path, tiny_overrides):
     """LoRA on 8 devices: A (in, r) is sharded like its base kernel's input axis and B (r, out) like its output
     axis, the frozen base exactly as without LoRA; data8 and data2 x fsdp2 x tensor2 give the single-device
     losses (<=1e-5 rel) and compile once."""
-    from jaxtune.train.sharding import abstract_mesh
-    from jaxtune.train.state import make_state_spec
+    from jaxtune.sharding import abstract_mesh
+    from jaxtune.backends import make_state_spec
 
     base = tiny_overrides + ["train.steps=10", "checkpoint.every=10", "model.n_head=8", "model.family=llama",
                              "model.lora.rank=4", "optim.lr=1e-2", f"run_dir={tmp_path / 'layout'}"]

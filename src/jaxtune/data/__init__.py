@@ -1,14 +1,19 @@
-"""Pretraining data: sources → tokenizer → cached token file → Grain batches. Nothing model-specific.
+"""Training data: sources → tokenizer → cached token file or packed fine-tuning rows → Grain batches. Nothing
+model-specific.
 
 How the training loop uses it::
 
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.data)
-    data = prepare_tokens(cfg.data, tokenizer)
-    train_iter = make_train_iterator(data, global_batch=..., seed=..., process_index=..., process_count=...)
-    eval_batches = make_eval_batches(data, batch_size=..., num_batches=...)
+    data = make_training_data(cfg.data, tokenizer, batch_size=..., seed=..., eval_batches=...)
+    batch = next(data.train_iter)
+
+Inside, modules import only downward: ``errors``, ``synthetic`` → ``sources`` → ``rows`` → ``formats`` →
+``tokenizer`` → ``chat``, ``tokens`` → ``sft`` → ``pipeline``.
 """
 
+from jaxtune.data.chat import encode_prompt, end_of_turn_ids, format_sample, resolve_chat_template, stop_ids
 from jaxtune.data.errors import DataError
+from jaxtune.data.formats import detect_format, renders_chat
 from jaxtune.data.pipeline import (
     Batch,
     TrainingData,
@@ -16,9 +21,10 @@ from jaxtune.data.pipeline import (
     make_sequence_batches,
     make_train_iterator,
     make_training_data,
+    test_sequences,
 )
 from jaxtune.data.sources import iter_documents, sources_fingerprint
-from jaxtune.data.tokenizer import Tokenizer, load_tokenizer, load_tokenizer_dir
+from jaxtune.data.tokenizer import Tokenizer, load_hf_tokenizer, load_tokenizer, load_tokenizer_dir
 from jaxtune.data.tokens import TokenData, prepare_tokens
 
 __all__ = [
@@ -27,7 +33,12 @@ __all__ = [
     "TokenData",
     "Tokenizer",
     "TrainingData",
+    "detect_format",
+    "encode_prompt",
+    "end_of_turn_ids",
+    "format_sample",
     "iter_documents",
+    "load_hf_tokenizer",
     "load_tokenizer",
     "load_tokenizer_dir",
     "make_eval_batches",
@@ -35,5 +46,9 @@ __all__ = [
     "make_train_iterator",
     "make_training_data",
     "prepare_tokens",
+    "renders_chat",
+    "resolve_chat_template",
     "sources_fingerprint",
+    "stop_ids",
+    "test_sequences",
 ]

@@ -1,4 +1,5 @@
-"""Batches of token windows for training (a Grain pipeline) and evaluation (a fixed list).
+"""Batches of token windows for training (a Grain pipeline) and evaluation (a fixed list), and the sequences of a
+test file (`test_sequences`, for ``jaxtune eval --data``).
 
 Training order is a pure function of ``seed``: window ``k`` of the global stream is
 ``shuffle(seed, epoch = k // train_windows)[k % train_windows]`` (a fresh permutation each epoch), and
@@ -19,7 +20,9 @@ import grain
 import numpy as np
 
 from jaxtune.config import DataConfig
+from jaxtune.data.chat import resolve_chat_template
 from jaxtune.data.errors import DataError
+from jaxtune.data.sft import SFTStats, load_examples, prepare_sft, sequences
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
 
@@ -128,24 +131,46 @@ class TrainingData:
     eval_batches: list[Batch]
     report: list[str]
 
+    def close(self) -> None:
+        """Stop Grain's worker processes (``data.num_workers`` > 0)."""
+        if hasattr(self.train_iter, "close"):
+            self.train_iter.close()
+
 
 def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int, eval_batches: int,
                        process_index: int = 0, process_count: int = 1) -> TrainingData:
     """Pretraining windows (``data.format=text``) or packed fine-tuning sequences, as batches of ``batch_size``."""
-    split = dict(process_index=process_index, process_count=process_count)
+    split = {"process_index": process_index, "process_count": process_count}
     if data_cfg.format == "text":
         tokens = prepare_tokens(data_cfg, tokenizer)
         it = make_train_iterator(tokens, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers, **split)
         val = (make_eval_batches(tokens, batch_size=batch_size, num_batches=eval_batches, **split)
                if tokens.val_windows else [])
         return TrainingData(it, val, [])
-    from jaxtune.data.sft import prepare_sft
-
     sft = prepare_sft(data_cfg, tokenizer)
     it = make_train_iterator(sft.train, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers, **split)
     val = (make_sequence_batches(sft.val, batch_size=batch_size, num_batches=eval_batches, **split)
            if sft.val is not None else [])
     return TrainingData(it, val, sft.stats.lines())
+
+
+def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
+    """Every sequence of the test data ``data`` (a file, glob or ``hf:`` dataset in ``data_cfg``'s format), as a
+    random-access source for `make_sequence_batches`, and what was read: pretraining windows (all of them, no
+    held-out split) or fine-tuning rows packed as for training."""
+    test_cfg = data_cfg.model_copy(update={"sources": [data], "val_sources": [], "val_fraction": 0.0})
+    if data_cfg.format == "text":
+        tokens = prepare_tokens(test_cfg, tokenizer)
+        return TextWindows(tokens, "train"), {"sequences": tokens.train_windows}
+    resolve_chat_template(test_cfg, tokenizer)
+    stats = SFTStats()
+    rows = load_examples(test_cfg.sources, test_cfg, tokenizer, stats)
+    if not rows:
+        raise DataError(f"--data {data}: no usable rows ({stats.rows} read, dropped {dict(stats.dropped)})")
+    return sequences(rows, test_cfg), {"rows": stats.rows, "examples": len(rows), "dropped": dict(stats.dropped)}
+
+
+test_sequences.__test__ = False  # not a test, though pytest would collect it by its name where a test imports it
 
 
 def _local_batch(global_batch: int, process_index: int, process_count: int, key: str) -> int:

@@ -1,18 +1,8 @@
 """Supervised fine-tuning data: rows → conversations → token ids with a loss mask → packed fixed-length rows.
 
-**Rows.** ``data.format`` says how a row reads (field names can be renamed with ``data.fields``):
-
-* ``messages``: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (OpenAI chat);
-* ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`` (``data.roles``
-  maps other speaker names);
-* ``alpaca``: ``{"instruction", "input" (optional), "output", "system" (optional)}``: one user turn
-  (instruction, then the input after a blank line) and the assistant's output;
-* ``prompt_completion``: ``{"prompt", "completion"}``: raw text, no chat template, completion then EOS.
-
-A conversation is an optional system message, then user and assistant turns alternating, starting with the user
-and ending with the assistant, every content a non-empty string. A row that is not valid UTF-8, not JSON, lacks a
-field, names an unknown role, breaks the order or has an empty content is *bad*: ``data.bad_rows=raise`` stops
-with its file:line, ``drop`` skips it and counts it per reason (`REASONS`).
+**Rows.** Rows are read from ``data.sources`` (`jaxtune.data.rows`) and understood as ``data.format`` says
+(`jaxtune.data.formats`); a bad row stops the run (``data.bad_rows=raise``, with its file:line) or is counted per
+reason and skipped (``drop``).
 
 **Loss mask without template markers.** The conversation is rendered with the tokenizer's chat template (or
 ``data.chat_template``). For each assistant turn ``i``, the template renders the conversation up to turn ``i``
@@ -39,240 +29,23 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
-import logging
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from jaxtune.config import DataConfig
+from jaxtune.data.chat import resolve_chat_template
 from jaxtune.data.errors import DataError
-from jaxtune.data.sources import HF_PREFIX, SYNTHETIC_PREFIX, HFDataset, LocalFiles, Synthetic, resolve_sources
+from jaxtune.data.formats import REASONS, Example, field_names, parse_row
+from jaxtune.data.rows import BadRow, read_rows
 from jaxtune.data.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
-
-DEFAULT_FIELDS = {
-    "messages": {"messages": "messages", "role": "role", "content": "content"},
-    "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
-    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
-    "prompt_completion": {"prompt": "prompt", "completion": "completion"},
-}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system"}
-ROLES = ("system", "user", "assistant")
 # Why a row was dropped: bad rows (data.bad_rows) first, then length (data.overlong) and empty-loss rows.
-REASONS = ("non_utf8", "invalid_json", "missing_field", "bad_type", "unknown_role", "role_order", "empty_content")
 DROP_REASONS = (*REASONS, "overlong", "no_trainable_tokens")
-
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-          "{% endif %}")
-SHIPPED_TEMPLATES = {"chatml": CHATML}
-CHATML_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
-
-
-class BadRow(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
-
-
-# --- reading rows ---
-
-def _rows(sources: list[str], data_cfg: DataConfig) -> Iterator[tuple[str, Any]]:
-    """(where, record) for every row of ``sources``; record is a `BadRow` when it cannot be read."""
-    for source in resolve_sources(data_cfg, sources):
-        if isinstance(source, LocalFiles):
-            for path in source.paths:
-                yield from _file_rows(path)
-        elif isinstance(source, HFDataset):
-            yield from _hf_rows(source.name, data_cfg)
-        elif isinstance(source, Synthetic):
-            from jaxtune.data.synthetic import GENERATORS
-
-            for i, record in enumerate(GENERATORS[source.name]()):
-                yield f"{SYNTHETIC_PREFIX}{source.name}[{i}]", record
-        else:
-            raise DataError("data.sources: python-stdlib is source code, not fine-tuning data; "
-                            f"give JSONL/JSON/parquet files of {data_cfg.format} rows")
-
-
-def _file_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for i, record in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path}[row {i}]", record
-        return
-    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows tools) is not row 1
-    if suffix == ".json" and raw.lstrip()[:1] == b"[":
-        try:
-            records = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DataError(f"{path}: not a valid UTF-8 JSON array ({e}); use JSONL to skip bad rows") from None
-        for i, record in enumerate(records):
-            yield f"{path}[{i}]", record
-        return
-    for lineno, line in enumerate(raw.split(b"\n"), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            yield where, BadRow("non_utf8", f"not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8")
-            continue
-        try:
-            yield where, json.loads(text)
-        except json.JSONDecodeError as e:
-            yield where, BadRow("invalid_json", f"not valid JSON ({e.msg} at column {e.colno}); each line must be "
-                                "one JSON object")
-
-
-def _hf_rows(name: str, data_cfg: DataConfig) -> Iterator[tuple[str, Any]]:
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(f"data.sources: {HF_PREFIX}{name} needs the HuggingFace datasets library: "
-                        "pip install 'jaxtune[hf]'") from None
-    rows = datasets.load_dataset(name, data_cfg.hf_config, split=data_cfg.hf_split, streaming=True)
-    for i, row in enumerate(rows):
-        yield f"{HF_PREFIX}{name}[{data_cfg.hf_split}][{i}]", row
-
-
-# --- rows -> conversations ---
-
-@dataclass(frozen=True)
-class Example:
-    """A row understood: ``messages`` for the chat formats, or (``prompt``, ``completion``)."""
-
-    messages: tuple[dict[str, str], ...] = ()
-    prompt: str = ""
-    completion: str = ""
-
-    def texts(self) -> list[str]:
-        return [m["content"] for m in self.messages] if self.messages else [self.prompt, self.completion]
-
-
-def _fields(data_cfg: DataConfig) -> dict[str, str]:
-    defaults = DEFAULT_FIELDS[data_cfg.format]
-    unknown = sorted(set(data_cfg.fields) - set(defaults))
-    if unknown:
-        raise DataError(f"data.fields.{unknown[0]} does not apply to data.format={data_cfg.format}; "
-                        f"its fields are {sorted(defaults)}")
-    return {**defaults, **data_cfg.fields}
-
-
-def _string(record: dict, key: str, name: str, required: bool = True) -> str:
-    if key not in record or record[key] is None:
-        if required:
-            raise BadRow("missing_field", f"no {key!r} field (found {sorted(record)})"
-                         + (f"; set data.fields.{name} to the field's name" if key == name else ""))
-        return ""
-    value = record[key]
-    if not isinstance(value, str):
-        raise BadRow("bad_type", f"field {key!r} is {type(value).__name__}, not a string")
-    return value
-
-
-def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Example:
-    """A row as an `Example`, or `BadRow` saying why it is not one."""
-    if isinstance(record, BadRow):
-        raise record
-    if not isinstance(record, dict):
-        raise BadRow("bad_type", f"a row must be a JSON object, not {type(record).__name__}")
-    fmt = data_cfg.format
-    if fmt == "prompt_completion":
-        prompt, completion = _string(record, fields["prompt"], "prompt"), _string(record, fields["completion"],
-                                                                                 "completion")
-        if not completion.strip():
-            raise BadRow("empty_content", "the completion is empty")
-        return Example(prompt=prompt, completion=completion)
-    if fmt == "alpaca":
-        instruction = _string(record, fields["instruction"], "instruction")
-        extra = _string(record, fields["input"], "input", required=False)
-        output = _string(record, fields["output"], "output")
-        system = _string(record, fields["system"], "system", required=False)
-        if not instruction.strip() or not output.strip():
-            raise BadRow("empty_content", f"empty {'instruction' if not instruction.strip() else 'output'}")
-        user = instruction + (f"\n\n{extra}" if extra.strip() else "")
-        msgs = ([{"role": "system", "content": system}] if system.strip() else []) + [
-            {"role": "user", "content": user}, {"role": "assistant", "content": output}]
-        return Example(messages=tuple(msgs))
-    turns = record.get(fields["messages"])
-    if turns is None:
-        raise BadRow("missing_field", f"no {fields['messages']!r} field (found {sorted(record)}); "
-                     "set data.fields.messages to the field holding the conversation")
-    if not isinstance(turns, list) or not turns:
-        raise BadRow("bad_type", f"{fields['messages']!r} must be a non-empty list of turns")
-    role_names = {**SHAREGPT_ROLES, **data_cfg.roles} if fmt == "sharegpt" else {r: r for r in ROLES}
-    msgs = []
-    for k, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise BadRow("bad_type", f"turn {k} is {type(turn).__name__}, not an object")
-        speaker = _string(turn, fields["role"], "role")
-        if speaker not in role_names:
-            raise BadRow("unknown_role", f"turn {k} has role {speaker!r}; known: {sorted(role_names)}"
-                         + ("; map it with data.roles" if fmt == "sharegpt" else ""))
-        content = _string(turn, fields["content"], "content")
-        if not content.strip():
-            raise BadRow("empty_content", f"turn {k} ({speaker}) has empty content")
-        msgs.append({"role": role_names[speaker], "content": content})
-    _check_order([m["role"] for m in msgs])
-    return Example(messages=tuple(msgs))
-
-
-def _check_order(roles: list[str]) -> None:
-    body = roles[1:] if roles[0] == "system" else roles
-    for k, role in enumerate(body):
-        expected = "user" if k % 2 == 0 else "assistant"
-        if role != expected:
-            offset = len(roles) - len(body)
-            raise BadRow("role_order", f"turn {k + offset} is {role!r} where {expected!r} was expected (an optional "
-                         "system turn, then user and assistant alternating)")
-    if not body or body[-1] != "assistant":
-        raise BadRow("role_order", "the conversation does not end with an assistant turn")
-
-
-def iter_turn_texts(data_cfg: DataConfig) -> Iterator[str]:
-    """The text of every turn of every readable row: what a BPE tokenizer for this data learns from."""
-    fields = _fields(data_cfg)
-    for _, record in _rows(data_cfg.sources, data_cfg):
-        try:
-            yield "\n".join(parse_row(record, data_cfg, fields).texts())
-        except BadRow:
-            continue
 
 
 # --- conversations -> token ids + loss mask ---
-
-def resolve_chat_template(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:
-    """Sets ``tokenizer.chat_template`` from ``data.chat_template`` (a shipped name, a .jinja file or template
-    text); without it the tokenizer's own template is used, and is required for the chat formats."""
-    spec = data_cfg.chat_template
-    if spec is not None:
-        if spec in SHIPPED_TEMPLATES:
-            tokenizer.chat_template = SHIPPED_TEMPLATES[spec]
-        elif spec.endswith(".jinja") and "{" not in spec:
-            path = Path(spec).expanduser()
-            if not path.is_file():
-                raise DataError(f"data.chat_template: no such file {spec}")
-            tokenizer.chat_template = path.read_text()
-        elif "{%" in spec or "{{" in spec:
-            tokenizer.chat_template = spec
-        else:
-            raise DataError(f"data.chat_template={spec!r}: not a shipped template ({sorted(SHIPPED_TEMPLATES)}), a "
-                            ".jinja file or template text")
-    if data_cfg.format != "prompt_completion" and tokenizer.chat_template is None:
-        raise DataError(f"data.format={data_cfg.format} needs a chat template and the tokenizer has none; set "
-                        "data.chat_template (chatml, a .jinja file, or template text)")
-
 
 @dataclass
 class Encoded:
@@ -446,7 +219,7 @@ class SFTData:
 def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, stats: SFTStats,
                   chunk: int = 1024) -> list[Encoded]:
     """Every good row of ``sources`` encoded, length-checked (``data.overlong``), with drops counted in ``stats``."""
-    fields = _fields(data_cfg)
+    fields = field_names(data_cfg)
     encoder = Encoder(tokenizer, data_cfg)
     limit = data_cfg.seq_len + 1
     out: list[Encoded] = []
@@ -470,7 +243,7 @@ def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer
             out.append(enc)
         pending.clear()
 
-    for where, record in _rows(sources, data_cfg):
+    for where, record in read_rows(sources, data_cfg):
         stats.rows += 1
         try:
             pending.append((where, parse_row(record, data_cfg, fields)))
@@ -519,28 +292,3 @@ def sequences(rows: list[Encoded], data_cfg: DataConfig) -> PackedRows:
     sizes = examples.positions_used
     bins = pack(sizes, data_cfg.seq_len) if data_cfg.packing else [[i] for i in range(len(rows))]
     return PackedRows(examples, bins, data_cfg.seq_len)
-
-
-def detect_format(path: str) -> str:
-    """The SFT format a JSONL/JSON file's first row looks like (``text`` when it looks like none)."""
-    for _, record in _file_rows(Path(path).expanduser()):
-        if isinstance(record, dict):
-            for key, fmt in (("messages", "messages"), ("conversations", "sharegpt"), ("instruction", "alpaca"),
-                             ("prompt", "prompt_completion")):
-                if key in record:
-                    return fmt
-        return "text"
-    return "text"
-
-
-def end_of_turn_ids(tokenizer: Tokenizer) -> list[int]:
-    """Token ids that end an assistant turn under the chat template (besides EOS): generation stops at them."""
-    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    try:
-        prompt = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True)
-        reply = tokenizer.apply_chat_template(msgs)[len(prompt):].rstrip()
-    except DataError:
-        return []
-    tail = reply[reply.find("y") + 1:] if "y" in reply else ""
-    ids = tokenizer.encode_chat([tail])[0] if tail else []
-    return ids[:1] if len(ids) == 1 else []

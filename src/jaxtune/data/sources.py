@@ -35,6 +35,7 @@ from pathlib import Path
 
 from jaxtune.config import DataConfig
 from jaxtune.data.errors import DataError
+from jaxtune.data.synthetic import GENERATORS
 
 STDLIB = "python-stdlib"
 HF_PREFIX = "hf:"
@@ -140,8 +141,6 @@ def resolve_sources(data_cfg: DataConfig, entries: list[str] | None = None) -> l
         elif entry.startswith(HF_PREFIX):
             sources.append(HFDataset(entry[len(HF_PREFIX) :]))
         elif entry.startswith(SYNTHETIC_PREFIX):
-            from jaxtune.data.synthetic import GENERATORS
-
             name = entry[len(SYNTHETIC_PREFIX):]
             if name not in GENERATORS:
                 raise DataError(f"{key}[{i}]: unknown generated data {entry!r}; available: "
@@ -274,6 +273,13 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _hf_documents(name: str, data_cfg: DataConfig) -> Iterator[str]:
+    for where, row in hf_rows(name, data_cfg):
+        yield _text_of(row, data_cfg.text_field, where)
+
+
+def hf_rows(name: str, data_cfg: DataConfig) -> Iterator[tuple[str, dict]]:
+    """(where, row) for every row of the HuggingFace dataset ``name`` (``data.hf_config``, ``data.hf_split``),
+    streamed."""
     try:
         import datasets  # optional dependency: only hf: sources need it
     except ImportError:
@@ -282,4 +288,4 @@ def _hf_documents(name: str, data_cfg: DataConfig) -> Iterator[str]:
         ) from None
     rows = datasets.load_dataset(name, data_cfg.hf_config, split=data_cfg.hf_split, streaming=True)
     for i, row in enumerate(rows):
-        yield _text_of(row, data_cfg.text_field, f"{HF_PREFIX}{name}[{data_cfg.hf_split}][{i}]")
+        yield f"{HF_PREFIX}{name}[{data_cfg.hf_split}][{i}]", row

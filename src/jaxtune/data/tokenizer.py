@@ -17,9 +17,7 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,9 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jaxtune.config import DataConfig, TokenizerConfig
 from jaxtune.data.errors import DataError
+from jaxtune.data.formats import iter_turn_texts
 from jaxtune.data.sources import iter_documents, sources_fingerprint, take_bytes
+from jaxtune.io import atomic_dir, read_json
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def load_tokenizer(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
         return _cached_bpe(tok_cfg, data_cfg)
     assert tok_cfg.path is not None  # TokenizerConfig requires a path for hf and tiktoken
     if tok_cfg.kind == "hf":
-        return _load_hf(tok_cfg.path)
+        return load_hf_tokenizer(tok_cfg.path)
     return _load_tiktoken(tok_cfg.path)
 
 
@@ -175,7 +175,7 @@ def load_tokenizer_dir(directory: Path) -> Tokenizer:
         raise DataError(
             f"{directory}: not a saved jaxtune tokenizer (no {META_FILE}); pass the run's tokenizer directory"
         )
-    meta = json.loads(meta_path.read_text())
+    meta = read_json(meta_path, error=DataError)
     if meta["kind"] == "tiktoken":
         return _load_tiktoken(meta["encoding"])
     tok = tokenizers.Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
@@ -198,17 +198,9 @@ def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
             EOS_TOKEN,
             where="tokenizer.kind=bpe",
         )
-        # Save under a temporary name and rename, so a killed run never leaves a half-saved tokenizer.
-        tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
-            trained.save(tmp)
-            os.replace(tmp, directory)
-        except OSError:
-            # Another process (e.g. a second host sharing the cache) renamed its copy first; use that one.
-            if not (directory / META_FILE).is_file():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        # Saved whole or not at all, so a killed run never leaves a half-saved tokenizer; when another process
+        # (e.g. a second host sharing the cache) saved its copy first, that one is kept and used.
+        atomic_dir(directory, trained.save, replace=False)
     # Load even right after training, so the first run and every later run use the identical object.
     return load_tokenizer_dir(directory)
 
@@ -217,8 +209,6 @@ def _corpus(data_cfg: DataConfig) -> Iterator[str]:
     """What a BPE learns from: the documents, or for chat/instruction data the text of every turn."""
     if data_cfg.format == "text":
         return iter_documents(data_cfg)
-    from jaxtune.data.sft import iter_turn_texts  # sft imports this module
-
     return iter_turn_texts(data_cfg)
 
 
@@ -237,7 +227,8 @@ def _train_bpe(docs: Iterator[str], vocab_size: int, specials: tuple[str, ...] =
     return tok
 
 
-def _load_hf(path: str) -> Tokenizer:
+def load_hf_tokenizer(path: str) -> Tokenizer:
+    """A HuggingFace tokenizer: a directory with tokenizer.json (and its config files), or a hub name."""
     local = Path(path).expanduser()
     if local.is_dir():
         file = local / "tokenizer.json"
@@ -257,10 +248,8 @@ _TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_te
 
 
 def _read_json(file: Path) -> dict[str, Any]:
-    try:
-        return json.loads(file.read_text()) if file.is_file() else {}
-    except json.JSONDecodeError as e:
-        raise DataError(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
+    """``file``'s JSON object, or {} when there is no such file."""
+    return read_json(file, error=DataError) if file.is_file() else {}
 
 
 def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
@@ -320,13 +309,11 @@ def _jinja_env():
 
 def _eos_token_of(directory: Path, tok: tokenizers.Tokenizer, path: str) -> str:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        file = directory / name
-        if file.is_file():
-            eos = json.loads(file.read_text()).get("eos_token")
-            if isinstance(eos, dict):  # AddedToken serialised as {"content": ..., ...}
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                return eos
+        eos = _read_json(directory / name).get("eos_token")
+        if isinstance(eos, dict):  # AddedToken serialised as {"content": ..., ...}
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            return eos
     specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     for name in _KNOWN_EOS:
         if name in specials:

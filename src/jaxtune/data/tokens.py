@@ -33,8 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +44,7 @@ from jaxtune.config import DataConfig
 from jaxtune.data.errors import DataError
 from jaxtune.data.sources import iter_documents, sources_fingerprint
 from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.io import atomic_file, read_json, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +172,7 @@ def _read_meta(path: Path) -> dict | None:
     sidecar = path.with_suffix(".json")
     if not (sidecar.is_file() and path.is_file()):
         return None
-    meta = json.loads(sidecar.read_text())
+    meta = read_json(sidecar, error=DataError)
     if path.stat().st_size != meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize:
         log.warning("%s does not match %s; re-tokenizing", path, sidecar.name)
         return None
@@ -185,36 +184,17 @@ def _write_tokens(path: Path, docs: Iterable[str], tokenizer: Tokenizer) -> dict
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
     log.info("tokenizing the corpus into %s", path)
     num_tokens = num_docs = 0
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with tmp.open("wb") as f:
-            for chunk in _chunks(docs, _CHUNK_CHARS):
-                ids = tokenizer.encode_batch(chunk)
-                flat = np.concatenate([np.asarray([*doc, tokenizer.eos_id], dtype=dtype) for doc in ids])
-                f.write(flat.tobytes())
-                num_tokens += len(flat)
-                num_docs += len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(path) as f:
+        for chunk in _chunks(docs, _CHUNK_CHARS):
+            ids = tokenizer.encode_batch(chunk)
+            flat = np.concatenate([np.asarray([*doc, tokenizer.eos_id], dtype=dtype) for doc in ids])
+            f.write(flat.tobytes())
+            num_tokens += len(flat)
+            num_docs += len(chunk)
     meta = {"num_tokens": num_tokens, "num_documents": num_docs, "dtype": dtype.str, "tokenizer": tokenizer.fingerprint}
-    _write_text_atomically(path.with_suffix(".json"), json.dumps(meta, indent=2) + "\n")
+    write_text_atomically(path.with_suffix(".json"), json.dumps(meta, indent=2) + "\n")
     log.info("%d documents, %d tokens", num_docs, num_tokens)
     return meta
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with tmp.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _chunks(docs: Iterable[str], max_chars: int) -> Iterator[list[str]]:

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtune.models.family import RuntimeConfig
 from jaxtune.models.layers import (
-    REMAT_POLICIES,
     Dense,
     Embed,
     LoraSpec,
@@ -44,7 +44,7 @@ LAYER_TYPES = ("full", "sliding")
 
 
 @dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(RuntimeConfig):
     family: str = "llama"
     vocab_size: int = 32000
     max_seq_len: int = 2048
@@ -72,25 +72,16 @@ class DecoderConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     init_std: float = 0.02
-    dropout: float = 0.0
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    remat: str = "none"
-    scan_layers: bool = False
-    attention: str = "auto"  # auto | xla | cudnn
-    bos_id: int | None = None  # token ids carried to an exported config.json
-    eos_id: int | None = None
     pad_id: int | None = None
     lora: LoraSpec | None = None  # adapters on the projections it targets (q k v o gate up down)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.n_kv_head is not None and self.n_head % self.n_kv_head:
             raise ValueError(f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}")
         if self.head_dim is None and self.d_model % self.n_head:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
                              "set model.head_dim")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"model.remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
         if self.mlp_act not in ACTIVATIONS:
             raise ValueError(f"mlp activation {self.mlp_act!r}; supported: {sorted(ACTIVATIONS)}")
         if self.layer_types is not None:
@@ -120,9 +111,6 @@ class DecoderConfig:
         if self.layer_types is not None:
             return self.layer_types
         return ("sliding" if self.sliding_window else "full",) * self.n_layer
-
-    def replace(self, **kw) -> DecoderConfig:
-        return dataclasses.replace(self, **kw)
 
     def num_params(self, non_embedding: bool = False) -> int:
         d, f, n, k, h = self.d_model, self.d_ff, self.n_head, self.kv_heads, self.hd

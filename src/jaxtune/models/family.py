@@ -4,17 +4,62 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxtune.models.layers import Rope
+from jaxtune.config import ConfigError
+from jaxtune.models.layers import REMAT_POLICIES, Rope
 
 TORCHAX_HINT = "set model.backend: torchax to train it through its PyTorch implementation"
 
 
 class UnsupportedModelError(ValueError):
     """A checkpoint whose architecture or config field jaxtune has no native implementation of."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The fields every native family config has besides its shapes: how it runs (dtypes, remat, layer scan,
+    attention kernel, dropout), its context, and the token ids an exported config.json carries."""
+
+    vocab_size: int = 32000
+    max_seq_len: int = 2048
+    dropout: float = 0.0
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    scan_layers: bool = False
+    attention: str = "auto"  # auto | xla | cudnn
+    bos_id: int | None = None  # token ids carried to an exported config.json
+    eos_id: int | None = None
+
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
+
+    @property
+    def needs_key(self) -> bool:
+        """Whether training draws random numbers (dropout)."""
+        return self.dropout > 0
+
+    def replace(self, **kw) -> Any:
+        return dataclasses.replace(self, **kw)
+
+
+def check_fits(vocab_size: int, context: int, *, tokenizer_vocab: int | None = None, seq_len: int | None = None,
+               max_seq_len: int | None = None, what: str = "the model") -> None:
+    """The one check that a tokenizer and the configured lengths fit a model of ``vocab_size`` ids and ``context``
+    positions (``what`` names it in the error): a `ConfigError` naming the key to change."""
+    if tokenizer_vocab is not None and tokenizer_vocab > vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer_vocab} ids but {what} only {vocab_size}; use the model's "
+                          "tokenizer (or a model with a larger vocabulary)")
+    if max_seq_len is not None and max_seq_len > context:
+        raise ConfigError(f"model.max_seq_len={max_seq_len} exceeds the context of {what}, {context}")
+    if seq_len is not None and seq_len > context:
+        raise ConfigError(f"data.seq_len={seq_len} exceeds the model's context (model.max_seq_len={context}); lower "
+                          "data.seq_len or raise max_seq_len")
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtune.models.family import Family, Map, require
+from jaxtune.models.family import Family, Map, RuntimeConfig, require
 from jaxtune.models.layers import (
-    REMAT_POLICIES,
     Dense,
     Embed,
     LayerNorm,
@@ -33,22 +32,14 @@ from jaxtune.models.layers import (
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(RuntimeConfig):
     vocab_size: int = 50257
     max_seq_len: int = 1024
     n_layer: int = 12
     n_head: int = 12
     d_model: int = 768
     d_ff: int | None = None  # default 4 * d_model
-    dropout: float = 0.0
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    remat: str = "none"
-    scan_layers: bool = False
-    attention: str = "auto"  # auto | xla | cudnn
     ln_eps: float = 1e-5
-    bos_id: int | None = None  # token ids carried to an exported config.json
-    eos_id: int | None = None
     family: str = "gpt2"
 
     @property
@@ -56,19 +47,13 @@ class GPTConfig:
         return self.d_ff or 4 * self.d_model
 
     @property
-    def needs_key(self) -> bool:
-        """Whether training draws random numbers (dropout)."""
-        return self.dropout > 0
-
-    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
     def __post_init__(self):
+        super().__post_init__()
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"model.remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
 
     # Presets are code. Sizes from the GPT-2 paper; `tiny` is for tests (dims divide an 8-device mesh).
     @classmethod
@@ -95,9 +80,6 @@ class GPTConfig:
     @classmethod
     def gpt2_1558m(cls, **kw) -> GPTConfig:
         return cls(**{"n_layer": 48, "n_head": 25, "d_model": 1600, **kw})
-
-    def replace(self, **kw) -> GPTConfig:
-        return dataclasses.replace(self, **kw)
 
     def num_params(self, non_embedding: bool = False) -> int:
         d, f, L = self.d_model, self.ff, self.n_layer

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import struct
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,70 +19,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from jaxtune.config import ConfigError
-from jaxtune.models.family import TORCHAX_HINT, Family, Map, UnsupportedModelError, dtype_from_hf
+from jaxtune.io import CheckpointError, SafetensorsFile, atomic_dir, host, read_json, write_safetensors
+from jaxtune.models.family import TORCHAX_HINT, Family, Map, UnsupportedModelError, check_fits, dtype_from_hf
+from jaxtune.models.registry import FAMILIES, model_layout
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
-           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 INDEX = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or file that cannot be read as asked; the message names the file."""
-
-
-# --- safetensors ---
-
-class SafetensorsFile:
-    """One .safetensors file, memory-mapped; ``get(name)`` is a zero-copy (lazy) numpy view."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            raw = f.read(8)
-            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-            if n < 2 or 8 + n > size:
-                raise CheckpointError(f"{self.path}: not a safetensors file (bad header length); re-download it")
-            try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
-        header.pop("__metadata__", None)
-        self.start = 8 + n
-        for name, e in header.items():
-            if e["dtype"] not in _DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {e['dtype']}")
-            if self.start + e["data_offsets"][1] > size:
-                raise CheckpointError(f"{self.path}: truncated (tensor {name} ends past the end of the file)")
-        self.entries: dict[str, dict[str, Any]] = header
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > self.start else np.zeros(0, np.uint8)
-
-    def get(self, name: str) -> np.ndarray:
-        e = self.entries[name]
-        a, b = e["data_offsets"]
-        return self._map[self.start + a:self.start + b].view(_DTYPES[e["dtype"]]).reshape(e["shape"])
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` (C-order) as one safetensors file."""
-    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    for name, x in tensors.items():
-        if np.dtype(x.dtype) not in _NAMES:
-            raise ValueError(f"{name}: dtype {x.dtype} cannot be stored in safetensors")
-        header[name] = {"dtype": _NAMES[np.dtype(x.dtype)], "shape": list(x.shape),
-                        "data_offsets": [offset, offset + x.nbytes]}
-        offset += x.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for x in tensors.values():
-            f.write(np.ascontiguousarray(x).tobytes())
-
 
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]  # never *.bin / *.pt (pickle)
 
@@ -115,17 +52,10 @@ class HFCheckpoint:
 
     def __init__(self, directory: str | Path):
         self.dir = resolve_hf_dir(directory)
-        cfg_file = self.dir / "config.json"
-        if not cfg_file.is_file():
-            raise CheckpointError(f"{self.dir}: no config.json; pass a HuggingFace model directory "
-                                  "(save_pretrained output or a hub snapshot)")
-        try:
-            self.config: dict[str, Any] = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_file}:{e.lineno}: invalid JSON ({e.msg})") from None
+        self.config: dict[str, Any] = read_config_json(self.dir)
         index = self.dir / INDEX
         if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map: dict[str, str] = read_json(index)["weight_map"]
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
@@ -155,9 +85,16 @@ class HFCheckpoint:
 
 # --- families and config ---
 
-def family_of(config: dict[str, Any], where: str = "config.json") -> Family:
-    from jaxtune.models.registry import FAMILIES
+def read_config_json(directory: Path) -> dict[str, Any]:
+    """A model directory's config.json, as a dict; a missing or malformed file is a `CheckpointError`."""
+    file = Path(directory) / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{directory}: no config.json; pass a HuggingFace model directory "
+                              "(save_pretrained output or a hub snapshot)")
+    return read_json(file)
 
+
+def family_of(config: dict[str, Any], where: str = "config.json") -> Family:
     model_type = config.get("model_type")
     for fam in FAMILIES.values():
         if model_type in fam.hf_model_types:
@@ -174,12 +111,7 @@ def read_hf_config(directory: str | Path) -> tuple[Family, Any, dict[str, Any]]:
     stored dtype."""
     directory = resolve_hf_dir(directory)
     file = directory / "config.json"
-    if not file.is_file():
-        raise CheckpointError(f"{directory}: no config.json; pass a HuggingFace model directory")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
+    raw = read_config_json(directory)
     fam = family_of(raw, str(file))
     try:
         cfg = fam.from_hf(raw)
@@ -195,7 +127,7 @@ def _path_str(path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def _match(fam: Family, path: str) -> tuple[Map, int | None | str]:
+def match_param(fam: Family, path: str) -> tuple[Map, int | None | str]:
     """The HF mapping of a jaxtune param path: (map, layer index | None | "stacked")."""
     if path in fam.hf_map:
         return fam.hf_map[path], None
@@ -244,7 +176,7 @@ def load_params(ckpt: HFCheckpoint, fam: Family, abstract: Any, shardings: Any =
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     plans = []
     for path, a in leaves:
-        m, layer = _match(fam, _path_str(path))
+        m, layer = match_param(fam, _path_str(path))
         if layer == "stacked":
             srcs = [source(m.hf.format(i=i), m, a.shape[1:]) for i in range(a.shape[0])]
         else:
@@ -279,8 +211,6 @@ def from_hf(directory: str | Path, *, mesh: Mesh | None = None, param_dtype: str
     Params keep the checkpoint's dtype unless ``param_dtype`` is given; on a ``mesh`` each parameter is sharded
     by the rule table as it is read. ``overrides`` set other family config fields (``remat``, ``scan_layers``...).
     """
-    from jaxtune.models.registry import model_layout
-
     fam, cfg, _ = read_hf_config(directory)
     cfg = cfg.replace(param_dtype=param_dtype or cfg.param_dtype,
                       compute_dtype=compute_dtype or param_dtype or cfg.compute_dtype, **overrides)
@@ -291,20 +221,12 @@ def from_hf(directory: str | Path, *, mesh: Mesh | None = None, param_dtype: str
 
 # --- export ---
 
-def _host(x: jax.Array | np.ndarray) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # multi-host: gather the global value
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x)
-
-
 def hf_tensors(fam: Family, params: Any, dtype: str | None = None) -> dict[str, np.ndarray]:
     """jaxtune params -> {HF name: numpy array in HF layout}, cast to ``dtype`` when given."""
     out: dict[str, np.ndarray] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        m, layer = _match(fam, _path_str(path))
-        x = _host(x)
+        m, layer = match_param(fam, _path_str(path))
+        x = host(x)
         if dtype is not None:
             x = x.astype(jnp_dtype(dtype))
         if layer == "stacked":
@@ -342,74 +264,16 @@ def write_hf_weights(directory: Path, tensors: dict[str, np.ndarray], max_shard_
     return files + [INDEX]
 
 
-def check_out_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; choose a new directory or pass overwrite")
-
-
-def write_dir_atomically(out: Path, fill: Any) -> None:
-    """``fill(tmp)`` writes a directory beside ``out``, which is then renamed into place (replacing an old
-    ``out`` only once the new one is complete), so a failed write leaves nothing half-written."""
-    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        fill(tmp)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: str | None = None,
-           max_shard_bytes: int = 5_000_000_000, overwrite: bool = False, adapter: bool = False) -> Path:
-    """Write a HuggingFace model directory that `transformers.AutoModelForCausalLM.from_pretrained` loads:
-    config.json, generation_config.json, safetensors (sharded with an index past ``max_shard_bytes``) and the
-    tokenizer files.
-
-    ``source``: a run directory (its latest checkpoint and tokenizer) or a native model (``tokenizer`` then
-    optional). ``dtype``: float32/bfloat16/float16; default the params' dtype. The directory is written
-    beside ``out_dir`` and renamed into place, so a failed export leaves nothing half-written; an existing
-    ``out_dir`` is replaced only with ``overwrite``.
-
-    A LoRA run exports merged (``W + scale A B``: an ordinary checkpoint), or with ``adapter`` as a PEFT adapter
-    directory (`jaxtune.models.lora.write_adapter`) for ``peft.PeftModel.from_pretrained(base, out_dir)``.
-    """
-    from jaxtune.models.lora import merge_adapters, write_adapter
-    from jaxtune.models.registry import FAMILIES
-
-    out = Path(out_dir).expanduser()
-    check_out_dir(out, overwrite)
-    if isinstance(source, (str, Path)):
-        from jaxtune.evaluate import load_run
-
-        run = load_run(source)
-        if run.cfg.model.backend == "torchax":
-            from jaxtune.torchax.state import export_run
-
-            fill = export_run(run, tokenizer=tokenizer or run.tokenizer, dtype=dtype, adapter=adapter,
-                              max_shard_bytes=max_shard_bytes)
-            if jax.process_index() == 0:
-                write_dir_atomically(out, fill)
-            return out
-        cfg, params, tokenizer = run.spec.model_cfg, run.params, tokenizer or run.tokenizer
-        if getattr(cfg, "lora", None) is not None:
-            if adapter:
-                return write_adapter(out, FAMILIES[cfg.family], cfg.lora, params, base_model=run.cfg.model.from_hf,
-                                     tokenizer=tokenizer, overwrite=overwrite)
-            params, cfg = merge_adapters(params, run.frozen[0], cfg.lora), cfg.replace(lora=None)
-    else:
-        cfg, params = source.cfg, nnx.to_pure_dict(nnx.state(source, nnx.Param))
-    if adapter and getattr(cfg, "lora", None) is None:
-        raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full model")
+def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: Any = None, dtype: str | None = None,
+                max_shard_bytes: int = 5_000_000_000) -> Path:
+    """Write a native model (its family config ``cfg`` and ``params``, without LoRA) as a HuggingFace model
+    directory that `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json, generation_config.json,
+    safetensors (sharded with an index past ``max_shard_bytes``) and the tokenizer files. ``dtype``:
+    float32/bfloat16/float16, default the params'. Written beside ``out`` and renamed into place, so a failed
+    write leaves nothing half-written. Every process gathers the weights; process 0 writes."""
     fam = FAMILIES[cfg.family]
-    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}")
+    if tokenizer is not None:
+        check_fits(cfg.vocab_size, cfg.max_seq_len, tokenizer_vocab=tokenizer.vocab_size)
     eos = getattr(tokenizer, "eos_id", None)
     if cfg.eos_id is None and eos is not None:
         cfg = cfg.replace(eos_id=eos, bos_id=cfg.bos_id if cfg.bos_id is not None else eos)
@@ -417,8 +281,7 @@ def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: st
     tensors = hf_tensors(fam, params, dtype)
     if jax.process_index() != 0:
         return out
-    config = {k: v for k, v in fam.to_hf(cfg).items()}
-    config["torch_dtype"] = dtype
+    config = {**fam.to_hf(cfg), "torch_dtype": dtype}
 
     def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -429,5 +292,5 @@ def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: st
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    write_dir_atomically(out, fill)
+    atomic_dir(out, fill)
     return out

@@ -1,6 +1,6 @@
 """Building blocks shared by every model family: math only.
 
-Parameters carry *logical* axis names (``logical_axes=("embed", "mlp")``); `jaxtune.train.sharding` maps them
+Parameters carry *logical* axis names (``logical_axes=("embed", "mlp")``); `jaxtune.sharding` maps them
 to mesh axes with one rule table. Activations are constrained at block boundaries with the same names.
 """
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtune.train.sharding import constrain
+from jaxtune.sharding import constrain
 
 Axes = tuple[str | None, ...]
 

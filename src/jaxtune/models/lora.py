@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtune.io import atomic_dir, check_out_dir, host, write_safetensors
 from jaxtune.models.family import Family
+from jaxtune.models.hf import match_param
 from jaxtune.models.layers import LoraSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -59,15 +61,13 @@ def merge_adapters(adapters: Any, base: Any, spec: LoraSpec) -> Any:
 def peft_tensors(fam: Family, adapters: Any) -> dict[str, np.ndarray]:
     """Adapters -> {PEFT name: float32 array}: ``base_model.model.<hf module>.lora_A.weight`` (r, in) and
     ``.lora_B.weight`` (out, r)."""
-    from jaxtune.models.hf import _host, _match
-
     out: dict[str, np.ndarray] = {}
     for path, node in _adapter_nodes(adapters):
-        m, layer = _match(fam, ".".join(str(p) for p in (*path, "kernel")))
+        m, layer = match_param(fam, ".".join(str(p) for p in (*path, "kernel")))
         if not (m.transpose and m.hf_ndim is None and m.hf.endswith(".weight")):
             raise ValueError(f"{fam.name}: {'.'.join(map(str, path))} is not a plain linear layer in HuggingFace; "
                              "export the merged model instead")
-        a, b = np.asarray(_host(node["lora_a"]), np.float32), np.asarray(_host(node["lora_b"]), np.float32)
+        a, b = np.asarray(host(node["lora_a"]), np.float32), np.asarray(host(node["lora_b"]), np.float32)
         layers = range(a.shape[0]) if layer == "stacked" else [layer]
         for i in layers:
             ai, bi = (a[i], b[i]) if layer == "stacked" else (a, b)
@@ -111,8 +111,6 @@ def write_adapter(out_dir: str | Path, fam: Family, spec: LoraSpec, adapters: An
                   tokenizer: Any = None, overwrite: bool = False) -> Path:
     """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors [+ tokenizer]) that
     ``peft.PeftModel.from_pretrained(base, out_dir)`` loads. Written beside ``out_dir`` and renamed into place."""
-    from jaxtune.models.hf import check_out_dir, write_dir_atomically, write_safetensors
-
     out = Path(out_dir).expanduser()
     check_out_dir(out, overwrite)
     tensors = peft_tensors(fam, adapters)
@@ -125,5 +123,5 @@ def write_adapter(out_dir: str | Path, fam: Family, spec: LoraSpec, adapters: An
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    write_dir_atomically(out, fill)
+    atomic_dir(out, fill)
     return out

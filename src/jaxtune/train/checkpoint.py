@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxtune.config import CheckpointConfig
+from jaxtune.config import CheckpointConfig, ConfigError, identity_diff
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class Checkpointer:
 
     def __init__(self, directory: Path, cfg: CheckpointConfig):
         self.directory = Path(directory).absolute()
+        self.every = cfg.every
         self.set_aside = _set_aside_incomplete(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
@@ -54,6 +55,25 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def resume_step(self, config: dict[str, Any]) -> int:
+        """The step to resume from (0: none). A checkpoint of a different run (a key of
+        `jaxtune.config.IDENTITY_SECTIONS` changed) is refused before any work is done."""
+        start = self.latest_step() or 0
+        diff = identity_diff(self.read_config(start), config) if start else []
+        if diff:
+            run_dir = self.directory.parent
+            raise ConfigError(f"{run_dir} holds a checkpoint (step {start}) of a different run; these keys differ:\n  "
+                              + "\n  ".join(diff) + "\nUse another run_dir (or name), or restore the original values.")
+        return start
+
+    def notes(self, start: int, total: int) -> list[str]:
+        """What the run log says about the checkpoints it found."""
+        lines = [f"resumed from {self.directory / str(start)} (step {start}/{total})"] if start else []
+        return lines + [f"ignored an unfinished checkpoint, moved to {moved}" for moved in self.set_aside]
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
 
     def save(self, step: int, state: Any, data_state: dict[str, Any], config: dict[str, Any]) -> None:
         """Start saving (asynchronously when configured); a second save waits for the first."""

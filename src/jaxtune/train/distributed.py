@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 import jax
+from jax.experimental import multihost_utils
 
 from jaxtune.config import DistributedConfig
 
@@ -50,3 +52,38 @@ def initialize(cfg: DistributedConfig) -> bool:
     log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())
     return jax.process_count() > 1
+
+
+class Preemption:
+    """SIGTERM stops the run at a step boundary with a checkpoint.
+
+    One process: a SIGTERM handler sets a flag. Several (jax.distributed): JAX's preemption service already
+    listens for SIGTERM on every host and agrees on one step for all of them
+    (`multihost_utils.reached_preemption_sync_point`, asked at every step), so every host saves the same step.
+    """
+
+    def __init__(self, multi_host: bool):
+        self.multi_host = multi_host
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if not self.multi_host:
+            try:
+                self._previous = signal.signal(signal.SIGTERM, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                self._previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def reached(self, step: int) -> bool:
+        """Whether to save and stop after ``step``; call it once per step, on every host."""
+        if self.multi_host:
+            self.requested = self.requested or multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)

@@ -1,4 +1,5 @@
-"""Where metrics go: a progress bar, ``metrics.jsonl``, TensorBoard and (when configured) W&B.
+"""What a run reports: the per-step log (`StepLog`: metric windows, the NaN policy, every sink), the writers behind it
+(a progress bar, ``metrics.jsonl``, TensorBoard and, when configured, W&B), and the run's closing files.
 
 Only process 0 writes. MFU is model FLOPs per second over the devices' peak dense bf16 FLOP/s, from the
 table below (datasheet figures, no sparsity); device kinds not in the table report no MFU rather than a guess.
@@ -7,13 +8,26 @@ table below (datasheet figures, no sparsity); device kinds not in the table repo
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from jaxtune.config import LoggingConfig
+from jaxtune.config import Config, LoggingConfig
+
+# Step metrics the loop handles itself; every other key of the step's metrics (the objective's) is logged as is.
+_STEP_KEYS = ("loss", "grad_norm", "lr", "tokens", "finite", "nan_streak")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training hit a NaN/Inf loss or gradient; the last good checkpoint is kept."""
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(50) so a diverged loss still prints."""
+    return math.exp(min(loss, 50.0))
 
 # Peak dense bf16 FLOP/s per device, from vendor datasheets.
 PEAK_FLOPS = {
@@ -98,6 +112,93 @@ class MetricsWriter:
                 sink.close()
         if self.wandb:
             self.wandb.finish()
+
+
+class StepLog:
+    """The train steps' metrics, read one step late (so dispatch stays asynchronous): the NaN policy
+    (``train.on_nan``), means over each logging window, throughput and MFU, written every ``logging.every`` steps.
+
+    ``push(step, metrics)`` after each step reads the previous step's metrics (the only host sync per step);
+    ``drain()`` reads everything pending (before a checkpoint or an evaluation)."""
+
+    def __init__(self, run_dir: Path, cfg: Config, start: int, model_cfg: Any, checkpointer: Any):
+        self.cfg, self.ckpt = cfg, checkpointer
+        self.writer = MetricsWriter(run_dir, cfg.logging, cfg.train.steps, start, cfg.to_dict())
+        seq, batch = cfg.data.seq_len, cfg.train.batch_size
+        self.tokens_per_step = batch * seq
+        self.flops_per_step = model_cfg.flops_per_token(seq) * self.tokens_per_step
+        self.peak = peak_flops(jax.devices()[0])
+        self.losses: dict[int, float] = {}  # step -> train loss, for the steps run here
+        self.nan_skipped = 0
+        self.pending: list[tuple[int, dict[str, Any]]] = []
+        self._window(time.perf_counter())
+
+    def _window(self, t0: float) -> None:
+        self.t0, self.steps, self.loss_sum, self.finite = t0, 0, 0.0, 0
+
+    def message(self, text: str) -> None:
+        self.writer.message(text)
+
+    def push(self, step: int, metrics: dict[str, Any]) -> None:
+        self.drain()
+        self.pending.append((step, metrics))
+        self.writer.advance()
+
+    def drain(self) -> None:
+        while self.pending:
+            step, m = self.pending.pop(0)
+            self._read(step, {k: float(v) for k, v in jax.device_get(m).items()})
+
+    def _read(self, s: int, m: dict[str, float]) -> None:
+        self.losses[s] = m["loss"]
+        if not m["finite"]:
+            self._non_finite(s, m)
+        self.steps += 1
+        if m["finite"]:
+            self.loss_sum += m["loss"]
+            self.finite += 1
+        if s % self.cfg.logging.every and s != self.cfg.train.steps:
+            return
+        step_time = (time.perf_counter() - self.t0) / max(self.steps, 1)
+        # loss: mean over the steps since the last line (steady curves); step_loss: this step's
+        scalars = {"loss": self.loss_sum / self.finite if self.finite else m["loss"], "step_loss": m["loss"],
+                   "lr": m["lr"], "grad_norm": m["grad_norm"], "tokens": m["tokens"],
+                   **{k: v for k, v in m.items() if k not in _STEP_KEYS},
+                   "step_time": step_time, "tok_s": self.tokens_per_step / step_time}
+        if self.peak:
+            scalars["mfu"] = self.flops_per_step / step_time / (self.peak * jax.device_count())
+        self.writer.write(s, scalars)
+        self._window(time.perf_counter())
+
+    def _non_finite(self, s: int, m: dict[str, float]) -> None:
+        train = self.cfg.train
+        if train.on_nan == "abort":
+            self.ckpt.wait()
+            raise NonFiniteLossError(
+                f"step {s}: loss={m['loss']} grad_norm={m['grad_norm']}; training stopped, last good "
+                f"checkpoint: {self.ckpt.latest_step()}. Set train.on_nan=skip to skip such steps.")
+        self.nan_skipped += 1
+        self.message(f"step {s}: non-finite loss, update skipped ({int(m['nan_streak'])} in a row)")
+        if m["nan_streak"] >= train.max_nan_skips:
+            self.ckpt.wait()
+            raise NonFiniteLossError(
+                f"step {s}: {int(m['nan_streak'])} non-finite steps in a row "
+                f"(train.max_nan_skips={train.max_nan_skips}); last good checkpoint: {self.ckpt.latest_step()}")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any], preempted: bool) -> None:
+    """summary.json and loss.png, and (unless preempted) the closing lines on stdout (process 0)."""
+    plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if preempted:
+        return
+    ev = f", validation loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
+    tl = f", train loss {summary['final_train_loss']:.4f}" if summary["final_train_loss"] is not None else ""
+    print(f"done: step {summary['step']}{tl}{ev}; {summary['params'] / 1e6:.2f}M params\n"
+          f"run directory: {run_dir} (checkpoints/, metrics.jsonl, loss.png, samples.jsonl, tensorboard/)", flush=True)
 
 
 def plot_loss(metrics_path: Path, out: Path) -> Path | None:

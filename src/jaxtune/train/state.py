@@ -1,100 +1,43 @@
-"""The train state's shape and placement, built from config before anything is allocated.
+"""The train state, and what a backend's model must offer the trainer (`ModelSpec`, `Forward`).
 
-``StateSpec`` holds the model graph, the optimizer and an abstract state whose leaves carry their
-shardings, so a state is created (jit with out_shardings) or restored (Orbax) directly in place on the
-mesh, never as a full host copy. ``model.backend: torchax`` builds `jaxtune.torchax.state.TorchaxSpec`, which
-offers the same attributes and methods (the loop, evaluation and benchmarks use only those).
+A backend (`jaxtune.backends`) builds a `ModelSpec` from the config before anything is allocated: the optimizer,
+the mesh, and an abstract state whose leaves carry their shardings, so a state is created (jit with
+out_shardings) or restored (Orbax) directly in place on the mesh, never as a full host copy. The train step,
+evaluation, generation and the benchmarks use only what these protocols declare.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtune.config import Config, TrainConfig
-from jaxtune.generate import Generator
-from jaxtune.models import model_config
-from jaxtune.models.registry import init_params, model_layout
-from jaxtune.train import sharding
-from jaxtune.train.optim import make_optimizer, schedule
-from jaxtune.train.step import LossFn, TrainState, init_state, make_eval_step, make_train_step, native_loss
+from jaxtune import sharding
+
+Batch = dict[str, jax.Array]  # (B, T) arrays: inputs, targets; optionally positions, segment_ids, loss_mask
 
 
-@dataclass(frozen=True)
-class StateSpec:
-    model_cfg: Any
-    graphdef: nnx.GraphDef
-    tx: optax.GradientTransformation
-    lr_schedule: optax.Schedule
-    mesh: Mesh
-    shardings: TrainState  # NamedSharding per leaf
-    abstract: TrainState  # ShapeDtypeStruct per leaf, with .sharding
-    from_hf: str | None = None  # initial weights: this HuggingFace checkpoint instead of the family's init
-    # Parameters that do not train (a LoRA model's base), outside the train state: never in the optimizer nor in
-    # checkpoints, re-read from `from_hf` (or re-initialised from the seed) by `load_frozen`. () without LoRA.
-    frozen_abstract: tuple = ()
-    frozen_shardings: tuple = ()
-
-    def init(self, seed: int) -> TrainState:
-        """A fresh state, created sharded (each device computes or reads only its own shards)."""
-        cfg, tx = self.model_cfg, self.tx
-        params = None
-        if self.from_hf and not self.frozen_abstract:  # full fine-tuning starts from the checkpoint
-            params = self._read_hf(self.abstract.params, self.shardings.params)
-
-        def make(params):
-            if params is None:
-                params = init_params(cfg, seed)[0]
-            return init_state(params, tx, seed)
-
-        with sharding.use_mesh(self.mesh):
-            return jax.jit(make, out_shardings=self.shardings)(params)
-
-    def load_frozen(self, seed: int) -> tuple:
-        """The frozen params, placed on the mesh: the checkpoint's (``from_hf``) or the seed's initial ones."""
-        if not self.frozen_abstract:
-            return ()
-        if self.from_hf:
-            return (self._read_hf(self.frozen_abstract[0], self.frozen_shardings[0]),)
-        with sharding.use_mesh(self.mesh):
-            return jax.jit(lambda: tuple(init_params(self.model_cfg, seed)[1:]),
-                           out_shardings=self.frozen_shardings)()
-
-    def weights(self, params: Any, frozen: tuple) -> Any:
-        """What `jaxtune.models.registry.merge` takes: ``params``, or (adapters, base) with LoRA."""
-        return (params, *frozen) if frozen else params
-
-    def loss_fn(self, loss_chunk: int = 0) -> LossFn:
-        return native_loss(self.graphdef, loss_chunk)
-
-    def generator(self) -> Generator:
-        """Sampling for eval prompts and `jaxtune generate`: called with `weights` and token ids."""
-        return Generator(self.graphdef, self.model_cfg.max_seq_len)
-
-    def _read_hf(self, abstract: Any, shardings: Any) -> Any:
-        from jaxtune.models.hf import HFCheckpoint, family_of, load_params
-
-        ckpt = HFCheckpoint(self.from_hf)
-        return load_params(ckpt, family_of(ckpt.config), abstract, shardings)
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 (): optimizer steps taken
+    params: Any  # pure dict of arrays: what trains (all weights, or a LoRA model's adapters)
+    opt_state: Any
+    key: jax.Array  # uint32 key data: the run's base key; step keys are fold_in(key, step)
+    nan_streak: jax.Array  # int32 (): consecutive non-finite steps (on_nan=skip)
+    nan_skipped: jax.Array  # int32 (): non-finite steps skipped in total
 
 
-def make_state_spec(cfg: Config, vocab_size: int, mesh: Mesh) -> StateSpec:
-    if cfg.model.backend == "torchax":
-        from jaxtune.torchax.state import make_torchax_spec
-
-        return make_torchax_spec(cfg, vocab_size, mesh)
-    model_cfg = model_config(cfg.model, vocab_size)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
-    shardings, abstract, frozen = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed)
-    return StateSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract,
-                     cfg.model.from_hf, frozen, tuple(group_sh[1:]))
+def init_state(params: Any, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        key=jax.random.key_data(jax.random.key(seed)),
+        nan_streak=jnp.zeros((), jnp.int32),
+        nan_skipped=jnp.zeros((), jnp.int32),
+    )
 
 
 def state_layout(tx: optax.GradientTransformation, abstract_groups: list[Any], group_sh: list[Any], mesh: Mesh,
@@ -115,9 +58,76 @@ def state_layout(tx: optax.GradientTransformation, abstract_groups: list[Any], g
     return shardings, abstract, frozen
 
 
-def build_steps(spec: Any, train: TrainConfig) -> tuple[Callable, Callable]:
-    """(train step, eval step), unjitted, as `train()` builds them from the spec and ``train`` config."""
-    loss = spec.loss_fn(train.loss_chunk)
-    step = make_train_step(loss, spec.tx, spec.lr_schedule, micro_batches=train.micro_batches,
-                           skip_nonfinite=train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key)
-    return step, make_eval_step(loss)
+class ModelInfo(Protocol):
+    """What the trainer reads of a model's shape (a native family config, or a torchax model's summary)."""
+
+    family: str
+    vocab_size: int
+    max_seq_len: int
+    n_layer: int
+    d_model: int
+    n_head: int
+    needs_key: bool  # training draws random numbers (dropout): the step passes a key
+
+    def num_params(self, non_embedding: bool = False) -> int: ...
+
+    def flops_per_token(self, seq_len: int) -> float: ...
+
+
+class Forward(Protocol):
+    """A backend's model as pure functions of its weights: what objectives call. ``batch`` holds (B, T) int32
+    ``inputs`` and ``targets``, optionally ``positions`` and ``segment_ids`` (packed rows); ``key`` draws dropout
+    (None: deterministic)."""
+
+    def logits(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        """(B, T, V) float32."""
+        ...
+
+    def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        """(B, T) float32: log p(targets[b, t] | inputs[b, :t + 1]), without holding the (B, T, V) logits of a large
+        vocabulary at once where the backend can avoid it."""
+        ...
+
+
+class Sampler(Protocol):
+    """Token generation for eval prompts and `jaxtune generate`: called with `ModelSpec.weights` and prompt ids;
+    returns the new ids per prompt, stop ids excluded."""
+
+    compiles: int
+
+    def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,
+                 seed: int = 0, on_step: Any = None) -> list[list[int]]: ...
+
+
+class ModelSpec(Protocol):
+    """A model with its optimizer, laid out on a mesh: what a backend builds and the trainer uses."""
+
+    model_cfg: ModelInfo
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    mesh: Mesh
+    shardings: TrainState  # NamedSharding per leaf
+    abstract: TrainState  # ShapeDtypeStruct per leaf, with .sharding
+    # Parameters that do not train (a LoRA model's base), outside the train state: never in the optimizer nor in
+    # checkpoints, re-read by `load_frozen`. () without LoRA.
+    frozen_abstract: tuple
+    frozen_shardings: tuple
+
+    def init(self, seed: int) -> TrainState:
+        """A fresh state (initial or checkpoint weights), created sharded."""
+        ...
+
+    def load_frozen(self, seed: int) -> tuple:
+        """The frozen parameter groups placed on the mesh; () without LoRA."""
+        ...
+
+    def weights(self, params: Any, frozen: tuple) -> Any:
+        """What `Forward` and the sampler take: the trained params merged with the frozen groups."""
+        ...
+
+    def forward(self, loss_chunk: int = 0) -> Forward:
+        """The model's functions; ``loss_chunk``: sequence positions per log-prob chunk (0: auto)."""
+        ...
+
+    def generator(self) -> Sampler: ...

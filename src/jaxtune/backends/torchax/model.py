@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxtune.config import LORA_TARGETS, ConfigError, ModelConfig
-from jaxtune.models.layers import REMAT_POLICIES
-from jaxtune.torchax.compat import import_torchax
+from flax import traverse_util
 
-# jaxtune's short LoRA names -> the HF module names PEFT matches
-HF_LORA_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-                 "down": "down_proj"}
+from jaxtune.backends.torchax.compat import import_torchax
+from jaxtune.config import LORA_OUR_TO_HF, LORA_TARGETS, ConfigError, TorchaxModelConfig
+from jaxtune.models.hf import resolve_hf_dir
+from jaxtune.models.layers import REMAT_POLICIES
+
 
 
 class UnsupportedOpError(NotImplementedError):
@@ -39,26 +39,12 @@ class UnsupportedOpError(NotImplementedError):
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
     """{"a.b.0.w": x} -> {"a": {"b": {"0": {"w": x}}}} (the pytree layout checkpoints and shardings use)."""
-    out: dict[str, Any] = {}
-    for name, value in flat.items():
-        *parents, leaf = name.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
+    return traverse_util.unflatten_dict(flat, sep=".")
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any]) -> dict[str, Any]:
     """The inverse of `nest`."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, name + "."))
-        else:
-            out[name] = v
-    return out
+    return traverse_util.flatten_dict(tree, sep=".")
 
 
 def to_numpy(t: Any, dtype: str | None = None) -> np.ndarray:
@@ -92,13 +78,11 @@ def _config_path(path: str) -> Path:
     return p
 
 
-def build_torch_model(cfg: ModelConfig, seed: int) -> Any:
+def build_torch_model(cfg: TorchaxModelConfig, seed: int) -> Any:
     """The HF model on the CPU (float32, eval mode: dropout comes from the step's key, not torch's RNG), wrapped by
     PEFT when ``cfg.lora.rank`` > 0. Deterministic in ``seed`` for random init and LoRA's A matrices."""
     import torch
     import transformers
-
-    from jaxtune.models.hf import resolve_hf_dir
 
     torch.manual_seed(seed)
     common = {"attn_implementation": "sdpa", "trust_remote_code": cfg.trust_remote_code}
@@ -122,14 +106,14 @@ def build_torch_model(cfg: ModelConfig, seed: int) -> Any:
     return model
 
 
-def lora_targets(cfg: ModelConfig) -> str | list[str]:
+def lora_targets(cfg: TorchaxModelConfig) -> str | list[str]:
     """PEFT ``target_modules``: every linear layer of the blocks for the default (all) targets, else the names."""
     if set(cfg.lora.targets) == set(LORA_TARGETS):
         return "all-linear"
-    return [HF_LORA_NAMES.get(t, t) for t in cfg.lora.targets]
+    return [LORA_OUR_TO_HF.get(t, t) for t in cfg.lora.targets]
 
 
-def _with_lora(model: Any, cfg: ModelConfig) -> Any:
+def _with_lora(model: Any, cfg: TorchaxModelConfig) -> Any:
     import peft
     import torch
 

@@ -80,7 +80,7 @@ def spec(names: tuple[str | None, ...]) -> P:
     out = []
     for n in names:
         if n is not None and n not in RULES:
-            raise ShardingError(f"logical axis {n!r} has no sharding rule; add it to jaxtune.train.sharding.RULES")
+            raise ShardingError(f"logical axis {n!r} has no sharding rule; add it to jaxtune.sharding.RULES")
         out.append(None if n is None else RULES[n])
     return P(*out)
 

@@ -15,8 +15,6 @@ import sys
 from collections.abc import Iterator
 from types import ModuleType
 
-import torch
-
 PATCHED: list[str] = []  # "aten.<op>.<overload>" placeholders handed out while importing torchax
 
 
@@ -30,6 +28,8 @@ class MissingOverload:
         return f"<missing overload {self.name}>"
 
     def __call__(self, *args, **kwargs):
+        import torch
+
         raise RuntimeError(f"{self.name} does not exist in torch {torch.__version__}")
 
 
@@ -41,6 +41,8 @@ def _is_named_tensor_overload(name: str) -> bool:
 
 @contextlib.contextmanager
 def _tolerate_removed_overloads() -> Iterator[None]:
+    import torch
+
     packet = torch._ops.OpOverloadPacket
     original = packet.__getattr__
 

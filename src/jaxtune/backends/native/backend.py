@@ -1,0 +1,154 @@
+"""The native backend's model spec, forward, export and parity model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxtune import sharding
+from jaxtune.config import Config, ConfigError
+from jaxtune.models import FAMILIES, model_config
+from jaxtune.models.family import UnsupportedModelError
+from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
+from jaxtune.models.lora import merge_adapters, write_adapter
+from jaxtune.models.registry import init_params, merge, model_layout
+from jaxtune.models.sampling import Generator
+from jaxtune.train.logprobs import chunked_token_logps, loss_chunk_size, token_logps
+from jaxtune.train.optim import make_optimizer, schedule
+from jaxtune.train.state import Batch, TrainState, init_state, state_layout
+from jaxtune.backends.base import ParityModel
+
+
+@dataclass(frozen=True)
+class NativeForward:
+    """A native model graph as functions of its weights (params, or (adapters, base) with LoRA)."""
+
+    graphdef: nnx.GraphDef
+    vocab_size: int
+    loss_chunk: int = 0  # sequence positions per log-prob chunk (0: auto, see `loss_chunk_size`)
+
+    def _run(self, weights: Any, batch: Batch, key: jax.Array | None, **kw: Any):
+        model = merge(self.graphdef, weights)
+        out = model(batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"), key=key,
+                    **kw)
+        return model, out
+
+    def logits(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        return self._run(weights, batch, key)[1]
+
+    def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        b, t = batch["inputs"].shape
+        chunk = loss_chunk_size(b, t, self.vocab_size, self.loss_chunk)
+        if chunk >= t:  # (B, T, V) float32 logits
+            return token_logps(self._run(weights, batch, key)[1], batch["targets"])
+        model, hidden = self._run(weights, batch, key, return_hidden=True)
+        return chunked_token_logps(model.logits, hidden, batch["targets"], chunk)
+
+
+@dataclass(frozen=True)
+class NativeSpec:
+    model_cfg: Any  # the family config (GPTConfig, DecoderConfig)
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    mesh: Mesh
+    shardings: TrainState
+    abstract: TrainState
+    from_hf: str | None = None  # initial weights: this HuggingFace checkpoint instead of the family's init
+    frozen_abstract: tuple = ()
+    frozen_shardings: tuple = ()
+
+    def init(self, seed: int) -> TrainState:
+        """A fresh state, created sharded (each device computes or reads only its own shards)."""
+        cfg, tx = self.model_cfg, self.tx
+        params = None
+        if self.from_hf and not self.frozen_abstract:  # full fine-tuning starts from the checkpoint
+            params = self._read_hf(self.abstract.params, self.shardings.params)
+
+        def make(params):
+            if params is None:
+                params = init_params(cfg, seed)[0]
+            return init_state(params, tx, seed)
+
+        with sharding.use_mesh(self.mesh):
+            return jax.jit(make, out_shardings=self.shardings)(params)
+
+    def load_frozen(self, seed: int) -> tuple:
+        """The frozen params, placed on the mesh: the checkpoint's (``from_hf``) or the seed's initial ones."""
+        if not self.frozen_abstract:
+            return ()
+        if self.from_hf:
+            return (self._read_hf(self.frozen_abstract[0], self.frozen_shardings[0]),)
+        with sharding.use_mesh(self.mesh):
+            return jax.jit(lambda: tuple(init_params(self.model_cfg, seed)[1:]),
+                           out_shardings=self.frozen_shardings)()
+
+    @staticmethod
+    def weights(params: Any, frozen: tuple) -> Any:
+        """What `jaxtune.models.registry.merge` takes: ``params``, or (adapters, base) with LoRA."""
+        return (params, *frozen) if frozen else params
+
+    def forward(self, loss_chunk: int = 0) -> NativeForward:
+        return NativeForward(self.graphdef, self.model_cfg.vocab_size, loss_chunk)
+
+    def generator(self) -> Generator:
+        """The KV-cache sampler for eval prompts and `jaxtune generate`."""
+        return Generator(self.graphdef, self.model_cfg.max_seq_len)
+
+    def _read_hf(self, abstract: Any, shardings: Any) -> Any:
+        ckpt = HFCheckpoint(self.from_hf)
+        return load_params(ckpt, family_of(ckpt.config), abstract, shardings)
+
+
+class NativeBackend:
+    name = "native"
+
+    def check_config(self, cfg: Config) -> None:
+        """Every mesh layout applies: parameters are sharded by their logical axis names."""
+
+    def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> NativeSpec:
+        model_cfg = model_config(cfg.model, vocab_size)
+        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
+        shardings, abstract, frozen = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed)
+        return NativeSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract,
+                          cfg.model.from_hf, frozen, tuple(group_sh[1:]))
+
+    def runs(self, config_json: dict[str, Any]) -> bool:
+        try:
+            family_of(config_json)
+        except UnsupportedModelError:
+            return False
+        return True
+
+    def export(self, run: Any, out: Path, *, tokenizer: Any, dtype: str | None, adapter: bool,
+               max_shard_bytes: int, overwrite: bool) -> Path:
+        """Merged (``W + scale A B``: an ordinary checkpoint), or with ``adapter`` a PEFT adapter directory."""
+        cfg, params = run.spec.model_cfg, run.params
+        lora = getattr(cfg, "lora", None)
+        if adapter:
+            if lora is None:
+                raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full "
+                                  "model")
+            return write_adapter(out, FAMILIES[cfg.family], lora, params, base_model=run.cfg.model.from_hf,
+                                 tokenizer=tokenizer, overwrite=overwrite)
+        if lora is not None:
+            params, cfg = merge_adapters(params, run.frozen[0], lora), cfg.replace(lora=None)
+        return write_model(cfg, params, out, tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+    def parity_model(self, directory: Path) -> ParityModel:
+        native = from_hf(directory, param_dtype="float32")
+        graphdef, state = nnx.split(native, nnx.Param)
+        params = nnx.to_pure_dict(state)
+        generator = Generator(graphdef, read_hf_config(directory)[1].max_seq_len)
+        return ParityModel(lambda tokens: native(jax.numpy.asarray(tokens)),
+                           lambda prompts, n: generator(params, prompts, max_new_tokens=n))
+
+
+BACKEND = NativeBackend()

@@ -1,0 +1,196 @@
+"""The torchax backend's model spec, sampler, export and parity model: the same `TrainState`, optimizer,
+shardings and checkpoints as the native backend, with parameters keyed by the PyTorch module path and sharded by
+shape (`fsdp_axes`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtune import sharding
+from jaxtune.backends.base import ParityModel
+from jaxtune.backends.torchax.model import (
+    ModelInfo,
+    TorchaxModel,
+    build_torch_model,
+    flatten,
+    fsdp_axes,
+    merge_weights,
+    to_torch,
+)
+from jaxtune.config import Config, ConfigError, TorchaxModelConfig
+from jaxtune.io import atomic_dir
+from jaxtune.models.family import check_fits
+from jaxtune.models.sampling import bucket, check_prompts, collect, sample_logits
+from jaxtune.train.logprobs import token_logps
+from jaxtune.train.optim import make_optimizer, schedule
+from jaxtune.train.state import Batch, TrainState, init_state, state_layout
+
+
+@dataclass(frozen=True)
+class TorchaxForward:
+    """A torchax model as functions of its merged weights (`merge_weights`)."""
+
+    model: TorchaxModel
+
+    def logits(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        return self.model.logits(weights, batch["inputs"], batch.get("positions"), key)
+
+    def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        return token_logps(self.logits(weights, batch, key), batch["targets"])
+
+
+@dataclass(frozen=True)
+class TorchaxSpec:
+    model_cfg: ModelInfo
+    model: TorchaxModel
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    mesh: Mesh
+    shardings: TrainState
+    abstract: TrainState
+    host_params: Any  # the module's initial trainable weights (numpy, nested by module path)
+    host_frozen: Any  # a LoRA model's base weights, else None
+    frozen_abstract: tuple = ()
+    frozen_shardings: tuple = ()
+
+    def init(self, seed: int) -> TrainState:
+        """A fresh state from the module's weights (checkpoint or seeded init), placed shard by shard."""
+        params = jax.device_put(self.host_params, self.shardings.params)
+        with sharding.use_mesh(self.mesh):
+            return jax.jit(lambda p: init_state(p, self.tx, seed), out_shardings=self.shardings)(params)
+
+    def load_frozen(self, seed: int) -> tuple:
+        """(base,) with LoRA: re-read with the module (never checkpointed); () otherwise."""
+        if self.host_frozen is None:
+            return ()
+        return (jax.device_put(self.host_frozen, self.frozen_shardings[0]),)
+
+    weights = staticmethod(merge_weights)  # all of the model's weights as one nested dict (`TorchaxModel.logits`)
+
+    def forward(self, loss_chunk: int = 0) -> TorchaxForward:
+        """The HF model computes the full (B, T, V) logits (``train.loss_chunk`` applies to native models only)."""
+        return TorchaxForward(self.model)
+
+    def generator(self) -> TorchaxGenerator:
+        return TorchaxGenerator(self.model, self.model_cfg.max_seq_len)
+
+
+class TorchaxGenerator:
+    """Sampling from a torchax model for eval prompts and `jaxtune generate`, without a KV cache: the whole
+    (right-padded) buffer is run again for each new token, one compiled shape per (batch, buffer length). Causal
+    attention keeps each row's tokens independent of the padding after them. Fine for samples; slow for long
+    generations."""
+
+    def __init__(self, model: TorchaxModel, max_seq_len: int):
+        self.model = model
+        self.max_seq_len = max_seq_len
+        self.compiles = 0
+        self._next = jax.jit(self._next_impl, static_argnums=(4, 5, 6))
+
+    def _next_impl(self, weights, tokens, lengths, key, temperature, top_k, top_p):
+        self.compiles += 1
+        logits = self.model.logits(weights, tokens)  # (B, L, V)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return sample_logits(last, key, temperature, top_k, top_p)
+
+    def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,
+                 seed: int = 0, on_step: Any = None) -> list[list[int]]:
+        max_new_tokens = check_prompts(prompts, self.max_seq_len, max_new_tokens)
+        longest = max(len(p) for p in prompts)
+        length = min(bucket(longest + max_new_tokens), self.max_seq_len)
+        tokens = np.zeros((len(prompts), length), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        key = jax.random.key(seed)
+        sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
+        out: list[list[int]] = [[] for _ in prompts]
+        done = np.zeros(len(prompts), bool)
+        for t in range(max_new_tokens):
+            ids = np.asarray(self._next(weights, tokens, lengths, jax.random.fold_in(key, t), *sampling))
+            if collect(ids, out, done, eos_id, on_step) or t == max_new_tokens - 1:
+                break
+            tokens[np.arange(len(prompts)), lengths] = ids
+            lengths = lengths + 1
+        return out
+
+
+class TorchaxBackend:
+    name = "torchax"
+
+    def check_config(self, cfg: Config) -> None:
+        if cfg.mesh.tensor != 1:
+            raise ConfigError("mesh.tensor must be 1 with model.backend=torchax (its parameters are sharded by "
+                              "shape over mesh.fsdp); use mesh.fsdp instead")
+
+    def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> TorchaxSpec:
+        module = build_torch_model(cfg.model, cfg.train.seed)
+        model = TorchaxModel(module, remat=cfg.model.remat, compute_dtype=cfg.model.compute_dtype)
+        info = model.info
+        check_fits(info.vocab_size, info.max_seq_len, tokenizer_vocab=vocab_size, max_seq_len=cfg.model.max_seq_len,
+                   what="the model's embedding (max_position_embeddings)")
+        if cfg.model.max_seq_len:
+            info = ModelInfo(**{**info.__dict__, "max_seq_len": cfg.model.max_seq_len})
+        trainable, frozen = model.initial(cfg.model.param_dtype)
+        groups = [trainable] + ([frozen] if model.frozen_names else [])
+        abstract_groups = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), g) for g in groups]
+        fsdp = mesh.shape["fsdp"]
+        group_sh = [jax.tree.map(lambda a: NamedSharding(mesh, P(*fsdp_axes(a.shape, fsdp))), g) for g in groups]
+        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        shardings, abstract, frozen_abstract = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed)
+        return TorchaxSpec(info, model, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract,
+                           trainable, frozen if model.frozen_names else None, frozen_abstract, tuple(group_sh[1:]))
+
+    def runs(self, config_json: dict[str, Any]) -> bool:
+        """Any transformers causal LM (its ops must lower through torchax: checked when it first runs)."""
+        return True
+
+    def export(self, run: Any, out: Path, *, tokenizer: Any, dtype: str | None, adapter: bool,
+               max_shard_bytes: int, overwrite: bool) -> Path:
+        """As transformers writes models: the trained weights are copied into the PyTorch module, then
+        ``save_pretrained`` (safetensors). LoRA: merged into the base (PEFT ``merge_and_unload``), or with
+        ``adapter`` the PEFT adapter directory."""
+        import torch
+
+        model: TorchaxModel = run.spec.model
+        lora = bool(model.frozen_names)
+        if adapter and not lora:
+            raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full model")
+        weights = flatten(jax.device_get(run.weights))
+        module = model.module
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(to_torch(weights[name]).to(p.dtype))
+
+        def fill(tmp: Path) -> None:
+            target = module if adapter or not lora else module.merge_and_unload()
+            if dtype is not None and not adapter:
+                target = target.to(getattr(torch, dtype))
+            target.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_bytes)
+            if tokenizer is not None:
+                tokenizer.save(tmp)
+
+        if jax.process_index() == 0:
+            atomic_dir(out, fill)
+        return out
+
+    def parity_model(self, directory: Path) -> ParityModel:
+        model = TorchaxModel(build_torch_model(TorchaxModelConfig(from_hf=str(directory)), 0))
+        weights = model.initial()[0]
+        logits = jax.jit(model.logits)
+        generator = TorchaxGenerator(model, model.info.max_seq_len)
+        return ParityModel(lambda tokens: logits(weights, tokens),
+                           lambda prompts, n: generator(weights, prompts, max_new_tokens=n))
+
+
+BACKEND = TorchaxBackend()

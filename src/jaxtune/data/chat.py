@@ -1,0 +1,77 @@
+"""Chat templates: which one a run uses, and prompts, stops and samples as a chat model sees them.
+
+A tokenizer brings its own Jinja chat template (transformers' convention; rendered by
+`Tokenizer.apply_chat_template`); ``data.chat_template`` replaces it with a shipped one (``chatml``), a .jinja
+file or template text. Training renders conversations with it (`jaxtune.data.sft`); generation renders a prompt as
+one user turn with the assistant's generation prompt (`encode_prompt`) and stops at EOS or the template's
+end-of-turn token (`stop_ids`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxtune.config import DataConfig
+from jaxtune.data.errors import DataError
+from jaxtune.data.formats import FORMATS
+from jaxtune.data.tokenizer import Tokenizer
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+SHIPPED_TEMPLATES = {"chatml": CHATML}
+CHATML_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def resolve_chat_template(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:
+    """Sets ``tokenizer.chat_template`` from ``data.chat_template`` (a shipped name, a .jinja file or template
+    text); without it the tokenizer's own template is used, and is required for the chat formats."""
+    spec = data_cfg.chat_template
+    if spec is not None:
+        if spec in SHIPPED_TEMPLATES:
+            tokenizer.chat_template = SHIPPED_TEMPLATES[spec]
+        elif spec.endswith(".jinja") and "{" not in spec:
+            path = Path(spec).expanduser()
+            if not path.is_file():
+                raise DataError(f"data.chat_template: no such file {spec}")
+            tokenizer.chat_template = path.read_text()
+        elif "{%" in spec or "{{" in spec:
+            tokenizer.chat_template = spec
+        else:
+            raise DataError(f"data.chat_template={spec!r}: not a shipped template ({sorted(SHIPPED_TEMPLATES)}), a "
+                            ".jinja file or template text")
+    if FORMATS[data_cfg.format].chat and tokenizer.chat_template is None:
+        raise DataError(f"data.format={data_cfg.format} needs a chat template and the tokenizer has none; set "
+                        "data.chat_template (chatml, a .jinja file, or template text)")
+
+
+def end_of_turn_ids(tokenizer: Tokenizer) -> list[int]:
+    """Token ids that end an assistant turn under the chat template (besides EOS): generation stops at them."""
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    try:
+        prompt = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True)
+        reply = tokenizer.apply_chat_template(msgs)[len(prompt):].rstrip()
+    except DataError:
+        return []
+    tail = reply[reply.find("y") + 1:] if "y" in reply else ""
+    ids = tokenizer.encode_chat([tail])[0] if tail else []
+    return ids[:1] if len(ids) == 1 else []
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Prompt ids: the text as is, or (``chat``) as one user turn rendered by the chat template with the
+    assistant's generation prompt."""
+    if not chat:
+        return tokenizer.encode(text)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode_chat([rendered])[0]
+
+
+def stop_ids(tokenizer: Tokenizer, chat: bool = False) -> list[int]:
+    """EOS, and for chat the template's end-of-turn token (``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``)."""
+    return [tokenizer.eos_id, *(end_of_turn_ids(tokenizer) if chat else [])]
+
+
+def format_sample(prompt: str, completion: str, chat: bool) -> str:
+    """A prompt and the model's completion as one readable text: for chat, as a user/assistant exchange."""
+    return (f"user: {prompt}\nassistant: " if chat else prompt) + completion

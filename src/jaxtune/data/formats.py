@@ -1,0 +1,206 @@
+"""Fine-tuning row formats: how a row (`jaxtune.data.rows`) reads as an `Example`, one `Format` record each.
+
+``data.format`` names the format (field names can be renamed with ``data.fields``):
+
+* ``messages``: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (OpenAI chat);
+* ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`` (``data.roles``
+  maps other speaker names);
+* ``alpaca``: ``{"instruction", "input" (optional), "output", "system" (optional)}``: one user turn
+  (instruction, then the input after a blank line) and the assistant's output;
+* ``prompt_completion``: ``{"prompt", "completion"}``: raw text, no chat template, completion then EOS.
+
+A conversation is an optional system message, then user and assistant turns alternating, starting with the user
+and ending with the assistant, every content a non-empty string. A row that is not valid UTF-8, not JSON, lacks a
+field, names an unknown role, breaks the order or has an empty content is *bad*: ``data.bad_rows=raise`` stops
+with its file:line, ``drop`` skips it and counts it per reason (`REASONS`).
+
+A new format is one `Format` in `FORMATS` (its fields, the key that detects it, its parser, its bad-row reasons)
+and, when its `Example` is not a conversation or a prompt/completion, an encoder for it (`jaxtune.data.sft`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxtune.config import DataConfig
+from jaxtune.data.errors import DataError
+from jaxtune.data.rows import READ_REASONS, BadRow, file_rows, read_rows
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Example:
+    """A row understood: ``messages`` for the chat formats, or (``prompt``, ``completion``)."""
+
+    messages: tuple[dict[str, str], ...] = ()
+    prompt: str = ""
+    completion: str = ""
+
+    def texts(self) -> list[str]:
+        return [m["content"] for m in self.messages] if self.messages else [self.prompt, self.completion]
+
+
+@dataclass(frozen=True)
+class Format:
+    """One fine-tuning row format.
+
+    ``fields``: the format's field names by what they hold (``data.fields`` renames them); ``detect_key``: a row
+    holding this key is taken to be of this format (`detect_format`, in `FORMATS` order); ``parse(record, fields,
+    data_cfg)``: a row (a dict) as an `Example`, or `BadRow`; ``reasons``: the `BadRow` reasons ``parse`` gives;
+    ``chat``: rendered with the chat template (else raw text)."""
+
+    name: str
+    fields: dict[str, str]
+    detect_key: str
+    parse: Callable[[dict, dict[str, str], DataConfig], Example]
+    reasons: tuple[str, ...]
+    chat: bool = True
+
+
+def _string(record: dict, key: str, name: str, required: bool = True) -> str:
+    if key not in record or record[key] is None:
+        if required:
+            raise BadRow("missing_field", f"no {key!r} field (found {sorted(record)})"
+                         + (f"; set data.fields.{name} to the field's name" if key == name else ""))
+        return ""
+    value = record[key]
+    if not isinstance(value, str):
+        raise BadRow("bad_type", f"field {key!r} is {type(value).__name__}, not a string")
+    return value
+
+
+def _prompt_completion(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Example:
+    prompt, completion = _string(record, fields["prompt"], "prompt"), _string(record, fields["completion"],
+                                                                             "completion")
+    if not completion.strip():
+        raise BadRow("empty_content", "the completion is empty")
+    return Example(prompt=prompt, completion=completion)
+
+
+def _alpaca(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Example:
+    instruction = _string(record, fields["instruction"], "instruction")
+    extra = _string(record, fields["input"], "input", required=False)
+    output = _string(record, fields["output"], "output")
+    system = _string(record, fields["system"], "system", required=False)
+    if not instruction.strip() or not output.strip():
+        raise BadRow("empty_content", f"empty {'instruction' if not instruction.strip() else 'output'}")
+    user = instruction + (f"\n\n{extra}" if extra.strip() else "")
+    msgs = ([{"role": "system", "content": system}] if system.strip() else []) + [
+        {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    return Example(messages=tuple(msgs))
+
+
+def _messages(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Example:
+    return _conversation(record, fields, {r: r for r in ROLES}, unknown_role_hint="")
+
+
+def _sharegpt(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Example:
+    return _conversation(record, fields, {**SHAREGPT_ROLES, **data_cfg.roles},
+                         unknown_role_hint="; map it with data.roles")
+
+
+def _conversation(record: dict, fields: dict[str, str], role_names: dict[str, str],
+                  unknown_role_hint: str) -> Example:
+    """The list of turns under ``fields["messages"]``, each a ``fields["role"]`` (a key of ``role_names``) and a
+    ``fields["content"]``, as an `Example` of messages in the order the module docstring gives."""
+    turns = record.get(fields["messages"])
+    if turns is None:
+        raise BadRow("missing_field", f"no {fields['messages']!r} field (found {sorted(record)}); "
+                     "set data.fields.messages to the field holding the conversation")
+    if not isinstance(turns, list) or not turns:
+        raise BadRow("bad_type", f"{fields['messages']!r} must be a non-empty list of turns")
+    msgs = []
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRow("bad_type", f"turn {k} is {type(turn).__name__}, not an object")
+        speaker = _string(turn, fields["role"], "role")
+        if speaker not in role_names:
+            raise BadRow("unknown_role", f"turn {k} has role {speaker!r}; known: {sorted(role_names)}"
+                         + unknown_role_hint)
+        content = _string(turn, fields["content"], "content")
+        if not content.strip():
+            raise BadRow("empty_content", f"turn {k} ({speaker}) has empty content")
+        msgs.append({"role": role_names[speaker], "content": content})
+    _check_order([m["role"] for m in msgs])
+    return Example(messages=tuple(msgs))
+
+
+def _check_order(roles: list[str]) -> None:
+    body = roles[1:] if roles[0] == "system" else roles
+    for k, role in enumerate(body):
+        expected = "user" if k % 2 == 0 else "assistant"
+        if role != expected:
+            offset = len(roles) - len(body)
+            raise BadRow("role_order", f"turn {k + offset} is {role!r} where {expected!r} was expected (an optional "
+                         "system turn, then user and assistant alternating)")
+    if not body or body[-1] != "assistant":
+        raise BadRow("role_order", "the conversation does not end with an assistant turn")
+
+
+_CONVERSATION_REASONS = ("missing_field", "bad_type", "unknown_role", "role_order", "empty_content")
+_FIELD_REASONS = ("missing_field", "bad_type", "empty_content")
+
+# In detection order: the first format whose detect_key a row holds is the row's.
+FORMATS = {f.name: f for f in (
+    Format("messages", {"messages": "messages", "role": "role", "content": "content"}, "messages", _messages,
+           _CONVERSATION_REASONS),
+    Format("sharegpt", {"messages": "conversations", "role": "from", "content": "value"}, "conversations", _sharegpt,
+           _CONVERSATION_REASONS),
+    Format("alpaca", {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
+           "instruction", _alpaca, _FIELD_REASONS),
+    Format("prompt_completion", {"prompt": "prompt", "completion": "completion"}, "prompt", _prompt_completion,
+           _FIELD_REASONS, chat=False),
+)}
+# Why a row was bad (data.bad_rows): unreadable first, then each format's reasons, in this order in reports.
+REASONS = tuple(dict.fromkeys([*READ_REASONS, *(r for f in FORMATS.values() for r in f.reasons)]))
+
+
+def field_names(data_cfg: DataConfig) -> dict[str, str]:
+    """The field names of ``data.format``'s rows: its defaults with ``data.fields``' renames."""
+    defaults = FORMATS[data_cfg.format].fields
+    unknown = sorted(set(data_cfg.fields) - set(defaults))
+    if unknown:
+        raise DataError(f"data.fields.{unknown[0]} does not apply to data.format={data_cfg.format}; "
+                        f"its fields are {sorted(defaults)}")
+    return {**defaults, **data_cfg.fields}
+
+
+def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Example:
+    """A row as an `Example` of ``data.format``, or `BadRow` saying why it is not one; ``fields``: `field_names`."""
+    if isinstance(record, BadRow):
+        raise record
+    if not isinstance(record, dict):
+        raise BadRow("bad_type", f"a row must be a JSON object, not {type(record).__name__}")
+    return FORMATS[data_cfg.format].parse(record, fields, data_cfg)
+
+
+def iter_turn_texts(data_cfg: DataConfig) -> Iterator[str]:
+    """The text of every turn of every readable row: what a BPE tokenizer for this data learns from."""
+    fields = field_names(data_cfg)
+    for _, record in read_rows(data_cfg.sources, data_cfg):
+        try:
+            yield "\n".join(parse_row(record, data_cfg, fields).texts())
+        except BadRow:
+            continue
+
+
+def detect_format(path: str) -> str:
+    """The SFT format a JSONL/JSON file's first row looks like (``text`` when it looks like none)."""
+    for _, record in file_rows(Path(path).expanduser()):
+        if isinstance(record, dict):
+            for fmt in FORMATS.values():
+                if fmt.detect_key in record:
+                    return fmt.name
+        return "text"
+    return "text"
+
+
+def renders_chat(format_name: str) -> bool:
+    """Whether rows of ``data.format`` are rendered by the chat template (prompts are then user turns too)."""
+    return format_name in FORMATS and FORMATS[format_name].chat

@@ -1,0 +1,127 @@
+"""``train(cfg)``: the training loop, top to bottom.
+
+run directory → checkpoints → mesh → data → model, objective, steps → restore or init → loop → final report.
+Each component owns its own schedule and files: `Checkpointer` (``checkpoint.every``, identity check),
+`StepLog` (metrics, NaN policy), `Evaluator` (held-out loss, samples, report.md), `Preemption` (SIGTERM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxtune import sharding
+from jaxtune.backends import backend_of
+from jaxtune.config import Config, dump_config
+from jaxtune.data import load_tokenizer, make_training_data
+from jaxtune.evaluate import Evaluator
+from jaxtune.models.family import check_fits
+from jaxtune.train import distributed
+from jaxtune.train.checkpoint import Checkpointer
+from jaxtune.train.metrics import NonFiniteLossError, StepLog, write_summary
+from jaxtune.train.objectives import make_objective
+from jaxtune.train.step import jit_steps
+
+__all__ = ["NonFiniteLossError", "TrainResult", "train"]
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss, for the steps run here
+    eval_loss: float | None = None
+    step_compiles: int = 0
+    nan_skipped: int = 0
+    preempted: bool = False
+    samples: list[str] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "samples"} per evaluation
+
+
+def train(cfg: Config) -> TrainResult:
+    """Train (or resume) the run described by ``cfg``; re-running the same config resumes it."""
+    multi_host = distributed.initialize(cfg.distributed)  # before anything touches a device
+    backend = backend_of(cfg)
+    run_dir = cfg.run_path
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.train.compile_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(Path(cfg.train.compile_cache_dir).expanduser()))
+    proc, total = jax.process_index(), cfg.train.steps
+
+    # Checkpoints first: resuming with a different model/data/seed is refused before any work is done.
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    start = ckpt.resume_step(cfg.to_dict())
+    if proc == 0:
+        dump_config(cfg, run_dir / "config.yaml")
+
+    # Mesh and data.
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.data)
+    data = make_training_data(cfg.data, tokenizer, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
+                              eval_batches=cfg.eval.batches, process_index=proc, process_count=jax.process_count())
+    if proc == 0:
+        tokenizer.save(run_dir / "tokenizer")  # after the data: fine-tuning data may set its chat template
+
+    # Model, optimizer and objective: the train and eval steps, jitted once (state donated, shardings explicit).
+    spec = backend.build(cfg, tokenizer.vocab_size, mesh)
+    check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
+    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train)
+
+    # Restore or init. Frozen params (a LoRA base) are not in the checkpoint: they are read again.
+    if start:
+        state, data_state = ckpt.restore(start, spec.abstract)
+        data.train_iter.set_state(data_state)
+    else:
+        state = spec.init(cfg.train.seed)
+    frozen = spec.load_frozen(cfg.train.seed)
+
+    # Components that report.
+    log = StepLog(run_dir, cfg, start, spec.model_cfg, ckpt)
+    evaluator = Evaluator(cfg, steps, tokenizer, data.eval_batches, run_dir, log)
+    for line in ckpt.notes(start, total) + data.report:
+        log.message(line)
+
+    def save(step: int) -> None:
+        log.drain()  # never save a state whose loss has not been checked
+        ckpt.save(step, state, data.train_iter.get_state(), cfg.to_dict())
+
+    # Loop.
+    with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(mesh):
+        step = start
+        if start == 0 and evaluator.active:
+            evaluator.run(0, state.params, frozen)  # the baseline the run report compares against
+        while step < total:
+            state, metrics = steps.train(state, sharding.global_batch(mesh, next(data.train_iter)), frozen)
+            step += 1
+            log.push(step, metrics)
+            if evaluator.due(step):
+                log.drain()
+                evaluator.run(step, state.params, frozen)
+            stop = preemption.reached(step)
+            if ckpt.due(step) or step == total or stop:
+                save(step)
+            if stop:
+                log.message(f"SIGTERM: saved step {step}, exiting; re-run the same command to resume")
+                break
+        log.drain()
+        if step == total:
+            if ckpt.latest_step() != total:
+                save(total)
+            evaluator.run(total, state.params, frozen)
+
+    # Close and report.
+    ckpt.close()
+    data.close()
+    log.close()
+    result = TrainResult(run_dir, step, log.losses, evaluator.last_loss, steps.compiles, log.nan_skipped,
+                         preemption.requested, evaluator.samples, evaluator.evals)
+    if proc == 0:
+        write_summary(run_dir, {"step": step, "final_train_loss": log.losses.get(step), "eval_loss": result.eval_loss,
+                                "nan_skipped": log.nan_skipped, "preempted": result.preempted,
+                                "params": spec.model_cfg.num_params(), "step_compiles": steps.compiles},
+                      result.preempted)
+        evaluator.write_report()
+    return result

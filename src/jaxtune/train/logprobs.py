@@ -1,0 +1,49 @@
+"""Log-probabilities of given tokens from logits, whole or a chunk of sequence positions at a time.
+
+Every objective reads the model through these: cross-entropy is minus their (masked) sum, DPO's and GRPO's
+sequence log-probs are their sums over a completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+LOGITS_BUDGET = 1 << 30  # bytes of float32 logits the auto policy materialises at once (1 GiB)
+CHUNK_BUDGET = 1 << 28  # bytes per chunk when it does chunk (256 MiB)
+
+
+def loss_chunk_size(batch: int, seq: int, vocab: int, requested: int = 0) -> int:
+    """Sequence positions per log-prob chunk: ``requested`` when set (> 0), else ``seq`` (no chunking) while the
+    full float32 logits fit LOGITS_BUDGET, else the largest divisor of ``seq`` within CHUNK_BUDGET."""
+    if requested > 0:
+        if seq % requested and requested < seq:
+            raise ValueError(f"train.loss_chunk={requested} does not divide the sequence length {seq}")
+        return min(requested, seq)
+    if batch * seq * vocab * 4 <= LOGITS_BUDGET:
+        return seq
+    fits = [c for c in range(1, seq + 1) if seq % c == 0 and batch * c * vocab * 4 <= CHUNK_BUDGET]
+    return max(fits or [1])
+
+
+def token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """logits (B, T, V) float32, targets (B, T) int32 -> (B, T) log p(targets)."""
+    return -optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+def chunked_token_logps(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
+                        chunk: int) -> jax.Array:
+    """`token_logps` of ``head(hidden)`` computed ``chunk`` sequence positions at a time.
+
+    hidden (B, T, D) -> head -> (B, chunk, V) float32 logits per chunk, rematerialised in the backward pass, so
+    at most one chunk of logits is alive: a 262k vocabulary never holds (B, T, V) floats. Returns (B, T).
+    """
+    b, t, d = hidden.shape
+    n = t // chunk
+    xs = (hidden.reshape(b, n, chunk, d).swapaxes(0, 1), targets.reshape(b, n, chunk).swapaxes(0, 1))
+    one = jax.checkpoint(lambda h, tgt: token_logps(head(h), tgt))
+    _, ys = jax.lax.scan(lambda carry, x: (carry, one(*x)), None, xs)  # (n, B, chunk)
+    return ys.swapaxes(0, 1).reshape(b, t)
