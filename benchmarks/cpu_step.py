@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from _harness import add_common_args, first_call, interleave, pin_threads, run_record, timing_row
 from torch import nn
 
-from jaxtune.config import load_config
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
+from jaxtune.config import load_config
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.step import jit_steps
 

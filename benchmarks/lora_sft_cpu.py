@@ -4,8 +4,8 @@ One random Llama-architecture transformers model (fp32, seeded) is written with 
 dir, and both sides start from it:
 
 - jaxtune: a config with ``model.from_hf=<dir>``, ``model.lora.rank/alpha/targets`` and AdamW, built exactly as
-  ``train()`` builds it: ``make_state_spec`` → ``StateSpec.init`` (the adapters) and ``load_frozen`` (the base
-  read from the checkpoint, outside the train state) → ``make_train_step`` → ``jax.jit`` with explicit
+  ``train()`` builds it: ``make_state_spec`` → ``NativeSpec.init`` (the adapters) and ``load_frozen`` (the base
+  read from the checkpoint, outside the train state) → ``jit_steps`` (``jax.jit`` with explicit
   in/out shardings, the state donated, the frozen base passed as a third argument; under ``use_mesh``.
 - transformers + PEFT: ``LlamaForCausalLM.from_pretrained(<dir>, attn_implementation="eager" | "sdpa")`` wrapped
   by ``get_peft_model(LoraConfig(r, lora_alpha, target_modules=q_proj ... down_proj, lora_dropout=0))``,
@@ -61,10 +61,10 @@ from _harness import (
     timing_row,
 )
 
+from jaxtune import sharding
 from jaxtune.config import load_config
 from jaxtune.models.lora import peft_tensors
 from jaxtune.models.registry import FAMILIES
-from jaxtune import sharding
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RTOL = 1e-4  # same weights, adapters and batch: step-1 losses agree to float32 reduction-order noise

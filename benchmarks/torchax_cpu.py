@@ -7,8 +7,8 @@ One random Llama-architecture transformers model (fp32, seeded, untied head) is 
 - jaxtune native: ``model.from_hf=<dir>`` (jaxtune's Flax Llama, weights read from the checkpoint).
 - jaxtune torchax: the same config with ``model.backend=torchax`` (the transformers module itself, run through
   torchax by ``torch.func.functional_call`` with JAX arrays as its weights; ``attn_implementation="sdpa"``).
-  Both jaxtune sides are built exactly as ``train()`` builds them: ``make_state_spec`` → ``StateSpec.init`` /
-  ``load_frozen`` → ``build_steps`` → ``jax.jit`` with explicit in/out shardings, the state donated, the
+  Both jaxtune sides are built exactly as ``train()`` builds them: ``make_state_spec`` → ``init`` /
+  ``load_frozen`` → ``jit_steps`` (``jax.jit`` with explicit in/out shardings, the state donated, the
   (empty) frozen group as the third argument; under ``use_mesh``; batches through ``sharding.global_batch``.
 - PyTorch eager: ``LlamaForCausalLM.from_pretrained(<dir>, attn_implementation="sdpa")`` with
   ``torch.optim.AdamW`` and ``clip_grad_norm_``.
@@ -73,9 +73,9 @@ from _harness import (
     timing_row,
 )
 
-from jaxtune.config import load_config
-from jaxtune.backends.torchax.compat import import_torchax
 from jaxtune import sharding
+from jaxtune.backends.torchax.compat import import_torchax
+from jaxtune.config import load_config
 from jaxtune.train.optim import decay_mask
 
 LOSS_RTOL = 1e-5  # same weights and batch: step-1 losses agree to float32 reduction-order noise

@@ -137,3 +137,15 @@ def test_identity_diff_lists_only_identity_keys():
     assert any(d.startswith("model.n_layer") for d in diff)
     assert any(d.startswith("train.seed") for d in diff)
     assert not any(d.startswith(("train.steps", "logging.")) for d in diff)
+
+
+def test_identity_diff_reads_an_older_checkpoint_config():
+    """A checkpoint written before a key existed (objective) or while the native model section still held the
+    torchax keys resumes: missing keys count as their default, removed keys are not compared; a changed
+    free-form mapping (data.fields) still counts."""
+    cur = load_config(None, ["data.format=messages"]).to_dict()
+    old = {**cur, "model": {**cur["model"], "hf_config": None, "trust_remote_code": False}}
+    del old["objective"]
+    assert identity_diff(old, cur) == []
+    renamed = {**cur, "data": {**cur["data"], "fields": {"messages": "turns"}}}
+    assert identity_diff(renamed, cur) == ["data.fields: checkpoint has {'messages': 'turns'}, config has {}"]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtune.models.sampling import Generator, bucket, sample_logits
 from jaxtune.models.gpt2 import GPT, GPTConfig
+from jaxtune.models.sampling import Generator, bucket, sample_logits
 
 CFG = GPTConfig.tiny()  # 128-token context
 CTX = CFG.max_seq_len

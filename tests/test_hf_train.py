@@ -14,14 +14,14 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from jaxtune.backends.native import NativeForward
 from jaxtune.cli import main
 from jaxtune.config import load_config
 from jaxtune.data import load_tokenizer
 from jaxtune.evaluate import load_run
+from jaxtune.loop import train
 from jaxtune.models import build_model, from_hf
 from jaxtune.models.gemma3 import PRESETS as GEMMA3
-from jaxtune.loop import train
-from jaxtune.backends.native import NativeForward
 from jaxtune.train.logprobs import chunked_token_logps, loss_chunk_size
 from jaxtune.train.objectives import CrossEntropy
 
@@ -58,7 +58,8 @@ def test_chunked_loss_equals_plain_loss():
              "loss_mask": jnp.asarray(rng.random((2, 32)) > 0.2, jnp.float32)}
 
     def value_and_grads(chunk):
-        return jax.jit(jax.value_and_grad(lambda p: CrossEntropy()(NativeForward(graphdef, cfg.vocab_size, chunk), p, batch, None)[0]))(params)
+        forward = NativeForward(graphdef, cfg.vocab_size, chunk)
+        return jax.jit(jax.value_and_grad(lambda p: CrossEntropy()(forward, p, batch, None)[0]))(params)
 
     (plain, g_plain), (chunked, g_chunked) = value_and_grads(32), value_and_grads(8)
     assert abs(float(chunked) - float(plain)) <= 1e-6 * abs(float(plain))

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from flax import traverse_util
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
@@ -334,18 +333,27 @@ IDENTITY_KEYS = ("train.seed", "train.batch_size", "train.micro_batches")
 
 
 def identity_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between a checkpoint's config and the current one."""
-    a, b = _flatten(saved), _flatten(current)
-    keys = sorted(set(a) | set(b))
-    return [
-        f"{k}: checkpoint has {a.get(k)!r}, config has {b.get(k)!r}"
-        for k in keys
-        if (k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS) and a.get(k) != b.get(k)
-    ]
+    """Dotted keys whose values differ between a checkpoint's config and the current one. A key the checkpoint's
+    config lacks (added to jaxtune since it was written) counts as that key's default; a key the current config
+    lacks (removed since) is not compared."""
+    a, b, defaults = _flatten(saved), _flatten(current), _flatten(Config().to_dict())
+    old = {k: a.get(k, defaults.get(k)) for k in b}
+    return [f"{k}: checkpoint has {old[k]!r}, config has {b[k]!r}" for k in sorted(b)
+            if (k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS) and old[k] != b[k]]
 
 
-def _flatten(d: dict[str, Any]) -> dict[str, Any]:
-    return traverse_util.flatten_dict(d, sep=".")
+# Config fields holding free-form mappings: compared whole, not as sections.
+_MAPPINGS = ("fields", "roles")
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in _MAPPINGS:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def resolve_config_path(path: str | Path) -> Path:

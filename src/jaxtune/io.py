@@ -21,6 +21,7 @@ from typing import IO, Any
 import jax
 import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
            "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -105,8 +106,6 @@ def host(x: Any) -> np.ndarray:
     """An array on this host as numpy; an array sharded over several hosts is gathered first (every host must call
     this together)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(x)
 

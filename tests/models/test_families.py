@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jaxtune.info import info
+from jaxtune.loop import train
 from jaxtune.models import FAMILIES, model_config
 from jaxtune.models.registry import model_layout
-from jaxtune.loop import train
 
 
 @pytest.mark.parametrize("family,extra", [

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtune.models.gpt2 import GPT, GPTConfig
+from jaxtune.models.gpt2 import GPT, PRESETS, GPTConfig
 
 B, T = 2, 16
 
@@ -57,7 +57,7 @@ def stack_blocks(params: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def cfg() -> GPTConfig:
-    return GPTConfig.tiny(max_seq_len=64)
+    return PRESETS["tiny"](max_seq_len=64)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_logits_match_transformers_gpt2(hf_gpt2_to_params):
         for p in hf.parameters():
             p.add_(0.05 * torch.randn_like(p))
 
-    cfg = GPTConfig.tiny(max_seq_len=64, ln_eps=1e-5)
+    cfg = PRESETS["tiny"](max_seq_len=64, ln_eps=1e-5)
     ids = np.asarray(tokens(1))
     with torch.no_grad():
         want = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
@@ -207,8 +207,8 @@ def count(cfg: GPTConfig) -> int:
 
 
 PRESETS = {
-    "tiny": GPTConfig.tiny(),
-    "tiny-scan-dff": GPTConfig.tiny(scan_layers=True, d_ff=96),
+    "tiny": PRESETS["tiny"](),
+    "tiny-scan-dff": PRESETS["tiny"](scan_layers=True, d_ff=96),
     "gpt2-124m": GPTConfig.gpt2_124m(),
 }
 

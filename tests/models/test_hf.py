@@ -34,11 +34,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtune.models.sampling import Generator
-from jaxtune.models.family import UnsupportedModelError
 from jaxtune.export import export
 from jaxtune.io import CheckpointError, write_safetensors
+from jaxtune.models.family import UnsupportedModelError
 from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
+from jaxtune.models.sampling import Generator
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

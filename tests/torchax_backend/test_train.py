@@ -80,8 +80,8 @@ def phi3_dir(tmp_path):
 
 def test_phi3_lora_exports_a_peft_adapter_peft_reloads(phi3_dir, tiny_overrides, tmp_path):
     from jaxtune.evaluate import load_run
-    from jaxtune.models.family import UnsupportedModelError
     from jaxtune.export import export
+    from jaxtune.models.family import UnsupportedModelError
     from jaxtune.models.hf import read_hf_config
 
     with pytest.raises(UnsupportedModelError):
@@ -198,8 +198,8 @@ def _hf_config(overrides: list[str]) -> str:
 
 
 def _model(hf_config: str, **kw):
-    from jaxtune.config import TorchaxModelConfig
     from jaxtune.backends.torchax.model import TorchaxModel, build_torch_model
+    from jaxtune.config import TorchaxModelConfig
 
     mc = TorchaxModelConfig(hf_config=hf_config, **kw)
     return TorchaxModel(build_torch_model(mc, 0), remat=mc.remat, compute_dtype=mc.compute_dtype)

@@ -28,18 +28,18 @@ import pytest
 import yaml
 from conftest import save_chatml_tokenizer
 
+from jaxtune.backends.native import NativeForward, NativeSpec
 from jaxtune.cli import main
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import load_tokenizer
 from jaxtune.data.sft import Encoded, Examples, PackedRows
 from jaxtune.evaluate import load_run
-from jaxtune.models import model_config
 from jaxtune.io import SafetensorsFile
+from jaxtune.loop import train
+from jaxtune.models import model_config
 from jaxtune.models.hf import HFCheckpoint, load_params
 from jaxtune.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, write_adapter
 from jaxtune.models.registry import FAMILIES, merge, model_layout
-from jaxtune.loop import train
-from jaxtune.backends.native import NativeForward, NativeSpec
 from jaxtune.train.objectives import CrossEntropy
 from jaxtune.train.state import init_state
 from jaxtune.train.step import make_train_step, objective_loss
@@ -122,7 +122,8 @@ def test_packed_loss_and_grads_equal_unpacked(tiny_llama):
     _, graphdef, params = tiny_llama
     examples = _conversations()
     packed, alone = _packed_and_alone(examples)
-    fn = jax.jit(jax.value_and_grad(lambda p, b: CrossEntropy()(NativeForward(graphdef, VOCAB), p, b, None)[:2], has_aux=True))
+    forward = NativeForward(graphdef, VOCAB)
+    fn = jax.jit(jax.value_and_grad(lambda p, b: CrossEntropy()(forward, p, b, None)[:2], has_aux=True))
     (loss_p, n_p), g_p = fn(params, packed)
     (loss_a, n_a), g_a = fn(params, alone)
     assert float(n_p) == float(n_a) == sum(float(examples.row(i)[1][1:].sum()) for i in range(3))
@@ -168,7 +169,8 @@ def test_batch_without_trained_tokens():
     assert all(k in ("lora_a", "lora_b") for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
                for k in [p[-1].key])
     tx = optax.adamw(1e-2, weight_decay=0.0)
-    step = jax.jit(make_train_step(objective_loss(CrossEntropy(), NativeForward(graphdef, VOCAB), NativeSpec.weights), tx, optax.constant_schedule(1e-2), micro_batches=2, use_dropout=False))
+    loss = objective_loss(CrossEntropy(), NativeForward(graphdef, VOCAB), NativeSpec.weights)
+    step = jax.jit(make_train_step(loss, tx, optax.constant_schedule(1e-2), micro_batches=2, use_dropout=False))
     examples = _conversations()
     batch = _stack([PackedRows(examples, [[0, 1]], SEQ)[0], PackedRows(examples, [[2]], SEQ)[0]])
     batch["loss_mask"] = jnp.zeros_like(batch["loss_mask"])
@@ -515,8 +517,8 @@ def test_bf16_frozen_base_and_full_adafactor_remat(chat, tmp_path):
     """LoRA with model.param_dtype=bfloat16 holds the frozen base in bf16 (read from the fp32 checkpoint) and the
     adapters in fp32, and trains; full fine-tuning with Adafactor, full remat and 2 micro-batches trains every
     parameter (the embedding moves), compiling once."""
-    from jaxtune.sharding import make_mesh
     from jaxtune.backends import make_state_spec
+    from jaxtune.sharding import make_mesh
 
     cfg = load_config(None, _lora_overrides(chat, tmp_path / "bf16", "model.param_dtype=bfloat16",
                                             "model.compute_dtype=bfloat16", "train.steps=3", "optim.decay_steps=3"))

@@ -4,7 +4,6 @@ NaN policies and bad inputs. Tiny model, real stdlib text, CPU."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import signal
@@ -17,13 +16,13 @@ import jax
 import numpy as np
 import pytest
 
+from jaxtune import loop as loop_mod
+from jaxtune.backends import make_state_spec
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import DataError
-from jaxtune import loop as loop_mod
-from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.loop import NonFiniteLossError, train
 from jaxtune.sharding import make_mesh
-from jaxtune.backends import make_state_spec
+from jaxtune.train.checkpoint import Checkpointer
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

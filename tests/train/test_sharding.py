@@ -124,8 +124,8 @@ def test_lora_adapters_shard_with_their_base(tmp_path, tiny_overrides):
     """LoRA on 8 devices: A (in, r) is sharded like its base kernel's input axis and B (r, out) like its output
     axis, the frozen base exactly as without LoRA; data8 and data2 x fsdp2 x tensor2 give the single-device
     losses (<=1e-5 rel) and compile once."""
-    from jaxtune.sharding import abstract_mesh
     from jaxtune.backends import make_state_spec
+    from jaxtune.sharding import abstract_mesh
 
     base = tiny_overrides + ["train.steps=10", "checkpoint.every=10", "model.n_head=8", "model.family=llama",
                              "model.lora.rank=4", "optim.lr=1e-2", f"run_dir={tmp_path / 'layout'}"]

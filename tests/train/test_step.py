@@ -8,9 +8,9 @@ import numpy as np
 import optax
 import pytest
 
+from jaxtune.backends import make_state_spec
 from jaxtune.config import load_config
 from jaxtune.sharding import make_mesh
-from jaxtune.backends import make_state_spec
 from jaxtune.train.objectives import CrossEntropy
 from jaxtune.train.step import make_train_step, objective_loss
 
@@ -20,6 +20,10 @@ V = 512
 def _setup(*overrides):
     cfg = load_config(None, ["model.preset=tiny", "model.max_seq_len=32", "optim.warmup_steps=0", *overrides])
     return cfg, make_state_spec(cfg, V, make_mesh(1, 1, 1, jax.devices()[:1]))
+
+
+def _ce(spec):
+    return objective_loss(CrossEntropy(), spec.forward(), spec.weights)
 
 
 def _batch(rows, t=32, seed=0, mask=False):
@@ -55,7 +59,7 @@ def test_grad_accumulation_equals_large_batch(mask):
     for micro in (1, 4):
         state = spec.init(0)
         state = state._replace(opt_state=tx.init(state.params))
-        state, m = jax.jit(make_train_step(objective_loss(CrossEntropy(), spec.forward(), spec.weights), tx, spec.lr_schedule, micro_batches=micro))(state, batch)
+        state, m = jax.jit(make_train_step(_ce(spec), tx, spec.lr_schedule, micro_batches=micro))(state, batch)
         results[micro] = (state.opt_state, m)
     (g1, m1), (g4, m4) = results[1], results[4]
     assert _rel(m4["loss"], m1["loss"]) <= 1e-6
@@ -69,7 +73,7 @@ def test_loss_is_token_weighted_not_mean_of_means():
     cfg, spec = _setup()
     batch = _batch(8, mask=True)
     state = spec.init(0)
-    _, m = jax.jit(make_train_step(objective_loss(CrossEntropy(), spec.forward(), spec.weights), spec.tx, spec.lr_schedule, micro_batches=4))(state, batch)
+    _, m = jax.jit(make_train_step(_ce(spec), spec.tx, spec.lr_schedule, micro_batches=4))(state, batch)
     # Reference: per-token losses from the unsplit batch, weighted by the mask.
     s, n, _ = CrossEntropy()(spec.forward(), spec.init(0).params, batch, None)
     assert float(n) == float(batch["loss_mask"].sum())
@@ -80,7 +84,7 @@ def test_skip_policy_keeps_params_on_nonfinite_step():
     cfg, spec = _setup()
     batch = _batch(4, mask=True)
     bad = dict(batch, loss_mask=batch["loss_mask"].at[0, 0].set(jnp.nan))
-    step = jax.jit(make_train_step(objective_loss(CrossEntropy(), spec.forward(), spec.weights), spec.tx, spec.lr_schedule, skip_nonfinite=True))
+    step = jax.jit(make_train_step(_ce(spec), spec.tx, spec.lr_schedule, skip_nonfinite=True))
     state = spec.init(0)
     before = jax.tree.map(np.asarray, state.params)
     state, m = step(state, bad)
@@ -93,7 +97,7 @@ def test_skip_policy_keeps_params_on_nonfinite_step():
 
 def test_dropout_key_is_a_function_of_seed_and_step():
     cfg, spec = _setup("model.dropout=0.1")
-    step = jax.jit(make_train_step(objective_loss(CrossEntropy(), spec.forward(), spec.weights), spec.tx, spec.lr_schedule, use_dropout=True))
+    step = jax.jit(make_train_step(_ce(spec), spec.tx, spec.lr_schedule, use_dropout=True))
     batch = _batch(4)
     losses = []
     for _ in range(2):
@@ -111,7 +115,7 @@ def test_dropout_key_is_a_function_of_seed_and_step():
 def test_optimizers_reduce_loss(name):
     lr = {"adamw": 3e-3, "adafactor": 1e-2, "sgd": 0.3}[name]
     cfg, spec = _setup(f"optim.name={name}", f"optim.lr={lr}", "optim.schedule=constant")
-    step = jax.jit(make_train_step(objective_loss(CrossEntropy(), spec.forward(), spec.weights), spec.tx, spec.lr_schedule), donate_argnums=0)
+    step = jax.jit(make_train_step(_ce(spec), spec.tx, spec.lr_schedule), donate_argnums=0)
     batch = _batch(8)
     state = spec.init(0)
     first = None
@@ -134,7 +138,7 @@ def test_bf16_compute_scan_and_remat_train():
     """fp32 master params + bf16 compute, scanned layers and remat: params stay fp32, the loss falls."""
     cfg, spec = _setup("model.compute_dtype=bfloat16", "model.scan_layers=true", "model.remat=dots",
                        "optim.lr=3e-3", "optim.schedule=constant")
-    step = jax.jit(make_train_step(objective_loss(CrossEntropy(), spec.forward(), spec.weights), spec.tx, spec.lr_schedule, micro_batches=2), donate_argnums=0)
+    step = jax.jit(make_train_step(_ce(spec), spec.tx, spec.lr_schedule, micro_batches=2), donate_argnums=0)
     batch = _batch(8)
     state = spec.init(0)
     losses = []

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtune.backends import make_state_spec
 from jaxtune.config import load_config
 from jaxtune.sharding import make_mesh
-from jaxtune.backends import make_state_spec
 from jaxtune.train.objectives import CrossEntropy
 from jaxtune.train.step import make_train_step, objective_loss
 
@@ -33,7 +33,8 @@ def test_adamw_training_matches_pytorch(hf_gpt2_to_params):
     spec = make_state_spec(cfg, V, make_mesh(1, 1, 1, jax.devices()[:1]))
     params = hf_gpt2_to_params(hf, 2)
     state = spec.init(0)._replace(params=params, opt_state=spec.tx.init(params))
-    step = jax.jit(make_train_step(objective_loss(CrossEntropy(), spec.forward(), spec.weights), spec.tx, spec.lr_schedule, use_dropout=False))
+    loss = objective_loss(CrossEntropy(), spec.forward(), spec.weights)
+    step = jax.jit(make_train_step(loss, spec.tx, spec.lr_schedule, use_dropout=False))
 
     rng = np.random.RandomState(0)
     pair = [rng.randint(0, V, (B, T + 1)).astype(np.int64) for _ in range(2)]

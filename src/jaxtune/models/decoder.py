@@ -8,7 +8,6 @@ F d_ff, V vocab, L layers.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 

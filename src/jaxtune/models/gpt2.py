@@ -5,9 +5,9 @@ Shapes: B batch, T query length, S key length (cache), D d_model, N heads, H hea
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -55,32 +55,6 @@ class GPTConfig(RuntimeConfig):
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
 
-    # Presets are code. Sizes from the GPT-2 paper; `tiny` is for tests (dims divide an 8-device mesh).
-    @classmethod
-    def tiny(cls, **kw) -> GPTConfig:
-        return cls(**{"vocab_size": 512, "max_seq_len": 128, "n_layer": 2, "n_head": 4, "d_model": 64, **kw})
-
-    @classmethod
-    def minigpt(cls, **kw) -> GPTConfig:
-        """The seed 001 miniGPT (TinyStories): 8 layers, d=512, 8 heads, 256 context."""
-        return cls(**{"vocab_size": 50257, "max_seq_len": 256, "n_layer": 8, "n_head": 8, "d_model": 512, **kw})
-
-    @classmethod
-    def gpt2_124m(cls, **kw) -> GPTConfig:
-        return cls(**{"n_layer": 12, "n_head": 12, "d_model": 768, **kw})
-
-    @classmethod
-    def gpt2_355m(cls, **kw) -> GPTConfig:
-        return cls(**{"n_layer": 24, "n_head": 16, "d_model": 1024, **kw})
-
-    @classmethod
-    def gpt2_774m(cls, **kw) -> GPTConfig:
-        return cls(**{"n_layer": 36, "n_head": 20, "d_model": 1280, **kw})
-
-    @classmethod
-    def gpt2_1558m(cls, **kw) -> GPTConfig:
-        return cls(**{"n_layer": 48, "n_head": 25, "d_model": 1600, **kw})
-
     def num_params(self, non_embedding: bool = False) -> int:
         d, f, L = self.d_model, self.ff, self.n_layer
         per_layer = 4 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
@@ -93,14 +67,17 @@ class GPTConfig(RuntimeConfig):
         return 6 * n + 12 * self.n_layer * self.d_model * seq_len
 
 
+# Presets are code. Sizes from the GPT-2 paper; `tiny` is for tests (dims divide an 8-device mesh).
+_GPT2 = partial(GPTConfig, vocab_size=50257, max_seq_len=1024)
 PRESETS = {
-    "tiny": GPTConfig.tiny,
-    "minigpt": GPTConfig.minigpt,
-    "gpt2": GPTConfig.gpt2_124m,
-    "gpt2-124m": GPTConfig.gpt2_124m,
-    "gpt2-355m": GPTConfig.gpt2_355m,
-    "gpt2-774m": GPTConfig.gpt2_774m,
-    "gpt2-1.5b": GPTConfig.gpt2_1558m,
+    "tiny": partial(GPTConfig, vocab_size=512, max_seq_len=128, n_layer=2, n_head=4, d_model=64),
+    # the seed 001 miniGPT (TinyStories): 8 layers, d=512, 8 heads, 256 context
+    "minigpt": partial(GPTConfig, vocab_size=50257, max_seq_len=256, n_layer=8, n_head=8, d_model=512),
+    "gpt2": partial(_GPT2, n_layer=12, n_head=12, d_model=768),
+    "gpt2-124m": partial(_GPT2, n_layer=12, n_head=12, d_model=768),
+    "gpt2-355m": partial(_GPT2, n_layer=24, n_head=16, d_model=1024),
+    "gpt2-774m": partial(_GPT2, n_layer=36, n_head=20, d_model=1280),
+    "gpt2-1.5b": partial(_GPT2, n_layer=48, n_head=25, d_model=1600),
 }
 
 

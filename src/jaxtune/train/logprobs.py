@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import optax
 
 LOGITS_BUDGET = 1 << 30  # bytes of float32 logits the auto policy materialises at once (1 GiB)

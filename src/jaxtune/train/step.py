@@ -1,7 +1,8 @@
 """The pure train step ``(state, batch, frozen) -> (state, metrics)``, the eval step, and both jitted for a mesh.
 
-A step is assembled from (model, objective, optimizer): `objective_loss` binds an objective to a model's forward; `make_train_step` adds gradients, accumulation, the optimizer and the NaN policy; `jit_steps` compiles
-both steps with the spec's shardings (state donated). Feature choices (accumulation, NaN policy, dropout) are made
+A step is assembled from (model, objective, optimizer): `objective_loss` binds an objective to a model's forward;
+`make_train_step` adds gradients, accumulation, the optimizer and the NaN policy; `jit_steps` compiles both steps
+with the spec's shardings (state donated). Feature choices (accumulation, NaN policy, dropout) are made
 when the step is *built*, not inside it. Training, `jaxtune eval` and the benchmarks all take their steps from
 `jit_steps`.
 """

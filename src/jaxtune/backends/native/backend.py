@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtune import sharding
+from jaxtune.backends.base import ParityModel
 from jaxtune.config import Config, ConfigError
 from jaxtune.models import FAMILIES, model_config
 from jaxtune.models.family import UnsupportedModelError
@@ -22,7 +23,6 @@ from jaxtune.models.sampling import Generator
 from jaxtune.train.logprobs import chunked_token_logps, loss_chunk_size, token_logps
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout
-from jaxtune.backends.base import ParityModel
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-
 from flax import traverse_util
 
 from jaxtune.backends.torchax.compat import import_torchax
 from jaxtune.config import LORA_OUR_TO_HF, LORA_TARGETS, ConfigError, TorchaxModelConfig
 from jaxtune.models.hf import resolve_hf_dir
 from jaxtune.models.layers import REMAT_POLICIES
-
 
 
 class UnsupportedOpError(NotImplementedError):
