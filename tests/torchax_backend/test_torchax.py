@@ -82,6 +82,20 @@ def _hf_config_dir(tmp_path: Path, family: str, vocab: int) -> Path:
     return d
 
 
+def test_hidden_states_are_what_the_output_layer_reads(tmp_path):
+    """`TorchaxModel.hidden` is the input of the module's output embedding: for Llama, logits == hidden @ W.T
+    (rel <= 1e-5), shape (B, T, D)."""
+    model = TorchaxModel(build_torch_model(TorchaxModelConfig(hf_config=str(_hf_config_dir(tmp_path, "llama", V1))),
+                                           seed=0))
+    weights = model.initial()[0]
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V1, (2, 12)), jnp.int32)
+    hidden, logits = np.asarray(model.hidden(weights, tokens)), np.asarray(model.logits(weights, tokens))
+    head = model.module.get_output_embeddings().weight.detach().numpy()
+    assert hidden.shape == (2, 12, head.shape[1])
+    ref = hidden @ head.T
+    assert np.abs(logits - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
 # --- 1. loss and gradients equal PyTorch eager ---------------------------------------------------------------------
 
 V1, B1, T1 = 96, 2, 24
@@ -249,7 +263,12 @@ def gemma3_spec(tmp_path_factory):
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: jnp.asarray(a + 0.05 * rng.standard_normal(a.shape), a.dtype), spec.host_params)
     loss_fn = objective_loss(CrossEntropy(), spec.forward(), spec.weights)
-    fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None, ()), has_aux=True))
+
+    def loss_and_count(p, b):
+        total, (count, _) = loss_fn(p, b, None, ())
+        return total, count
+
+    fn = jax.jit(jax.value_and_grad(loss_and_count, has_aux=True))
     return spec, params, fn
 
 

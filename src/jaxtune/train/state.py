@@ -83,6 +83,10 @@ class Forward(Protocol):
         """(B, T, V) float32."""
         ...
 
+    def hidden(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        """(B, T, D): the final (normalised) hidden states the output layer reads, in the compute dtype."""
+        ...
+
     def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
         """(B, T) float32: log p(targets[b, t] | inputs[b, :t + 1]), without holding the (B, T, V) logits of a large
         vocabulary at once where the backend can avoid it."""

@@ -42,6 +42,9 @@ class NativeForward:
     def logits(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
         return self._run(weights, batch, key)[1]
 
+    def hidden(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        return self._run(weights, batch, key, return_hidden=True)[1]
+
     def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
         b, t = batch["inputs"].shape
         chunk = loss_chunk_size(b, t, self.vocab_size, self.loss_chunk)

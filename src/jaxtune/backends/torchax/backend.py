@@ -44,6 +44,9 @@ class TorchaxForward:
     def logits(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
         return self.model.logits(weights, batch["inputs"], batch.get("positions"), key)
 
+    def hidden(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        return self.model.hidden(weights, batch["inputs"], batch.get("positions"), key)
+
     def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
         return token_logps(self.logits(weights, batch, key), batch["targets"])
 

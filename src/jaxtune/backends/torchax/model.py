@@ -221,6 +221,16 @@ class TorchaxModel:
                key: jax.Array | None = None) -> jax.Array:
         """weights: the nested trainable and frozen params merged (`merge_weights`); tokens (B, T) int32,
         positions (B, T) (restarting at 0 for each packed row; None: 0..T-1) -> (B, T, V) float32 logits."""
+        return self._call(weights, tokens, positions, key).astype(jnp.float32)
+
+    def hidden(self, weights: dict[str, Any], tokens: jax.Array, positions: jax.Array | None = None,
+               key: jax.Array | None = None) -> jax.Array:
+        """(B, T, D): what the output layer reads (the final normalised hidden states), in the compute dtype."""
+        return self._call(weights, tokens, positions, key, hidden=True)
+
+    def _call(self, weights: dict[str, Any], tokens: jax.Array, positions: jax.Array | None, key: jax.Array | None,
+              hidden: bool = False) -> jax.Array:
+        """The module's logits, or (``hidden``) the input its output embedding received, caught by a hook."""
         import torch
         from torchax import interop
 
@@ -236,10 +246,17 @@ class TorchaxModel:
             kwargs["position_ids"] = jnp.asarray(positions)
         tflat, tkwargs = interop.torch_view((flat, kwargs))
         prop = {"prng": key} if key is not None else {}
-        with self.env, self.env.override_property(**prop), _naming_failures(self.module):
-            out = torch.func.functional_call(self.module, tflat, args=(), kwargs=tkwargs, tie_weights=True,
-                                             strict=False)
-        return interop.jax_view(out.logits).astype(jnp.float32)
+        seen: list[Any] = []
+        hook = (self.module.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+                if hidden else None)
+        try:
+            with self.env, self.env.override_property(**prop), _naming_failures(self.module):
+                out = torch.func.functional_call(self.module, tflat, args=(), kwargs=tkwargs, tie_weights=True,
+                                                 strict=False)
+        finally:
+            if hook is not None:
+                hook.remove()
+        return interop.jax_view(seen[0] if hidden else out.logits)
 
     def _wrap_layers(self) -> None:
         """Remat (``model.remat``): each transformer block's forward runs under `jax.checkpoint` with the policy,
