@@ -136,7 +136,7 @@ class DataConfig(_Section):
     ``hf:NAME`` for a HuggingFace dataset (``hf:roneneldan/TinyStories``).
 
     ``format: text`` is pretraining text cut into windows; the other formats are supervised fine-tuning rows
-    (see `jaxtune.data.sft`): ``messages`` (OpenAI chat), ``sharegpt`` (``conversations`` of ``from``/``value``),
+    (see `jaxtune.data.formats`): ``messages`` (OpenAI chat), ``sharegpt`` (``conversations`` of ``from``/``value``),
     ``alpaca`` (``instruction``/``input``/``output``) and ``prompt_completion``, rendered by the tokenizer's chat
     template (or ``chat_template``), loss on the tokens ``loss_on`` names, packed into ``seq_len`` rows."""
 
@@ -418,7 +418,7 @@ def _explain(err: ValidationError, source: str) -> str:
         loc, section = _section_at([str(x) for x in e["loc"]])
         key = ".".join(loc)
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: {_unknown_key(loc, section)}")
+            lines.append(f"  {_unknown_key(loc, section)}")
         elif e["type"] == "backend":
             lines.append(f"  {key}.backend: {e['msg']} (got {_backend_of(e.get('input'))!r})")
         else:
@@ -448,11 +448,12 @@ def _unknown_key(loc: list[str], section: type[BaseModel] | None) -> str:
     if owners and section is not None:
         tag = section.model_fields["backend"].default
         hint = getattr(section, "HINT", "")
-        return (f"model.{name} does not apply to model.backend={tag}{': ' + hint if hint else ''}; "
+        return (f"model.{name} does not apply to model.backend={tag}{f' ({hint})' if hint else ''}; "
                 f"model.{name} is for model.backend={owners[0]}")
     near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
-    return f"unknown key; did you mean {'.'.join(loc[:-1] + near[:1])}?" if near else \
-        f"unknown key; valid keys: {', '.join(valid)}"
+    key = ".".join(loc)
+    return f"{key}: unknown key; did you mean {'.'.join(loc[:-1] + near[:1])}?" if near else \
+        f"{key}: unknown key; valid keys: {', '.join(valid)}"
 
 
 def dump_config(cfg: Config, path: Path) -> None:
