@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtune.models.gpt2 import GPT, GPTConfig
+from jaxtune.models.gpt2 import GPT, PRESETS
 from jaxtune.models.sampling import Generator, bucket, sample_logits
 
-CFG = GPTConfig.tiny()  # 128-token context
+CFG = PRESETS["tiny"]()  # 128-token context
 CTX = CFG.max_seq_len
 _rng = np.random.default_rng(0)
 PROMPTS = [_rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 11, 3)]  # one prompt bucket (16)

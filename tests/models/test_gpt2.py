@@ -206,19 +206,19 @@ def count(cfg: GPTConfig) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract(cfg), nnx.Param)))
 
 
-PRESETS = {
+SIZED = {
     "tiny": PRESETS["tiny"](),
     "tiny-scan-dff": PRESETS["tiny"](scan_layers=True, d_ff=96),
-    "gpt2-124m": GPTConfig.gpt2_124m(),
+    "gpt2-124m": PRESETS["gpt2-124m"](),
 }
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", SIZED)
 def test_num_params_matches_parameters(name):
-    cfg = PRESETS[name]
+    cfg = SIZED[name]
     assert cfg.num_params() == count(cfg)
     assert cfg.num_params(non_embedding=True) == count(cfg) - (cfg.vocab_size + cfg.max_seq_len) * cfg.d_model
 
 
 def test_gpt2_small_has_its_known_size():
-    assert GPTConfig.gpt2_124m(vocab_size=50257).num_params() == 124_439_808
+    assert PRESETS["gpt2-124m"](vocab_size=50257).num_params() == 124_439_808
