@@ -2,7 +2,7 @@
 
     jaxtune train CONFIG [key=value ...]
     jaxtune eval RUN_DIR|MODEL_DIR|CONFIG [key=value ...] [--data test.jsonl]
-    jaxtune generate RUN_DIR --prompt TEXT [--prompt TEXT ...] [--chat]
+    jaxtune generate RUN_DIR --prompt TEXT [--prompt TEXT ...] [--chat] [--truncate left]
     jaxtune info CONFIG [key=value ...]
     jaxtune export RUN_DIR OUT_DIR [--dtype bfloat16] [--adapter]
     jaxtune parity HF_DIR
@@ -19,10 +19,12 @@ from jaxtune.config import ConfigError
 from jaxtune.data import DataError
 from jaxtune.io import CheckpointError
 from jaxtune.models.family import UnsupportedModelError
+from jaxtune.models.sampling import PromptError
 from jaxtune.sharding import ShardingError
+from jaxtune.train.run_dir import RunDirError
 
-USER_ERRORS = (ConfigError, DataError, ShardingError, CheckpointError, UnsupportedModelError, FileNotFoundError,
-               FileExistsError)
+USER_ERRORS = (ConfigError, DataError, ShardingError, CheckpointError, UnsupportedModelError, PromptError,
+               FileNotFoundError, FileExistsError, RunDirError)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -61,20 +63,25 @@ def _generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.run_dir}: the tokenizer has no chat template, so --chat cannot format prompts")
     gen = run.spec.generator()
     prompts = [p.encode().decode("unicode_escape") if args.escapes else p for p in args.prompt]
+    echo = len(prompts) == 1 and not args.chat  # the prompt, then its continuation as it is produced
     streamed: list[int] = []
 
-    def stream(ids):  # print the first prompt's continuation as it is produced
+    def stream(ids):  # first called once the prompts passed their checks: nothing is echoed before an error
+        nonlocal echo
+        if echo:
+            sys.stdout.write(prompts[0])
+            echo = False
         if ids[0] >= 0:
             before = tok.decode(streamed)
             streamed.append(int(ids[0]))
             sys.stdout.write(tok.decode(streamed)[len(before):])
             sys.stdout.flush()
 
-    if len(prompts) == 1 and not args.chat:
-        sys.stdout.write(prompts[0])
     outs = sample(gen, run.weights, tok, prompts, chat=args.chat, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  on_step=stream if len(prompts) == 1 else None)
+                  truncate=args.truncate, on_step=stream if len(prompts) == 1 else None)
+    if echo:  # no step ran (--max-new-tokens 0)
+        sys.stdout.write(prompts[0])
     if len(prompts) == 1:
         print()
     else:
@@ -145,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--escapes", action="store_true", help=r"interpret \n and \t in prompts")
     p.add_argument("--chat", action="store_true", help="each prompt is a user turn, formatted by the chat template; "
                    "generation stops at the end of the assistant's turn")
+    p.add_argument("--truncate", choices=["left"], default=None, help="left: a prompt that leaves no room for "
+                   "--max-new-tokens in the context keeps its last tokens (default: a prompt as long as the context "
+                   "is an error, and fewer new tokens are made)")
     p.set_defaults(fn=_generate)
 
     p = sub.add_parser("info", help="parameters, FLOPs per token and memory per device for a config")
@@ -160,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: the params' dtype)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size, in GB")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT_DIR (refused when it "
+                   "holds other files)")
     p.add_argument("--adapter", action="store_true", help="LoRA runs: write a PEFT adapter instead of the merged model")
     p.set_defaults(fn=_export)
 
@@ -181,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the training loop (which saves and exits 0 on the first Ctrl-C)
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

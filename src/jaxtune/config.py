@@ -7,13 +7,29 @@ the nearest valid one. Components receive only their own section (a model gets `
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+log = logging.getLogger(__name__)
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
 
@@ -61,6 +77,14 @@ class LoraConfig(_Section):
         if not out:
             raise ValueError("needs at least one target module")
         return out
+
+
+# The model keys that are a checkpoint's shapes: with model.from_hf, its config.json decides them (setting one is an
+# error, `jaxtune.models.resolve`).
+STRUCTURAL = ("n_layer", "n_head", "n_kv_head", "head_dim", "d_model", "d_ff", "vocab_size")
+# What a recipe's model section yields when model.from_hf is given on the command line: the checkpoint decides the
+# family, the shapes and the context length (`load_config`).
+CHECKPOINT_DECIDES = ("family", "preset", *STRUCTURAL, "max_seq_len", "hf_config")
 
 
 class _ModelSection(_Section):
@@ -197,11 +221,26 @@ class TokenizerConfig(_Section):
     special_tokens: list[str] = Field([], description="bpe: extra special tokens, e.g. a chat template's "
                                       "<|im_start|> and <|im_end|>")
 
+    # The key errors about ``path`` name: model.from_hf when this is the checkpoint's own tokenizer (`Config`).
+    _path_key: str = PrivateAttr("tokenizer.path")
+
     @model_validator(mode="after")
     def _path_when_needed(self) -> TokenizerConfig:
         if self.kind != "bpe" and not self.path:
             raise ValueError(f"tokenizer.kind={self.kind} needs tokenizer.path")
         return self
+
+    @classmethod
+    def of_checkpoint(cls, from_hf: str) -> TokenizerConfig:
+        """A HuggingFace checkpoint's own tokenizer (``model.from_hf``); errors about it name model.from_hf."""
+        tok = cls(kind="hf", path=from_hf)
+        tok._path_key = "model.from_hf"
+        return tok
+
+    @property
+    def path_key(self) -> str:
+        """``tokenizer.path``, or ``model.from_hf`` for a checkpoint's own tokenizer: the key the user set."""
+        return self._path_key
 
 
 class OptimConfig(_Section):
@@ -254,6 +293,8 @@ class EvalConfig(_Section):
     temperature: float = Field(0.8, ge=0)
     top_k: int | None = Field(None, ge=1)
     top_p: float | None = Field(None, gt=0, le=1)
+    exact_match: int = Field(0, ge=0, description="fine-tuning: the first N held-out rows answered greedily (up to "
+                             "max_new_tokens) and compared with their reference reply; 0: off")
 
 
 class CheckpointConfig(_Section):
@@ -315,8 +356,7 @@ class Config(_Section):
     def _checkpoint_tokenizer(self) -> Config:
         """Starting from a HuggingFace checkpoint, the tokenizer is the checkpoint's unless one is configured."""
         if self.model.from_hf and "tokenizer" not in self.model_fields_set:
-            tok = TokenizerConfig(kind="hf", path=self.model.from_hf)
-            return self.model_copy(update={"tokenizer": tok})
+            return self.model_copy(update={"tokenizer": TokenizerConfig.of_checkpoint(self.model.from_hf)})
         return self
 
     @property
@@ -327,19 +367,45 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
 
-# Keys that define what a checkpoint *is*: resuming with any of them changed is an error.
-IDENTITY_SECTIONS = ("model", "data", "tokenizer", "optim", "objective")
-IDENTITY_KEYS = ("train.seed", "train.batch_size", "train.micro_batches")
+# What a checkpoint *is*: resuming with one of these keys changed is refused (`identity_diff`). Each changes the math of
+# a step (the model, its dtypes and adapters, the tokens, the optimizer, the objective, the seed and the batch, whose
+# micro-batch index feeds the dropout keys), which data is trained on or in which order, or the layout of what the
+# checkpoint holds (model.scan_layers stacks the layers' params; data.num_workers shapes the saved data position).
+# A section's name stands for every key in it.
+IDENTITY_KEYS = (
+    "model.backend", "model.from_hf", "model.hf_config", "model.family", "model.preset",
+    *(f"model.{k}" for k in STRUCTURAL), "model.max_seq_len", "model.dropout", "model.param_dtype",
+    "model.compute_dtype", "model.scan_layers", "model.lora",
+    "data.sources", "data.format", "data.text_field", "data.fields", "data.roles", "data.chat_template", "data.loss_on",
+    "data.overlong", "data.packing", "data.val_sources", "data.val_fraction", "data.hf_split", "data.hf_config",
+    "data.max_bytes", "data.seq_len", "data.num_workers",
+    "tokenizer", "optim", "objective",
+    "train.seed", "train.batch_size", "train.micro_batches",
+)
+# Free to change on resume: names and places (the data cache included), how a step is computed with the same math
+# (remat, attention kernel, loss chunks), how long (train.steps: a longer run continues; with optim.decay_steps unset
+# the schedule follows the new length), what happens on a bad row or a NaN (data.bad_rows: a run that got this far
+# had none or dropped them; raise stops before training), and how often to evaluate, save and log.
+RESUMABLE_KEYS = (
+    "name", "run_dir", "model.remat", "model.attention", "model.trust_remote_code", "data.cache_dir", "data.bad_rows",
+    "train.steps", "train.on_nan", "train.max_nan_skips", "train.compile_cache_dir", "train.loss_chunk",
+    "eval", "checkpoint", "mesh", "distributed", "logging",
+)
+
+
+def is_identity_key(key: str) -> bool:
+    """Whether the dotted ``key`` (``model.lora.rank``) is one of `IDENTITY_KEYS` or a key inside one."""
+    return any(key == k or key.startswith(k + ".") for k in IDENTITY_KEYS)
 
 
 def identity_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between a checkpoint's config and the current one. A key the checkpoint's
-    config lacks (added to jaxtune since it was written) counts as that key's default; a key the current config
-    lacks (removed since) is not compared."""
+    """Dotted keys of `IDENTITY_KEYS` whose values differ between a checkpoint's config and the current one. A key
+    the checkpoint's config lacks (added to jaxtune since it was written) counts as that key's default; a key the
+    current config lacks (removed since) is not compared."""
     a, b, defaults = _flatten(saved), _flatten(current), _flatten(Config().to_dict())
     old = {k: a.get(k, defaults.get(k)) for k in b}
     return [f"{k}: checkpoint has {old[k]!r}, config has {b[k]!r}" for k in sorted(b)
-            if (k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS) and old[k] != b[k]]
+            if is_identity_key(k) and old[k] != b[k]]
 
 
 # Config fields holding free-form mappings: compared whole, not as sections.
@@ -383,9 +449,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections (model:, data:, ...)")
+    given = copy.deepcopy(raw)
     for item in overrides:
-        _apply_override(raw, item)
-    return config_from_dict(raw, source=source)
+        _apply_override(given, item)
+    if _from_hf(given) and _from_hf(given) != _from_hf(raw):
+        # A checkpoint named on the command line decides the family, the shapes and the tokenizer: the file's values
+        # for those yield to it. Overrides of them still apply (and a shape override is still an error).
+        given = _yield_to_checkpoint(raw)
+        for item in overrides:
+            _apply_override(given, item)
+    return config_from_dict(given, source=source)
+
+
+def _from_hf(raw: dict[str, Any]) -> Any:
+    model = raw.get("model")
+    return model.get("from_hf") if isinstance(model, dict) else None
+
+
+def _yield_to_checkpoint(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` without what a HuggingFace checkpoint decides: its model keys in `CHECKPOINT_DECIDES` and its tokenizer
+    section."""
+    out = {k: v for k, v in copy.deepcopy(raw).items() if k != "tokenizer"}
+    if isinstance(out.get("model"), dict):
+        out["model"] = {k: v for k, v in out["model"].items() if k not in CHECKPOINT_DECIDES}
+    return out
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
@@ -454,6 +541,87 @@ def _unknown_key(loc: list[str], section: type[BaseModel] | None) -> str:
     key = ".".join(loc)
     return f"{key}: unknown key; did you mean {'.'.join(loc[:-1] + near[:1])}?" if near else \
         f"{key}: unknown key; valid keys: {', '.join(valid)}"
+
+
+# --- HuggingFace hub names (model.from_hf, tokenizer.path) ---
+
+HUB_TIMEOUT = 5.0  # seconds the hub gets to answer its one request before a name is looked up in the local cache only
+_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+class HubError(ConfigError):
+    """A hub name that cannot be had here; ``reason`` says why in a few words, the message also what to do."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def local_or_hub(name: str, key: str, files: list[str]) -> Path:
+    """The directory ``name`` (the value of config ``key``) stands for: a local path as is (existing or not), or for a
+    hub name (``org/model``) its snapshot in the HuggingFace cache, with the files matching ``files`` downloaded once.
+
+    The hub is asked once, with a `HUB_TIMEOUT` (huggingface_hub's own calls wait without limit, and transformers'
+    retry with backoff); when it cannot be reached, or ``HF_HUB_OFFLINE`` is set, the cached snapshot is used, and
+    without one the error names ``key`` and the two ways on: a local directory, or ``HF_HUB_OFFLINE`` with a filled
+    cache."""
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or not _HUB_NAME.fullmatch(name):
+        return path  # the caller says what it lacks
+    try:
+        from huggingface_hub import constants, errors, snapshot_download
+    except ImportError:
+        raise ConfigError(f"{key}={name}: not a local directory; downloading it from the HuggingFace hub needs "
+                          "huggingface_hub: pip install 'jaxtune[hf]'") from None
+    offline = constants.HF_HUB_OFFLINE
+    unreachable = "HF_HUB_OFFLINE is set" if offline else _unreachable(name, key)
+    try:
+        found = Path(snapshot_download(name, allow_patterns=files, local_files_only=bool(unreachable)))
+    except errors.LocalEntryNotFoundError as e:
+        if not unreachable:  # the hub answered the first request, then stopped
+            unreachable = f"the HuggingFace hub download stopped ({_one_line(e)})"
+        partly = isinstance(e, errors.IncompleteSnapshotError)
+        fill = f"`hf download {name}` where there is network"
+        raise HubError(f"{key}={name}: not a local directory, {'and only partly in' if partly else 'nor in'} the "
+                       f"HuggingFace cache ({constants.HF_HUB_CACHE}), and {unreachable}; pass a local directory "
+                       f"({key}=DIR: a save_pretrained or `hf download {name} --local-dir DIR` copy) or "
+                       + (f"fill the cache ({fill})" if offline else f"set HF_HUB_OFFLINE=1 with {name} in the cache "
+                          f"({fill})"),
+                       f"{unreachable}, and {name} is {'only partly' if partly else 'not'} in the HuggingFace cache"
+                       ) from None
+    except Exception as e:  # noqa: BLE001 (gated, missing, a failed download: reported with the hub's own words)
+        reason = _one_line(e)
+        raise HubError(f"{key}={name}: not a local directory, and the HuggingFace hub download failed: {reason}",
+                       reason) from None
+    if unreachable and not offline:
+        _note_cached(name, unreachable, str(found))
+    return found
+
+
+@functools.cache
+def _unreachable(name: str, key: str) -> str:
+    """Why the hub cannot be reached ('' when it answers), found with one request; a refusal of ``name`` (missing,
+    gated, private) is a `HubError`. Asked once per name and process."""
+    from huggingface_hub import HfApi, constants, errors
+
+    try:
+        HfApi().repo_info(name, timeout=HUB_TIMEOUT)
+    except errors.HfHubHTTPError as e:
+        reason = _one_line(e)
+        raise HubError(f"{key}={name}: not a local directory, and the HuggingFace hub refuses it: {reason}",
+                       reason) from None
+    except Exception as e:  # noqa: BLE001 (no connection, DNS, a timeout, a proxy: whatever stops the request)
+        return f"the HuggingFace hub at {constants.ENDPOINT} cannot be reached ({_one_line(e)})"
+    return ""
+
+
+@functools.cache
+def _note_cached(name: str, unreachable: str, where: str) -> None:
+    log.warning("%s; using the cached copy of %s (%s)", unreachable, name, where)
+
+
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def dump_config(cfg: Config, path: Path) -> None:

@@ -1,5 +1,5 @@
 """Evaluation: a run loaded back from disk (`load_run`), its held-out loss (`evaluate`, `jaxtune eval`), and the
-training loop's evaluations (`Evaluator`: held-out loss, prompt samples, report.md)."""
+training loop's evaluations (`Evaluator`: held-out loss, held-out exact match, prompt samples, report.md)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ from jaxtune import sharding
 from jaxtune.backends import backend_for_checkpoint, make_state_spec
 from jaxtune.config import Config, ConfigError, load_config
 from jaxtune.data import (
+    Example,
     Tokenizer,
     format_sample,
     load_tokenizer,
     load_tokenizer_dir,
     make_sequence_batches,
     make_training_data,
+    question,
     renders_chat,
+    stop_ids,
     test_sequences,
 )
 from jaxtune.generate import sample
@@ -119,11 +122,27 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
             **result.metrics, **extra}
 
 
+EMPTY_ANSWER = "(empty)"  # how a sample shows an answer that is empty or only whitespace
+
+
+def exact_match(answers: list[str], references: list[str]) -> float:
+    """The fraction of ``answers`` equal to their reference, both stripped of surrounding whitespace."""
+    if len(answers) != len(references) or not answers:
+        raise ValueError(f"exact_match: {len(answers)} answers for {len(references)} references")
+    return sum(a.strip() == r.strip() for a, r in zip(answers, references)) / len(answers)
+
+
+def shown(completion: str) -> str:
+    """A generated answer as samples show it: `EMPTY_ANSWER` when there is nothing to see."""
+    return completion if completion.strip() else EMPTY_ANSWER
+
+
 @dataclass
 class Evaluator:
     """The training loop's evaluations, every ``eval.every`` steps, before the first step and at the end: held-out
-    loss (with the objective's metrics) on the fixed eval batches, and samples for ``eval.prompts``, written to
-    metrics.jsonl, samples.jsonl and report.md."""
+    loss (with the objective's metrics) on the fixed eval batches, held-out exact match (the first
+    ``eval.exact_match`` held-out rows answered greedily, compared with their reference reply), and samples for
+    ``eval.prompts``, written to metrics.jsonl, samples.jsonl and report.md."""
 
     cfg: Config
     steps: Steps
@@ -131,33 +150,54 @@ class Evaluator:
     batches: list[Any]
     run_dir: Path
     log: StepLog
-    evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "samples"} per evaluation
+    examples: list[Example] = field(default_factory=list)  # held-out rows (`TrainingData.eval_examples`)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "exact_match", "samples"} each
 
     def __post_init__(self) -> None:
         self.generator = self.steps.spec.generator()
         self.chat = renders_chat(self.cfg.data.format) and self.tokenizer.chat_template is not None
+        wanted = self.cfg.eval.exact_match
+        if wanted and not self.examples:
+            raise ConfigError(f"eval.exact_match={wanted}: there are no held-out rows to answer (pretraining text, or "
+                              "data.val_fraction=0 without data.val_sources, or every held-out row was truncated); "
+                              "set eval.exact_match=0 or hold rows out")
+        # (prompt ids, reference reply) for each scored row; the prompts are fixed, so the sampler compiles once.
+        self.questions = [question(self.tokenizer, ex) for ex in self.examples[:wanted]]
 
     @property
     def active(self) -> bool:
-        return bool(self.batches or self.cfg.eval.prompts)
+        return bool(self.batches or self.questions or self.cfg.eval.prompts)
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval.every
         return bool(every) and step % every == 0 and step < self.cfg.train.steps
 
     def run(self, step: int, params: Any, frozen: tuple) -> None:
-        record: dict[str, Any] = {"step": step, "loss": None, "samples": []}
+        e = self.cfg.eval
+        record: dict[str, Any] = {"step": step, "loss": None, "exact_match": None, "samples": []}
+        scalars: dict[str, float] = {}
+        said = []
         if self.batches:
             result = self.steps.evaluate(params, frozen, self.batches)
             record["loss"] = loss = result.loss
-            self.log.writer.write(step, {"loss": loss, "perplexity": perplexity(loss), **result.metrics}, kind="eval")
-            self.log.message(f"step {step}: validation loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
-        if self.cfg.eval.prompts:
-            e = self.cfg.eval
+            scalars = {"loss": loss, "perplexity": perplexity(loss), **result.metrics}
+            said.append(f"validation loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
+        if self.questions:
+            answers = self.generator(self.steps.spec.weights(params, frozen), [ids for ids, _ in self.questions],
+                                     max_new_tokens=e.max_new_tokens, temperature=0.0,
+                                     eos_id=stop_ids(self.tokenizer, self.chat), seed=step)
+            record["exact_match"] = scalars["exact_match"] = exact_match(
+                [self.tokenizer.decode(a) for a in answers], [reference for _, reference in self.questions])
+            said.append(f"held-out exact match {_score(record['exact_match'], len(self.questions))}")
+        if scalars:
+            self.log.writer.write(step, scalars, kind="eval")
+            self.log.message(f"step {step}: " + ", ".join(said))
+        if e.prompts:
             ids = sample(self.generator, self.steps.spec.weights(params, frozen), self.tokenizer, e.prompts,
                          chat=self.chat, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k,
                          top_p=e.top_p, seed=step)
-            record["samples"] = [format_sample(p, self.tokenizer.decode(x), self.chat) for p, x in zip(e.prompts, ids)]
+            record["samples"] = [format_sample(p, shown(self.tokenizer.decode(x)), self.chat)
+                                 for p, x in zip(e.prompts, ids)]
             if jax.process_index() == 0:
                 with open(self.run_dir / "samples.jsonl", "a") as f:
                     f.writelines(json.dumps({"step": step, "text": text}) + "\n" for text in record["samples"])
@@ -174,18 +214,28 @@ class Evaluator:
         return next((e["samples"] for e in reversed(self.evals) if e["samples"]), [])
 
     def write_report(self) -> None:
-        """report.md: held-out loss at every evaluation, and the samples of the first and last one side by side
-        (appended to on resume, so a resumed run keeps its baseline)."""
+        """report.md: held-out loss and exact match at every evaluation, exact match before and after, and the
+        samples of the first and last evaluation side by side (appended to on resume, so a resumed run keeps its
+        baseline)."""
         if not self.evals:
             return
         path = self.run_dir / "report.md"
         lines = [] if path.exists() else ["# Run report", ""]
-        losses = [e for e in self.evals if e["loss"] is not None]
-        if losses:
-            lines += ["| step | held-out loss | perplexity |", "|--:|--:|--:|"]
-            lines += [f"| {e['step']} | {e['loss']:.4f} | {perplexity(e['loss']):.2f} |" for e in losses]
+        n = len(self.questions)
+        scored = [e for e in self.evals if e["loss"] is not None or e["exact_match"] is not None]
+        if scored:
+            lines += ["| step | held-out loss | perplexity |" + (" exact match |" if n else ""),
+                      "|--:|--:|--:|" + ("--:|" if n else "")]
+            for e in scored:
+                loss = "" if e["loss"] is None else f" {e['loss']:.4f} | {perplexity(e['loss']):.2f} |"
+                lines.append(f"| {e['step']} |" + (loss or " | |")
+                             + (f" {_score(e['exact_match'], n)} |" if n else ""))
             lines.append("")
         first, last = self.evals[0], self.evals[-1]
+        if n and first is not last:
+            lines += [(f"Held-out exact match ({n} held-out rows answered greedily, reply compared with the reference): "
+                       f"{_score(first['exact_match'], n)} before (step {first['step']}), "
+                       f"{_score(last['exact_match'], n)} after (step {last['step']})."), ""]
         for k, after in enumerate(last["samples"]):
             lines.append(f"## Prompt {k + 1}")
             if first is not last and k < len(first["samples"]):
@@ -193,3 +243,7 @@ class Evaluator:
             lines += [f"**After (step {last['step']}):**", "", "```", after, "```", ""]
         with open(path, "a") as f:
             f.write("\n".join(lines) + "\n")
+
+
+def _score(fraction: float, count: int) -> str:
+    return f"{fraction:.1%} ({round(fraction * count)}/{count})"

@@ -23,7 +23,8 @@ def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: st
     ``source``: a run directory (its latest checkpoint and tokenizer; its backend writes it) or a native model
     (``tokenizer`` then optional). ``dtype``: float32/bfloat16/float16; default the params' dtype. The directory is
     written beside ``out_dir`` and renamed into place, so a failed export leaves nothing half-written; an existing
-    ``out_dir`` is replaced only with ``overwrite``.
+    ``out_dir`` is replaced only with ``overwrite``, and only when it holds nothing but an earlier export's files
+    (`jaxtune.io.EXPORT_FILES`; anything else is a `FileExistsError` naming it, and the directory is untouched).
 
     A LoRA run exports merged (``W + scale A B``: an ordinary checkpoint), or with ``adapter`` as a PEFT adapter
     directory for ``peft.PeftModel.from_pretrained(base, out_dir)``.

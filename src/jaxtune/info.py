@@ -11,6 +11,7 @@ import numpy as np
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
 from jaxtune.config import Config
+from jaxtune.models.resolve import planned_section
 
 
 def _bytes_per_device(abstract: Any) -> int:
@@ -25,8 +26,12 @@ def _bytes_per_device(abstract: Any) -> int:
 def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None) -> dict[str, Any]:
     """Model size, training FLOPs per token and a per-device memory estimate for ``cfg`` on this host's
     devices, or on ``devices`` hypothetical ones (planning a pod from a laptop). ``vocab_size`` defaults to
-    model.vocab_size, else tokenizer.vocab_size (for bpe)."""
-    vocab = vocab_size or cfg.model.vocab_size or cfg.tokenizer.vocab_size
+    model.vocab_size, else tokenizer.vocab_size (for bpe; else the checkpoint's or the preset's). A hub checkpoint
+    whose config.json cannot be read (offline) is planned from its family preset, and ``note`` says so."""
+    model, note = planned_section(cfg.model)
+    cfg = cfg.model_copy(update={"model": model})
+    bpe_vocab = cfg.tokenizer.vocab_size if cfg.tokenizer.kind == "bpe" else None
+    vocab = vocab_size or getattr(cfg.model, "vocab_size", None) or bpe_vocab
     if devices is None:
         mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     else:
@@ -58,6 +63,7 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
         "memory_per_device": {"params": params_b, "grads": trained_b, "optimizer": opt_b, "activations": act_b,
                               "total": params_b + trained_b + opt_b + act_b},
         "model": mcfg,
+        "note": note,
     }
 
 
@@ -65,6 +71,7 @@ def format_info(d: dict[str, Any]) -> str:
     gib = lambda b: f"{b / 2**30:.3f} GiB"
     m = d["memory_per_device"]
     return "\n".join([
+        *([f"note:             {d['note']}"] if d.get("note") else []),
         f"model:            {d['model']}",
         f"parameters:       {d['params']:,} ({d['params_non_embedding']:,} non-embedding; "
         f"{d['trainable_params']:,} trained)",

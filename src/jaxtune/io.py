@@ -9,6 +9,7 @@ line of a syntax error. `host` brings an array (sharded over several hosts, too)
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import shutil
@@ -59,10 +60,30 @@ def write_text_atomically(path: Path, text: str) -> None:
         f.write(text)
 
 
+# What an export writes (`write_model`, `write_adapter`, transformers' and PEFT's save_pretrained, `Tokenizer.save`):
+# ``overwrite`` replaces a directory that holds only these, so it never deletes a file of the user's with it.
+EXPORT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "chat_template.jinja", "jaxtune_tokenizer.json")
+
+
 def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Refuse to write into a non-empty directory unless ``overwrite``."""
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; choose a new directory or pass overwrite")
+    """Refuse to write into a non-empty directory unless ``overwrite`` (``--overwrite``), and even then when it holds
+    anything but an earlier export's files (`EXPORT_FILES`): the directory is replaced whole."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; choose a new directory")
+    entries = sorted(out.iterdir())
+    if entries and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose a new directory, or pass --overwrite to "
+                              "replace an earlier export there")
+    foreign = [e.name + ("/" if e.is_dir() else "") for e in entries
+               if e.is_dir() or not any(fnmatch.fnmatchcase(e.name, pattern) for pattern in EXPORT_FILES)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise FileExistsError(f"{out} holds files an export does not write ({shown}); --overwrite replaces only an "
+                              "earlier export: move them away, or choose a new directory")
 
 
 def atomic_dir(out: Path, fill: Callable[[Path], None], *, replace: bool = True) -> bool:
@@ -94,12 +115,14 @@ def atomic_dir(out: Path, fill: Callable[[Path], None], *, replace: bool = True)
 # --- reading ---
 
 def read_json(file: Path, error: type[Exception] = CheckpointError) -> Any:
-    """A JSON file's content; a syntax error is ``error`` naming file:line."""
+    """A JSON file's content; a syntax error (or bytes that are not UTF-8) is ``error`` naming file:line."""
     file = Path(file)
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise error(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{file}: invalid JSON (not UTF-8 text: byte {e.start})") from None
 
 
 def host(x: Any) -> np.ndarray:

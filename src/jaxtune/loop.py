@@ -1,8 +1,9 @@
 """``train(cfg)``: the training loop, top to bottom.
 
-run directory → checkpoints → mesh → data → model, objective, steps → restore or init → loop → final report.
-Each component owns its own schedule and files: `Checkpointer` (``checkpoint.every``, identity check),
-`StepLog` (metrics, NaN policy), `Evaluator` (held-out loss, samples, report.md), `Preemption` (SIGTERM).
+run directory (claimed: one run at a time) → checkpoints → mesh → data → model, objective, steps → restore or init →
+loop → final report. Each component owns its own schedule and files: `Checkpointer` (``checkpoint.every``, identity
+check), `StepLog` (metrics, NaN policy), `Evaluator` (held-out loss, samples, report.md), `Preemption` (SIGTERM,
+Ctrl-C).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import jax
 
 from jaxtune import sharding
-from jaxtune.backends import backend_of
+from jaxtune.backends import Backend, backend_of
 from jaxtune.config import Config, dump_config
 from jaxtune.data import load_tokenizer, make_training_data
 from jaxtune.evaluate import Evaluator
@@ -23,6 +24,7 @@ from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import NonFiniteLossError, StepLog, write_summary
 from jaxtune.train.objectives import make_objective
+from jaxtune.train.run_dir import claim, writing
 from jaxtune.train.step import jit_steps
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
@@ -42,11 +44,20 @@ class TrainResult:
 
 
 def train(cfg: Config) -> TrainResult:
-    """Train (or resume) the run described by ``cfg``; re-running the same config resumes it."""
+    """Train (or resume) the run described by ``cfg``; re-running the same config resumes it.
+
+    The run directory is locked while it trains (a second run on it is refused), and a write into it that fails
+    (read-only, disk full) is one `WriteError` line."""
     multi_host = distributed.initialize(cfg.distributed)  # before anything touches a device
     backend = backend_of(cfg)
     run_dir = cfg.run_path
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with writing(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    with claim(run_dir, multi_host):
+        return _train(cfg, backend, run_dir, multi_host)
+
+
+def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> TrainResult:
     if cfg.train.compile_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(Path(cfg.train.compile_cache_dir).expanduser()))
     proc, total = jax.process_index(), cfg.train.steps
@@ -80,7 +91,7 @@ def train(cfg: Config) -> TrainResult:
 
     # Components that report.
     log = StepLog(run_dir, cfg, start, spec.model_cfg, ckpt)
-    evaluator = Evaluator(cfg, steps, tokenizer, data.eval_batches, run_dir, log)
+    evaluator = Evaluator(cfg, steps, tokenizer, data.eval_batches, run_dir, log, data.eval_examples)
     for line in ckpt.notes(start, total) + data.report:
         log.message(line)
 
@@ -89,7 +100,7 @@ def train(cfg: Config) -> TrainResult:
         ckpt.save(step, state, data.train_iter.get_state(), cfg.to_dict())
 
     # Loop.
-    with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(mesh):
+    with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(mesh), ckpt.reporting_failures():
         step = start
         if start == 0 and evaluator.active:
             evaluator.run(0, state.params, frozen)  # the baseline the run report compares against
@@ -104,7 +115,8 @@ def train(cfg: Config) -> TrainResult:
             if ckpt.due(step) or step == total or stop:
                 save(step)
             if stop:
-                log.message(f"SIGTERM: saved step {step}, exiting; re-run the same command to resume")
+                ckpt.wait()  # saved before saying so (a second Ctrl-C meanwhile still aborts at once)
+                log.message(f"{preemption.signal}: saved step {step}, exiting; re-run the same command to resume")
                 break
         log.drain()
         if step == total:

@@ -16,7 +16,8 @@ import numpy as np
 
 from jaxtune.backends import BACKENDS
 from jaxtune.data import load_hf_tokenizer
-from jaxtune.models.hf import read_config_json, read_hf_config
+from jaxtune.io import CheckpointError
+from jaxtune.models.hf import HFCheckpoint, read_config_json, read_hf_config
 
 SAMPLE_TEXT = (
     "The history of science is the study of the development of science and scientific knowledge, including "
@@ -86,9 +87,14 @@ def parity(directory: str | Path, *, batch: int = 2, seq: int = 32, new_tokens: 
     except ImportError:
         raise ImportError("jaxtune parity runs the checkpoint in transformers too: pip install 'jaxtune[hf,torch]'")
 
-    directory = Path(directory).expanduser()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                                               attn_implementation="eager")
+    # The check `jaxtune train` and `eval` make before loading: config.json readable, every safetensors file named
+    # and complete (a one-line CheckpointError naming the file, not transformers' traceback).
+    directory = HFCheckpoint(directory).dir
+    try:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                                   attn_implementation="eager", use_safetensors=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{directory}: transformers cannot load it: {' '.join(str(e).split())}") from None
     theirs.eval()
     vocab = theirs.get_input_embeddings().num_embeddings
     tokens, source = _batch(directory, vocab, batch, seq, seed)

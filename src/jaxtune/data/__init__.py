@@ -13,7 +13,7 @@ Inside, modules import only downward: ``errors``, ``synthetic`` → ``sources`` 
 
 from jaxtune.data.chat import encode_prompt, end_of_turn_ids, format_sample, resolve_chat_template, stop_ids
 from jaxtune.data.errors import DataError
-from jaxtune.data.formats import detect_format, renders_chat
+from jaxtune.data.formats import Example, detect_format, renders_chat
 from jaxtune.data.pipeline import (
     Batch,
     TrainingData,
@@ -23,6 +23,7 @@ from jaxtune.data.pipeline import (
     make_training_data,
     test_sequences,
 )
+from jaxtune.data.sft import question
 from jaxtune.data.sources import iter_documents, sources_fingerprint
 from jaxtune.data.tokenizer import Tokenizer, load_hf_tokenizer, load_tokenizer, load_tokenizer_dir
 from jaxtune.data.tokens import TokenData, prepare_tokens
@@ -30,6 +31,7 @@ from jaxtune.data.tokens import TokenData, prepare_tokens
 __all__ = [
     "Batch",
     "DataError",
+    "Example",
     "TokenData",
     "Tokenizer",
     "TrainingData",
@@ -46,6 +48,7 @@ __all__ = [
     "make_train_iterator",
     "make_training_data",
     "prepare_tokens",
+    "question",
     "renders_chat",
     "resolve_chat_template",
     "sources_fingerprint",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grain
@@ -22,6 +22,7 @@ import numpy as np
 from jaxtune.config import DataConfig
 from jaxtune.data.chat import resolve_chat_template
 from jaxtune.data.errors import DataError
+from jaxtune.data.formats import Example
 from jaxtune.data.sft import SFTStats, load_examples, prepare_sft, sequences
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
@@ -124,12 +125,14 @@ def make_sequence_batches(source: Any, *, batch_size: int, num_batches: int, pro
 
 @dataclass
 class TrainingData:
-    """What the training loop reads: the endless training iterator, fixed held-out batches, and lines to report
-    at the start of training (what was read, dropped, truncated)."""
+    """What the training loop reads: the endless training iterator, fixed held-out batches, lines to report at the
+    start of training (what was read, dropped, truncated), and the held-out fine-tuning rows whole, in order (for
+    exact match: `jaxtune.data.sft.question`; none for pretraining text)."""
 
     train_iter: Any
     eval_batches: list[Batch]
     report: list[str]
+    eval_examples: list[Example] = field(default_factory=list)
 
     def close(self) -> None:
         """Stop Grain's worker processes (``data.num_workers`` > 0)."""
@@ -151,7 +154,7 @@ def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size
     it = make_train_iterator(sft.train, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers, **split)
     val = (make_sequence_batches(sft.val, batch_size=batch_size, num_batches=eval_batches, **split)
            if sft.val is not None else [])
-    return TrainingData(it, val, sft.stats.lines())
+    return TrainingData(it, val, sft.stats.lines(), sft.held_out)
 
 
 def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:

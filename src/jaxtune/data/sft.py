@@ -23,6 +23,10 @@ dropped (reason ``no_trainable_tokens``), so no sequence is ever all padding by 
 has its own segment id (1, 2, ...; padding is 0) and positions restarting at 0, and attention never crosses
 segments, so a packed row computes exactly what it would alone. With ``data.packing=false`` every sequence holds
 one row, padded. Either way every batch has the one shape (B, seq_len): the step compiles once.
+
+**Questions.** The held-out rows (not truncated) are kept as `Example`s too: `question` turns one into the prompt the
+model sees at inference (the conversation up to its last assistant turn, with the generation prompt) and the reply
+it should give, which the training loop's evaluations score by exact match (``eval.exact_match``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ DROP_REASONS = (*REASONS, "overlong", "no_trainable_tokens")
 class Encoded:
     ids: np.ndarray  # int32 (n,)
     mask: np.ndarray  # bool (n,): token j is a trained target
+    example: Example | None = None  # the row it encodes; None once truncated (its reply is cut)
 
 
 class Encoder:
@@ -105,8 +110,19 @@ class Encoder:
             if not ex.messages:  # raw prompt/completion: the completion ends with EOS
                 ids.append(self.tok.eos_id)
                 mask.append(True)
-            out.append(Encoded(np.asarray(ids, np.int32), np.asarray(mask, bool)))
+            out.append(Encoded(np.asarray(ids, np.int32), np.asarray(mask, bool), ex))
         return out
+
+
+def question(tokenizer: Tokenizer, ex: Example) -> tuple[list[int], str]:
+    """A row as (prompt ids, reference answer), as the model meets it at inference: the conversation up to its last
+    assistant turn rendered by the chat template with the generation prompt, and that turn's content; for
+    prompt/completion rows, the prompt's ids and the completion."""
+    if not ex.messages:
+        return tokenizer.encode(ex.prompt), ex.completion
+    last = max(i for i, m in enumerate(ex.messages) if m["role"] == "assistant")
+    prompt = tokenizer.apply_chat_template([dict(m) for m in ex.messages[:last]], add_generation_prompt=True)
+    return tokenizer.encode_chat([prompt])[0], ex.messages[last]["content"]
 
 
 # --- examples, packing, batches ---
@@ -214,6 +230,7 @@ class SFTData:
     train: PackedRows
     val: PackedRows | None
     stats: SFTStats
+    held_out: list[Example] = field(default_factory=list)  # the held-out rows not truncated, in order (`question`)
 
 
 def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, stats: SFTStats,
@@ -283,7 +300,7 @@ def prepare_sft(data_cfg: DataConfig, tokenizer: Tokenizer) -> SFTData:
     stats.train_sequences, stats.val_sequences = len(train_set), len(val_set) if val_set else 0
     stats.trained_tokens = int(sum(int(r.mask[1:].sum()) for r in train))
     stats.fill = float(train_set.examples.positions_used.sum()) / (len(train_set) * data_cfg.seq_len)
-    return SFTData(train_set, val_set, stats)
+    return SFTData(train_set, val_set, stats, [r.example for r in val if r.example is not None])
 
 
 def sequences(rows: list[Encoded], data_cfg: DataConfig) -> PackedRows:

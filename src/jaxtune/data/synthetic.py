@@ -1,33 +1,55 @@
-"""Fine-tuning data the package generates, so a fine-tuning quickstart runs offline with nothing to download.
+"""Fine-tuning data that comes with the package, so a fine-tuning run needs nothing downloaded: ``synthetic:NAME``.
 
-``synthetic:arithmetic``: 4,000 chat rows (OpenAI ``messages``) asking for sums, differences and products of
-small numbers in a few phrasings, answered in one sentence. A tiny model learns the answer format in a few
-hundred steps and then the arithmetic itself slowly, so held-out loss and the before/after samples show it learning.
+``synthetic:arithmetic`` (generated): 10,000 chat rows (OpenAI ``messages``), one for every sum of two whole numbers
+from 0 to 99, in a seeded order and a few phrasings. The assistant works the sum digit by digit before answering::
+
+    user: What is 47 plus 85?
+    assistant: 7+5=12, 4+8+1=13, so 132.
+
+Every sum appears exactly once, so a held-out row (``data.val_fraction``) asks a sum the model never saw: answering it
+is the skill (single-digit sums and the carry), not recall. Written digit by digit (and with a tokenizer that keeps
+digits apart: the quickstart's 300-token BPE), each answer token is a small step a tiny model learns in a few hundred
+steps; the same sums answered at once ("47 plus 85 is 132.") stay near 0% held-out exact match at that budget, the
+model guessing the digits of the total.
+
+``synthetic:chat-small`` (shipped): 552 human-written English conversations from the ChatterBot corpus, BSD-3-Clause
+(``chat_small.jsonl``; its source, selection and licence are in ``chat_small.README.md`` beside it).
+
 Deterministic: the same rows on every machine.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
-_QUESTIONS = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "Please tell me {a} {op} {b}.",
-              "How much is {a} {op} {b}?")
-_OPS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
-_SYSTEM = "You are a calculator. Answer in one sentence."
+_QUESTIONS = ("What is {a} plus {b}?", "Compute {a} plus {b}.", "Please tell me {a} plus {b}.",
+              "How much is {a} plus {b}?")
+CHAT_SMALL = Path(__file__).parent / "chat_small.jsonl"
 
 
-def arithmetic(rows: int = 4000, seed: int = 0) -> Iterator[dict]:
+def worked_sum(a: int, b: int) -> str:
+    """The answer to ``a`` plus ``b`` (0 ≤ a, b ≤ 99), ones then tens, then the total: '7+5=12, 4+8+1=13, so 132.'"""
+    ones = a % 10 + b % 10
+    carry = "+1" if ones >= 10 else ""
+    return f"{a % 10}+{b % 10}={ones}, {a // 10}+{b // 10}{carry}={a // 10 + b // 10 + ones // 10}, so {a + b}."
+
+
+def arithmetic(seed: int = 0) -> Iterator[dict]:
     rng = random.Random(seed)
-    for _ in range(rows):
-        op = rng.choice(list(_OPS))
-        a, b = rng.randint(0, 99), rng.randint(0, 99 if op != "times" else 12)
-        question = rng.choice(_QUESTIONS).format(a=a, op=op, b=b)
-        answer = f"{a} {op} {b} is {_OPS[op](a, b)}."
-        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        if rng.random() < 0.5:
-            messages.insert(0, {"role": "system", "content": _SYSTEM})
-        yield {"messages": messages}
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    rng.shuffle(pairs)
+    for a, b in pairs:
+        yield {"messages": [{"role": "user", "content": rng.choice(_QUESTIONS).format(a=a, b=b)},
+                            {"role": "assistant", "content": worked_sum(a, b)}]}
 
 
-GENERATORS = {"arithmetic": arithmetic}
+def chat_small() -> Iterator[dict]:
+    with CHAT_SMALL.open(encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)
+
+
+GENERATORS = {"arithmetic": arithmetic, "chat-small": chat_small}

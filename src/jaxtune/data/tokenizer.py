@@ -25,7 +25,7 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxtune.config import DataConfig, TokenizerConfig
+from jaxtune.config import DataConfig, TokenizerConfig, local_or_hub
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import iter_turn_texts
 from jaxtune.data.sources import iter_documents, sources_fingerprint, take_bytes
@@ -164,7 +164,7 @@ def load_tokenizer(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
         return _cached_bpe(tok_cfg, data_cfg)
     assert tok_cfg.path is not None  # TokenizerConfig requires a path for hf and tiktoken
     if tok_cfg.kind == "hf":
-        return load_hf_tokenizer(tok_cfg.path)
+        return load_hf_tokenizer(tok_cfg.path, key=tok_cfg.path_key)
     return _load_tiktoken(tok_cfg.path)
 
 
@@ -227,21 +227,42 @@ def _train_bpe(docs: Iterator[str], vocab_size: int, specials: tuple[str, ...] =
     return tok
 
 
-def load_hf_tokenizer(path: str) -> Tokenizer:
-    """A HuggingFace tokenizer: a directory with tokenizer.json (and its config files), or a hub name."""
-    local = Path(path).expanduser()
-    if local.is_dir():
-        file = local / "tokenizer.json"
-        if not file.is_file():
-            raise DataError(
-                f"tokenizer.path={path}: no tokenizer.json in this directory; "
-                "save a fast tokenizer there (AutoTokenizer.from_pretrained(...).save_pretrained(DIR))"
-            )
+def load_hf_tokenizer(path: str, key: str = "tokenizer.path") -> Tokenizer:
+    """A HuggingFace tokenizer: a directory with tokenizer.json (and its config files), or a hub name, whose
+    tokenizer files are downloaded once into the HuggingFace cache (`jaxtune.config.local_or_hub`: offline, the
+    cached copy). ``key`` is the config key the path came from, named in errors."""
+    directory = local_or_hub(path, key, HUB_TOKENIZER_FILES)
+    where = f"{key}={path}"
+    if not directory.is_dir():
+        raise DataError(f"{where}: {'not a directory' if directory.exists() else 'no such directory'}")
+    file = directory / "tokenizer.json"
+    if file.is_file():
         tok = tokenizers.Tokenizer.from_file(str(file))
-        return _HFTokenizer(tok, _eos_token_of(local, tok, path), where=f"tokenizer.path={path}", source=local)
-    if local.exists() or path.startswith((".", "/", "~")):
-        raise DataError(f"tokenizer.path={path}: not a directory with tokenizer.json, nor a hub name")
-    return _load_hub(path)
+        return _HFTokenizer(tok, _eos_token_of(directory, tok, where), where=where, source=directory)
+    return _converted(directory, where)
+
+
+# A hub tokenizer's files: tokenizer.json and its config, or what transformers converts to it (vocab, merges, models).
+HUB_TOKENIZER_FILES = ["*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+
+
+def _converted(directory: Path, where: str) -> Tokenizer:
+    """A tokenizer directory without tokenizer.json, converted by transformers (from its vocab or sentencepiece
+    model) when it can be."""
+    from transformers import AutoTokenizer  # lazily: slow to import, and only such directories need it
+
+    try:
+        auto = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError):
+        raise DataError(f"{where}: no tokenizer.json in this directory ({directory}), nor files transformers "
+                        "makes one from; save a fast tokenizer there "
+                        "(AutoTokenizer.from_pretrained(...).save_pretrained(DIR))") from None
+    backend = getattr(auto, "backend_tokenizer", None)
+    if backend is None:
+        raise DataError(f"{where}: has no fast (tokenizer.json) version; jaxtune needs one")
+    if auto.eos_token is None:
+        raise DataError(f"{where}: the tokenizer defines no eos token")
+    return _HFTokenizer(backend, auto.eos_token, where=where, source=directory)
 
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -307,7 +328,7 @@ def _jinja_env():
     return env
 
 
-def _eos_token_of(directory: Path, tok: tokenizers.Tokenizer, path: str) -> str:
+def _eos_token_of(directory: Path, tok: tokenizers.Tokenizer, where: str) -> str:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         eos = _read_json(directory / name).get("eos_token")
         if isinstance(eos, dict):  # AddedToken serialised as {"content": ..., ...}
@@ -319,25 +340,10 @@ def _eos_token_of(directory: Path, tok: tokenizers.Tokenizer, path: str) -> str:
         if name in specials:
             return name
     raise DataError(
-        f"tokenizer.path={path}: cannot tell which token ends a document: no eos_token in "
+        f"{where}: cannot tell which token ends a document: no eos_token in "
         f"tokenizer_config.json and none of {list(_KNOWN_EOS)} is a special token; "
         f'add {{"eos_token": "..."}} to {directory / "tokenizer_config.json"}'
     )
-
-
-def _load_hub(name: str) -> Tokenizer:
-    from transformers import AutoTokenizer  # lazily: slow to import, and only hub names need it
-
-    try:
-        auto = AutoTokenizer.from_pretrained(name)
-    except OSError as e:
-        raise DataError(f"tokenizer.path={name}: cannot load from the HuggingFace hub: {e}") from None
-    backend = getattr(auto, "backend_tokenizer", None)
-    if backend is None:
-        raise DataError(f"tokenizer.path={name}: has no fast (tokenizer.json) version; jaxtune needs one")
-    if auto.eos_token is None:
-        raise DataError(f"tokenizer.path={name}: the tokenizer defines no eos token")
-    return _HFTokenizer(backend, auto.eos_token, where=f"tokenizer.path={name}")
 
 
 def _load_tiktoken(name: str) -> Tokenizer:

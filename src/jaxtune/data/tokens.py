@@ -172,8 +172,14 @@ def _read_meta(path: Path) -> dict | None:
     sidecar = path.with_suffix(".json")
     if not (sidecar.is_file() and path.is_file()):
         return None
-    meta = read_json(sidecar, error=DataError)
-    if path.stat().st_size != meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize:
+    try:  # a damaged sidecar, like a damaged token file, only costs a re-tokenization
+        meta = read_json(sidecar, error=DataError)
+        size = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+    except (DataError, KeyError, TypeError, ValueError) as e:
+        reason = e if isinstance(e, DataError) else f"{sidecar}: unreadable ({type(e).__name__}: {e})"
+        log.warning("%s; re-tokenizing", reason)
+        return None
+    if path.stat().st_size != size:
         log.warning("%s does not match %s; re-tokenizing", path, sidecar.name)
         return None
     return meta

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from jaxtune.config import local_or_hub
 from jaxtune.io import CheckpointError, SafetensorsFile, atomic_dir, host, read_json, write_safetensors
 from jaxtune.models.family import TORCHAX_HINT, Family, Map, UnsupportedModelError, check_fits, dtype_from_hf
 from jaxtune.models.registry import FAMILIES, model_layout
@@ -28,22 +29,11 @@ INDEX = "model.safetensors.index.json"
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]  # never *.bin / *.pt (pickle)
 
 
-def resolve_hf_dir(name: str | Path) -> Path:
-    """A local model directory as is; a hub name (``org/model``) downloaded once into the HuggingFace cache
-    (config, safetensors, tokenizer files only) and its snapshot directory returned."""
-    path = Path(name).expanduser()
-    text = str(name)
-    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise CheckpointError(f"{name}: not a local directory; downloading it from the hub needs "
-                              "huggingface_hub: pip install 'jaxtune[hf]'") from None
-    try:
-        return Path(snapshot_download(text, allow_patterns=HUB_FILES))
-    except Exception as e:  # noqa: BLE001 (offline, gated, missing: reported with the hub's message)
-        raise CheckpointError(f"{name}: not a local directory, and the hub download failed: {e}") from None
+def resolve_hf_dir(name: str | Path, files: list[str] = HUB_FILES) -> Path:
+    """A local model directory as is; a hub name (``org/model``) downloaded once into the HuggingFace cache (the
+    ``files``: by default config, safetensors and tokenizer files) and its snapshot directory returned. Offline, the
+    cached snapshot; without one, an error naming model.from_hf and the ways on (`jaxtune.config.local_or_hub`)."""
+    return local_or_hub(str(name), "model.from_hf", files)
 
 
 class HFCheckpoint:
@@ -109,7 +99,7 @@ def family_of(config: dict[str, Any], where: str = "config.json") -> Family:
 def read_hf_config(directory: str | Path) -> tuple[Family, Any, dict[str, Any]]:
     """(family, family config, raw config.json) of a HuggingFace model directory (or hub name); params in its
     stored dtype."""
-    directory = resolve_hf_dir(directory)
+    directory = resolve_hf_dir(directory, ["config.json"])  # planning a run needs no weights
     file = directory / "config.json"
     raw = read_config_json(directory)
     fam = family_of(raw, str(file))

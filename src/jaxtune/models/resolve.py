@@ -6,15 +6,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxtune.config import LORA_TARGETS, ConfigError, NativeModelConfig
+from jaxtune.config import LORA_TARGETS, STRUCTURAL, ConfigError, HubError, NativeModelConfig
 from jaxtune.io import CheckpointError
 from jaxtune.models.family import check_fits
 from jaxtune.models.hf import read_hf_config
 from jaxtune.models.layers import LoraSpec
 from jaxtune.models.registry import FAMILIES
 
-# Keys that define a checkpoint's shapes: with model.from_hf they come from its config.json.
-STRUCTURAL = ("n_layer", "n_head", "n_kv_head", "head_dim", "d_model", "d_ff", "vocab_size")
+# Keys of the model section that still apply with model.from_hf (the checkpoint's config.json decides `STRUCTURAL`).
 RUNTIME = ("param_dtype", "compute_dtype", "remat", "scan_layers", "attention", "dropout", "max_seq_len")
 
 
@@ -58,6 +57,8 @@ def _with_lora(model_cfg: Any, cfg: NativeModelConfig) -> Any:
 def _from_checkpoint(cfg: NativeModelConfig, vocab_size: int | None) -> Any:
     try:
         fam, base, _ = read_hf_config(cfg.from_hf)
+    except ConfigError:  # it names model.from_hf already
+        raise
     except (CheckpointError, ValueError) as e:
         raise ConfigError(f"model.from_hf={cfg.from_hf}: {e}") from None
     if cfg.family is not None and cfg.family != fam.name:
@@ -73,3 +74,25 @@ def _from_checkpoint(cfg: NativeModelConfig, vocab_size: int | None) -> Any:
     return _with_lora(base.replace(**updates), cfg)
 
 
+# The hub checkpoints of the shipped recipes, and the family preset with their shapes: `planned_section` plans from it
+# when the checkpoint's config.json cannot be read (offline).
+HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemma-3-1b-it": ("gemma3", "gemma3-1b"),
+               "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", "qwen2.5-0.5b"),
+               "meta-llama/Llama-3.2-1B-Instruct": ("llama", "llama3.2-1b")}
+
+
+def planned_section(cfg: Any) -> tuple[Any, str | None]:
+    """The model section (of any backend) to plan a run's size with (`jaxtune.info`), and a note when it is not
+    ``cfg``: when the config.json of a native ``model.from_hf`` hub checkpoint cannot be read (offline, gated) and
+    `HUB_PRESETS` names its preset, the section with that preset. Any other failure is `model_config`'s error."""
+    if not isinstance(cfg, NativeModelConfig) or cfg.from_hf not in HUB_PRESETS:
+        return cfg, None
+    try:
+        read_hf_config(cfg.from_hf)
+        return cfg, None
+    except (ConfigError, CheckpointError) as e:
+        reason = e.reason if isinstance(e, HubError) else str(e)
+    family, preset = HUB_PRESETS[cfg.from_hf]
+    note = (f"model.from_hf={cfg.from_hf}: config.json cannot be read: {reason}; planned from the {family} preset "
+            f"{preset}, which has the same shapes")
+    return cfg.model_copy(update={"from_hf": None, "family": family, "preset": preset}), note

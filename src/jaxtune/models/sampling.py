@@ -48,18 +48,38 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: 
     return jax.random.categorical(key, logits, -1).astype(jnp.int32)
 
 
+class PromptError(ValueError):
+    """A prompt the model cannot continue: empty, or as long as its context. The message says which prompt."""
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], max_seq_len: int, max_new_tokens: int) -> int:
-    """Refuse empty prompts and prompts that fill the context; the number of new tokens that fit after the longest
-    prompt (``max_new_tokens`` or fewer, with a warning)."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate: every prompt needs at least one token")
+    """Refuse empty prompts and prompts that fill the context (`PromptError`); the number of new tokens that fit
+    after the longest prompt (``max_new_tokens`` or fewer, with a warning)."""
+    if not prompts:
+        raise PromptError("generate: no prompts; give at least one")
+    for i, p in enumerate(prompts, 1):
+        if len(p) == 0:
+            raise PromptError(f"generate: prompt {i} is empty (0 tokens); a prompt needs at least one token")
+        if len(p) >= max_seq_len:
+            raise PromptError(f"generate: prompt {i} has {len(p)} tokens; the model's context is {max_seq_len} "
+                              "tokens, prompt and new tokens together: shorten it, or pass --truncate left to keep "
+                              "its last tokens")
     longest = max(len(p) for p in prompts)
-    if longest >= max_seq_len:
-        raise ValueError(f"generate: a prompt has {longest} tokens; the model's context is {max_seq_len}")
     if longest + max_new_tokens > max_seq_len:
         max_new_tokens = max_seq_len - longest
         log.warning("generate: limiting new tokens to %d to fit the %d-token context", max_new_tokens, max_seq_len)
     return max_new_tokens
+
+
+def truncate_left(prompts: Sequence[Sequence[int]], max_seq_len: int, max_new_tokens: int) -> list[list[int]]:
+    """Each prompt that leaves no room for ``max_new_tokens`` in the context keeps only its last tokens: as many as
+    leave that room, and at least one (a warning names each prompt cut)."""
+    keep = max(1, max_seq_len - max_new_tokens)
+    for i, p in enumerate(prompts, 1):
+        if len(p) > keep:
+            log.warning("generate: prompt %d has %d tokens; keeping its last %d so that %d new tokens fit the "
+                        "%d-token context", i, len(p), keep, max_seq_len - keep, max_seq_len)
+    return [list(p[-keep:]) for p in prompts]
 
 
 def collect(ids: np.ndarray, out: list[list[int]], done: np.ndarray, eos_id: int | Sequence[int] | None,

@@ -3,13 +3,23 @@
 Orbax writes each step into a temporary directory and renames it on commit, then marks it with
 ``commit_success.txt``. A step directory without that mark was interrupted: it is moved aside
 (``<step>.incomplete``), never loaded and never deleted, so nothing already written is lost.
+
+A save that fails on an OS error (a full disk, a file-size limit, a read-only directory) is one `WriteError` line
+naming the file and the error: its unfinished directory is moved aside the same way, the checkpoints before it stay as
+they are, and the next run resumes from the last of them. Orbax reports such a failure again and again from its
+background threads (logged tracebacks; callbacks of writes still in flight when its event loop closed); those
+reports are silenced, as the line says it all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import shutil
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,24 +27,99 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtune.config import CheckpointConfig, ConfigError, identity_diff
+from jaxtune.train.run_dir import WriteError, describe
 
 log = logging.getLogger(__name__)
 
 COMMIT_MARK = "commit_success.txt"
 
 
-def _set_aside_incomplete(directory: Path) -> list[Path]:
-    """Move interrupted step directories out of Orbax's way; returns where they went."""
+# Orbax's temporary directory of a step being saved: <step>.orbax-checkpoint-tmp[-<id>]
+_ORBAX_TMP = re.compile(r"(\d+)\.orbax-checkpoint-tmp(-.*)?")
+
+
+def _set_aside_incomplete(directory: Path, orbax_tmp: bool = False) -> list[Path]:
+    """Move interrupted step directories out of Orbax's way; returns where they went. ``orbax_tmp``: the temporary
+    directory of a save that just failed, which its error reports (else Orbax deletes those of a killed save when it
+    starts)."""
     moved = []
     if jax.process_index() != 0 or not directory.is_dir():
         return moved
     for d in sorted(directory.iterdir()):
-        if d.is_dir() and d.name.isdigit() and not (d / COMMIT_MARK).exists():
-            dest = d.with_name(f"{d.name}.incomplete-{int(time.time())}")
+        tmp = _ORBAX_TMP.fullmatch(d.name) if orbax_tmp else None
+        if d.is_dir() and (tmp or (d.name.isdigit() and not (d / COMMIT_MARK).exists())):
+            dest = d.with_name(f"{tmp.group(1) if tmp else d.name}.incomplete-{int(time.time())}")
             shutil.move(str(d), str(dest))
-            log.warning("checkpoint %s was never committed (interrupted save); moved to %s, not loaded", d, dest)
+            if not orbax_tmp:
+                log.warning("checkpoint %s was never committed (interrupted save); moved to %s, not loaded", d, dest)
             moved.append(dest)
     return moved
+
+
+def _committed_steps(directory: Path) -> list[int]:
+    return sorted(int(d.name) for d in directory.iterdir() if d.name.isdigit() and (d / COMMIT_MARK).exists())
+
+
+# A tensorstore write error names the file, then the errno: ...Failed writing: "<path>": ... [os_error_code='28']
+_TS_ERRNO = re.compile(r"os_error_code='?(\d+)")
+_TS_PATH = re.compile(r'"(/[^"]+)"')
+
+
+def os_error_of(exc: BaseException | None) -> tuple[int, str | None] | None:
+    """(errno, file) of the OS error behind ``exc`` (an OSError or a tensorstore error in its chain), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno:
+            return exc.errno, exc.filename
+        text = str(exc)
+        if m := _TS_ERRNO.search(text):
+            paths = _TS_PATH.findall(text[:m.start()])
+            return int(m.group(1)), paths[-1] if paths else None
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _from_orbax(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _QuietFailedWrites(logging.Filter):
+    """Drops the records (Orbax's, and asyncio's about its tasks) of an Orbax write that failed on an OS error: they
+    carry its traceback, once per thread and task; `Checkpointer` reports it as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and _from_orbax(exc) and os_error_of(exc))
+
+
+def _quiet_unraisable(hook):
+    """A `sys.unraisablehook` that drops the callbacks of tensorstore writes that finish after the event loop Orbax
+    ran them on was closed by a failed save, and passes everything else to ``hook``."""
+
+    def unraisable(u):
+        tb = u.exc_traceback
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+                and tb is not None and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"):
+            hook(u)
+
+    unraisable.quiets_failed_writes = True
+    return unraisable
+
+
+def _quiet_orbax_failure_reports() -> None:
+    """Once per process (the reports come from threads, before and after the failure reaches `Checkpointer`)."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietFailedWrites) for f in logger.filters):
+            logger.addFilter(_QuietFailedWrites())
+    if not getattr(sys.unraisablehook, "quiets_failed_writes", False):
+        sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
 class Checkpointer:
@@ -44,6 +129,9 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.every = cfg.every
         self.set_aside = _set_aside_incomplete(self.directory)
+        self.saving: int | None = None  # the step of the last save started
+        self.failed = False  # a save failed and was reported
+        _quiet_orbax_failure_reports()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
             keep_period=cfg.keep_every,
@@ -58,13 +146,14 @@ class Checkpointer:
 
     def resume_step(self, config: dict[str, Any]) -> int:
         """The step to resume from (0: none). A checkpoint of a different run (a key of
-        `jaxtune.config.IDENTITY_SECTIONS` changed) is refused before any work is done."""
+        `jaxtune.config.IDENTITY_KEYS` changed) is refused before any work is done."""
         start = self.latest_step() or 0
         diff = identity_diff(self.read_config(start), config) if start else []
         if diff:
             run_dir = self.directory.parent
             raise ConfigError(f"{run_dir} holds a checkpoint (step {start}) of a different run; these keys differ:\n  "
-                              + "\n  ".join(diff) + "\nUse another run_dir (or name), or restore the original values.")
+                              + "\n  ".join(diff)
+                              + "\nUse another run_dir (e.g. run_dir=runs/NEW), or restore the original values.")
         return start
 
     def notes(self, start: int, total: int) -> list[str]:
@@ -82,7 +171,41 @@ class Checkpointer:
             data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(config),
         )
-        self.manager.save(step, args=args, force=True)
+        with self._as_write_error(step):
+            self.manager.save(step, args=args, force=True)
+        self.saving = step  # in flight until the next save or wait
+
+    @contextlib.contextmanager
+    def _as_write_error(self, step: int | None) -> Iterator[None]:
+        """A save (``step``'s, or an earlier one still in flight) that fails on an OS error becomes one `WriteError`
+        line; its unfinished directory is moved aside, the committed checkpoints stay."""
+        try:
+            yield
+        except Exception as e:
+            found = os_error_of(e)
+            if found is None:
+                raise
+            code, path = found
+            self.failed = True
+            moved = _set_aside_incomplete(self.directory, orbax_tmp=True)
+            failed_step = max((int(m.name.partition(".")[0]) for m in moved), default=self.saving or step)
+            committed = _committed_steps(self.directory)
+            aside = f"; its unfinished files were moved to {', '.join(map(str, moved))}" if moved else ""
+            kept = (f"the last complete checkpoint, step {committed[-1]}, is intact and the same command resumes "
+                    f"from it" if committed else "there is no complete checkpoint yet")
+            raise WriteError(f"checkpoint of step {failed_step} not saved: cannot write {path or self.directory}: "
+                             f"{describe(code)}{aside}; {kept}") from None
+
+    @contextlib.contextmanager
+    def reporting_failures(self) -> Iterator[None]:
+        """Around the loop: when it ends in an error, a save still in flight is waited for, and if that failed too,
+        its error is the one reported (the cause: a checkpoint that filled the disk fails the next metrics write)."""
+        try:
+            yield
+        except Exception:
+            if self.saving is not None and not self.failed:
+                self.wait()
+            raise
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
         """Restore the state straight into the shardings carried by ``abstract_state`` (ShapeDtypeStructs)."""
@@ -96,8 +219,9 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._as_write_error(None):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()

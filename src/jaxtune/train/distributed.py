@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxtune.config import DistributedConfig
@@ -55,35 +57,55 @@ def initialize(cfg: DistributedConfig) -> bool:
 
 
 class Preemption:
-    """SIGTERM stops the run at a step boundary with a checkpoint.
+    """SIGTERM, or a first Ctrl-C (SIGINT), stops the run at a step boundary with a checkpoint; a second SIGINT
+    aborts at once (the default action: the process ends there, without saving).
 
-    One process: a SIGTERM handler sets a flag. Several (jax.distributed): JAX's preemption service already
-    listens for SIGTERM on every host and agrees on one step for all of them
-    (`multihost_utils.reached_preemption_sync_point`, asked at every step), so every host saves the same step.
+    One process: the handlers set a flag. Several (jax.distributed): JAX's preemption service already listens for
+    SIGTERM on every host and agrees on one step for all of them (`multihost_utils.reached_preemption_sync_point`,
+    asked at every step), so every host saves the same step; a SIGINT is handed to it as a SIGTERM to this process.
+    ``signal`` names what stopped the run: SIGINT if any host had one, else SIGTERM.
     """
 
     def __init__(self, multi_host: bool):
         self.multi_host = multi_host
         self.requested = False
-        self._previous = None
+        self.signal: str | None = None
+        self._interrupted = False  # this process had a SIGINT
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self):
+        handlers = {signal.SIGINT: self._interrupt}
         if not self.multi_host:
+            handlers[signal.SIGTERM] = self._terminate
+        for signum, handler in handlers.items():
             try:
-                self._previous = signal.signal(signal.SIGTERM, self._handle)
+                self._previous[signum] = signal.signal(signum, handler)
             except ValueError:  # not the main thread: leave signals alone
-                self._previous = None
+                pass
         return self
 
-    def _handle(self, signum, frame):
+    def _terminate(self, signum, frame):
         self.requested = True
+        self.signal = self.signal or "SIGTERM"
+
+    def _interrupt(self, signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+        self._interrupted = True
+        if self.multi_host:
+            os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption service, which agrees on the step
+        else:
+            self.requested = True
+            self.signal = self.signal or "SIGINT"
 
     def reached(self, step: int) -> bool:
         """Whether to save and stop after ``step``; call it once per step, on every host."""
-        if self.multi_host:
-            self.requested = self.requested or multihost_utils.reached_preemption_sync_point(step)
+        if self.multi_host and not self.requested and multihost_utils.reached_preemption_sync_point(step):
+            # every host is here at this same step: they can agree on what to call it
+            anyone = multihost_utils.process_allgather(np.int32(self._interrupted))
+            self.requested, self.signal = True, "SIGINT" if np.any(anyone) else "SIGTERM"
         return self.requested
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            if previous is not None:  # None: installed outside Python, which cannot put it back
+                signal.signal(signum, previous)

@@ -1,8 +1,12 @@
 """What a run reports: the per-step log (`StepLog`: metric windows, the NaN policy, every sink), the writers behind it
 (a progress bar, ``metrics.jsonl``, TensorBoard and, when configured, W&B), and the run's closing files.
 
-Only process 0 writes. MFU is model FLOPs per second over the devices' peak dense bf16 FLOP/s, from the
-table below (datasheet figures, no sparsity); device kinds not in the table report no MFU rather than a guess.
+Only process 0 writes. A resumed run redoes the steps after its checkpoint: the rows an earlier attempt wrote for
+them are removed first (`MetricsWriter`), so each step has one row and TensorBoard one curve. A write that fails on
+a full or read-only disk is one `WriteError` line naming the file.
+
+MFU is model FLOPs per second over the devices' peak dense bf16 FLOP/s, from the table below (datasheet figures, no
+sparsity); device kinds not in the table report no MFU rather than a guess.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 import jax
 
 from jaxtune.config import Config, LoggingConfig
+from jaxtune.io import write_text_atomically
+from jaxtune.train.run_dir import writing
 
 # Step metrics the loop handles itself; every other key of the step's metrics (the objective's) is logged as is.
 _STEP_KEYS = ("loss", "grad_norm", "lr", "tokens", "finite", "nan_streak")
@@ -55,24 +61,53 @@ def peak_flops(device: Any) -> float | None:
     return matches[0] if matches else None
 
 
+def drop_rows_from(path: Path, first: int) -> None:
+    """Rewrite the JSON-lines file ``path`` (atomically, only if needed) without its rows of step ``first`` and later,
+    and without a last line cut short by a killed writer."""
+    if not path.is_file():
+        return
+    with writing(path):
+        lines = path.read_text().splitlines(keepends=True)
+        keep = []
+        for line in lines:
+            try:
+                if json.loads(line)["step"] < first:
+                    keep.append(line.rstrip("\n") + "\n")
+            except (ValueError, KeyError, TypeError):
+                if line.endswith("\n"):
+                    keep.append(line)  # not a row of ours: kept
+        if keep != lines:
+            write_text_atomically(path, "".join(keep))
+
+
 class MetricsWriter:
-    """Writes scalars for a step to every configured sink (process 0 only)."""
+    """Writes scalars for a step to every configured sink (process 0 only).
+
+    A run that starts at ``start_step`` writes rows from step ``start_step + 1`` on (from 0, its baseline evaluation,
+    when it starts from scratch): the rows an earlier attempt left from there on are removed from metrics.jsonl and
+    samples.jsonl (the `Evaluator`'s), and TensorBoard is told to purge its events from there on (``purge_step``)."""
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, start_step: int, config: dict[str, Any]):
         self.enabled = jax.process_index() == 0
         self.bar = self.jsonl = self.tb = self.wandb = None
         if not self.enabled:
             return
+        first = start_step + 1 if start_step else 0
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            drop_rows_from(run_dir / name, first)
         if cfg.progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self.jsonl_path = run_dir / "metrics.jsonl"
         if cfg.jsonl:
-            self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+            with writing(self.jsonl_path):
+                self.jsonl = open(self.jsonl_path, "a", buffering=1)
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            with writing(run_dir / "tensorboard"):
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first)
         if cfg.wandb_project:
             try:
                 import wandb
@@ -84,7 +119,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self.jsonl:
-            self.jsonl.write(json.dumps({"step": step, "kind": kind, "time": time.time(), **scalars}) + "\n")
+            with writing(self.jsonl_path):
+                self.jsonl.write(json.dumps({"step": step, "kind": kind, "time": time.time(), **scalars}) + "\n")
         if self.tb:
             for k, v in scalars.items():
                 self.tb.add_scalar(f"{kind}/{k}", v, step)
@@ -107,7 +143,10 @@ class MetricsWriter:
             print(text, flush=True)
 
     def close(self) -> None:
-        for sink in (self.bar, self.jsonl, self.tb):
+        if self.jsonl:
+            with writing(self.jsonl_path):
+                self.jsonl.close()
+        for sink in (self.bar, self.tb):
             if sink:
                 sink.close()
         if self.wandb:
@@ -191,8 +230,10 @@ class StepLog:
 
 def write_summary(run_dir: Path, summary: dict[str, Any], preempted: bool) -> None:
     """summary.json and loss.png, and (unless preempted) the closing lines on stdout (process 0)."""
-    plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    with writing(run_dir / "loss.png"):
+        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    with writing(run_dir / "summary.json"):
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if preempted:
         return
     ev = f", validation loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""

@@ -98,6 +98,7 @@ class Sampler(Protocol):
     returns the new ids per prompt, stop ids excluded."""
 
     compiles: int
+    max_seq_len: int  # the context prompt and new tokens share
 
     def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,

@@ -180,6 +180,7 @@ class TorchaxBackend:
             if dtype is not None and not adapter:
                 target = target.to(getattr(torch, dtype))
             target.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_bytes)
+            (tmp / "README.md").unlink(missing_ok=True)  # PEFT's placeholder model card: not ours to (over)write
             if tokenizer is not None:
                 tokenizer.save(tmp)
 

@@ -1,0 +1,234 @@
+"""A user's mistake reads as one line, `error: ...`, exit 2, and loses nothing: empty and too-long prompts (and
+`--truncate left`), `parity` on a damaged model directory, a damaged token-cache sidecar (re-tokenized, as a damaged
+token file is), and `export --overwrite` into a directory holding a file of the user's."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY
+
+from jaxtune.cli import main
+from jaxtune.config import load_config
+from jaxtune.data import load_tokenizer_dir, stop_ids
+from jaxtune.data.tokens import prepare_tokens
+from jaxtune.evaluate import load_run
+from jaxtune.generate import sample
+from jaxtune.io import check_out_dir
+from jaxtune.loop import train
+
+CONTEXT = 64  # model.max_seq_len in TINY
+LONG_PROMPT = "import os\nimport sys\n" * 30
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, data_cache) -> Path:
+    """A tiny trained run (2 steps, one checkpoint), shared by the module: nothing here may change it."""
+    cfg = load_config(None, TINY + [f"run_dir={tmp_path_factory.mktemp('user-errors') / 'run'}",
+                                    f"data.cache_dir={data_cache}", "train.steps=2", "checkpoint.every=2"])
+    train(cfg)
+    return cfg.run_path
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` (relative path -> bytes): equal snapshots mean nothing was lost or changed."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def error_line(capsys) -> tuple[str, str]:
+    """(stdout, the one `error: ...` line ending stderr); no traceback, and the error is that single last line."""
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert captured.err.endswith("\n") and captured.err.count("error: ") == 1
+    last = captured.err.rstrip("\n").splitlines()[-1]
+    assert last.startswith("error: ") and captured.err.endswith(last + "\n")
+    return captured.out, last
+
+
+# --- 4 and 5: prompts -------------------------------------------------------------------------------------------------
+
+
+def test_empty_prompt_is_one_line(run_dir, capsys):
+    before = snapshot(run_dir / "checkpoints")
+    assert main(["generate", str(run_dir), "--prompt", ""]) == 2
+    out, err = error_line(capsys)
+    assert err == "error: generate: prompt 1 is empty (0 tokens); a prompt needs at least one token"
+    assert out == ""
+    assert main(["generate", str(run_dir), "--prompt", "def", "--prompt", ""]) == 2
+    assert error_line(capsys)[1] == "error: generate: prompt 2 is empty (0 tokens); a prompt needs at least one token"
+    assert snapshot(run_dir / "checkpoints") == before
+
+
+def test_prompt_longer_than_the_context_is_one_line_and_not_echoed(run_dir, capsys):
+    n = len(load_tokenizer_dir(run_dir / "tokenizer").encode(LONG_PROMPT))
+    assert n > CONTEXT
+    before = snapshot(run_dir / "checkpoints")
+    assert main(["generate", str(run_dir), "--prompt", LONG_PROMPT]) == 2
+    out, err = error_line(capsys)
+    assert err == (f"error: generate: prompt 1 has {n} tokens; the model's context is {CONTEXT} tokens, prompt and "
+                   "new tokens together: shorten it, or pass --truncate left to keep its last tokens")
+    assert out == ""  # the prompt is echoed only once it passed its checks
+    assert snapshot(run_dir / "checkpoints") == before
+
+
+def test_truncate_left_keeps_the_last_tokens(run_dir, capsys, caplog):
+    """--truncate left continues the prompt's last (context - new tokens) tokens: the same tokens as generating from
+    those ids directly; the warning says how many were kept."""
+    new = 4
+    with caplog.at_level(logging.WARNING, logger="jaxtune.models.sampling"):
+        assert main(["generate", str(run_dir), "--prompt", LONG_PROMPT, "--truncate", "left", "--max-new-tokens",
+                     str(new), "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    run = load_run(run_dir)
+    tok = run.tokenizer
+    ids = tok.encode(LONG_PROMPT)
+    keep = CONTEXT - new
+    assert (f"generate: prompt 1 has {len(ids)} tokens; keeping its last {keep} so that {new} new tokens fit the "
+            f"{CONTEXT}-token context") in caplog.text
+    gen = run.spec.generator()
+    expected = gen(run.weights, [ids[-keep:]], max_new_tokens=new, eos_id=stop_ids(tok))[0]
+    assert captured.out == LONG_PROMPT + tok.decode(expected) + "\n"
+    assert sample(gen, run.weights, tok, [LONG_PROMPT], chat=False, max_new_tokens=new, truncate="left") == [expected]
+    # A prompt that leaves room is not cut.
+    short = tok.encode("import os")
+    unchanged = gen(run.weights, [short], max_new_tokens=new, eos_id=stop_ids(tok))
+    assert sample(gen, run.weights, tok, ["import os"], chat=False, max_new_tokens=new, truncate="left") == unchanged
+
+
+# --- 6: parity on a damaged model directory ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hf_dir(tmp_path) -> Path:
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "hf-gpt2"
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=32, bos_token_id=0,
+                                  eos_token_id=0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(directory)
+    return directory
+
+
+def test_parity_on_a_missing_directory_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert main(["parity", str(missing)]) == 2
+    # The wording is models/hf.py's (`resolve_hf_dir`, shared with model.from_hf): here, that it names the path.
+    assert re.fullmatch(rf"error: (\S+=)?{re.escape(str(missing))}: [^/]+", error_line(capsys)[1])
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("config.json: cut", r"{dir}/config\.json:\d+: invalid JSON \(.+\)"),
+    ("config.json: not a model", r"{dir}: transformers cannot load it: Unrecognized model in .+"),
+    ("model.safetensors: cut", r"{dir}/model\.safetensors: truncated \(tensor \S+ ends past the end of the file\)"),
+    ("model.safetensors: garbage",
+     r"{dir}/model\.safetensors: not a safetensors file \(bad header length\); re-download it"),
+    ("model.safetensors: removed", r"{dir}: no \.safetensors weights"),
+])
+def test_parity_on_a_damaged_directory_is_one_line(hf_dir, capsys, damage, message):
+    """The check train and eval make (config.json, safetensors named and complete) runs before transformers."""
+    name, _, how = damage.partition(": ")
+    file = hf_dir / name
+    if how == "cut":
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    elif how == "not a model":
+        file.write_text("{}\n")
+    elif how == "garbage":
+        file.write_bytes(b"\xff" * 64)
+    else:
+        file.unlink()
+    before = snapshot(hf_dir)
+    assert main(["parity", str(hf_dir), "--new-tokens", "0"]) == 2
+    err = error_line(capsys)[1]
+    assert re.fullmatch("error: " + message.format(dir=re.escape(str(hf_dir))), err), err
+    assert snapshot(hf_dir) == before
+
+
+# --- 8: a damaged token-cache sidecar ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", [b'{"num_tokens": 12', b"\xff\xfe", b"{}", b"[1, 2]"])
+def test_damaged_token_sidecar_is_retokenized(run_dir, tmp_path, caplog, damage):
+    """Like a token file of the wrong size: a warning naming the sidecar, then the same tokens, written once."""
+    cfg = load_config(run_dir / "config.yaml", [f"data.cache_dir={tmp_path / 'cache'}", "data.max_bytes=40000"])
+    tok = load_tokenizer_dir(run_dir / "tokenizer")
+    first = prepare_tokens(cfg.data, tok)
+    tokens, sidecar = np.array(first.tokens), first.path.with_suffix(".json")
+    meta = json.loads(sidecar.read_text())
+    sidecar.write_bytes(damage)
+    with caplog.at_level(logging.WARNING, logger="jaxtune.data.tokens"):
+        again = prepare_tokens(cfg.data, tok)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "jaxtune.data.tokens"]
+    assert len(warnings) == 1 and warnings[0].startswith(str(sidecar)) and warnings[0].endswith("; re-tokenizing")
+    assert again.path == first.path and np.array_equal(np.asarray(again.tokens), tokens)
+    assert first.path.stat().st_size == tokens.nbytes  # rewritten, not appended to
+    assert json.loads(sidecar.read_text()) == meta
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([first.path.name, sidecar.name])
+
+
+def test_eval_runs_on_through_a_damaged_sidecar(run_dir, tmp_path, capsys, caplog):
+    """`jaxtune eval` exits 0 with the same loss when the held-out data's sidecar is damaged."""
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    assert main(["eval", str(run_dir), cache, "--batches", "1"]) == 0
+    loss = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"]
+    (sidecar,) = (tmp_path / "cache").glob("tokens-*.json")
+    sidecar.write_text('{"num_tokens": ')
+    with caplog.at_level(logging.WARNING, logger="jaxtune.data.tokens"):
+        assert main(["eval", str(run_dir), cache, "--batches", "1"]) == 0
+    captured = capsys.readouterr()
+    assert f"{sidecar}:1: invalid JSON" in caplog.text and "Traceback" not in captured.err
+    assert json.loads(captured.out.strip().splitlines()[-1])["loss"] == loss
+
+
+# --- 15: export --overwrite -------------------------------------------------------------------------------------------
+
+
+def test_export_overwrite_keeps_a_users_file(run_dir, tmp_path, capsys):
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), str(out)]) == 0
+    capsys.readouterr()
+    (out / "notes.txt").write_text("my notes\n")
+    before = snapshot(out)
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= set(before)
+
+    assert main(["export", str(run_dir), str(out)]) == 2
+    assert error_line(capsys)[1] == (f"error: {out} exists and is not empty; choose a new directory, or pass "
+                                     "--overwrite to replace an earlier export there")
+    assert main(["export", str(run_dir), str(out), "--overwrite"]) == 2
+    assert error_line(capsys)[1] == (f"error: {out} holds files an export does not write (notes.txt); --overwrite "
+                                     "replaces only an earlier export: move them away, or choose a new directory")
+    assert snapshot(out) == before
+
+    (out / "notes.txt").unlink()  # only the export's own files: --overwrite replaces them
+    assert main(["export", str(run_dir), str(out), "--overwrite", "--dtype", "bfloat16"]) == 0
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert set(snapshot(out)) == set(before) - {"notes.txt"}
+
+
+def test_overwrite_accepts_every_exports_files_and_nothing_else(tmp_path):
+    """Native and transformers models (one file or shards with an index), PEFT adapters and tokenizers are an
+    earlier export; a subdirectory or any other file is the user's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+                 "model-00002-of-00002.safetensors", "model.safetensors.index.json", "adapter_config.json",
+                 "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja", "jaxtune_tokenizer.json"]:
+        (out / name).write_text("{}")
+    check_out_dir(out, overwrite=True)
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        check_out_dir(out, overwrite=False)
+    for other in ["README.md", ".gitattributes", "eval.json", "checkpoint-500/"]:
+        (out / other.rstrip("/")).mkdir() if other.endswith("/") else (out / other).write_text("x")
+        with pytest.raises(FileExistsError, match=re.escape(f"holds files an export does not write ({other})")):
+            check_out_dir(out, overwrite=True)
+        path = out / other.rstrip("/")
+        path.rmdir() if other.endswith("/") else path.unlink()
+    (out / "config.json").unlink()
+    (out / "config.json").mkdir()  # a directory is never an export's file
+    with pytest.raises(FileExistsError, match=r"\(config\.json/\)"):
+        check_out_dir(out, overwrite=True)
