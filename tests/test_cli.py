@@ -104,7 +104,7 @@ def test_console_script_runs_the_fine_tuning_quickstart(tmp_path, data_cache):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "fine-tuning data: 4000 rows" in out and "step 0: validation loss" in out
+    assert "fine-tuning data: 10000 rows" in out and "step 0: validation loss" in out
     report = (run_dir / "report.md").read_text()
     assert "Before (step 0)" in report and "After (step 12)" in report and "user: What is 12 plus 30?" in report
     proc = subprocess.run([exe, "generate", str(run_dir), "--chat", "--prompt", "What is 2 plus 2?",
