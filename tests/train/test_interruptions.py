@@ -9,6 +9,7 @@ Real ``jaxtune train`` processes (`jaxtune.cli.main`), signalled or limited as a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from jaxtune.cli import main
 from jaxtune.config import load_config
 from jaxtune.loop import train
-from jaxtune.train.checkpoint import COMMIT_MARK
+from jaxtune.train.checkpoint import COMMIT_MARK, _QuietFailedWrites
 from jaxtune.train.run_dir import LOCK_NAME, RunLock
 
 HOST = socket.gethostname()
@@ -418,3 +419,19 @@ def test_read_only_run_dir_is_one_line(seed, tmp_path, tiny_overrides, config_fi
     assert proc.stderr == f"error: cannot write {run / LOCK_NAME}: Read-only file system (EROFS)\n"
     assert proc.stdout == ""
     assert _snapshot(run) == before
+
+
+def test_an_unretrieved_tensorstore_write_error_is_not_logged_again():
+    """asyncio logs "Future exception was never retrieved" when a future holding tensorstore's write error is
+    collected; that error has no Orbax frame (tensorstore set it from C++) and may come after the one line. The
+    filter drops it by its message; an unrelated error of asyncio's still gets through."""
+    def record(exc: BaseException) -> logging.LogRecord:
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "Future exception was never retrieved",
+                                 None, (type(exc), exc, None))
+
+    written = ValueError('OUT_OF_RANGE: Error writing "p/0" in OCDBT database at local file "/r/": Failed writing: '
+                         '"/r/d/418a": Failed to write 64384 bytes to file 10: File too large [os_error_code=\'27\']')
+    quiet = _QuietFailedWrites()
+    assert not quiet.filter(record(written))
+    assert quiet.filter(record(ValueError("something else went wrong")))
+    assert quiet.filter(logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "no exception", None, None))

@@ -91,11 +91,13 @@ def _from_orbax(exc: BaseException) -> bool:
 
 class _QuietFailedWrites(logging.Filter):
     """Drops the records (Orbax's, and asyncio's about its tasks) of an Orbax write that failed on an OS error: they
-    carry its traceback, once per thread and task; `Checkpointer` reports it as one line."""
+    carry its traceback, once per thread and task; `Checkpointer` reports it as one line. A tensorstore write error
+    set on a future that nobody awaited (asyncio's "Future exception was never retrieved", logged when the future is
+    collected, possibly after the line) has no Orbax frame in its traceback: its message marks it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not (exc is not None and _from_orbax(exc) and os_error_of(exc))
+        return not (exc is not None and os_error_of(exc) and (_from_orbax(exc) or _TS_ERRNO.search(str(exc))))
 
 
 def _quiet_unraisable(hook):
