@@ -165,7 +165,7 @@ class DataConfig(_Section):
     template (or ``chat_template``), loss on the tokens ``loss_on`` names, packed into ``seq_len`` rows."""
 
     sources: list[str] = ["python-stdlib"]
-    format: Literal["text", "messages", "sharegpt", "alpaca", "prompt_completion"] = "text"
+    format: Literal["text", "messages", "sharegpt", "alpaca", "prompt_completion", "preference"] = "text"
     text_field: str = "text"
     fields: dict[str, str] = Field({}, description="SFT field names when they differ from the format's: messages, "
                                    "role, content, system, instruction, input, output, prompt, completion")
@@ -278,11 +278,56 @@ class TrainConfig(_Section):
         return self
 
 
-class ObjectiveConfig(_Section):
-    """What the training minimises (`jaxtune.train.objectives`)."""
+# Objectives trained on preference pairs (``data.format: preference``), and those that compare with a reference model.
+PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo")
+DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
 
-    name: Literal["cross_entropy"] = Field("cross_entropy", description="next-token cross-entropy on the tokens "
-                                           "with loss (pretraining text, SFT's assistant turns)")
+
+class ObjectiveConfig(_Section):
+    """What the training minimises (`jaxtune.train.objectives`).
+
+    ``cross_entropy``: next-token cross-entropy on the tokens with loss (pretraining text, SFT's assistant turns).
+    Preference pairs (``data.format: preference``): ``dpo`` (against a frozen reference model: LoRA's base with the
+    adapters off, else a frozen copy of the initial weights, or its log-probs computed once before training with
+    ``precompute_ref_logps``), and the reference-free ``simpo`` and ``orpo``. Their keys follow TRL's."""
+
+    name: Literal["cross_entropy", "dpo", "simpo", "orpo"] = "cross_entropy"
+    beta: float | None = Field(None, gt=0, description="dpo: the KL weight (default 0.1); simpo: the reward scale "
+                               "(default 2.0); orpo: the odds-ratio term's weight lambda (TRL's beta, default 0.1)")
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="dpo: sigmoid (the DPO paper), ipo "
+                                                          "(squared, per-token log-ratios) or hinge")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="dpo (sigmoid) and simpo: the assumed share of "
+                                   "flipped labels (conservative DPO)")
+    gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (TRL's simpo_gamma)")
+    precompute_ref_logps: bool = Field(False, description="dpo: compute the reference log-probs of every pair once "
+                                       "before training (stored in the run directory), so no reference model is "
+                                       "held while training")
+
+    @property
+    def preference(self) -> bool:
+        return self.name in PREFERENCE_OBJECTIVES
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.name == "dpo"
+
+    @property
+    def beta_value(self) -> float:
+        return self.beta if self.beta is not None else DEFAULT_BETA.get(self.name, 0.0)
+
+    @model_validator(mode="after")
+    def _keys_apply(self) -> ObjectiveConfig:
+        # Keys away from their defaults (a dumped config sets every key, at its default where unused).
+        given = {k for k, f in type(self).model_fields.items() if k != "name" and getattr(self, k) != f.default}
+        applies = {"dpo": {"beta", "loss_type", "label_smoothing", "precompute_ref_logps"},
+                   "simpo": {"beta", "gamma", "label_smoothing"}, "orpo": {"beta"}}.get(self.name, set())
+        extra = sorted(given - applies)
+        if extra:
+            raise ValueError(f"objective.{extra[0]} does not apply to objective.name={self.name}"
+                             + (f"; its keys: {', '.join(sorted(applies))}" if applies else ""))
+        if self.label_smoothing and self.name == "dpo" and self.loss_type != "sigmoid":
+            raise ValueError("objective.label_smoothing applies to loss_type=sigmoid only")
+        return self
 
 
 class EvalConfig(_Section):
@@ -357,6 +402,17 @@ class Config(_Section):
         """Starting from a HuggingFace checkpoint, the tokenizer is the checkpoint's unless one is configured."""
         if self.model.from_hf and "tokenizer" not in self.model_fields_set:
             return self.model_copy(update={"tokenizer": TokenizerConfig.of_checkpoint(self.model.from_hf)})
+        return self
+
+    @model_validator(mode="after")
+    def _objective_matches_data(self) -> Config:
+        pairs = self.data.format == "preference"
+        if self.objective.preference and not pairs:
+            raise ValueError(f"objective.name={self.objective.name} trains on preference pairs; set "
+                             "data.format=preference (rows of prompt, chosen, rejected)")
+        if pairs and not self.objective.preference:
+            raise ValueError(f"data.format=preference needs a preference objective; set objective.name to one of "
+                             f"{', '.join(PREFERENCE_OBJECTIVES)}")
         return self
 
     @property

@@ -32,6 +32,7 @@ from jaxtune.models.hf import read_config_json
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import StepLog, perplexity
 from jaxtune.train.objectives import make_objective
+from jaxtune.train.reference import step_reference, with_reference
 from jaxtune.train.state import ModelSpec
 from jaxtune.train.step import Steps, jit_steps
 
@@ -115,13 +116,17 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     else:
         source, extra = test_sequences(cfg.data, tok, data)
         eval_batches = make_sequence_batches(source, batch_size=size, num_batches=batches or len(source), **split)
-    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train)
+    # A reference model is held here even where training precomputed its log-probs: --data pairs have none stored.
+    reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk)
+    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
+    frozen = with_reference(run.frozen, reference, spec, cfg.train.seed)
     with sharding.use_mesh(spec.mesh):
-        result = steps.evaluate(run.params, run.frozen, eval_batches)
+        result = steps.evaluate(run.params, frozen, eval_batches)
     return {"step": run.step, "loss": result.loss, "perplexity": perplexity(result.loss), "tokens": result.count,
             **result.metrics, **extra}
 
 
+REWARD_ACCURACY = "rewards/accuracies"  # TRL's name: the share of held-out pairs whose chosen reply is rewarded more
 EMPTY_ANSWER = "(empty)"  # how a sample shows an answer that is empty or only whitespace
 
 
@@ -182,8 +187,12 @@ class Evaluator:
             record["loss"] = loss = result.loss
             scalars = {"loss": loss, "perplexity": perplexity(loss), **result.metrics}
             said.append(f"validation loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
+            if REWARD_ACCURACY in result.metrics:  # preference objectives: held-out pairs ranked right
+                record["reward_accuracy"] = result.metrics[REWARD_ACCURACY]
+                said.append(f"reward accuracy {record['reward_accuracy']:.1%}, margin "
+                            f"{result.metrics['rewards/margins']:.3f}")
         if self.questions:
-            answers = self.generator(self.steps.spec.weights(params, frozen), [ids for ids, _ in self.questions],
+            answers = self.generator(self.steps.weights(params, frozen), [ids for ids, _ in self.questions],
                                      max_new_tokens=e.max_new_tokens, temperature=0.0,
                                      eos_id=stop_ids(self.tokenizer, self.chat), seed=step)
             record["exact_match"] = scalars["exact_match"] = exact_match(
@@ -193,7 +202,7 @@ class Evaluator:
             self.log.writer.write(step, scalars, kind="eval")
             self.log.message(f"step {step}: " + ", ".join(said))
         if e.prompts:
-            ids = sample(self.generator, self.steps.spec.weights(params, frozen), self.tokenizer, e.prompts,
+            ids = sample(self.generator, self.steps.weights(params, frozen), self.tokenizer, e.prompts,
                          chat=self.chat, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k,
                          top_p=e.top_p, seed=step)
             record["samples"] = [format_sample(p, shown(self.tokenizer.decode(x)), self.chat)
@@ -224,11 +233,14 @@ class Evaluator:
         n = len(self.questions)
         scored = [e for e in self.evals if e["loss"] is not None or e["exact_match"] is not None]
         if scored:
-            lines += ["| step | held-out loss | perplexity |" + (" exact match |" if n else ""),
-                      "|--:|--:|--:|" + ("--:|" if n else "")]
+            rewards = any("reward_accuracy" in e for e in scored)
+            lines += ["| step | held-out loss | perplexity |" + (" reward accuracy |" if rewards else "")
+                      + (" exact match |" if n else ""),
+                      "|--:|--:|--:|" + ("--:|" if rewards else "") + ("--:|" if n else "")]
             for e in scored:
                 loss = "" if e["loss"] is None else f" {e['loss']:.4f} | {perplexity(e['loss']):.2f} |"
-                lines.append(f"| {e['step']} |" + (loss or " | |")
+                accuracy = f" {e['reward_accuracy']:.1%} |" if "reward_accuracy" in e else " |"
+                lines.append(f"| {e['step']} |" + (loss or " | |") + (accuracy if rewards else "")
                              + (f" {_score(e['exact_match'], n)} |" if n else ""))
             lines.append("")
         first, last = self.evals[0], self.evals[-1]

@@ -24,6 +24,7 @@ from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import NonFiniteLossError, StepLog, write_summary
 from jaxtune.train.objectives import make_objective
+from jaxtune.train.reference import precompute_reference, step_reference, with_reference
 from jaxtune.train.run_dir import claim, writing
 from jaxtune.train.step import jit_steps
 
@@ -79,15 +80,23 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     # Model, optimizer and objective: the train and eval steps, jitted once (state donated, shardings explicit).
     spec = backend.build(cfg, tokenizer.vocab_size, mesh)
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
-    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train)
+    precomputed = cfg.objective.uses_reference and cfg.objective.precompute_ref_logps
+    reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk, precomputed)
+    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
 
-    # Restore or init. Frozen params (a LoRA base) are not in the checkpoint: they are read again.
+    # Frozen params (a LoRA base, a reference copy) are not in the checkpoint: they are read again. Reference
+    # log-probs computed once go into the batches before the data position is restored.
+    frozen = spec.load_frozen(cfg.train.seed)
+    if precomputed:
+        data = data.with_reference(precompute_reference(run_dir, spec, cfg, data, frozen))
+    frozen = with_reference(frozen, reference, spec, cfg.train.seed)
+
+    # Restore or init.
     if start:
         state, data_state = ckpt.restore(start, spec.abstract)
         data.train_iter.set_state(data_state)
     else:
         state = spec.init(cfg.train.seed)
-    frozen = spec.load_frozen(cfg.train.seed)
 
     # Components that report.
     log = StepLog(run_dir, cfg, start, spec.model_cfg, ckpt)

@@ -164,7 +164,7 @@ class StepLog:
         self.cfg, self.ckpt = cfg, checkpointer
         self.writer = MetricsWriter(run_dir, cfg.logging, cfg.train.steps, start, cfg.to_dict())
         seq, batch = cfg.data.seq_len, cfg.train.batch_size
-        self.tokens_per_step = batch * seq
+        self.tokens_per_step = batch * seq * (2 if cfg.objective.preference else 1)  # a pair is two sequences
         self.flops_per_step = model_cfg.flops_per_token(seq) * self.tokens_per_step
         self.peak = peak_flops(jax.devices()[0])
         self.losses: dict[int, float] = {}  # step -> train loss, for the steps run here

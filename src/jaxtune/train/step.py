@@ -20,18 +20,23 @@ import optax
 from jaxtune import sharding
 from jaxtune.config import TrainConfig
 from jaxtune.train.objectives import Metrics, Objective
+from jaxtune.train.reference import ReferenceModel
 from jaxtune.train.state import Batch, Forward, ModelSpec, TrainState
 
 # (params, batch, key, frozen) -> (summed loss, (count, metric sums)): differentiable in params.
 LossFn = Callable[[Any, Batch, jax.Array | None, tuple], tuple[jax.Array, tuple[jax.Array, Metrics]]]
 
 
-def objective_loss(objective: Objective, forward: Forward, weights: Callable[[Any, tuple], Any]) -> LossFn:
+def objective_loss(objective: Objective, forward: Forward, weights: Callable[[Any, tuple], Any],
+                   reference: ReferenceModel | None = None) -> LossFn:
     """``objective`` on a model's ``forward``, with the trained ``params`` merged with the ``frozen`` groups by
-    ``weights`` (`ModelSpec.weights`)."""
+    ``weights`` (`ModelSpec.weights`); ``reference``: the frozen model it compares with, if any (its copy, if it has
+    one, is the last frozen group)."""
 
     def loss(params, batch, key, frozen):
-        total, count, metrics = objective(forward, weights(params, frozen), batch, key)
+        model_frozen = frozen if reference is None else reference.model_frozen(frozen)
+        ref = None if reference is None else reference.bind(frozen)
+        total, count, metrics = objective(forward, weights(params, model_frozen), batch, key, ref)
         return total, (count, metrics)
 
     return loss
@@ -104,9 +109,11 @@ def make_eval_step(loss_fn: LossFn):
     return eval_step
 
 
-def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig) -> tuple[Callable, Callable]:
-    """(train step, eval step), unjitted, from the spec, the objective and the ``train`` config."""
-    loss = objective_loss(objective, spec.forward(train.loss_chunk), spec.weights)
+def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
+                reference: ReferenceModel | None = None) -> tuple[Callable, Callable]:
+    """(train step, eval step), unjitted, from the spec, the objective, the ``train`` config and the reference model
+    (`jaxtune.train.reference`) the objective compares with, if any."""
+    loss = objective_loss(objective, spec.forward(train.loss_chunk), spec.weights, reference)
     step = make_train_step(loss, spec.tx, spec.lr_schedule, micro_batches=train.micro_batches,
                            skip_nonfinite=train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key)
     return step, make_eval_step(loss)
@@ -127,11 +134,17 @@ class Steps:
     spec: ModelSpec
     train: Callable  # (state, global batch, frozen) -> (state, metrics)
     eval: Callable  # (params, global batch, frozen) -> (summed loss, count, metric sums)
+    reference: ReferenceModel | None = None  # the frozen model the objective compares with, if the steps hold one
     traces: list[int] = field(default_factory=lambda: [0])
 
     @property
     def compiles(self) -> int:
         return self.traces[0]
+
+    def weights(self, params: Any, frozen: tuple) -> Any:
+        """The model's weights (`ModelSpec.weights`) from the steps' frozen groups (a reference copy left out): what
+        the sampler takes."""
+        return self.spec.weights(params, frozen if self.reference is None else self.reference.model_frozen(frozen))
 
     def evaluate(self, params: Any, frozen: tuple, batches: Iterable[dict[str, Any]]) -> EvalResult:
         """The objective over host ``batches`` (each this process's rows), summed and divided once by the total
@@ -147,10 +160,13 @@ class Steps:
         return EvalResult(total / denom, count, {k: v / denom for k, v in sums.items()})
 
 
-def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig) -> Steps:
-    """`build_steps` jitted once with explicit shardings: batches over the data axes, state donated."""
-    step_impl, eval_impl = build_steps(spec, objective, train)
-    steps = Steps(spec, None, None)
+def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
+              reference: ReferenceModel | None = None) -> Steps:
+    """`build_steps` jitted once with explicit shardings: batches over the data axes, state donated. With a
+    reference that is a frozen copy, the steps' ``frozen`` is the model's groups then the copy (placed like the
+    params)."""
+    step_impl, eval_impl = build_steps(spec, objective, train, reference)
+    steps = Steps(spec, None, None, reference)
 
     def counted_step(state, batch, frozen):
         steps.traces[0] += 1
@@ -158,7 +174,8 @@ def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig) -> Step
 
     mesh = spec.mesh
     batch_sh = sharding.batch_sharding(mesh)
-    steps.train = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh, spec.frozen_shardings),
+    frozen_sh = spec.frozen_shardings + ((spec.shardings.params,) if reference is not None and reference.copy else ())
+    steps.train = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh, frozen_sh),
                           out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
-    steps.eval = jax.jit(eval_impl, in_shardings=(spec.shardings.params, batch_sh, spec.frozen_shardings))
+    steps.eval = jax.jit(eval_impl, in_shardings=(spec.shardings.params, batch_sh, frozen_sh))
     return steps

@@ -4,10 +4,16 @@ It returns ``(summed loss, count, metrics)``: the loss summed over its units (to
 sequence pairs for a preference loss), how many units counted, and extra scalars as sums over the same units. The
 step divides all of them by the count accumulated over the whole batch (micro-batches included), so a logged
 metric is a mean per unit, at train and eval alike; the loop logs every metric an objective returns.
+
+An objective that compares the policy with a frozen reference model (``uses_reference``: DPO's KL anchor, GRPO's
+KL penalty) is handed a `Reference`: the reference's per-token log-probs of a batch of (N, T) rows. Which model that
+is (LoRA's base with the adapters off, or a frozen copy) is the step's business (`jaxtune.train.reference`), not the
+objective's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -15,11 +21,13 @@ import jax
 from jaxtune.train.state import Batch, Forward
 
 Metrics = dict[str, jax.Array]
+Reference = Callable[[Batch], jax.Array]  # (N, T) rows -> (N, T) float32 log p(targets) of the reference model
 
 
 class Objective(Protocol):
     name: str
     metric_names: tuple[str, ...]  # the keys of the metrics it returns (logged as they are)
+    uses_reference: bool  # reads a reference model's log-probs (a `Reference`, or ``ref_logps`` in the batch)
 
-    def __call__(self, forward: Forward, weights: Any, batch: Batch,
-                 key: jax.Array | None) -> tuple[jax.Array, jax.Array, Metrics]: ...
+    def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
+                 reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]: ...

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxtune.train.objectives.base import Metrics
+from jaxtune.train.objectives.base import Metrics, Reference
 from jaxtune.train.state import Batch, Forward
 
 
@@ -19,9 +19,10 @@ class CrossEntropy:
 
     name: str = "cross_entropy"
     metric_names: tuple[str, ...] = ()
+    uses_reference: bool = False
 
-    def __call__(self, forward: Forward, weights: Any, batch: Batch,
-                 key: jax.Array | None) -> tuple[jax.Array, jax.Array, Metrics]:
+    def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
+                 reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
         targets = batch["targets"]
         mask = batch.get("loss_mask", jnp.ones(targets.shape, jnp.float32))
         logps = forward.token_logps(weights, batch, key)

@@ -1,0 +1,166 @@
+"""Preference objectives on pairs: DPO (against a reference model) and the reference-free SimPO and ORPO.
+
+A batch holds pairs: every array is (B, 2, T), row 0 the chosen completion and row 1 the rejected one, each after the
+same prompt (`jaxtune.data.preference`); ``loss_mask`` marks the completion's targets. Both rows of every pair go
+through the model in one forward, as (2B, T). A sequence's log-prob is the sum of its completion tokens' log-probs
+(SimPO and ORPO: their mean, as TRL's ``average_log_prob``). The unit counted is the pair: a padding pair (no
+completion token, in a held-out batch's tail) counts 0.
+
+The formulas and metric names are TRL's (``DPOTrainer``, ``CPOTrainer`` with ``loss_type=simpo``, ``ORPOTrainer``),
+checked against TRL 1.16 in ``tests/train/test_preference_objectives.py``. With c, r the policy's and c_ref, r_ref the
+reference's sequence log-probs, n_c, n_r the completions' token counts, Δ = (c - c_ref) - (r - r_ref):
+
+* dpo sigmoid: -(1 - ε) log σ(βΔ) - ε log σ(-βΔ) (ε: ``label_smoothing``, conservative DPO; TRL 1.16 has ε = 0)
+* dpo hinge: max(0, 1 - βΔ)
+* dpo ipo: ((c - c_ref) / n_c - (r - r_ref) / n_r - 1 / 2β)²  (TRL's per-token normalisation)
+* simpo: as dpo sigmoid on c/n_c - r/n_r - γ/β, without a reference
+* orpo: -c/n_c - β log σ(log odds(c/n_c) - log odds(r/n_r)), odds(p) = p / (1 - p). TRL's NLL term is the mean over
+  all chosen tokens of the batch; here it is each pair's mean NLL averaged over pairs (the ORPO paper's, and the unit
+  the step accumulates over micro-batches): the two agree when the chosen completions have equal lengths.
+
+Metrics (means per pair): ``rewards/chosen``, ``rewards/rejected`` (β(c - c_ref), or β c/n_c without a reference),
+``rewards/accuracies`` (chosen reward strictly above rejected), ``rewards/margins``, ``logps/chosen``,
+``logps/rejected``; orpo also ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.train.objectives.base import Metrics, Reference
+from jaxtune.train.state import Batch, Forward
+
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                  "logps/rejected")
+_SEQUENCE_KEYS = ("inputs", "targets", "positions", "segment_ids")
+
+
+def flat_pairs(batch: Batch) -> Batch:
+    """(B, 2, T) pair arrays -> (2B, T) rows, chosen and rejected of pair b at rows 2b and 2b + 1."""
+    return {k: batch[k].reshape(-1, batch[k].shape[-1]) for k in _SEQUENCE_KEYS if k in batch}
+
+
+def pair_logps(token_logps: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(2B, T) token log-probs and the (B, 2, T) mask -> (summed log-probs, completion token counts), each (B, 2)."""
+    mask = loss_mask.astype(jnp.float32)
+    return jnp.sum(token_logps.reshape(mask.shape) * mask, axis=-1), jnp.sum(mask, axis=-1)
+
+
+def _smoothed_sigmoid(z: jax.Array, eps: float) -> jax.Array:
+    return -(1.0 - eps) * jax.nn.log_sigmoid(z) - eps * jax.nn.log_sigmoid(-z)
+
+
+def log1mexp(x: jax.Array) -> jax.Array:
+    """log(1 - exp(x)) for x < 0, accurate on both sides of -log 2."""
+    return jnp.where(x < -0.6931471805599453, jnp.log1p(-jnp.exp(x)), jnp.log(-jnp.expm1(x)))
+
+
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """The shared part: one forward of both rows of every pair, the pairs' log-probs, what counts."""
+
+    beta: float
+    name: str = ""
+    metric_names: tuple[str, ...] = REWARD_METRICS
+    uses_reference: bool = False
+
+    def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
+                 reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
+        logps, counts = pair_logps(forward.token_logps(weights, flat_pairs(batch), key), batch["loss_mask"])
+        valid = jnp.all(counts > 0, axis=-1)  # (B,): a padding pair counts 0
+        # A padding pair's values are replaced by harmless ones before the losses (log1mexp(0) is -inf), so neither
+        # its loss nor its gradient can turn into NaN.
+        safe = lambda x, fill: jnp.where(valid[:, None], x, fill)
+        logps, counts = safe(logps, -1.0), safe(counts, 1.0)
+        ref = safe(self._reference_logps(batch, reference), -1.0) if self.uses_reference else None
+        losses, metrics = self.pair_losses(logps, counts, ref)
+        total = lambda x: jnp.sum(jnp.where(valid, x, 0.0))
+        return total(losses), jnp.sum(valid.astype(jnp.float32)), {k: total(v) for k, v in metrics.items()}
+
+    @staticmethod
+    def _reference_logps(batch: Batch, reference: Reference | None) -> jax.Array:
+        """(B, 2): precomputed in the batch (``ref_logps``), else from the reference model (no gradient)."""
+        if "ref_logps" in batch:
+            return batch["ref_logps"].astype(jnp.float32)
+        if reference is None:
+            raise ValueError("this objective compares with a reference model, but the step has none and the batch "
+                             "carries no ref_logps")
+        return pair_logps(jax.lax.stop_gradient(reference(flat_pairs(batch))), batch["loss_mask"])[0]
+
+    def pair_losses(self, logps: jax.Array, counts: jax.Array,
+                    ref: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(B, 2) sequence log-probs, token counts and reference log-probs -> per-pair losses (B,) and per-pair
+        metrics (B,) (summed over valid pairs by the caller)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DPO(PreferenceObjective):
+    name: str = "dpo"
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    uses_reference: bool = True
+
+    def pair_losses(self, logps, counts, ref):
+        ratios = logps - ref  # (B, 2): log π/π_ref of chosen, rejected
+        delta = ratios[:, 0] - ratios[:, 1]
+        if self.loss_type == "sigmoid":
+            losses = _smoothed_sigmoid(self.beta * delta, self.label_smoothing)
+        elif self.loss_type == "hinge":
+            losses = jax.nn.relu(1.0 - self.beta * delta)
+        elif self.loss_type == "ipo":
+            per_token = ratios / counts
+            losses = (per_token[:, 0] - per_token[:, 1] - 1.0 / (2.0 * self.beta)) ** 2
+        else:
+            raise ValueError(f"objective.loss_type={self.loss_type!r}")
+        rewards = self.beta * jax.lax.stop_gradient(ratios)
+        return losses, _per_pair(rewards, jax.lax.stop_gradient(logps))
+
+
+@dataclass(frozen=True)
+class SimPO(PreferenceObjective):
+    name: str = "simpo"
+    gamma: float = 0.5
+    label_smoothing: float = 0.0
+
+    def pair_losses(self, logps, counts, ref):
+        mean = logps / counts
+        z = self.beta * (mean[:, 0] - mean[:, 1] - self.gamma / self.beta)
+        losses = _smoothed_sigmoid(z, self.label_smoothing)
+        mean = jax.lax.stop_gradient(mean)
+        return losses, _per_pair(self.beta * mean, mean)
+
+
+@dataclass(frozen=True)
+class ORPO(PreferenceObjective):
+    name: str = "orpo"
+    metric_names: tuple[str, ...] = (*REWARD_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+    def pair_losses(self, logps, counts, ref):
+        # A mean log-prob of exactly 0 (every token certain) has infinite odds; TRL's loss is NaN there, ours stays
+        # finite by capping it just below 0 (no effect on pairs of any real model's uncertainty).
+        mean = jnp.minimum(logps / counts, -1e-6)
+        log_odds = (mean[:, 0] - mean[:, 1]) - (log1mexp(mean[:, 0]) - log1mexp(mean[:, 1]))
+        ratio = jax.nn.log_sigmoid(log_odds)
+        nll = -mean[:, 0]
+        losses = nll - self.beta * ratio
+        fixed = jax.lax.stop_gradient
+        metrics = _per_pair(self.beta * fixed(mean), fixed(mean))
+        return losses, {**metrics, "nll_loss": fixed(nll), "log_odds_ratio": fixed(ratio),
+                        "log_odds_chosen": fixed(log_odds)}
+
+
+def _per_pair(rewards: jax.Array, logps: jax.Array) -> dict[str, jax.Array]:
+    """Per-pair (B,) values of TRL's reward metrics from (B, 2) rewards and log-probs."""
+    chosen, rejected = rewards[:, 0], rewards[:, 1]
+    return {"rewards/chosen": chosen, "rewards/rejected": rejected,
+            "rewards/accuracies": (chosen > rejected).astype(jnp.float32), "rewards/margins": chosen - rejected,
+            "logps/chosen": logps[:, 0], "logps/rejected": logps[:, 1]}
+
+
+PREFERENCE: dict[str, Callable[..., PreferenceObjective]] = {"dpo": DPO, "simpo": SimPO, "orpo": ORPO}

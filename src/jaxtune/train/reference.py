@@ -1,0 +1,140 @@
+"""The frozen reference model an objective compares the policy with (DPO's anchor; `Objective.uses_reference`).
+
+Which model it is follows from the run, as TRL does:
+
+* **LoRA**: the frozen base with the adapters off (`ModelSpec.base_model`). No second copy of the weights: the base
+  is already on the mesh as the LoRA model's frozen group.
+* **Full fine-tuning**: a frozen copy of the initial weights (the checkpoint's, or the seed's), held on the mesh
+  beside the train state as one more frozen group: the step's ``frozen`` is the model's groups, then the copy.
+* **``objective.precompute_ref_logps``**: either of the above, used once before training (`precompute`) over every
+  pair; the results are stored in the run directory (`REF_LOGPS_FILE`) and ride in the batches as ``ref_logps``, so
+  no reference model is held while training.
+
+The copy and the precomputed log-probs come from the initial weights, not from a resumed state, so a resumed run
+compares with the same reference as the run it continues.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtune import sharding
+from jaxtune.config import Config, ObjectiveConfig
+from jaxtune.data import make_sequence_batches
+from jaxtune.train.objectives.base import Reference
+from jaxtune.train.objectives.preference import flat_pairs, pair_logps
+from jaxtune.train.run_dir import writing
+from jaxtune.train.state import Forward, ModelSpec
+
+REF_LOGPS_FILE = "reference_logps.npz"
+
+
+@dataclass(frozen=True)
+class ReferenceModel:
+    """A reference as the step uses it: a forward, and where its weights are among the step's frozen groups."""
+
+    forward: Forward
+    weights: Callable[[tuple], Any]  # the step's frozen groups -> the reference's weights
+    copy: bool = False  # the weights are a frozen copy, the last frozen group (else they are the model's own)
+
+    def bind(self, frozen: tuple) -> Reference:
+        """The reference's per-token log-probs of (N, T) rows, deterministic and without gradient."""
+        weights = self.weights(frozen)
+        return lambda rows: jax.lax.stop_gradient(self.forward.token_logps(weights, rows, None))
+
+    def model_frozen(self, frozen: tuple) -> tuple:
+        """The model's own frozen groups (the copy removed)."""
+        return frozen[:-1] if self.copy else frozen
+
+
+def reference_model(spec: ModelSpec, loss_chunk: int = 0) -> ReferenceModel:
+    """LoRA's base with the adapters off where the model has adapters, else a frozen copy."""
+    base = spec.base_model(loss_chunk)
+    if base is not None:
+        forward, weights = base
+        return ReferenceModel(forward, weights)
+    return ReferenceModel(spec.forward(loss_chunk), lambda frozen: frozen[-1], copy=True)
+
+
+def step_reference(spec: ModelSpec, objective: ObjectiveConfig, loss_chunk: int = 0,
+                   precomputed: bool = False) -> ReferenceModel | None:
+    """The reference the steps hold: None when the objective has none or its log-probs are ``precomputed``."""
+    if not objective.uses_reference or precomputed:
+        return None
+    return reference_model(spec, loss_chunk)
+
+
+def with_reference(frozen: tuple, reference: ReferenceModel | None, spec: ModelSpec, seed: int) -> tuple:
+    """The steps' frozen groups: the model's, then the reference's copy of the initial weights if it is one."""
+    return frozen + load_copy(spec, seed) if reference is not None and reference.copy else frozen
+
+
+def load_copy(spec: ModelSpec, seed: int) -> tuple:
+    """(initial weights,): the frozen copy, placed like the trained params."""
+    return (spec.init(seed).params,)
+
+
+def precompute(ref: ReferenceModel, frozen: tuple, batches: Iterable[dict[str, np.ndarray]], mesh: Any,
+               count: int) -> np.ndarray:
+    """The reference's summed completion log-probs of pair batches, (count, 2) float32 in order (the batches' tail
+    padding dropped). ``batches``: this process's rows of each global batch (`make_sequence_batches`)."""
+    step = jax.jit(lambda frozen, batch: pair_logps(ref.bind(frozen)(flat_pairs(batch)), batch["loss_mask"])[0],
+                   out_shardings=sharding.replicated(mesh))
+    with sharding.use_mesh(mesh):
+        out = [np.asarray(jax.device_get(step(frozen, sharding.global_batch(mesh, b)))) for b in batches]
+    return np.concatenate(out, axis=0)[:count].astype(np.float32) if out else np.zeros((0, 2), np.float32)
+
+
+def fingerprint(source: Any) -> str:
+    """What the stored log-probs were computed for: a hash of every pair's tokens and mask, in order."""
+    h = hashlib.sha256()
+    for i in range(len(source)):
+        item = source[i]
+        for k in ("inputs", "targets", "loss_mask"):
+            h.update(np.ascontiguousarray(item[k]).tobytes())
+    return h.hexdigest()
+
+
+def stored_logps(run_dir: Path, splits: dict[str, Any],
+                 compute: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
+    """The reference log-probs of each split's pairs (``splits``: name -> pair source): read from the run directory
+    when it holds them for exactly these pairs, else ``compute(name)`` and written (process 0) before training."""
+    path = run_dir / REF_LOGPS_FILE
+    prints = {name: fingerprint(source) for name, source in splits.items()}
+    if path.exists():
+        with np.load(path, allow_pickle=False) as saved:
+            if all(f"{n}_fingerprint" in saved and str(saved[f"{n}_fingerprint"]) == p for n, p in prints.items()):
+                return {n: np.asarray(saved[n]) for n in splits}
+    logps = {name: compute(name) for name in splits}
+    if jax.process_index() == 0:
+        tmp = path.with_name(path.name + ".tmp")
+        with writing(tmp):
+            with tmp.open("wb") as f:
+                np.savez(f, **logps, **{f"{n}_fingerprint": np.array(p) for n, p in prints.items()})
+            tmp.replace(path)
+    return logps
+
+
+def precompute_reference(run_dir: Path, spec: ModelSpec, cfg: Config, data: Any, frozen: tuple) -> dict[str, Any]:
+    """``objective.precompute_ref_logps``: the reference log-probs of every training and held-out pair (``data``:
+    `jaxtune.data.TrainingData`, whose ``pair_sources`` name them), read from the run directory or computed there once
+    with the reference model, which is then let go (a copy of the weights is loaded only while computing)."""
+    ref = reference_model(spec, cfg.train.loss_chunk)
+    loaded: list[tuple] = []
+
+    def compute(split: str) -> np.ndarray:
+        if not loaded:
+            loaded.append(with_reference(frozen, ref, spec, cfg.train.seed))
+        source = data.pair_sources[split]
+        batches = make_sequence_batches(source, batch_size=cfg.train.batch_size, num_batches=len(source),
+                                        process_index=jax.process_index(), process_count=jax.process_count())
+        return precompute(ref, loaded[0], batches, spec.mesh, len(source))
+
+    return stored_logps(run_dir, data.pair_sources, compute)
