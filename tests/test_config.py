@@ -14,7 +14,8 @@ SHIPPED = sorted(SHIPPED_CONFIGS.glob("*.yaml"))
 def test_configs_are_shipped():
     names = {p.stem for p in SHIPPED}
     assert {"quickstart", "gpt2-124m", "minigpt-tinystories", "finetune-quickstart", "gemma3-270m-lora",
-            "gemma3-1b-lora-dolly", "gemma3-1b-full-adafactor", "qwen-lora", "llama-lora"} <= names
+            "gemma3-1b-lora-dolly", "gemma3-1b-full-adafactor", "qwen-lora", "llama-lora", "dpo-quickstart",
+            "qwen-dpo-ultrafeedback"} <= names
 
 
 # Fine-tuning recipes start from hub checkpoints, which tests cannot download: their model config is checked on
@@ -22,6 +23,10 @@ def test_configs_are_shipped():
 HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemma-3-1b-it": ("gemma3", "gemma3-1b"),
                "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", "qwen2.5-0.5b"),
                "meta-llama/Llama-3.2-1B-Instruct": ("llama", "llama3.2-1b")}
+
+
+# Recipes that start from another recipe's run, exported (`jaxtune export`): checked on that recipe's model.
+LOCAL_STARTS = {"runs/finetune-quickstart/model": "finetune-quickstart"}
 
 
 # torchax recipes: a tiny transformers config of the hub model's architecture, to build it with the recipe's LoRA.
@@ -42,7 +47,9 @@ def test_every_shipped_config_loads_and_builds_its_model_config(path, tmp_path):
         module = build_torch_model(model.model_copy(update={"from_hf": None, "hf_config": str(tmp_path)}), 0)
         assert any("lora_A" in n for n, _ in module.named_parameters())
         return
-    if model.from_hf:
+    if model.from_hf in LOCAL_STARTS:  # a recipe that starts from another recipe's exported model
+        model = load_config(LOCAL_STARTS[model.from_hf]).model
+    elif model.from_hf:
         family, preset = HUB_PRESETS[model.from_hf]
         model = model.model_copy(update={"from_hf": None, "family": family, "preset": preset})
     mcfg = model_config(model, None if cfg.model.from_hf else cfg.tokenizer.vocab_size)

@@ -126,7 +126,8 @@ def test_missing_local_from_hf_directory_names_model_from_hf(tmp_path, capsys):
     missing = tmp_path / "no-such-model"
     assert main(["train", "quickstart", f"model.from_hf={missing}", f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: model.from_hf={missing}: no such directory\n"
+    assert err == (f"error: model.from_hf={missing}: no such directory; give a HuggingFace model directory (a "
+                   "trained run becomes one with `jaxtune export RUN_DIR DIR`) or a hub name\n")
 
 
 def test_hub_name_runs_from_a_filled_cache_when_the_hub_is_unreachable(hf_dir, tmp_path, data_cache):

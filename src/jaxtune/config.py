@@ -162,13 +162,17 @@ class DataConfig(_Section):
     ``format: text`` is pretraining text cut into windows; the other formats are supervised fine-tuning rows
     (see `jaxtune.data.formats`): ``messages`` (OpenAI chat), ``sharegpt`` (``conversations`` of ``from``/``value``),
     ``alpaca`` (``instruction``/``input``/``output``) and ``prompt_completion``, rendered by the tokenizer's chat
-    template (or ``chat_template``), loss on the tokens ``loss_on`` names, packed into ``seq_len`` rows."""
+    template (or ``chat_template``), loss on the tokens ``loss_on`` names, packed into ``seq_len`` rows; and
+    ``preference``: pairs of completions, ``prompt``/``chosen``/``rejected`` in TRL's forms (text, or messages with an
+    explicit or implicit prompt; `jaxtune.data.preference`), one pair per item (never packed), loss on each
+    completion."""
 
     sources: list[str] = ["python-stdlib"]
     format: Literal["text", "messages", "sharegpt", "alpaca", "prompt_completion", "preference"] = "text"
     text_field: str = "text"
     fields: dict[str, str] = Field({}, description="SFT field names when they differ from the format's: messages, "
-                                   "role, content, system, instruction, input, output, prompt, completion")
+                                   "role, content, system, instruction, input, output, prompt, completion, chosen, "
+                                   "rejected")
     roles: dict[str, str] = Field({}, description="sharegpt: speaker names -> system/user/assistant "
                                   "(default human->user, gpt->assistant)")
     chat_template: str | None = Field(None, description="chatml, a .jinja file, or template text; default the "

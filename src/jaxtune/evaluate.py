@@ -185,12 +185,14 @@ class Evaluator:
         if self.batches:
             result = self.steps.evaluate(params, frozen, self.batches)
             record["loss"] = loss = result.loss
-            scalars = {"loss": loss, "perplexity": perplexity(loss), **result.metrics}
-            said.append(f"validation loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
             if REWARD_ACCURACY in result.metrics:  # preference objectives: held-out pairs ranked right
                 record["reward_accuracy"] = result.metrics[REWARD_ACCURACY]
-                said.append(f"reward accuracy {record['reward_accuracy']:.1%}, margin "
+                scalars = {"loss": loss, **result.metrics}
+                said.append(f"validation loss {loss:.4f}, reward accuracy {record['reward_accuracy']:.1%}, margin "
                             f"{result.metrics['rewards/margins']:.3f}")
+            else:
+                scalars = {"loss": loss, "perplexity": perplexity(loss), **result.metrics}
+                said.append(f"validation loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
         if self.questions:
             answers = self.generator(self.steps.weights(params, frozen), [ids for ids, _ in self.questions],
                                      max_new_tokens=e.max_new_tokens, temperature=0.0,
@@ -233,15 +235,17 @@ class Evaluator:
         n = len(self.questions)
         scored = [e for e in self.evals if e["loss"] is not None or e["exact_match"] is not None]
         if scored:
+            # Preference objectives: the share of held-out pairs whose chosen reply is rewarded more (their loss is
+            # not a log-likelihood: no perplexity).
             rewards = any("reward_accuracy" in e for e in scored)
-            lines += ["| step | held-out loss | perplexity |" + (" reward accuracy |" if rewards else "")
-                      + (" exact match |" if n else ""),
-                      "|--:|--:|--:|" + ("--:|" if rewards else "") + ("--:|" if n else "")]
+            second = " reward accuracy |" if rewards else " perplexity |"
+            lines += ["| step | held-out loss |" + second + (" exact match |" if n else ""),
+                      "|--:|--:|--:|" + ("--:|" if n else "")]
             for e in scored:
-                loss = "" if e["loss"] is None else f" {e['loss']:.4f} | {perplexity(e['loss']):.2f} |"
-                accuracy = f" {e['reward_accuracy']:.1%} |" if "reward_accuracy" in e else " |"
-                lines.append(f"| {e['step']} |" + (loss or " | |") + (accuracy if rewards else "")
-                             + (f" {_score(e['exact_match'], n)} |" if n else ""))
+                loss = "" if e["loss"] is None else (
+                    f" {e['loss']:.4f} | {e['reward_accuracy']:.1%} |" if rewards
+                    else f" {e['loss']:.4f} | {perplexity(e['loss']):.2f} |")
+                lines.append(f"| {e['step']} |" + (loss or " | |") + (f" {_score(e['exact_match'], n)} |" if n else ""))
             lines.append("")
         first, last = self.evals[0], self.evals[-1]
         if n and first is not last:

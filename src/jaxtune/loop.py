@@ -88,7 +88,9 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     # log-probs computed once go into the batches before the data position is restored.
     frozen = spec.load_frozen(cfg.train.seed)
     if precomputed:
-        data = data.with_reference(precompute_reference(run_dir, spec, cfg, data, frozen))
+        logps, note = precompute_reference(run_dir, spec, cfg, data, frozen)
+        data = data.with_reference(logps)
+        data.report.append(note)
     frozen = with_reference(frozen, reference, spec, cfg.train.seed)
 
     # Restore or init.

@@ -17,8 +17,9 @@ import pytest
 from jaxtune.config import ConfigError, DataConfig, TokenizerConfig, load_config
 from jaxtune.data import DataError, load_tokenizer
 from jaxtune.data.chat import encode_prompt, end_of_turn_ids, format_sample, stop_ids
-from jaxtune.data.formats import REASONS, Example, detect_format, field_names, parse_row
+from jaxtune.data.formats import FORMATS, REASONS, Example, detect_format, field_names, parse_row
 from jaxtune.data.pipeline import make_sequence_batches, test_sequences
+from jaxtune.data.rows import READ_REASONS
 from jaxtune.data.sft import (
     DROP_REASONS,
     Encoded,
@@ -486,7 +487,11 @@ BAD = [
 
 
 def test_bad_rows_cover_every_reason():
-    assert {reason for reason, _, _ in BAD} == set(REASONS)
+    """Every reason of the SFT formats (the preference format's own, identical and prompt_mismatch, are covered by
+    tests/data/test_preference.py)."""
+    sft_reasons = set(READ_REASONS) | {r for f in FORMATS.values() if f.name != "preference" for r in f.reasons}
+    assert {reason for reason, _, _ in BAD} == sft_reasons
+    assert set(REASONS) - sft_reasons == {"identical", "prompt_mismatch"}
     assert DROP_REASONS == (*REASONS, "overlong", "no_trainable_tokens")
 
 

@@ -8,12 +8,12 @@ How the training loop uses it::
     batch = next(data.train_iter)
 
 Inside, modules import only downward: ``errors``, ``synthetic`` → ``sources`` → ``rows`` → ``formats`` →
-``tokenizer`` → ``chat``, ``tokens`` → ``sft`` → ``pipeline``.
+``tokenizer`` → ``chat``, ``tokens`` → ``sft`` → ``preference`` → ``pipeline``.
 """
 
 from jaxtune.data.chat import encode_prompt, end_of_turn_ids, format_sample, resolve_chat_template, stop_ids
 from jaxtune.data.errors import DataError
-from jaxtune.data.formats import Example, detect_format, renders_chat
+from jaxtune.data.formats import Example, Pair, detect_format, renders_chat
 from jaxtune.data.pipeline import (
     Batch,
     TrainingData,
@@ -23,6 +23,7 @@ from jaxtune.data.pipeline import (
     make_training_data,
     test_sequences,
 )
+from jaxtune.data.preference import PairRows, PreferenceData, PreferenceStats, prepare_preference
 from jaxtune.data.sft import question
 from jaxtune.data.sources import iter_documents, sources_fingerprint
 from jaxtune.data.tokenizer import Tokenizer, load_hf_tokenizer, load_tokenizer, load_tokenizer_dir
@@ -32,6 +33,10 @@ __all__ = [
     "Batch",
     "DataError",
     "Example",
+    "Pair",
+    "PairRows",
+    "PreferenceData",
+    "PreferenceStats",
     "TokenData",
     "Tokenizer",
     "TrainingData",
@@ -47,6 +52,7 @@ __all__ = [
     "make_sequence_batches",
     "make_train_iterator",
     "make_training_data",
+    "prepare_preference",
     "prepare_tokens",
     "question",
     "renders_chat",

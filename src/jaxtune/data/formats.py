@@ -7,15 +7,22 @@
   maps other speaker names);
 * ``alpaca``: ``{"instruction", "input" (optional), "output", "system" (optional)}``: one user turn
   (instruction, then the input after a blank line) and the assistant's output;
-* ``prompt_completion``: ``{"prompt", "completion"}``: raw text, no chat template, completion then EOS.
+* ``prompt_completion``: ``{"prompt", "completion"}``: raw text, no chat template, completion then EOS;
+* ``preference``: pairs of completions, one preferred, in TRL's three forms (a `Pair`, `jaxtune.data.preference`):
+  ``{"prompt": str, "chosen": str, "rejected": str}`` (raw text, as ``prompt_completion``);
+  ``{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`` (the prompt ends with a user turn, each
+  completion starts with the assistant's); ``{"chosen": [messages], "rejected": [messages]}`` (implicit prompt: the
+  longest run of leading messages the two share). Messages are ``role``/``content`` objects.
 
 A conversation is an optional system message, then user and assistant turns alternating, starting with the user
 and ending with the assistant, every content a non-empty string. A row that is not valid UTF-8, not JSON, lacks a
-field, names an unknown role, breaks the order or has an empty content is *bad*: ``data.bad_rows=raise`` stops
+field, names an unknown role, breaks the order or has an empty content (a pair also: equal completions, or an
+implicit prompt that is not one) is *bad*: ``data.bad_rows=raise`` stops
 with its file:line, ``drop`` skips it and counts it per reason (`REASONS`).
 
 A new format is one `Format` in `FORMATS` (its fields, the key that detects it, its parser, its bad-row reasons)
-and, when its `Example` is not a conversation or a prompt/completion, an encoder for it (`jaxtune.data.sft`).
+and, when its `Example` is not a conversation or a prompt/completion, an encoder for it (`jaxtune.data.sft`,
+`jaxtune.data.preference`).
 """
 
 from __future__ import annotations
@@ -47,18 +54,35 @@ class Example:
 
 
 @dataclass(frozen=True)
+class Pair:
+    """A preference row understood: the same prompt with its ``chosen`` and its ``rejected`` completion, each whole
+    (messages, the first ``prompt_turns`` of them the prompt; or prompt and completion text, ``prompt_turns`` 0)."""
+
+    chosen: Example
+    rejected: Example
+    prompt_turns: int = 0
+
+    def texts(self) -> list[str]:
+        """The prompt's texts once, then each completion's."""
+        if not self.chosen.messages:
+            return [self.chosen.prompt, self.chosen.completion, self.rejected.completion]
+        return [m["content"] for m in (*self.chosen.messages, *self.rejected.messages[self.prompt_turns:])]
+
+
+@dataclass(frozen=True)
 class Format:
     """One fine-tuning row format.
 
     ``fields``: the format's field names by what they hold (``data.fields`` renames them); ``detect_key``: a row
     holding this key is taken to be of this format (`detect_format`, in `FORMATS` order); ``parse(record, fields,
-    data_cfg)``: a row (a dict) as an `Example`, or `BadRow`; ``reasons``: the `BadRow` reasons ``parse`` gives;
-    ``chat``: rendered with the chat template (else raw text)."""
+    data_cfg)``: a row (a dict) as an `Example` (a `Pair` for preference rows), or `BadRow`; ``reasons``: the
+    `BadRow` reasons ``parse`` gives; ``chat``: rendered with the chat template (else raw text; preference rows are
+    either, by their form)."""
 
     name: str
     fields: dict[str, str]
     detect_key: str
-    parse: Callable[[dict, dict[str, str], DataConfig], Example]
+    parse: Callable[[dict, dict[str, str], DataConfig], Example | Pair]
     reasons: tuple[str, ...]
     chat: bool = True
 
@@ -115,20 +139,27 @@ def _conversation(record: dict, fields: dict[str, str], role_names: dict[str, st
                      "set data.fields.messages to the field holding the conversation")
     if not isinstance(turns, list) or not turns:
         raise BadRow("bad_type", f"{fields['messages']!r} must be a non-empty list of turns")
+    msgs = _turns(turns, fields, role_names, unknown_role_hint)
+    _check_order([m["role"] for m in msgs])
+    return Example(messages=tuple(msgs))
+
+
+def _turns(turns: list, fields: dict[str, str], role_names: dict[str, str], unknown_role_hint: str = "",
+           what: str = "turn") -> list[dict[str, str]]:
+    """Each turn as ``{"role", "content"}``: an object with a known role and a non-empty string content."""
     msgs = []
     for k, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise BadRow("bad_type", f"turn {k} is {type(turn).__name__}, not an object")
+            raise BadRow("bad_type", f"{what} {k} is {type(turn).__name__}, not an object")
         speaker = _string(turn, fields["role"], "role")
         if speaker not in role_names:
-            raise BadRow("unknown_role", f"turn {k} has role {speaker!r}; known: {sorted(role_names)}"
+            raise BadRow("unknown_role", f"{what} {k} has role {speaker!r}; known: {sorted(role_names)}"
                          + unknown_role_hint)
         content = _string(turn, fields["content"], "content")
         if not content.strip():
-            raise BadRow("empty_content", f"turn {k} ({speaker}) has empty content")
+            raise BadRow("empty_content", f"{what} {k} ({speaker}) has empty content")
         msgs.append({"role": role_names[speaker], "content": content})
-    _check_order([m["role"] for m in msgs])
-    return Example(messages=tuple(msgs))
+    return msgs
 
 
 def _check_order(roles: list[str]) -> None:
@@ -143,6 +174,56 @@ def _check_order(roles: list[str]) -> None:
         raise BadRow("role_order", "the conversation does not end with an assistant turn")
 
 
+def _preference(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Pair:
+    """A row in one of TRL's preference forms (the module docstring) as a `Pair`."""
+    chosen, rejected = (record.get(fields[k]) for k in ("chosen", "rejected"))
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+        if value is None:
+            raise BadRow("missing_field", f"no {fields[key]!r} field (found {sorted(record)})"
+                         + (f"; set data.fields.{key} to the field's name" if fields[key] == key else ""))
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        prompt = _string(record, fields["prompt"], "prompt")
+        if not chosen.strip() or not rejected.strip():
+            raise BadRow("empty_content", f"the {'chosen' if not chosen.strip() else 'rejected'} completion is empty")
+        if chosen == rejected:
+            raise BadRow("identical", "the chosen and the rejected completion are the same")
+        return Pair(Example(prompt=prompt, completion=chosen), Example(prompt=prompt, completion=rejected))
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise BadRow("bad_type", f"{fields['chosen']!r} and {fields['rejected']!r} must both be strings (text) or "
+                     f"both lists of messages, not {type(chosen).__name__} and {type(rejected).__name__}")
+    roles = {r: r for r in ROLES}
+    chosen_msgs = _turns(chosen, fields, roles, what=f"{fields['chosen']!r} message")
+    rejected_msgs = _turns(rejected, fields, roles, what=f"{fields['rejected']!r} message")
+    if chosen_msgs == rejected_msgs:
+        raise BadRow("identical", "the chosen and the rejected completion are the same")
+    if record.get(fields["prompt"]) is not None:
+        prompt = record[fields["prompt"]]
+        if not isinstance(prompt, list) or not prompt:
+            raise BadRow("bad_type", f"{fields['prompt']!r} must be a non-empty list of messages when the "
+                         f"completions are (it is {type(prompt).__name__})")
+        prompt_msgs = _turns(prompt, fields, roles, what=f"{fields['prompt']!r} message")
+        if prompt_msgs[-1]["role"] != "user":
+            raise BadRow("role_order", f"the prompt's last turn is {prompt_msgs[-1]['role']!r}, not 'user' (the "
+                         "completions answer a user turn)")
+    else:  # implicit prompt: the messages the two conversations share, up to a user turn
+        shared = 0
+        while (shared < min(len(chosen_msgs), len(rejected_msgs))
+               and chosen_msgs[shared] == rejected_msgs[shared]):
+            shared += 1
+        if not shared or chosen_msgs[shared - 1]["role"] != "user":
+            raise BadRow("prompt_mismatch", f"no {fields['prompt']!r} field, and the two conversations' shared "
+                         f"start ({shared} messages) does not end with a user turn, so it is not a prompt; give "
+                         "the prompt explicitly (data.fields.prompt names its field)")
+        prompt_msgs = chosen_msgs[:shared]
+        chosen_msgs, rejected_msgs = chosen_msgs[shared:], rejected_msgs[shared:]
+    if not chosen_msgs or not rejected_msgs:
+        raise BadRow("empty_content", f"the {'chosen' if not chosen_msgs else 'rejected'} completion has no message")
+    for msgs in (chosen_msgs, rejected_msgs):
+        _check_order([m["role"] for m in (*prompt_msgs, *msgs)])
+    return Pair(Example(messages=tuple(prompt_msgs + chosen_msgs)),
+                Example(messages=tuple(prompt_msgs + rejected_msgs)), len(prompt_msgs))
+
+
 _CONVERSATION_REASONS = ("missing_field", "bad_type", "unknown_role", "role_order", "empty_content")
 _FIELD_REASONS = ("missing_field", "bad_type", "empty_content")
 
@@ -154,6 +235,10 @@ FORMATS = {f.name: f for f in (
            _CONVERSATION_REASONS),
     Format("alpaca", {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
            "instruction", _alpaca, _FIELD_REASONS),
+    # Before prompt_completion: a preference row holds a prompt too.
+    Format("preference", {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "role": "role",
+                          "content": "content"}, "chosen", _preference, (*_CONVERSATION_REASONS, "identical",
+                                                                          "prompt_mismatch")),
     Format("prompt_completion", {"prompt": "prompt", "completion": "completion"}, "prompt", _prompt_completion,
            _FIELD_REASONS, chat=False),
 )}
@@ -171,8 +256,9 @@ def field_names(data_cfg: DataConfig) -> dict[str, str]:
     return {**defaults, **data_cfg.fields}
 
 
-def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Example:
-    """A row as an `Example` of ``data.format``, or `BadRow` saying why it is not one; ``fields``: `field_names`."""
+def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Example | Pair:
+    """A row as an `Example` (a `Pair`) of ``data.format``, or `BadRow` saying why it is not one; ``fields``:
+    `field_names`."""
     if isinstance(record, BadRow):
         raise record
     if not isinstance(record, dict):
@@ -191,7 +277,7 @@ def iter_turn_texts(data_cfg: DataConfig) -> Iterator[str]:
 
 
 def detect_format(path: str) -> str:
-    """The SFT format a JSONL/JSON file's first row looks like (``text`` when it looks like none)."""
+    """The fine-tuning format a JSONL/JSON file's first row looks like (``text`` when it looks like none)."""
     for _, record in file_rows(Path(path).expanduser()):
         if isinstance(record, dict):
             for fmt in FORMATS.values():
@@ -202,5 +288,6 @@ def detect_format(path: str) -> str:
 
 
 def renders_chat(format_name: str) -> bool:
-    """Whether rows of ``data.format`` are rendered by the chat template (prompts are then user turns too)."""
+    """Whether rows of ``data.format`` are rendered by the chat template (prompts are then user turns too); for
+    ``preference``, whose text pairs go raw, whether its conversational pairs would be."""
     return format_name in FORMATS and FORMATS[format_name].chat

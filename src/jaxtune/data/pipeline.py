@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grain
@@ -23,6 +23,14 @@ from jaxtune.config import DataConfig
 from jaxtune.data.chat import resolve_chat_template
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import Example
+from jaxtune.data.preference import (
+    PairRows,
+    PreferenceData,
+    PreferenceStats,
+    load_pairs,
+    prepare_preference,
+    resolve_settings,
+)
 from jaxtune.data.sft import SFTStats, load_examples, prepare_sft, sequences
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
@@ -58,7 +66,8 @@ def make_train_iterator(
     num_workers: int = 0,
 ) -> grain.DatasetIterator:
     """An endless iterator of this process's training batches: {"inputs", "targets"}: int32 (global_batch //
-    process_count, seq_len) (and the SFT keys, for `jaxtune.data.sft.PackedRows`). ``data``: pretraining
+    process_count, seq_len) (and the SFT keys, for `jaxtune.data.sft.PackedRows`; (..., 2, seq_len) pairs for
+    `jaxtune.data.preference.PairRows`). ``data``: pretraining
     `TokenData` (its training windows) or any random-access source of equal-shaped examples. ``get_state()`` is a JSON-serialisable dict; ``set_state`` on a fresh iterator
     made with the same arguments continues exactly where the saved one was (``num_workers`` included: the
     state's shape depends on it). Close it (``.close()``) to stop worker processes.
@@ -110,8 +119,9 @@ def make_eval_batches(
 
 def make_sequence_batches(source: Any, *, batch_size: int, num_batches: int, process_index: int = 0,
                           process_count: int = 1) -> list[Batch]:
-    """The first ``num_batches`` batches of ``source``'s sequences in order (this process's rows ``p::P`` of each);
-    the last batch is filled with empty sequences (no counted token, segment 0) so every batch has one shape."""
+    """The first ``num_batches`` batches of ``source``'s sequences (or pairs) in order (this process's rows ``p::P``
+    of each); the last batch is filled with empty ones (all zeros: no counted token, segment 0) so every batch has
+    one shape."""
     _local_batch(batch_size, process_index, process_count, key="batch_size")
     count = min(num_batches, -(-len(source) // batch_size))
     empty = {k: np.zeros_like(v) for k, v in source[0].items()}
@@ -127,12 +137,32 @@ def make_sequence_batches(source: Any, *, batch_size: int, num_batches: int, pro
 class TrainingData:
     """What the training loop reads: the endless training iterator, fixed held-out batches, lines to report at the
     start of training (what was read, dropped, truncated), and the held-out fine-tuning rows whole, in order (for
-    exact match: `jaxtune.data.sft.question`; none for pretraining text)."""
+    exact match: `jaxtune.data.sft.question`; none for pretraining text; the chosen side of preference pairs). For
+    preference data also the pairs themselves (``pairs``: to compute reference log-probs over them, then batch
+    ``pairs.train.with_reference(...)`` again with `make_train_iterator`)."""
 
     train_iter: Any
     eval_batches: list[Batch]
     report: list[str]
     eval_examples: list[Example] = field(default_factory=list)
+    pairs: PreferenceData | None = None
+    batching: dict[str, Any] = field(default_factory=dict)  # how the pairs were batched (`_pair_batches`' keys)
+
+    @property
+    def pair_sources(self) -> dict[str, PairRows]:
+        """The training and (if any) held-out pairs by split name."""
+        assert self.pairs is not None, "not preference data"
+        return {"train": self.pairs.train, **({"val": self.pairs.val} if self.pairs.val is not None else {})}
+
+    def with_reference(self, logps: dict[str, np.ndarray]) -> TrainingData:
+        """The same pairs with their reference log-probs (``logps``: (pairs, 2) per split of `pair_sources`) in every
+        batch (``ref_logps``), batched again from the start (call before restoring the iterator's position)."""
+        assert self.pairs is not None, "not preference data"
+        self.close()
+        train = self.pairs.train.with_reference(logps["train"])
+        val = self.pairs.val.with_reference(logps["val"]) if self.pairs.val is not None else None
+        it, val_batches = _pair_batches(train, val, **self.batching)
+        return replace(self, train_iter=it, eval_batches=val_batches, pairs=replace(self.pairs, train=train, val=val))
 
     def close(self) -> None:
         """Stop Grain's worker processes (``data.num_workers`` > 0)."""
@@ -142,7 +172,8 @@ class TrainingData:
 
 def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int, eval_batches: int,
                        process_index: int = 0, process_count: int = 1) -> TrainingData:
-    """Pretraining windows (``data.format=text``) or packed fine-tuning sequences, as batches of ``batch_size``."""
+    """Pretraining windows (``data.format=text``), packed fine-tuning sequences, or preference pairs
+    (``data.format=preference``: arrays (batch_size, 2, seq_len)), as batches of ``batch_size``."""
     split = {"process_index": process_index, "process_count": process_count}
     if data_cfg.format == "text":
         tokens = prepare_tokens(data_cfg, tokenizer)
@@ -150,6 +181,12 @@ def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size
         val = (make_eval_batches(tokens, batch_size=batch_size, num_batches=eval_batches, **split)
                if tokens.val_windows else [])
         return TrainingData(it, val, [])
+    if data_cfg.format == "preference":
+        pairs = prepare_preference(data_cfg, tokenizer)
+        batching = dict(batch_size=batch_size, seed=seed, eval_batches=eval_batches, num_workers=data_cfg.num_workers,
+                        **split)
+        it, val = _pair_batches(pairs.train, pairs.val, **batching)
+        return TrainingData(it, val, pairs.stats.lines(), pairs.held_out, pairs, batching)
     sft = prepare_sft(data_cfg, tokenizer)
     it = make_train_iterator(sft.train, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers, **split)
     val = (make_sequence_batches(sft.val, batch_size=batch_size, num_batches=eval_batches, **split)
@@ -157,14 +194,30 @@ def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size
     return TrainingData(it, val, sft.stats.lines(), sft.held_out)
 
 
+def _pair_batches(train: PairRows, val: PairRows | None, *, batch_size: int, seed: int, eval_batches: int,
+                  num_workers: int, process_index: int, process_count: int) -> tuple[Any, list[Batch]]:
+    split = {"process_index": process_index, "process_count": process_count}
+    it = make_train_iterator(train, global_batch=batch_size, seed=seed, num_workers=num_workers, **split)
+    return it, (make_sequence_batches(val, batch_size=batch_size, num_batches=eval_batches, **split)
+                if val is not None else [])
+
+
 def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
     """Every sequence of the test data ``data`` (a file, glob or ``hf:`` dataset in ``data_cfg``'s format), as a
     random-access source for `make_sequence_batches`, and what was read: pretraining windows (all of them, no
-    held-out split) or fine-tuning rows packed as for training."""
+    held-out split), fine-tuning rows packed as for training, or preference pairs."""
     test_cfg = data_cfg.model_copy(update={"sources": [data], "val_sources": [], "val_fraction": 0.0})
     if data_cfg.format == "text":
         tokens = prepare_tokens(test_cfg, tokenizer)
         return TextWindows(tokens, "train"), {"sequences": tokens.train_windows}
+    if data_cfg.format == "preference":
+        resolve_settings(test_cfg, tokenizer)
+        stats = PreferenceStats()
+        pairs = load_pairs(test_cfg.sources, test_cfg, tokenizer, stats)
+        if not pairs:
+            raise DataError(f"--data {data}: no usable pairs ({stats.rows} read, dropped {dict(stats.dropped)})")
+        return PairRows.of(pairs, test_cfg.seq_len), {"rows": stats.rows, "pairs": len(pairs),
+                                                       "dropped": dict(stats.dropped)}
     resolve_chat_template(test_cfg, tokenizer)
     stats = SFTStats()
     rows = load_examples(test_cfg.sources, test_cfg, tokenizer, stats)

@@ -34,17 +34,20 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from jaxtune.config import DataConfig
 from jaxtune.data.chat import resolve_chat_template
 from jaxtune.data.errors import DataError
-from jaxtune.data.formats import REASONS, Example, field_names, parse_row
+from jaxtune.data.formats import REASONS, Example, Pair, field_names, parse_row
 from jaxtune.data.rows import BadRow, read_rows
 from jaxtune.data.tokenizer import Tokenizer
 
+T = TypeVar("T")
 # Why a row was dropped: bad rows (data.bad_rows) first, then length (data.overlong) and empty-loss rows.
 DROP_REASONS = (*REASONS, "overlong", "no_trainable_tokens")
 
@@ -65,8 +68,9 @@ class Encoder:
         self.tok = tokenizer
         self.loss_on = data_cfg.loss_on
 
-    def pieces(self, ex: Example) -> list[tuple[str, bool]]:
-        """The rendered text as (piece, trained) in order."""
+    def pieces(self, ex: Example, prompt_turns: int = 0) -> list[tuple[str, bool]]:
+        """The rendered text as (piece, trained) in order; assistant turns before ``prompt_turns`` (a preference
+        pair's prompt, `jaxtune.data.preference`) are not trained."""
         if not ex.messages:
             return [(ex.prompt, self.loss_on == "all"), (ex.completion, True)]
         msgs = [dict(m) for m in ex.messages]
@@ -74,7 +78,7 @@ class Encoder:
         full = render(msgs)
         if self.loss_on == "all":
             return [(full, True)]
-        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i >= prompt_turns]
         if self.loss_on == "last_assistant":
             turns = turns[-1:]
         pieces, pos = [], 0
@@ -94,8 +98,9 @@ class Encoder:
         pieces.append((full[pos:], False))
         return [p for p in pieces if p[0]]
 
-    def encode(self, examples: list[Example]) -> list[Encoded]:
-        all_pieces = [self.pieces(ex) for ex in examples]
+    def encode(self, examples: list[Example], prompt_turns: list[int] | None = None) -> list[Encoded]:
+        """Each example's (ids, mask); ``prompt_turns``: each one's, as `pieces` takes it (default 0)."""
+        all_pieces = [self.pieces(ex, k) for ex, k in zip(examples, prompt_turns or [0] * len(examples))]
         flat = [text for pieces in all_pieces for text, _ in pieces]
         chat = bool(examples) and bool(examples[0].messages)
         ids_flat = self.tok.encode_chat(flat) if chat else self.tok.encode_batch(flat)
@@ -202,10 +207,25 @@ class PackedRows:
 
 
 @dataclass
-class SFTStats:
+class RowStats:
+    """What reading the rows found: how many were read, dropped (per reason) and truncated (data.overlong)."""
+
     rows: int = 0
     dropped: Counter = field(default_factory=Counter)
     truncated: int = 0
+
+    def drop_lines(self, unit: str) -> list[str]:
+        """Report lines: the rows dropped per reason (in `DROP_REASONS` order), the ``unit`` truncated, if any."""
+        out = []
+        if self.dropped:
+            out.append("dropped rows: " + ", ".join(f"{r} {self.dropped[r]}" for r in DROP_REASONS if self.dropped[r]))
+        if self.truncated:
+            out.append(f"truncated {unit} (data.overlong=truncate): {self.truncated}")
+        return out
+
+
+@dataclass
+class SFTStats(RowStats):
     train_examples: int = 0
     val_examples: int = 0
     train_sequences: int = 0
@@ -214,15 +234,9 @@ class SFTStats:
     fill: float = 0.0  # fraction of training sequence positions holding a row (the rest is padding)
 
     def lines(self) -> list[str]:
-        out = [(f"fine-tuning data: {self.rows} rows -> {self.train_examples} training and {self.val_examples} "
-                f"held-out examples; {self.train_sequences} training sequences ({self.fill:.1%} filled), "
-                f"{self.trained_tokens} trained tokens")]
-        if self.dropped:
-            out.append("dropped rows: " + ", ".join(f"{r} {self.dropped[r]}" for r in DROP_REASONS
-                                                    if self.dropped[r]))
-        if self.truncated:
-            out.append(f"truncated rows (data.overlong=truncate): {self.truncated}")
-        return out
+        return [(f"fine-tuning data: {self.rows} rows -> {self.train_examples} training and {self.val_examples} "
+                 f"held-out examples; {self.train_sequences} training sequences ({self.fill:.1%} filled), "
+                 f"{self.trained_tokens} trained tokens"), *self.drop_lines("rows")]
 
 
 @dataclass
@@ -233,21 +247,45 @@ class SFTData:
     held_out: list[Example] = field(default_factory=list)  # the held-out rows not truncated, in order (`question`)
 
 
+def parsed_rows(sources: list[str], data_cfg: DataConfig, stats: RowStats,
+                chunk: int = 1024) -> Iterator[list[tuple[str, Example | Pair]]]:
+    """The good rows of ``sources`` as (where, parsed row), in chunks of up to ``chunk``, counting every row read
+    (``stats.rows``) and the bad ones dropped (``stats.dropped``). A bad row under ``data.bad_rows=raise`` raises
+    only once the chunk before it is consumed, so an earlier row's error (its length) comes first."""
+    fields = field_names(data_cfg)
+    pending: list[tuple[str, Example | Pair]] = []
+    for where, record in read_rows(sources, data_cfg):
+        stats.rows += 1
+        try:
+            pending.append((where, parse_row(record, data_cfg, fields)))
+        except BadRow as bad:
+            if data_cfg.bad_rows == "raise":
+                yield pending
+                raise DataError(f"{where}: {bad.detail}; fix the row or set data.bad_rows=drop") from None
+            stats.dropped[bad.reason] += 1
+        if len(pending) >= chunk:
+            yield pending
+            pending = []
+    yield pending
+
+
+def overlong_error(where: str, tokens: int, limit: int) -> DataError:
+    """``data.overlong=raise``: the row at ``where`` has more than ``limit`` tokens."""
+    return DataError(f"{where}: {tokens} tokens, more than data.seq_len + 1 = {limit}; set data.overlong=truncate or "
+                     "drop, or raise data.seq_len")
+
+
 def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, stats: SFTStats,
                   chunk: int = 1024) -> list[Encoded]:
     """Every good row of ``sources`` encoded, length-checked (``data.overlong``), with drops counted in ``stats``."""
-    fields = field_names(data_cfg)
     encoder = Encoder(tokenizer, data_cfg)
     limit = data_cfg.seq_len + 1
     out: list[Encoded] = []
-    pending: list[tuple[str, Example]] = []
-
-    def flush() -> None:
+    for pending in parsed_rows(sources, data_cfg, stats, chunk):
         for (where, _), enc in zip(pending, encoder.encode([ex for _, ex in pending])):
             if len(enc.ids) > limit:
                 if data_cfg.overlong == "raise":
-                    raise DataError(f"{where}: {len(enc.ids)} tokens, more than data.seq_len + 1 = {limit}; set "
-                                    "data.overlong=truncate or drop, or raise data.seq_len")
+                    raise overlong_error(where, len(enc.ids), limit)
                 if data_cfg.overlong == "drop":
                     stats.dropped["overlong"] += 1
                     continue
@@ -258,43 +296,34 @@ def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer
                 stats.dropped["no_trainable_tokens"] += 1
                 continue
             out.append(enc)
-        pending.clear()
-
-    for where, record in read_rows(sources, data_cfg):
-        stats.rows += 1
-        try:
-            pending.append((where, parse_row(record, data_cfg, fields)))
-        except BadRow as bad:
-            if data_cfg.bad_rows == "raise":
-                flush()  # an earlier row's length error comes first
-                raise DataError(f"{where}: {bad.detail}; fix the row or set data.bad_rows=drop") from None
-            stats.dropped[bad.reason] += 1
-        if len(pending) >= chunk:
-            flush()
-    flush()
     return out
 
 
-def _held_out(enc: Encoded, fraction: float) -> bool:
-    """A row's split, from its tokens: identical rows always land in the same split."""
-    h = int.from_bytes(hashlib.sha256(enc.ids.tobytes()).digest()[:8], "little")
-    return h / 2**64 < fraction
+def split_rows(data_cfg: DataConfig, load: Callable[[list[str]], list[T]], tokens: Callable[[T], bytes],
+               stats: RowStats, unit: str = "rows") -> tuple[list[T], list[T]]:
+    """(training, held-out) rows, in order: those ``load`` gives of ``data.sources``, and of ``data.val_sources``
+    when set, else ``data.val_fraction`` of the former by a hash of their ``tokens`` (so identical rows always
+    land in the same split). No training row is an error, which says what was dropped (``stats``)."""
+    rows = load(data_cfg.sources)
+    if data_cfg.val_sources:
+        train, val = rows, load(data_cfg.val_sources)
+    else:
+        hashes = (hashlib.sha256(tokens(r)).digest()[:8] for r in rows)
+        split = [int.from_bytes(h, "little") / 2**64 < data_cfg.val_fraction for h in hashes]
+        train = [r for r, v in zip(rows, split) if not v]
+        val = [r for r, v in zip(rows, split) if v]
+    if not train:
+        raise DataError(f"data.sources hold no usable training {unit} ({stats.rows} read; dropped: "
+                        f"{dict(stats.dropped) or 'none'}); check data.format and data.fields")
+    return train, val
 
 
 def prepare_sft(data_cfg: DataConfig, tokenizer: Tokenizer) -> SFTData:
     """Read, encode, split and pack the fine-tuning data (see the module docstring)."""
     resolve_chat_template(data_cfg, tokenizer)
     stats = SFTStats()
-    rows = load_examples(data_cfg.sources, data_cfg, tokenizer, stats)
-    if data_cfg.val_sources:
-        train, val = rows, load_examples(data_cfg.val_sources, data_cfg, tokenizer, stats)
-    else:
-        split = [_held_out(r, data_cfg.val_fraction) for r in rows]
-        train = [r for r, v in zip(rows, split) if not v]
-        val = [r for r, v in zip(rows, split) if v]
-    if not train:
-        raise DataError(f"data.sources hold no usable training rows ({stats.rows} read; dropped: "
-                        f"{dict(stats.dropped) or 'none'}); check data.format and data.fields")
+    train, val = split_rows(data_cfg, lambda sources: load_examples(sources, data_cfg, tokenizer, stats),
+                            lambda r: r.ids.tobytes(), stats)
     train_set, val_set = sequences(train, data_cfg), sequences(val, data_cfg) if val else None
     stats.train_examples, stats.val_examples = len(train), len(val)
     stats.train_sequences, stats.val_sequences = len(train_set), len(val_set) if val_set else 0

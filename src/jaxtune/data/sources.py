@@ -5,7 +5,8 @@ Each ``data.sources`` entry is one of
 * ``python-stdlib``: every ``.py`` file of the running interpreter's standard library (no site-packages),
   sorted by path. It exists on every machine, so a run needs no download.
 * ``hf:NAME``: a HuggingFace dataset, streamed (``pip install 'jaxtune[hf]'``).
-* ``synthetic:NAME``: fine-tuning rows the package generates (``synthetic:arithmetic``), for offline quickstarts.
+* ``synthetic:NAME``: fine-tuning rows the package generates (``synthetic:arithmetic``, preference pairs
+  ``synthetic:arithmetic-preferences``), for offline quickstarts.
 * a local file, a glob (``data/**/*.jsonl``) or a directory (read recursively, hidden entries skipped,
   only ``.txt .md .py .jsonl .json .parquet`` files).
 
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from jaxtune.config import DataConfig
 from jaxtune.data.errors import DataError
-from jaxtune.data.synthetic import GENERATORS
+from jaxtune.data.synthetic import GENERATOR_FORMATS, GENERATORS
 
 STDLIB = "python-stdlib"
 HF_PREFIX = "hf:"
@@ -145,6 +146,9 @@ def resolve_sources(data_cfg: DataConfig, entries: list[str] | None = None) -> l
             if name not in GENERATORS:
                 raise DataError(f"{key}[{i}]: unknown generated data {entry!r}; available: "
                                 f"{[SYNTHETIC_PREFIX + n for n in GENERATORS]}")
+            if GENERATOR_FORMATS[name] != data_cfg.format:  # pretraining text included
+                raise DataError(f"{key}[{i}]: {entry} holds {GENERATOR_FORMATS[name]} rows; set "
+                                f"data.format={GENERATOR_FORMATS[name]}")
             sources.append(Synthetic(name))
         else:
             sources.append(LocalFiles(_local_paths(entry, key=f"{key}[{i}]")))
@@ -200,8 +204,7 @@ def _documents(source: _Source, data_cfg: DataConfig) -> Iterator[str]:
                 yield from _file_documents(path, data_cfg.text_field)
         case HFDataset(name):
             yield from _hf_documents(name, data_cfg)
-        case Synthetic(name):
-            raise DataError(f"data.sources: {SYNTHETIC_PREFIX}{name} is fine-tuning data; set data.format=messages")
+        # Synthetic: never here, as resolve_sources refuses generated rows unless data.format is theirs.
 
 
 def _file_documents(path: Path, text_field: str) -> Iterator[str]:

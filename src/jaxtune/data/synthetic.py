@@ -12,6 +12,17 @@ digits apart: the quickstart's 300-token BPE), each answer token is a small step
 steps; the same sums answered at once ("47 plus 85 is 132.") stay near 0% held-out exact match at that budget, the
 model guessing the digits of the total.
 
+``synthetic:arithmetic-preferences`` (generated): the same 10,000 sums in the same order and phrasings, as preference
+pairs (``data.format: preference``, TRL's conversational form): the worked answer chosen, and rejected the mistake a
+half-trained model makes. A sum with a carry has the carry forgotten::
+
+    prompt: What is 47 plus 85?
+    chosen: 7+5=12, 4+8+1=13, so 132.
+    rejected: 7+5=12, 4+8=12, so 122.
+
+and a sum without one has one digit wrong by one, in the ones or the tens (which, and which way, seeded), its working
+agreeing with it ("3+5=8, 2+4=7, so 78." for 23 plus 45): never the right answer.
+
 ``synthetic:chat-small`` (shipped): 552 human-written English conversations from the ChatterBot corpus, BSD-3-Clause
 (``chat_small.jsonl``; its source, selection and licence are in ``chat_small.README.md`` beside it).
 
@@ -37,13 +48,40 @@ def worked_sum(a: int, b: int) -> str:
     return f"{a % 10}+{b % 10}={ones}, {a // 10}+{b // 10}{carry}={a // 10 + b // 10 + ones // 10}, so {a + b}."
 
 
-def arithmetic(seed: int = 0) -> Iterator[dict]:
+def wrong_sum(a: int, b: int, rng: random.Random) -> str:
+    """A worked answer to ``a`` plus ``b`` with one slip: the carry forgotten, else the ones' or the tens' sum off by
+    one (``rng`` picks which and which way): '7+5=12, 4+8=12, so 122.'"""
+    ones, tens = a % 10 + b % 10, a // 10 + b // 10
+    if ones >= 10:
+        return f"{a % 10}+{b % 10}={ones}, {a // 10}+{b // 10}={tens}, so {tens * 10 + ones % 10}."
+    step = rng.choice((-1, 1))
+    if rng.random() < 0.5:
+        ones += step if 0 <= ones + step <= 9 else -step
+    else:
+        tens += step if tens + step >= 0 else -step
+    return f"{a % 10}+{b % 10}={ones}, {a // 10}+{b // 10}={tens}, so {tens * 10 + ones}."
+
+
+def _sums(seed: int) -> Iterator[tuple[int, int, str]]:
+    """Every sum (a, b) of 0..99 once, in a seeded order, with its question."""
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(100) for b in range(100)]
     rng.shuffle(pairs)
     for a, b in pairs:
-        yield {"messages": [{"role": "user", "content": rng.choice(_QUESTIONS).format(a=a, b=b)},
-                            {"role": "assistant", "content": worked_sum(a, b)}]}
+        yield a, b, rng.choice(_QUESTIONS).format(a=a, b=b)
+
+
+def arithmetic(seed: int = 0) -> Iterator[dict]:
+    for a, b, question in _sums(seed):
+        yield {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": worked_sum(a, b)}]}
+
+
+def arithmetic_preferences(seed: int = 0) -> Iterator[dict]:
+    slips = random.Random(f"arithmetic-preferences:{seed}")  # apart from the order's, which stays arithmetic's
+    for a, b, question in _sums(seed):
+        yield {"prompt": [{"role": "user", "content": question}],
+               "chosen": [{"role": "assistant", "content": worked_sum(a, b)}],
+               "rejected": [{"role": "assistant", "content": wrong_sum(a, b, slips)}]}
 
 
 def chat_small() -> Iterator[dict]:
@@ -52,4 +90,6 @@ def chat_small() -> Iterator[dict]:
             yield json.loads(line)
 
 
-GENERATORS = {"arithmetic": arithmetic, "chat-small": chat_small}
+GENERATORS = {"arithmetic": arithmetic, "arithmetic-preferences": arithmetic_preferences, "chat-small": chat_small}
+# The data.format of each generator's rows.
+GENERATOR_FORMATS = {"arithmetic": "messages", "arithmetic-preferences": "preference", "chat-small": "messages"}

@@ -234,7 +234,9 @@ def load_hf_tokenizer(path: str, key: str = "tokenizer.path") -> Tokenizer:
     directory = local_or_hub(path, key, HUB_TOKENIZER_FILES)
     where = f"{key}={path}"
     if not directory.is_dir():
-        raise DataError(f"{where}: {'not a directory' if directory.exists() else 'no such directory'}")
+        raise DataError(f"{where}: {'not a directory' if directory.exists() else 'no such directory'}; give a "
+                        "HuggingFace model directory (a trained run becomes one with `jaxtune export RUN_DIR DIR`) or "
+                        "a hub name")
     file = directory / "tokenizer.json"
     if file.is_file():
         tok = tokenizers.Tokenizer.from_file(str(file))

@@ -17,6 +17,7 @@ compares with the same reference as the run it continues.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,29 +104,35 @@ def fingerprint(source: Any) -> str:
 
 
 def stored_logps(run_dir: Path, splits: dict[str, Any],
-                 compute: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
+                 compute: Callable[[str], np.ndarray]) -> tuple[dict[str, np.ndarray], str]:
     """The reference log-probs of each split's pairs (``splits``: name -> pair source): read from the run directory
-    when it holds them for exactly these pairs, else ``compute(name)`` and written (process 0) before training."""
+    when it holds them for exactly these pairs, else ``compute(name)`` and written (process 0) before training; and
+    a line saying which."""
     path = run_dir / REF_LOGPS_FILE
     prints = {name: fingerprint(source) for name, source in splits.items()}
+    sizes = ", ".join(f"{len(source)} {name}" for name, source in splits.items())
     if path.exists():
         with np.load(path, allow_pickle=False) as saved:
             if all(f"{n}_fingerprint" in saved and str(saved[f"{n}_fingerprint"]) == p for n, p in prints.items()):
-                return {n: np.asarray(saved[n]) for n in splits}
+                return {n: np.asarray(saved[n]) for n in splits}, f"reference log-probs of {sizes} pairs read from {path}"
+    t0 = time.perf_counter()
     logps = {name: compute(name) for name in splits}
+    note = f"reference log-probs of {sizes} pairs computed in {time.perf_counter() - t0:.1f} s, stored in {path}"
     if jax.process_index() == 0:
         tmp = path.with_name(path.name + ".tmp")
         with writing(tmp):
             with tmp.open("wb") as f:
                 np.savez(f, **logps, **{f"{n}_fingerprint": np.array(p) for n, p in prints.items()})
             tmp.replace(path)
-    return logps
+    return logps, note
 
 
-def precompute_reference(run_dir: Path, spec: ModelSpec, cfg: Config, data: Any, frozen: tuple) -> dict[str, Any]:
+def precompute_reference(run_dir: Path, spec: ModelSpec, cfg: Config, data: Any,
+                         frozen: tuple) -> tuple[dict[str, Any], str]:
     """``objective.precompute_ref_logps``: the reference log-probs of every training and held-out pair (``data``:
     `jaxtune.data.TrainingData`, whose ``pair_sources`` name them), read from the run directory or computed there once
-    with the reference model, which is then let go (a copy of the weights is loaded only while computing)."""
+    with the reference model, which is then let go (a copy of the weights is loaded only while computing); and a line
+    for the run log."""
     ref = reference_model(spec, cfg.train.loss_chunk)
     loaded: list[tuple] = []
 

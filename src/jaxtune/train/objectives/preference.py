@@ -14,9 +14,10 @@ reference's sequence log-probs, n_c, n_r the completions' token counts, Δ = (c 
 * dpo hinge: max(0, 1 - βΔ)
 * dpo ipo: ((c - c_ref) / n_c - (r - r_ref) / n_r - 1 / 2β)²  (TRL's per-token normalisation)
 * simpo: as dpo sigmoid on c/n_c - r/n_r - γ/β, without a reference
-* orpo: -c/n_c - β log σ(log odds(c/n_c) - log odds(r/n_r)), odds(p) = p / (1 - p). TRL's NLL term is the mean over
-  all chosen tokens of the batch; here it is each pair's mean NLL averaged over pairs (the ORPO paper's, and the unit
-  the step accumulates over micro-batches): the two agree when the chosen completions have equal lengths.
+* orpo: -c/n_c - β log σ(log odds(c/n_c) - log odds(r/n_r)), odds(p) = p / (1 - p). The NLL term here is each
+  pair's mean NLL over its chosen completion, averaged over pairs (the ORPO paper's SFT term, and the unit the step
+  accumulates over micro-batches); TRL's is the cross-entropy over every token of the batch's chosen sequences,
+  prompt included (``ORPOTrainer.concatenated_forward``). The odds-ratio term and the metrics are TRL's.
 
 Metrics (means per pair): ``rewards/chosen``, ``rewards/rejected`` (β(c - c_ref), or β c/n_c without a reference),
 ``rewards/accuracies`` (chosen reward strictly above rejected), ``rewards/margins``, ``logps/chosen``,

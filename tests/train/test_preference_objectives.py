@@ -1,0 +1,517 @@
+"""Preference objectives (`jaxtune.train.objectives.preference`) against TRL 1.16.0's own code, on a tiny random
+fp32 `LlamaForCausalLM` saved with ``save_pretrained`` and read by jaxtune (``model.from_hf``), with hand-made pairs
+of different prompt and completion lengths laid out as the data pipeline lays them out (`PairRows`).
+
+The TRL side is TRL's code: a real `DPOTrainer` (its collator, its ``compute_loss``, its ``_metrics``), and
+``CPOTrainer.get_batch_loss_metrics`` (``loss_type="simpo"``, ``cpo_alpha=0``) and
+``ORPOTrainer.get_batch_loss_metrics`` called on an instance built without ``__init__`` (only the attributes those
+methods read). The policy is the saved model plus noise (both sides read the same perturbed checkpoint); DPO's
+reference is the unperturbed one, so the rewards are not zero. DPOConfig's ``bf16`` is turned off: its default
+(True, even on CPU) runs the reference model under bf16 autocast.
+
+Error measure: rel(ours, ref) = max|ours - ref| / max|ref|, float32 on both sides. Two metrics are differences that
+nearly cancel on a random model, so their error is measured against the larger operand: ``rewards/margins``
+|ours - ref| / max(|ref|, |rewards/chosen|, |rewards/rejected|), and ORPO's ``log_odds_chosen`` (log odds(chosen) -
+log odds(rejected)) the same with ``logps/chosen`` and ``logps/rejected``. Tolerances:
+  * DPO sigmoid / ipo / hinge vs DPOTrainer (full fine-tuning, reference = a frozen copy):
+      loss, rewards/chosen, rewards/rejected, rewards/margins, logps/chosen, logps/rejected   rel <= 1e-5
+      rewards/accuracies                                                                       equal (float32)
+      gradients of the embedding, a q_proj, an mlp down_proj, the final norm and lm_head       rel <= 1e-5
+  * DPO label smoothing e = 0.2 (TRL 1.16's sigmoid has none): vs -(1-e) log s(bD) - e log s(-bD) on PyTorch's
+    sequence log-probs of the same checkpoints, loss and gradients                             rel <= 1e-5
+    (that closed form at e = 0 vs DPOTrainer's loss                                            rel <= 1e-5)
+  * SimPO (label smoothing 0.1) vs CPOTrainer: loss, metrics, gradients                        as DPO
+  * ORPO vs ORPOTrainer on one-token prompts with chosen completions of one length: loss,
+    every metric (nll_loss, log_odds_ratio, log_odds_chosen too), gradients                    as DPO
+  * ORPO with longer prompts: the odds-ratio term and every metric but nll_loss                as DPO; the NLL terms
+    differ by design: TRL's is the cross-entropy over the chosen rows' prompt *and* completion tokens (checked by
+    hand, rel <= 1e-5), ours the chosen completion's (the ORPO paper's SFT term)
+  * LoRA's reference (adapters off) vs the same checkpoint without LoRA, native and torchax:
+    token log-probs                                                                            bitwise equal
+  * a padding pair (all zeros) at the end of a batch: counted 0, everything finite, and loss, metrics and gradients
+    (dpo, simpo, orpo) equal TRL's on the batch without it                                     as above
+  * a DPO train step (LoRA: adapters off; full fine-tuning: a copy) over 3 steps               traced once
+
+XLA's CPU compiles dominate the run time, so one spec serves every full fine-tuning check (the objective is not part
+of a spec), each objective's loss-and-gradient function is compiled once, for batches of 4 pairs, and without LLVM's
+optimisations (``xla_backend_optimization_level=0``: the same operations, compiled in a third of the time). The
+bitwise reference check and the train steps are compiled as training compiles them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtune import sharding
+from jaxtune.backends import make_state_spec
+from jaxtune.config import ObjectiveConfig, load_config
+from jaxtune.data.preference import PairRows
+from jaxtune.data.sft import Encoded
+from jaxtune.train.objectives import make_objective
+from jaxtune.train.objectives.preference import flat_pairs
+from jaxtune.train.reference import step_reference, with_reference
+from jaxtune.train.step import jit_steps, objective_loss
+
+torch = pytest.importorskip("torch", reason="the TRL comparisons run PyTorch")
+transformers = pytest.importorskip("transformers", reason="the tiny checkpoints are transformers models")
+trl = pytest.importorskip("trl", reason="the preference objectives are checked against TRL's code")
+datasets = pytest.importorskip("datasets", reason="DPOTrainer takes a datasets.Dataset")
+
+TRL_VERSION = "1.16.0"  # the code the formulas, metric names and the comparisons below were read from
+TOL = 1e-5
+V, T = 100, 12  # vocabulary; positions per sequence (the longest pair below needs 9)
+BOS, EOS = 1, 2
+# (prompt, chosen, rejected) token ids: prompts of 2 to 6 tokens, completions of 2 to 6, each ending in EOS.
+PAIRS = [
+    ([BOS, 5, 9, 14], [22, 31, 2], [40, 2]),
+    ([BOS, 7], [11, 12, 13, 14, 2], [50, 51, 2]),
+    ([BOS, 60, 61, 62, 63, 64], [70, 2], [71, 72, 73, 2]),
+    ([BOS, 3, 4], [80, 81, 82, 2], [90, 91, 92, 93, 94, 2]),
+]
+# One-token prompts and chosen completions of one length: where TRL's ORPO NLL (a token mean over the chosen rows,
+# prompt included) is our mean over pairs of each chosen completion's mean.
+ORPO_EQUAL = [
+    ([BOS], [20, 21, 22, 2], [30, 2]),
+    ([BOS], [23, 24, 25, 2], [31, 32, 33, 34, 2]),
+    ([BOS], [26, 27, 28, 2], [35, 36, 2]),
+    ([BOS], [41, 42, 43, 2], [44, 45, 46, 47, 48, 2]),
+]
+# jaxtune param path -> (HF tensor, whether ours is its transpose: our kernels are (in, out), nn.Linear's (out, in)).
+GRAD_PARAMS = {
+    ("embed", "embedding"): ("model.embed_tokens.weight", False),
+    ("layers", 0, "attn", "q", "kernel"): ("model.layers.0.self_attn.q_proj.weight", True),
+    ("layers", 1, "mlp", "down", "kernel"): ("model.layers.1.mlp.down_proj.weight", True),
+    ("norm", "scale"): ("model.norm.weight", False),
+    ("lm_head", "embedding"): ("lm_head.weight", False),
+}
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+ORPO_METRICS = (*REWARDS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
+MESH = sharding.make_mesh(1, 1, 1, jax.devices()[:1])
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+# Metrics that are differences of two others (chosen minus rejected): their error is measured against the larger
+# operand, as float32 cannot do better when they nearly cancel.
+DIFFERENCES = {"rewards/margins": ("rewards/chosen", "rewards/rejected"),
+               "log_odds_chosen": ("logps/chosen", "logps/rejected")}
+
+
+def metric_error(k: str, ours: dict[str, float], theirs: dict[str, float]) -> float:
+    scale = max([abs(theirs[k]), *(abs(theirs[o]) for o in DIFFERENCES.get(k, ()))])
+    return abs(ours[k] - theirs[k]) / scale
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_one_thread():
+    """One PyTorch thread while this module runs: on models this small more threads only contend (each eager
+    forward and backward is ~40x slower with 2 on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{"ref": a random tiny Llama, "policy": the same plus noise}, each a save_pretrained directory."""
+    root = tmp_path_factory.mktemp("preference")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False, initializer_range=0.1, bos_token_id=BOS,
+                                      eos_token_id=EOS, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(config).float()
+    model.save_pretrained(root / "ref")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(root / "policy")
+    return {"ref": root / "ref", "policy": root / "policy"}
+
+
+# ---------------------------------------------------------------------------------------------------- TRL side
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A word-level tokenizer (w3 .. w99): DPOTrainer tokenizes its dataset with it; the compared batches are
+    collated from the token ids above."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, V)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>")
+
+
+def hf_model(directory):
+    return transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
+def hf_grads(model) -> dict[str, np.ndarray]:
+    params = dict(model.named_parameters())
+    return {name: params[name].grad.detach().numpy().copy() for name, _ in GRAD_PARAMS.values()}
+
+
+@dataclass
+class TRLResult:
+    loss: float
+    metrics: dict[str, float]
+    grads: dict[str, np.ndarray]
+
+
+def trl_dpo(checkpoints, tokenizer, tmp_path, pairs, **config) -> TRLResult:
+    """DPOTrainer (perturbed policy, the unperturbed checkpoint its reference model): ``compute_loss`` on its own
+    collation of ``pairs``, the metrics it logged, the policy's gradients."""
+    from trl import DPOConfig, DPOTrainer
+
+    assert trl.__version__ == TRL_VERSION, f"these comparisons were written against TRL {TRL_VERSION}"
+    data = datasets.Dataset.from_dict({"prompt": ["w3 w4"], "chosen": [" w5"], "rejected": [" w6"]})
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+                     per_device_train_batch_size=len(pairs), **config)
+    trainer = DPOTrainer(model=hf_model(checkpoints["policy"]), ref_model=hf_model(checkpoints["ref"]), args=args,
+                         train_dataset=data, processing_class=tokenizer)
+    trainer.model.train()  # _compute_loss logs under "train" in train mode (dropout is 0 either way)
+    batch = trainer.data_collator([{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r} for p, c, r in pairs])
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    return TRLResult(loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, hf_grads(trainer.model))
+
+
+def paired_batch(pairs) -> dict[str, torch.Tensor]:
+    """The CPO / ORPO trainers' batch: {chosen,rejected}_{input_ids,attention_mask,labels}, right-padded, labels
+    -100 on the prompt and the padding (as their ``tokenize_row`` and collator make them)."""
+    out = {}
+    for side, k in (("chosen", 1), ("rejected", 2)):
+        seqs = [pair[0] + pair[k] for pair in pairs]
+        width = max(map(len, seqs))
+        ids = torch.zeros(len(pairs), width, dtype=torch.long)
+        mask = torch.zeros(len(pairs), width, dtype=torch.long)
+        labels = torch.full((len(pairs), width), -100, dtype=torch.long)
+        for i, (pair, seq) in enumerate(zip(pairs, seqs)):
+            ids[i, :len(seq)] = torch.tensor(seq)
+            mask[i, :len(seq)] = 1
+            labels[i, len(pair[0]):len(seq)] = torch.tensor(pair[k])
+        out |= {f"{side}_input_ids": ids, f"{side}_attention_mask": mask, f"{side}_labels": labels}
+    return out
+
+
+def trl_unbound(checkpoints, cls, pairs, **attrs) -> TRLResult:
+    """``cls.get_batch_loss_metrics`` on the perturbed policy, from an instance built without ``__init__``: the
+    attributes its loss methods read, nothing else."""
+    assert trl.__version__ == TRL_VERSION, f"these comparisons were written against TRL {TRL_VERSION}"
+    trainer = cls.__new__(cls)
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x)
+    trainer.__dict__.update(is_encoder_decoder=False, aux_loss_enabled=False, accelerator=accelerator, **attrs)
+    model = hf_model(checkpoints["policy"])
+    loss, metrics = trainer.get_batch_loss_metrics(model, paired_batch(pairs))
+    loss.backward()
+    return TRLResult(loss.item(), metrics, hf_grads(model))
+
+
+def trl_simpo(checkpoints, pairs, beta, gamma, eps) -> TRLResult:
+    from trl.experimental.cpo import CPOTrainer
+
+    return trl_unbound(checkpoints, CPOTrainer, pairs, beta=beta, simpo_gamma=gamma, label_smoothing=eps,
+                       loss_type="simpo", alpha=0.0, cpo_alpha=0.0, pad_token_id=0)
+
+
+def trl_orpo(checkpoints, pairs, beta) -> TRLResult:
+    from trl.experimental.orpo import ORPOTrainer
+
+    return trl_unbound(checkpoints, ORPOTrainer, pairs, beta=beta, padding_value=0)
+
+
+# ---------------------------------------------------------------------------------------------------- jaxtune side
+
+
+def spec_for(model_dir, *overrides: str):
+    """(config, spec) of a DPO run from ``model_dir`` (``model.from_hf``) on a one-device mesh."""
+    cfg = load_config(None, [f"model.from_hf={model_dir}", "objective.name=dpo", "data.format=preference",
+                             "data.sources=[pairs.jsonl]", f"data.seq_len={T}", "train.batch_size=4",
+                             "optim.lr=1e-2", "optim.warmup_steps=0", "train.steps=3", *overrides])
+    return cfg, make_state_spec(cfg, None, MESH)
+
+
+@dataclass
+class Native:
+    """The native spec of the checkpoints' architecture, full fine-tuning, and its two sets of weights."""
+
+    spec: Any
+    policy: Any  # the perturbed checkpoint's params
+    ref: Any  # the unperturbed checkpoint's params
+    compiled: dict = field(default_factory=dict)  # objective -> jitted value_and_grad of its loss
+
+
+@pytest.fixture(scope="module")
+def native(checkpoints) -> Native:
+    _, spec = spec_for(checkpoints["policy"])
+    _, ref_spec = spec_for(checkpoints["ref"])
+    return Native(spec, spec.init(0).params, ref_spec.init(0).params)
+
+
+@dataclass
+class Ours:
+    loss: float
+    count: float
+    metrics: dict[str, float]
+    grads: Any
+
+
+def ours(native: Native, pairs, name: str, empty_pairs: int = 0, **keys) -> Ours:
+    """``objective.name=name`` (with ``keys``) on the policy as the train step forms it: `objective_loss`'s sums
+    and their gradients, divided by the objective's count. DPO's reference is the unperturbed checkpoint, as the
+    frozen copy (the last frozen group). ``empty_pairs``: padding pairs (all zeros) after ``pairs``."""
+    cfg = ObjectiveConfig(name=name, **keys)
+    objective = make_objective(cfg)
+    reference = step_reference(native.spec, cfg)
+    assert reference is None or reference.copy  # full fine-tuning: a frozen copy of the weights
+    if objective not in native.compiled:
+        loss_fn = objective_loss(objective, native.spec.forward(), native.spec.weights, reference)
+        native.compiled[objective] = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), compiler_options=FAST_COMPILE)
+    batch = pair_batch(pairs)
+    batch = {k: np.concatenate([v, np.zeros((empty_pairs, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
+    with sharding.use_mesh(MESH):
+        (total, (count, metrics)), grads = native.compiled[objective](
+            native.policy, sharding.global_batch(MESH, batch), None, () if reference is None else (native.ref,))
+    n = float(count)
+    return Ours(float(total) / n, n, {k: float(v) / n for k, v in metrics.items()},
+                jax.tree.map(lambda g: np.asarray(g) / n, grads))
+
+
+def pair_batch(pairs) -> dict[str, np.ndarray]:
+    """``pairs`` as the data pipeline lays them out: (B, 2, T) arrays of `PairRows` (right-padded, segment 0)."""
+    encoded = []
+    for prompt, chosen, rejected in pairs:
+        encoded.append(tuple(Encoded(np.array(prompt + c, np.int32), np.array([0] * len(prompt) + [1] * len(c), bool))
+                             for c in (chosen, rejected)))
+    rows = PairRows.of(encoded, T)
+    return {k: np.stack([rows[i][k] for i in range(len(rows))]) for k in rows[0]}
+
+
+def our_grad(grads, path) -> np.ndarray:
+    node = grads
+    for k in path:
+        node = node[k]
+    return node.T if GRAD_PARAMS[path][1] else node
+
+
+def assert_matches(mine: Ours, theirs: TRLResult, names=REWARDS, grads: bool = True) -> dict[str, float]:
+    """Loss, ``names`` metrics, rewards/accuracies (and the gradients) as the tolerances above; the errors."""
+    errors = {"loss": rel(mine.loss, theirs.loss)}
+    errors |= {k: metric_error(k, mine.metrics, theirs.metrics) for k in names}
+    if grads:
+        errors |= {name: rel(our_grad(mine.grads, path), theirs.grads[name]) for path, (name, _) in GRAD_PARAMS.items()}
+    bad = {k: v for k, v in errors.items() if not v <= TOL}
+    assert not bad, (bad, mine.loss, theirs.loss, mine.metrics, theirs.metrics)
+    assert np.float32(mine.metrics["rewards/accuracies"]) == np.float32(theirs.metrics["rewards/accuracies"])
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------------- DPO
+
+
+@pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), ("ipo", 0.5), ("hinge", 1.0)])
+def test_dpo_matches_trl_dpo_trainer(checkpoints, tokenizer, native, tmp_path, loss_type, beta):
+    """Full fine-tuning: our loss, TRL's reward metrics and the gradients equal DPOTrainer's on the same pairs."""
+    theirs = trl_dpo(checkpoints, tokenizer, tmp_path, PAIRS, loss_type=[loss_type], beta=beta)
+    mine = ours(native, PAIRS, "dpo", loss_type=loss_type, beta=beta)
+    assert mine.count == len(PAIRS)
+    assert 0.0 < theirs.metrics["rewards/accuracies"] < 1.0  # rewards of both signs: the policy is not the reference
+    if loss_type == "hinge":  # some pairs past the margin (no loss, no gradient), some not
+        assert 0.0 < theirs.loss < 1.0
+    assert_matches(mine, theirs)
+
+
+def sequence_logps(model, pairs) -> torch.Tensor:
+    """(B, 2) summed completion log-probs from the model's logits, plain PyTorch (no TRL)."""
+    out = []
+    for prompt, chosen, rejected in pairs:
+        row = []
+        for completion in (chosen, rejected):
+            ids = torch.tensor([prompt + completion])
+            logps = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            targets = ids[0, 1:]
+            row.append(logps[torch.arange(len(targets)), targets][len(prompt) - 1:].sum())
+        out.append(torch.stack(row))
+    return torch.stack(out)
+
+
+def test_dpo_label_smoothing_is_conservative_dpo(checkpoints, tokenizer, native, tmp_path):
+    """objective.label_smoothing=e: -(1-e) log s(bD) - e log s(-bD) on PyTorch's sequence log-probs of the same
+    checkpoints (loss and gradients); at e = 0 that closed form is DPOTrainer's sigmoid loss."""
+    beta, eps = 0.1, 0.2
+    policy, ref = hf_model(checkpoints["policy"]), hf_model(checkpoints["ref"])
+    with torch.no_grad():
+        ref_logps = sequence_logps(ref, PAIRS)
+
+    def closed_form(e):
+        ratios = sequence_logps(policy, PAIRS) - ref_logps
+        z = beta * (ratios[:, 0] - ratios[:, 1])
+        return (-(1 - e) * torch.nn.functional.logsigmoid(z) - e * torch.nn.functional.logsigmoid(-z)).mean()
+
+    trl_loss = trl_dpo(checkpoints, tokenizer, tmp_path, PAIRS, loss_type=["sigmoid"], beta=beta).loss
+    assert rel(closed_form(0.0).item(), trl_loss) <= TOL
+
+    expected = closed_form(eps)
+    expected.backward()
+    mine = ours(native, PAIRS, "dpo", beta=beta, label_smoothing=eps)
+    assert rel(mine.loss, expected.item()) <= TOL, (mine.loss, expected.item())
+    assert abs(mine.loss - trl_loss) > 1e-2  # the smoothing is felt
+    expected_grads = hf_grads(policy)
+    for path, (name, _) in GRAD_PARAMS.items():
+        assert rel(our_grad(mine.grads, path), expected_grads[name]) <= TOL, name
+
+
+# ---------------------------------------------------------------------------------------------------- SimPO, ORPO
+
+SIMPO = {"beta": 2.0, "gamma": 0.5, "label_smoothing": 0.1}
+
+
+def test_simpo_matches_trl_cpo_trainer(checkpoints, native):
+    """objective.name=simpo vs CPOTrainer(loss_type="simpo", cpo_alpha=0): TRL's SimPO on average log-probs, with
+    label smoothing (whose e = 0 is plain SimPO)."""
+    theirs = trl_simpo(checkpoints, PAIRS, SIMPO["beta"], SIMPO["gamma"], SIMPO["label_smoothing"])
+    mine = ours(native, PAIRS, "simpo", **SIMPO)
+    assert mine.count == len(PAIRS)
+    assert 0.0 < theirs.metrics["rewards/accuracies"] < 1.0
+    assert_matches(mine, theirs)
+
+
+def test_orpo_matches_trl_orpo_trainer(checkpoints, native):
+    """One-token prompts, chosen completions of one length: the full ORPO loss, its metrics (nll_loss,
+    log_odds_ratio, log_odds_chosen included) and the gradients equal ORPOTrainer's."""
+    theirs = trl_orpo(checkpoints, ORPO_EQUAL, 0.1)
+    mine = ours(native, ORPO_EQUAL, "orpo", beta=0.1)
+    assert mine.count == len(ORPO_EQUAL)
+    assert_matches(mine, theirs, names=ORPO_METRICS)
+
+
+def test_orpo_odds_ratio_matches_trl_and_nll_is_the_completions(checkpoints, native):
+    """Longer prompts: the odds-ratio term and the reward metrics equal ORPOTrainer's; the NLL terms differ by
+    design. TRL's is the cross-entropy over every token of the chosen rows after the first, prompt included (checked
+    here by hand); ours is the mean over each chosen completion, averaged over pairs (the ORPO paper's SFT term)."""
+    theirs = trl_orpo(checkpoints, PAIRS, 0.1)
+    mine = ours(native, PAIRS, "orpo", beta=0.1)
+    odds_term = SimpleNamespace(loss=theirs.loss - theirs.metrics["nll_loss"], metrics=theirs.metrics)
+    assert_matches(Ours(mine.loss - mine.metrics["nll_loss"], mine.count, mine.metrics, None), odds_term,
+                   names=(*REWARDS, "log_odds_ratio", "log_odds_chosen"), grads=False)
+
+    model = hf_model(checkpoints["policy"])
+    batch = paired_batch(PAIRS)
+    with torch.no_grad():
+        logits = model(batch["chosen_input_ids"], attention_mask=batch["chosen_attention_mask"]).logits[:, :-1]
+    targets = batch["chosen_input_ids"][:, 1:].masked_fill(batch["chosen_attention_mask"][:, 1:] == 0, -100)
+    prompt_and_completion = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1)).item()
+    assert rel(theirs.metrics["nll_loss"], prompt_and_completion) <= TOL
+    assert rel(mine.metrics["nll_loss"], -mine.metrics["logps/chosen"]) <= TOL  # ours: the completions' mean NLL
+    assert abs(mine.metrics["nll_loss"] - theirs.metrics["nll_loss"]) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------- padding
+
+
+def test_padding_pair_counts_nothing(checkpoints, tokenizer, native, tmp_path):
+    """A padding pair (no completion token, as `make_sequence_batches` fills the last held-out batch) is not a pair:
+    with one after 3 pairs, 3 are counted, everything is finite, and loss, metrics and gradients equal TRL's on the 3
+    pairs alone, for dpo, simpo and orpo (each compiled for 4 pairs once, by the tests above)."""
+    cases = [
+        ("dpo", PAIRS[:3], {"beta": 0.1}, REWARDS,
+         lambda: trl_dpo(checkpoints, tokenizer, tmp_path, PAIRS[:3], loss_type=["sigmoid"], beta=0.1)),
+        ("simpo", PAIRS[:3], SIMPO, REWARDS,
+         lambda: trl_simpo(checkpoints, PAIRS[:3], SIMPO["beta"], SIMPO["gamma"], SIMPO["label_smoothing"])),
+        ("orpo", ORPO_EQUAL[:3], {"beta": 0.1}, ORPO_METRICS, lambda: trl_orpo(checkpoints, ORPO_EQUAL[:3], 0.1)),
+    ]
+    for name, pairs, keys, names, theirs in cases:
+        mine = ours(native, pairs, name, empty_pairs=1, **keys)
+        assert mine.count == 3, name
+        assert np.isfinite(mine.loss) and all(np.isfinite(v) for v in mine.metrics.values()), name
+        assert all(np.isfinite(g).all() for g in jax.tree.leaves(mine.grads)), name
+        assert_matches(mine, theirs(), names=names)
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+
+
+@pytest.fixture(scope="module")
+def lora_native(checkpoints):
+    """A native LoRA (rank 4) run on the unperturbed checkpoint: (config, spec)."""
+    return spec_for(checkpoints["ref"], "model.lora.rank=4")
+
+
+def _token_logps(forward, weights, rows) -> np.ndarray:
+    with sharding.use_mesh(MESH):
+        return np.asarray(jax.jit(forward.token_logps)(weights, rows))
+
+
+@pytest.mark.parametrize("backend", ["native", "torchax"])
+def test_lora_reference_is_the_base_model_exactly(checkpoints, native, lora_native, backend):
+    """With LoRA the reference is the base with the adapters off (`ModelSpec.base_model`, no copy): the token
+    log-probs the step's reference gives are bitwise those of the same checkpoint without LoRA, while the adapted
+    model's (adapters made nonzero) differ."""
+    if backend == "native":
+        cfg, spec = lora_native
+        plain = (native.spec.forward(), native.ref)
+    else:
+        cfg, spec = spec_for(checkpoints["ref"], "model.backend=torchax", "model.lora.rank=4")
+        plain_spec = spec_for(checkpoints["ref"], "model.backend=torchax")[1]
+        plain = (plain_spec.forward(), plain_spec.init(0).params)
+    reference = step_reference(spec, cfg.objective)
+    assert reference is not None and not reference.copy
+    frozen = spec.load_frozen(0)
+    rng = np.random.default_rng(0)
+    adapters = jax.tree.map(lambda x: x + jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), spec.init(0).params)
+    rows = {k: jnp.asarray(v) for k, v in flat_pairs(pair_batch(PAIRS)).items()}
+
+    base = _token_logps(*plain, rows)
+    with sharding.use_mesh(MESH):
+        off = np.asarray(jax.jit(lambda fr, r: reference.bind(fr)(r))(frozen, rows))
+    on = _token_logps(spec.forward(), spec.weights(adapters, frozen), rows)
+    assert np.array_equal(off, base)
+    assert np.abs(on - base).max() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------- step
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora-adapters-off", "full-copy"])
+def test_dpo_train_step_compiles_once(checkpoints, lora_native, lora):
+    """The jitted DPO train step, its reference LoRA's base (adapters off) or a frozen copy, is traced once over 3
+    steps. The policy starts as its reference (LoRA's B = 0; the copy), so the first loss is log 2 and no reward
+    moves; then it learns."""
+    cfg, spec = lora_native if lora else spec_for(checkpoints["ref"])
+    reference = step_reference(spec, cfg.objective)
+    assert reference.copy is not lora
+    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
+    state = spec.init(0)
+    frozen = with_reference(spec.load_frozen(0), reference, spec, 0)
+    assert len(frozen) == 1  # LoRA: the base; full fine-tuning: the copy
+    batch = pair_batch(PAIRS)
+    losses = []
+    with sharding.use_mesh(MESH):
+        for _ in range(3):
+            state, m = steps.train(state, sharding.global_batch(MESH, batch), frozen)
+            m = jax.device_get(m)
+            losses.append(float(m["loss"]))
+            if len(losses) == 1:
+                assert abs(losses[0] - math.log(2)) <= 1e-6 and float(m["rewards/margins"]) == 0.0
+                assert float(m["tokens"]) == len(PAIRS)
+    assert steps.compiles == 1
+    assert losses[-1] < losses[0] - 1e-3, losses

@@ -1,0 +1,163 @@
+"""Preference tuning end to end, through `jaxtune.loop.train`: DPO with each kind of reference model (a frozen copy,
+LoRA's base with the adapters off, log-probs precomputed once), SimPO and ORPO, on the native and torchax backends.
+
+Each run: the step compiles once; train and eval rows of metrics.jsonl carry TRL's metric names; report.md has the
+held-out reward accuracy of every evaluation; a killed LoRA DPO run resumes bitwise. Tiny models, 240 generated
+arithmetic pairs (`synthetic:arithmetic-preferences`' first rows), CPU. The losses themselves are checked against TRL
+in test_preference_objectives.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import TORCHAX_LLAMA
+from test_loop import _final_params, _losses, _run_driver
+
+from jaxtune.cli import main
+from jaxtune.config import load_config
+from jaxtune.data.synthetic import arithmetic_preferences
+from jaxtune.loop import train
+from jaxtune.train.checkpoint import Checkpointer
+from jaxtune.train.objectives.preference import REWARD_METRICS
+from jaxtune.train.reference import REF_LOGPS_FILE
+
+MODEL = ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
+         "model.n_kv_head=2", "model.d_ff=128", "model.max_seq_len=64"]
+REST = ["data.format=preference", "data.chat_template=chatml", "data.seq_len=64", "data.val_fraction=0.1",
+        "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
+        "objective.name=dpo", "optim.lr=1e-2", "optim.warmup_steps=2", "train.batch_size=8", "train.steps=6",
+        "eval.every=3", "eval.batches=2", "checkpoint.every=3", "logging.every=1", "logging.progress=false",
+        "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in itertools.islice(arithmetic_preferences(), 240)))
+    return path
+
+
+@pytest.fixture
+def pref(pairs_file, tmp_path, data_cache):
+    """pref("objective.name=orpo", ...) -> overrides of a tiny native preference run in this test's tmp dir."""
+
+    def make(*extra: str, run: str = "run") -> list[str]:
+        return [*MODEL, *REST, f"data.sources=[{pairs_file}]", f"data.cache_dir={data_cache}",
+                f"run_dir={tmp_path / run}", *extra]
+
+    return make
+
+
+def _rows(run_dir: Path, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == kind]
+
+
+def test_dpo_with_a_frozen_copy_trains_compiles_once_and_reports(pref):
+    cfg = load_config(None, pref())
+    result = train(cfg)
+    assert result.step_compiles == 1
+    train_rows, eval_rows = _rows(cfg.run_path, "train"), _rows(cfg.run_path, "eval")
+    assert [r["step"] for r in eval_rows] == [0, 3, 6]
+    for row in train_rows + eval_rows:
+        assert set(REWARD_METRICS) <= set(row), row
+        assert np.isfinite([row[k] for k in REWARD_METRICS]).all()
+    first, last = eval_rows[0], eval_rows[-1]
+    assert first["loss"] == pytest.approx(np.log(2), abs=1e-6)  # policy == reference: every reward is 0
+    assert first["rewards/accuracies"] == 0.0 and first["rewards/margins"] == 0.0
+    assert last["rewards/margins"] > 0 and last["rewards/accuracies"] >= 0.5
+    assert "perplexity" not in last  # a preference loss is not a log-likelihood
+    report = (cfg.run_path / "report.md").read_text()
+    assert "| step | held-out loss | reward accuracy |" in report
+    assert f"| 6 | {last['loss']:.4f} | {last['rewards/accuracies']:.1%} |" in report
+
+
+def test_precomputed_reference_equals_the_live_one_and_is_reused(pref, tmp_path):
+    live = train(load_config(None, pref("train.steps=3", "eval.every=0", run="live")))
+    cfg = load_config(None, pref("train.steps=3", "eval.every=0", "objective.precompute_ref_logps=true", run="pre"))
+    pre = train(cfg)
+    assert pre.step_compiles == 1
+    for s in live.losses:  # the reference forward jitted alone vs inside the step: equal to float32 rounding
+        assert pre.losses[s] == pytest.approx(live.losses[s], rel=1e-5, abs=1e-6)
+    stored = np.load(cfg.run_path / REF_LOGPS_FILE)
+    assert stored["train"].shape[1] == 2 and np.isfinite(stored["train"]).all() and (stored["train"] < 0).all()
+    resumed = train(load_config(None, pref("train.steps=5", "eval.every=0", "objective.precompute_ref_logps=true",
+                                           run="pre")))
+    assert resumed.step == 5 and resumed.step_compiles == 1
+
+
+def test_precomputed_reference_is_read_back_on_resume(pref, capsys):
+    over = pref("train.steps=2", "eval.every=0", "objective.precompute_ref_logps=true")
+    cfg = load_config(None, over)
+    train(cfg)
+    assert "computed in" in capsys.readouterr().out
+    train(load_config(None, [*over, "train.steps=3"]))
+    assert f"pairs read from {cfg.run_path / REF_LOGPS_FILE}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["simpo", "orpo"])
+def test_reference_free_objectives_train(pref, name):
+    cfg = load_config(None, pref(f"objective.name={name}", "train.steps=4", "eval.every=0"))
+    result = train(cfg)
+    assert result.step_compiles == 1
+    last = _rows(cfg.run_path, "eval")[-1]
+    assert set(REWARD_METRICS) <= set(last) and np.isfinite(last["loss"])
+    assert last["logps/chosen"] < 0  # SimPO and ORPO log the mean log-prob per completion token
+    if name == "orpo":
+        assert {"nll_loss", "log_odds_ratio", "log_odds_chosen"} <= set(last)
+    assert not (cfg.run_path / REF_LOGPS_FILE).exists()
+
+
+def test_dpo_lora_kill9_and_resume_is_bitwise(pref, tmp_path):
+    """LoRA DPO (reference: the base with the adapters off), killed after step 12 with step 10 committed, resumed:
+    the losses of steps 11-20 and the final adapters equal the uninterrupted run's bitwise."""
+    lora = ["model.lora.rank=4", "train.steps=20", "eval.every=0", "checkpoint.every=5", "checkpoint.keep=10"]
+    ref_cfg = load_config(None, pref(*lora, run="ref"))
+    ref = train(ref_cfg)
+    assert ref.step_compiles == 1
+    ref_params, _ = _final_params(ref_cfg, 20)
+
+    over = pref(*lora, run="killed")
+    killed = _run_driver(tmp_path, "kill", 12, over)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    cfg = load_config(None, over)
+    assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 10
+    resumed = _run_driver(tmp_path, "plain", 0, over)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    losses = _losses(cfg.run_path)
+    for s in range(11, 21):
+        assert losses[s] == ref.losses[s], (s, losses[s], ref.losses[s])
+    params, _ = _final_params(cfg, 20)
+    jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+
+
+def test_dpo_lora_run_exports_an_adapter_and_evaluates(pref, tmp_path, capsys):
+    cfg = load_config(None, pref("model.lora.rank=4", "train.steps=2", "eval.every=0"))
+    train(cfg)
+    capsys.readouterr()
+    assert main(["eval", str(cfg.run_path)]) == 0
+    out = capsys.readouterr().out
+    assert "rewards/accuracies" in out
+    assert main(["export", str(cfg.run_path), str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_torchax_dpo_lora_uses_the_same_objective(pref, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")  # torchax itself is imported through jaxtune's compatibility shim
+    directory = tmp_path / "hf-llama-config"
+    transformers.LlamaConfig(**{**TORCHAX_LLAMA, "vocab_size": 300}).save_pretrained(directory)
+    over = [o for o in pref("model.lora.rank=4", "train.steps=3", "eval.every=0") if not o.startswith("model.")]
+    cfg = load_config(None, [*over, "model.backend=torchax", f"model.hf_config={directory}", "model.lora.rank=4"])
+    result = train(cfg)
+    assert result.step_compiles == 1
+    last = _rows(cfg.run_path, "eval")[-1]
+    assert set(REWARD_METRICS) <= set(last)
+    assert last["rewards/margins"] != 0.0  # the adapters moved the policy away from the base
