@@ -155,13 +155,16 @@ def test_dpo_lora_kill9_and_resume_is_bitwise(pref, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, params, ref_params)
 
 
-def test_dpo_lora_run_exports_an_adapter_and_evaluates(pref, tmp_path, capsys):
+def test_dpo_lora_run_exports_an_adapter_and_evaluates(pref, pairs_file, tmp_path, capsys):
     cfg = load_config(None, pref("model.lora.rank=4", "train.steps=2", "eval.every=0"))
     train(cfg)
     capsys.readouterr()
     assert main(["eval", str(cfg.run_path)]) == 0
-    out = capsys.readouterr().out
-    assert "rewards/accuracies" in out
+    held_out = json.loads(capsys.readouterr().out)
+    assert held_out["rewards/accuracies"] == _rows(cfg.run_path, "eval")[-1]["rewards/accuracies"]
+    assert main(["eval", str(cfg.run_path), "--data", str(pairs_file)]) == 0  # every pair of a test file
+    every = json.loads(capsys.readouterr().out)
+    assert every["pairs"] == 240 and every["tokens"] == 240 and 0.0 <= every["rewards/accuracies"] <= 1.0
     assert main(["export", str(cfg.run_path), str(tmp_path / "adapter"), "--adapter"]) == 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
