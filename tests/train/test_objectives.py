@@ -28,8 +28,9 @@ class CrossEntropyWithAccuracy:
 
     name: str = "ce_accuracy"
     metric_names: tuple[str, ...] = ("accuracy",)
+    uses_reference: bool = False
 
-    def __call__(self, forward, weights, batch, key):
+    def __call__(self, forward, weights, batch, key, reference=None):
         logits = forward.logits(weights, batch, key)
         mask = batch.get("loss_mask", jnp.ones(batch["targets"].shape, jnp.float32))
         right = (jnp.argmax(logits, -1) == batch["targets"]) * mask
@@ -48,23 +49,26 @@ def test_objective_metrics_are_per_unit_and_accumulate_over_micro_batches():
     """The step divides an objective's metric sums by the total count, over micro-batches as over one batch; the
     value equals a reference computed from the model's logits; cross-entropy through either objective agrees."""
     batch = _batch(8)
+    over = ["model.preset=tiny", "model.max_seq_len=32", "optim.lr=1e-9"]
+    # One spec and one initial state for both step builds (micro_batches is the step's, not the spec's): the
+    # state goes to the device anew for each step, which donates it.
+    spec = make_state_spec(load_config(None, over), V, make_mesh(1, 1, 1, jax.devices()[:1]))
+    init = jax.device_get(spec.init(0))
+    params = jax.device_put(init.params, spec.shardings.params)
+    logits = spec.forward().logits(params, {k: jnp.asarray(v) for k, v in batch.items()})
     out = {}
     for micro in (1, 4):
-        cfg = load_config(None, ["model.preset=tiny", "model.max_seq_len=32", "optim.lr=1e-9",
-                                 f"train.micro_batches={micro}"])
-        spec = make_state_spec(cfg, V, make_mesh(1, 1, 1, jax.devices()[:1]))
+        cfg = load_config(None, [*over, f"train.micro_batches={micro}"])
         steps = jit_steps(spec, CrossEntropyWithAccuracy(), cfg.train)
-        state = spec.init(0)
-        logits = spec.forward().logits(state.params, {k: jnp.asarray(v) for k, v in batch.items()})
         with sharding.use_mesh(spec.mesh):
-            _, m = steps.train(state, sharding.global_batch(spec.mesh, batch), ())
+            _, m = steps.train(jax.device_put(init, spec.shardings), sharding.global_batch(spec.mesh, batch), ())
         out[micro] = {k: float(v) for k, v in m.items()}
     mask = batch["loss_mask"]
     want = float(((np.asarray(logits).argmax(-1) == batch["targets"]) * mask).sum() / mask.sum())
     assert abs(out[1]["accuracy"] - want) <= 1e-6 and abs(out[4]["accuracy"] - want) <= 1e-6
     assert abs(out[1]["loss"] - out[4]["loss"]) <= 1e-5 * out[1]["loss"]
     ce = make_eval_step(objective_loss(CrossEntropy(), spec.forward(), spec.weights))
-    s, n, extra = ce(spec.init(0).params, {k: jnp.asarray(v) for k, v in batch.items()})
+    s, n, extra = ce(params, {k: jnp.asarray(v) for k, v in batch.items()})
     assert extra == {} and abs(float(s / n) - out[1]["loss"]) <= 1e-6 * out[1]["loss"]
 
 
