@@ -22,6 +22,14 @@ def _setup(*overrides):
     return cfg, make_state_spec(cfg, V, make_mesh(1, 1, 1, jax.devices()[:1]))
 
 
+@pytest.fixture(scope="module")
+def plain():
+    """(spec, its initial state) for the default setup: `spec.init` compiles for seconds, so the tests whose steps
+    do not donate their state read this one (a step that wrongly consumed it would fail the next user loudly)."""
+    _, spec = _setup()
+    return spec, spec.init(0)
+
+
 def _ce(spec):
     return objective_loss(CrossEntropy(), spec.forward(), spec.weights)
 
@@ -51,14 +59,13 @@ def _capture_grads() -> optax.GradientTransformation:
 
 
 @pytest.mark.parametrize("mask", [False, True])
-def test_grad_accumulation_equals_large_batch(mask):
-    cfg, spec = _setup()
+def test_grad_accumulation_equals_large_batch(mask, plain):
+    spec, init = plain
     batch = _batch(8, mask=mask)
     tx = _capture_grads()
     results = {}
     for micro in (1, 4):
-        state = spec.init(0)
-        state = state._replace(opt_state=tx.init(state.params))
+        state = init._replace(opt_state=tx.init(init.params))
         state, m = jax.jit(make_train_step(_ce(spec), tx, spec.lr_schedule, micro_batches=micro))(state, batch)
         results[micro] = (state.opt_state, m)
     (g1, m1), (g4, m4) = results[1], results[4]
@@ -69,23 +76,21 @@ def test_grad_accumulation_equals_large_batch(mask):
     assert worst <= 1e-6, worst
 
 
-def test_loss_is_token_weighted_not_mean_of_means():
-    cfg, spec = _setup()
+def test_loss_is_token_weighted_not_mean_of_means(plain):
+    spec, state = plain
     batch = _batch(8, mask=True)
-    state = spec.init(0)
     _, m = jax.jit(make_train_step(_ce(spec), spec.tx, spec.lr_schedule, micro_batches=4))(state, batch)
     # Reference: per-token losses from the unsplit batch, weighted by the mask.
-    s, n, _ = CrossEntropy()(spec.forward(), spec.init(0).params, batch, None)
+    s, n, _ = CrossEntropy()(spec.forward(), state.params, batch, None)
     assert float(n) == float(batch["loss_mask"].sum())
     assert _rel(m["loss"], s / n) <= 1e-6
 
 
-def test_skip_policy_keeps_params_on_nonfinite_step():
-    cfg, spec = _setup()
+def test_skip_policy_keeps_params_on_nonfinite_step(plain):
+    spec, state = plain
     batch = _batch(4, mask=True)
     bad = dict(batch, loss_mask=batch["loss_mask"].at[0, 0].set(jnp.nan))
     step = jax.jit(make_train_step(_ce(spec), spec.tx, spec.lr_schedule, skip_nonfinite=True))
-    state = spec.init(0)
     before = jax.tree.map(np.asarray, state.params)
     state, m = step(state, bad)
     assert not bool(m["finite"]) and int(state.nan_streak) == 1 and int(state.nan_skipped) == 1
@@ -96,12 +101,13 @@ def test_skip_policy_keeps_params_on_nonfinite_step():
 
 
 def test_dropout_key_is_a_function_of_seed_and_step():
-    cfg, spec = _setup("model.dropout=0.1")
+    _, spec = _setup("model.dropout=0.1")
     step = jax.jit(make_train_step(_ce(spec), spec.tx, spec.lr_schedule, use_dropout=True))
     batch = _batch(4)
+    init = spec.init(0)  # the step does not donate: both runs start from this state
     losses = []
     for _ in range(2):
-        state = spec.init(0)
+        state = init
         run = []
         for _ in range(3):
             state, m = step(state, batch)
@@ -114,7 +120,7 @@ def test_dropout_key_is_a_function_of_seed_and_step():
 @pytest.mark.parametrize("name", ["adamw", "adafactor", "sgd"])
 def test_optimizers_reduce_loss(name):
     lr = {"adamw": 3e-3, "adafactor": 1e-2, "sgd": 0.3}[name]
-    cfg, spec = _setup(f"optim.name={name}", f"optim.lr={lr}", "optim.schedule=constant")
+    _, spec = _setup(f"optim.name={name}", f"optim.lr={lr}", "optim.schedule=constant")
     step = jax.jit(make_train_step(_ce(spec), spec.tx, spec.lr_schedule), donate_argnums=0)
     batch = _batch(8)
     state = spec.init(0)
@@ -126,7 +132,7 @@ def test_optimizers_reduce_loss(name):
 
 
 def test_schedule_warmup_then_cosine():
-    cfg, spec = _setup("optim.warmup_steps=10", "optim.lr=1e-3", "optim.min_lr_ratio=0.1", "train.steps=110")
+    _, spec = _setup("optim.warmup_steps=10", "optim.lr=1e-3", "optim.min_lr_ratio=0.1", "train.steps=110")
     lr = spec.lr_schedule
     assert float(lr(0)) == pytest.approx(1e-4)
     assert float(lr(10)) == pytest.approx(1e-3)
@@ -136,7 +142,7 @@ def test_schedule_warmup_then_cosine():
 
 def test_bf16_compute_scan_and_remat_train():
     """fp32 master params + bf16 compute, scanned layers and remat: params stay fp32, the loss falls."""
-    cfg, spec = _setup("model.compute_dtype=bfloat16", "model.scan_layers=true", "model.remat=dots",
+    _, spec = _setup("model.compute_dtype=bfloat16", "model.scan_layers=true", "model.remat=dots",
                        "optim.lr=3e-3", "optim.schedule=constant")
     step = jax.jit(make_train_step(_ce(spec), spec.tx, spec.lr_schedule, micro_batches=2), donate_argnums=0)
     batch = _batch(8)
