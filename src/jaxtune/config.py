@@ -165,14 +165,15 @@ class DataConfig(_Section):
     template (or ``chat_template``), loss on the tokens ``loss_on`` names, packed into ``seq_len`` rows; and
     ``preference``: pairs of completions, ``prompt``/``chosen``/``rejected`` in TRL's forms (text, or messages with an
     explicit or implicit prompt; `jaxtune.data.preference`), one pair per item (never packed), loss on each
-    completion."""
+    completion; ``prompts``: prompts alone (``prompt`` text or messages, or ``messages`` ending with a user turn) with
+    their answer fields, for objectives that generate their completions (``grpo``; `jaxtune.data.prompts`)."""
 
     sources: list[str] = ["python-stdlib"]
-    format: Literal["text", "messages", "sharegpt", "alpaca", "prompt_completion", "preference"] = "text"
+    format: Literal["text", "messages", "sharegpt", "alpaca", "prompt_completion", "preference", "prompts"] = "text"
     text_field: str = "text"
     fields: dict[str, str] = Field({}, description="SFT field names when they differ from the format's: messages, "
                                    "role, content, system, instruction, input, output, prompt, completion, chosen, "
-                                   "rejected")
+                                   "rejected, answer")
     roles: dict[str, str] = Field({}, description="sharegpt: speaker names -> system/user/assistant "
                                   "(default human->user, gpt->assistant)")
     chat_template: str | None = Field(None, description="chatml, a .jinja file, or template text; default the "
@@ -284,7 +285,50 @@ class TrainConfig(_Section):
 
 # Objectives trained on preference pairs (``data.format: preference``), and those that compare with a reference model.
 PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo")
-DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
+DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1, "grpo": 0.0}
+DEFAULT_LOSS_TYPE = {"dpo": "sigmoid", "grpo": "dapo"}
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# The reward functions built in (`jaxtune.train.rewards`); any other name is a user function, ``module:function``.
+BUILTIN_REWARDS = ("exact_number", "regex", "format", "length")
+
+
+class RewardConfig(_Section):
+    """One reward function of ``grpo`` (`jaxtune.train.rewards`), weighted into the total reward.
+
+    Built in: ``exact_number`` (1 when the completion's last number equals the row's ``field``, numerically, else 0),
+    ``regex`` (1 when ``pattern``'s first group, searched in the completion, equals the row's ``field``, stripped),
+    ``format`` (1 when ``pattern`` matches the whole completion, stripped), ``length`` (DAPO's soft overlong penalty:
+    0 up to ``max_tokens - buffer`` completion tokens, then down linearly to -1 at ``max_tokens`` and beyond). Any
+    other ``name`` is a user function ``module:function`` called as ``f(prompts, completions, rows)`` (lists of the
+    prompt texts, completion texts and the rows' fields) that returns one float per completion."""
+
+    name: str
+    weight: float = 1.0
+    field: str = Field("answer", description="exact_number, regex: the row field holding the right answer")
+    pattern: str | None = Field(None, description="regex: the pattern whose first group is the answer; format: the "
+                                "pattern the whole completion must match")
+    max_tokens: int | None = Field(None, ge=1, description="length: the longest completion (default "
+                                   "objective.max_completion_length)")
+    buffer: int | None = Field(None, ge=1, description="length: the tokens before max_tokens over which the penalty "
+                               "grows (default max_tokens / 4)")
+
+    @property
+    def builtin(self) -> bool:
+        return ":" not in self.name
+
+    @model_validator(mode="after")
+    def _known(self) -> RewardConfig:
+        if self.builtin and self.name not in BUILTIN_REWARDS:
+            raise ValueError(f"reward {self.name!r} is not built in ({', '.join(BUILTIN_REWARDS)}); a function of "
+                             "your own is named module:function")
+        if self.name in ("regex", "format") and not self.pattern:
+            raise ValueError(f"reward {self.name} needs a pattern")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"reward {self.name}: pattern {self.pattern!r} is not a valid regex: {e}") from None
+        return self
 
 
 class ObjectiveConfig(_Section):
@@ -293,19 +337,52 @@ class ObjectiveConfig(_Section):
     ``cross_entropy``: next-token cross-entropy on the tokens with loss (pretraining text, SFT's assistant turns).
     Preference pairs (``data.format: preference``): ``dpo`` (against a frozen reference model: LoRA's base with the
     adapters off, else a frozen copy of the initial weights, or its log-probs computed once before training with
-    ``precompute_ref_logps``), and the reference-free ``simpo`` and ``orpo``. Their keys follow TRL's."""
+    ``precompute_ref_logps``), and the reference-free ``simpo`` and ``orpo``. Prompts (``data.format: prompts``):
+    ``grpo``, RL with verifiable rewards: ``num_generations`` completions sampled per prompt inside the loop, scored by
+    ``rewards``, the clipped policy-gradient surrogate on group-normalised advantages, and with ``beta`` > 0 a KL
+    penalty to the reference model. Their keys follow TRL's."""
 
-    name: Literal["cross_entropy", "dpo", "simpo", "orpo"] = "cross_entropy"
-    beta: float | None = Field(None, gt=0, description="dpo: the KL weight (default 0.1); simpo: the reward scale "
-                               "(default 2.0); orpo: the odds-ratio term's weight lambda (TRL's beta, default 0.1)")
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="dpo: sigmoid (the DPO paper), ipo "
-                                                          "(squared, per-token log-ratios) or hinge")
+    name: Literal["cross_entropy", "dpo", "simpo", "orpo", "grpo"] = "cross_entropy"
+    beta: float | None = Field(None, ge=0, description="dpo: the KL weight (default 0.1); simpo: the reward scale "
+                               "(default 2.0); orpo: the odds-ratio term's weight lambda (TRL's beta, default 0.1); "
+                               "grpo: the KL penalty's weight (default 0: no reference model)")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "grpo", "bnpo", "dr_grpo", "dapo"] | None = Field(
+        None, description="dpo: sigmoid (the DPO paper, default), ipo (squared, per-token log-ratios) or hinge; grpo: "
+        "how the per-token losses are averaged: grpo (per sequence, then over sequences), bnpo (over the "
+        "micro-batch's tokens), dr_grpo (over sequences x max_completion_length), dapo (over the whole batch's "
+        "tokens, default)")
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="dpo (sigmoid) and simpo: the assumed share of "
                                    "flipped labels (conservative DPO)")
     gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (TRL's simpo_gamma)")
     precompute_ref_logps: bool = Field(False, description="dpo: compute the reference log-probs of every pair once "
                                        "before training (stored in the run directory), so no reference model is "
                                        "held while training")
+    # grpo
+    num_generations: int = Field(8, ge=2, description="grpo: completions sampled per prompt (the group)")
+    max_completion_length: int = Field(128, ge=1, description="grpo: new tokens per completion at most")
+    temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature (the log-probs are of the same "
+                               "tempered distribution, as TRL's)")
+    top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling")
+    top_k: int | None = Field(None, ge=1, description="grpo: sample among the k likeliest tokens")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: the ratio's lower clip, 1 - epsilon")
+    epsilon_high: float | None = Field(None, gt=0, description="grpo: the ratio's upper clip, 1 + epsilon_high "
+                                       "(default epsilon)")
+    scale_rewards: bool = Field(True, description="grpo: divide each group's advantages by its reward std "
+                                "(false: Dr. GRPO's unscaled advantages)")
+    num_iterations: int = Field(1, ge=1, description="grpo: optimisation passes over each batch of completions "
+                                "(TRL's mu)")
+    rewards: list[RewardConfig] = Field([], description="grpo: reward functions, summed with their weights")
+    reward_errors: Literal["raise", "zero"] = Field("raise", description="grpo: a reward function that raises or "
+                                                    "returns NaN stops training (raise, naming it and the row) or "
+                                                    "scores that completion 0, counted (zero)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_loss_type(cls, data: Any) -> Any:
+        # Configs written before grpo set loss_type: sigmoid for every objective; it only ever meant dpo's.
+        if isinstance(data, dict) and data.get("loss_type") == "sigmoid" and data.get("name", "cross_entropy") != "dpo":
+            data = {k: v for k, v in data.items() if k != "loss_type"}
+        return data
 
     @property
     def preference(self) -> bool:
@@ -313,24 +390,39 @@ class ObjectiveConfig(_Section):
 
     @property
     def uses_reference(self) -> bool:
-        return self.name == "dpo"
+        return self.name == "dpo" or (self.name == "grpo" and self.beta_value > 0)
 
     @property
     def beta_value(self) -> float:
         return self.beta if self.beta is not None else DEFAULT_BETA.get(self.name, 0.0)
 
+    @property
+    def loss_type_value(self) -> str | None:
+        return self.loss_type if self.loss_type is not None else DEFAULT_LOSS_TYPE.get(self.name)
+
     @model_validator(mode="after")
     def _keys_apply(self) -> ObjectiveConfig:
         # Keys away from their defaults (a dumped config sets every key, at its default where unused).
         given = {k for k, f in type(self).model_fields.items() if k != "name" and getattr(self, k) != f.default}
+        grpo = {"beta", "loss_type", "num_generations", "max_completion_length", "temperature", "top_p", "top_k",
+                "epsilon", "epsilon_high", "scale_rewards", "num_iterations", "rewards", "reward_errors"}
         applies = {"dpo": {"beta", "loss_type", "label_smoothing", "precompute_ref_logps"},
-                   "simpo": {"beta", "gamma", "label_smoothing"}, "orpo": {"beta"}}.get(self.name, set())
+                   "simpo": {"beta", "gamma", "label_smoothing"}, "orpo": {"beta"}, "grpo": grpo}.get(self.name, set())
         extra = sorted(given - applies)
         if extra:
             raise ValueError(f"objective.{extra[0]} does not apply to objective.name={self.name}"
                              + (f"; its keys: {', '.join(sorted(applies))}" if applies else ""))
-        if self.label_smoothing and self.name == "dpo" and self.loss_type != "sigmoid":
+        kinds = {"dpo": ("sigmoid", "ipo", "hinge"), "grpo": GRPO_LOSS_TYPES}
+        if self.loss_type is not None and self.loss_type not in kinds.get(self.name, ()):
+            raise ValueError(f"objective.loss_type={self.loss_type} does not apply to objective.name={self.name}; "
+                             f"choose one of {', '.join(kinds[self.name])}")
+        if self.label_smoothing and self.name == "dpo" and self.loss_type_value != "sigmoid":
             raise ValueError("objective.label_smoothing applies to loss_type=sigmoid only")
+        if self.beta == 0 and self.name in PREFERENCE_OBJECTIVES:
+            raise ValueError(f"objective.beta must be > 0 for objective.name={self.name}")
+        if self.name == "grpo" and not self.rewards:
+            raise ValueError("objective.name=grpo needs at least one reward function in objective.rewards, e.g. "
+                             "[{name: exact_number, field: answer}]")
         return self
 
 
@@ -410,6 +502,15 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _objective_matches_data(self) -> Config:
+        prompts, grpo = self.data.format == "prompts", self.objective.name == "grpo"
+        if grpo != prompts:
+            raise ValueError("objective.name=grpo trains on prompts: set data.format=prompts (rows of prompt and answer "
+                             "fields)" if grpo else "data.format=prompts needs an objective that generates its "
+                             "completions: set objective.name=grpo")
+        if grpo and self.objective.max_completion_length >= self.data.seq_len:
+            raise ValueError(f"objective.max_completion_length={self.objective.max_completion_length} leaves no room "
+                             f"for a prompt in data.seq_len={self.data.seq_len} (prompt and completion together); "
+                             "raise data.seq_len or lower max_completion_length")
         pairs = self.data.format == "preference"
         if self.objective.preference and not pairs:
             raise ValueError(f"objective.name={self.objective.name} trains on preference pairs; set "
@@ -463,6 +564,12 @@ def identity_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     the checkpoint's config lacks (added to jaxtune since it was written) counts as that key's default; a key the
     current config lacks (removed since) is not compared."""
     a, b, defaults = _flatten(saved), _flatten(current), _flatten(Config().to_dict())
+    for flat in (a, b):  # objective.loss_type: the objective's default stands for itself, and old dumps' sigmoid
+        name = flat.get("objective.name", "cross_entropy")
+        if flat.get("objective.loss_type") == "sigmoid" and name != "dpo":
+            flat["objective.loss_type"] = None
+        if flat.get("objective.loss_type") is None:
+            flat["objective.loss_type"] = DEFAULT_LOSS_TYPE.get(name)
     old = {k: a.get(k, defaults.get(k)) for k in b}
     return [f"{k}: checkpoint has {old[k]!r}, config has {b[k]!r}" for k in sorted(b)
             if is_identity_key(k) and old[k] != b[k]]

@@ -14,7 +14,7 @@ OBJECTIVES: dict[str, type] = {"cross_entropy": CrossEntropy, **PREFERENCE}
 def make_objective(cfg: ObjectiveConfig) -> Objective:
     """The objective ``objective.name`` names, with its keys."""
     if cfg.name == "dpo":
-        return DPO(beta=cfg.beta_value, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing)
+        return DPO(beta=cfg.beta_value, loss_type=cfg.loss_type_value, label_smoothing=cfg.label_smoothing)
     if cfg.name == "simpo":
         return SimPO(beta=cfg.beta_value, gamma=cfg.gamma, label_smoothing=cfg.label_smoothing)
     if cfg.name == "orpo":
