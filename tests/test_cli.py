@@ -66,13 +66,13 @@ def test_console_script_runs_the_shipped_quickstart(tmp_path, data_cache):
     """README command 1, shortened: the installed `jaxtune` on the shipped quickstart config."""
     exe = shutil.which("jaxtune") or str(Path(sys.executable).parent / "jaxtune")
     run_dir = tmp_path / "qs"
-    cmd = [exe, "train", "quickstart", f"run_dir={run_dir}", f"data.cache_dir={data_cache}", "train.steps=12",
+    cmd = [exe, "train", "quickstart", f"run_dir={run_dir}", f"data.cache_dir={data_cache}", "train.steps=4",
            "data.max_bytes=1000000", "tokenizer.train_bytes=500000", "eval.every=0", "eval.max_new_tokens=8",
-           "checkpoint.every=6", "logging.every=3"]
+           "checkpoint.every=2", "logging.every=1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "validation loss" in proc.stdout + proc.stderr and "sample @ step 12" in proc.stdout + proc.stderr
-    for name in ("loss.png", "metrics.jsonl", "config.yaml", "checkpoints/12", "tokenizer/tokenizer.json"):
+    assert "validation loss" in proc.stdout + proc.stderr and "sample @ step 4" in proc.stdout + proc.stderr
+    for name in ("loss.png", "metrics.jsonl", "config.yaml", "checkpoints/4", "tokenizer/tokenizer.json"):
         assert (run_dir / name).exists(), name
 
 
@@ -99,14 +99,14 @@ def test_console_script_runs_the_fine_tuning_quickstart(tmp_path, data_cache):
     run_dir = tmp_path / "fq"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [exe, "train", "finetune-quickstart", f"run_dir={run_dir}", f"data.cache_dir={data_cache}",
-           "train.steps=12", "eval.every=0", "eval.max_new_tokens=6", "checkpoint.every=12", "logging.every=4",
+           "train.steps=4", "eval.every=0", "eval.max_new_tokens=6", "checkpoint.every=4", "logging.every=2",
            "eval.batches=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fine-tuning data: 10000 rows" in out and "step 0: validation loss" in out
     report = (run_dir / "report.md").read_text()
-    assert "Before (step 0)" in report and "After (step 12)" in report and "user: What is 12 plus 30?" in report
+    assert "Before (step 0)" in report and "After (step 4)" in report and "user: What is 12 plus 30?" in report
     proc = subprocess.run([exe, "generate", str(run_dir), "--chat", "--prompt", "What is 2 plus 2?",
                            "--max-new-tokens", "4", "--temperature", "0"], capture_output=True, text=True, timeout=300, check=False,
                           env=env)

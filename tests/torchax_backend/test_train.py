@@ -151,15 +151,27 @@ def test_sharded_layouts_match_single_device(torchax_overrides):
     """Data parallel and FSDP-by-shape on 8 simulated devices give the 1-device losses (1e-5), compiled once;
     under fsdp=8 every large parameter and its Adam moments hold 1/8 per device."""
     from jaxtune.backends.torchax.model import fsdp_axes
+    from jaxtune.data import load_tokenizer, prepare_tokens
 
     base = torchax_overrides + ["train.steps=6", "checkpoint.every=100"]
-    single = train(load_config(None, base))
+    cfg = load_config(None, base)
+    prepare_tokens(cfg.data, load_tokenizer(cfg.tokenizer, cfg.data))  # built once, before two processes read it
     layouts = {"data8": (8, 1), "fsdp8": (1, 8), "data2_fsdp4": (2, 4)}
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(layouts), *base], capture_output=True, text=True,
-                          env=env, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, json.dumps(layouts), *base], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        single = train(cfg)  # the one-device reference, in this process while the 8-device one runs
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        proc.kill()  # a no-op once it has exited
+    assert proc.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.split("RESULT", 1)[1])
     for name, r in out.items():
         assert r["compiles"] == 1, name
         for step, loss in r["losses"].items():
@@ -268,9 +280,10 @@ def test_config_errors(tmp_path):
 def test_dropout_draws_from_the_step_key(torchax_overrides, tmp_path):
     """LoRA dropout under torchax is drawn from the step's key: two runs are bitwise equal, and differ from no
     dropout."""
+    # data.val_fraction=0: no held-out windows, so no evaluation (and no eval step to compile) in these runs.
     losses = [train(load_config(None, torchax_overrides + [f"run_dir={tmp_path / f'd{i}'}", "model.lora.rank=4",
                                                            f"model.lora.dropout={d}", "train.steps=3",
-                                                           "eval.batches=1"])).losses
+                                                           "data.val_fraction=0"])).losses
               for i, d in enumerate((0.0, 0.3, 0.3))]
     assert losses[1] == losses[2] and losses[1] != losses[0]
 

@@ -520,8 +520,10 @@ def test_bf16_frozen_base_and_full_adafactor_remat(chat, tmp_path):
     from jaxtune.backends import make_state_spec
     from jaxtune.sharding import make_mesh
 
+    # data.val_fraction=0: nothing held out, so no evaluation and no eval step to compile in either run.
     cfg = load_config(None, _lora_overrides(chat, tmp_path / "bf16", "model.param_dtype=bfloat16",
-                                            "model.compute_dtype=bfloat16", "train.steps=3", "optim.decay_steps=3"))
+                                            "model.compute_dtype=bfloat16", "train.steps=3", "optim.decay_steps=3",
+                                            "data.val_fraction=0"))
     spec = make_state_spec(cfg, HF_VOCAB, make_mesh(-1, 1, 1))
     assert {a.dtype for a in jax.tree.leaves(spec.frozen_abstract)} == {jnp.dtype("bfloat16")}
     assert {a.dtype for a in jax.tree.leaves(spec.abstract.params)} == {jnp.dtype("float32")}
@@ -530,7 +532,7 @@ def test_bf16_frozen_base_and_full_adafactor_remat(chat, tmp_path):
 
     full = load_config(None, _lora_overrides(chat, tmp_path / "full", "model.lora.rank=0", "optim.name=adafactor",
                                              "model.remat=full", "train.micro_batches=2", "train.steps=3",
-                                             "optim.decay_steps=3", "optim.lr=1e-2"))
+                                             "optim.decay_steps=3", "optim.lr=1e-2", "data.val_fraction=0"))
     spec = make_state_spec(full, HF_VOCAB, make_mesh(-1, 1, 1))
     assert spec.frozen_abstract == ()
     start = load_run(_config_file(full, tmp_path))  # no checkpoint yet: the checkpoint's weights

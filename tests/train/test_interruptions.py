@@ -89,6 +89,15 @@ def _env(**extra: str) -> dict[str, str]:
     return dict(os.environ, JAX_PLATFORMS="cpu", **extra)
 
 
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory) -> dict[str, str]:
+    """The environment of a persistent XLA compilation cache shared by this module's one-process `jaxtune train`
+    runs: they run the same tiny programs, and a process that finds them there loads them instead of compiling.
+    (Not for the runs under a file-size limit, whose cache writes could fail, nor the two-process run, whose
+    processes would write the same entries at once.)"""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("xla-cache"))}
+
+
 def _run(command: list[str], **extra_env: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, check=False, capture_output=True, text=True, env=_env(**extra_env), timeout=600)
 
@@ -134,9 +143,9 @@ def _seeded(seed: Path, tmp_path: Path) -> Path:
 # --- 1: Ctrl-C ---------------------------------------------------------------------------------------------------------
 
 
-def test_first_ctrl_c_saves_the_step_and_exits_0(tmp_path, tiny_overrides, config_file, driver):
+def test_first_ctrl_c_saves_the_step_and_exits_0(tmp_path, tiny_overrides, config_file, driver, xla_cache):
     over = tiny_overrides + ["checkpoint.every=100"]
-    proc = _run([*driver, "sigint", "7", "0", "train", str(config_file), *over])
+    proc = _run([*driver, "sigint", "7", "0", "train", str(config_file), *over], **xla_cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _no_traceback(proc.stderr)
     said = [line for line in proc.stdout.splitlines() if re.fullmatch(SAVED, line)]
@@ -151,11 +160,11 @@ def test_first_ctrl_c_saves_the_step_and_exits_0(tmp_path, tiny_overrides, confi
     assert result.step == 20 and min(result.losses) == int(step) + 1
 
 
-def test_second_ctrl_c_aborts_at_once(tmp_path, tiny_overrides, config_file, driver, capsys):
+def test_second_ctrl_c_aborts_at_once(tmp_path, tiny_overrides, config_file, driver, capsys, xla_cache):
     """The second SIGINT ends the process where it is, without saving: checkpoint 5 is the last one, and the
     next run resumes from it, taking over the lock the aborted run left."""
     over = tiny_overrides + ["checkpoint.async_save=false"]
-    proc = subprocess.Popen([*driver, "sigint2", "7", "0", "train", str(config_file), *over], env=_env(),
+    proc = subprocess.Popen([*driver, "sigint2", "7", "0", "train", str(config_file), *over], env=_env(**xla_cache),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == -signal.SIGINT, err[-3000:]
@@ -234,7 +243,7 @@ def _tensorboard_scalars(logdir: Path, purge: bool = True) -> dict[str, list[tup
     return seen
 
 
-def test_resume_leaves_one_row_per_step(tmp_path, tiny_overrides, config_file, driver, capsys):
+def test_resume_leaves_one_row_per_step(tmp_path, tiny_overrides, config_file, driver, capsys, xla_cache):
     """kill -9 after step 12 (checkpoint 10, an evaluation with samples at 11): the resumed run redoes 11 and 12; no
     row of the killed attempt after step 10 remains, in metrics.jsonl, samples.jsonl or TensorBoard."""
     over = tiny_overrides + ["checkpoint.async_save=false", "logging.tensorboard=true", "eval.every=11",
@@ -242,7 +251,7 @@ def test_resume_leaves_one_row_per_step(tmp_path, tiny_overrides, config_file, d
     run = load_config(None, over).run_path
     run.mkdir(parents=True)
     (run / "notes.txt").write_text("the user's own file\n")
-    killed = _run([*driver, "kill", "12", "0", "train", str(config_file), *over])
+    killed = _run([*driver, "kill", "12", "0", "train", str(config_file), *over], **xla_cache)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert _committed(run) == [5, 10]
     assert _steps(run / "metrics.jsonl", "train") == list(range(1, 13))
@@ -273,10 +282,10 @@ def test_resume_leaves_one_row_per_step(tmp_path, tiny_overrides, config_file, d
 # --- 3: one run per run_dir --------------------------------------------------------------------------------------------
 
 
-def test_second_run_on_a_run_dir_is_refused(tmp_path, tiny_overrides, config_file, driver, capsys):
+def test_second_run_on_a_run_dir_is_refused(tmp_path, tiny_overrides, config_file, driver, capsys, xla_cache):
     paused, go = tmp_path / "paused", tmp_path / "go"
     first = subprocess.Popen([*driver, "pause", "3", "0", "train", str(config_file), *tiny_overrides],
-                             env=_env(PAUSED=str(paused), GO=str(go)), stdout=subprocess.PIPE,
+                             env=_env(PAUSED=str(paused), GO=str(go), **xla_cache), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
@@ -339,7 +348,8 @@ def test_file_size_limit_during_a_save_is_one_line(seed, tmp_path, tiny_override
     run = _seeded(seed, tmp_path)
     kept = _snapshot(run / "checkpoints" / "10")
     over = tiny_overrides + ["checkpoint.async_save=true"]
-    proc = _run([*driver, "none", "0", "200000", "train", str(config_file), *over])
+    # No persistent compilation cache under the limit, even one set for the whole session: writing it could fail too.
+    proc = _run([*driver, "none", "0", "200000", "train", str(config_file), *over], JAX_COMPILATION_CACHE_DIR="")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert re.fullmatch(_checkpoint_error(run, 15, r"File too large \(EFBIG\)"), proc.stderr), proc.stderr[-3000:]
     assert _committed(run) == [5, 10] and _snapshot(run / "checkpoints" / "10") == kept
@@ -368,7 +378,7 @@ FILL = textwrap.dedent(
 )
 
 
-def test_full_disk_during_a_save_is_one_line(seed, tmp_path, tiny_overrides, config_file, driver):
+def test_full_disk_during_a_save_is_one_line(seed, tmp_path, tiny_overrides, config_file, driver, xla_cache):
     """The run_dir on a 16 MB tmpfs with 300 kB left: the save of step 15 fails with ENOSPC (and, as the disk is
     then full, so may the next metrics row: the checkpoint's error is the one reported). After space is freed, the
     same command resumes from 10."""
@@ -389,7 +399,8 @@ def test_full_disk_during_a_save_is_one_line(seed, tmp_path, tiny_overrides, con
         rc=0; {train_cmd} > {tmp_path}/out2 2> {tmp_path}/err2 || rc=$?; echo $rc > {tmp_path}/rc2
         cp -a {run}/. {out2}/
     """
-    done = subprocess.run([*ns, textwrap.dedent(script)], check=False, capture_output=True, text=True, env=_env(), timeout=900)
+    done = subprocess.run([*ns, textwrap.dedent(script)], check=False, capture_output=True, text=True,
+                          env=_env(**xla_cache), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     err1 = (tmp_path / "err1").read_text()
     assert (tmp_path / "rc1").read_text().strip() == "2", err1[-3000:]

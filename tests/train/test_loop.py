@@ -19,7 +19,7 @@ import pytest
 from jaxtune import loop as loop_mod
 from jaxtune.backends import make_state_spec
 from jaxtune.config import ConfigError, load_config
-from jaxtune.data import DataError
+from jaxtune.data import DataError, load_tokenizer, prepare_tokens
 from jaxtune.loop import NonFiniteLossError, train
 from jaxtune.sharding import make_mesh
 from jaxtune.train.checkpoint import Checkpointer
@@ -75,7 +75,7 @@ DRIVER = textwrap.dedent(
     from jaxtune.train import metrics, checkpoint
     from jaxtune.loop import train
 
-    mode, at = sys.argv[1], int(sys.argv[2])
+    mode, at, commit = sys.argv[1], int(sys.argv[2]), int(os.environ.get("DRIVER_COMMIT", "10"))
     cfg = load_config(None, sys.argv[3:])
     if mode != "plain":
         write, save = metrics.MetricsWriter.write, checkpoint.Checkpointer.save
@@ -83,15 +83,15 @@ DRIVER = textwrap.dedent(
 
         def save_and_note(self, step, *a, **k):
             save(self, step, *a, **k)
-            if step == 10:
-                self.wait()  # step 10 is committed before we pull the plug
+            if step == commit:
+                self.wait()  # that step is committed before we pull the plug
                 committed.append(step)
 
         def write_then_signal(self, step, scalars, kind="train"):
             write(self, step, scalars, kind)
             if kind == "train" and step == at:
                 if mode == "kill":
-                    assert committed, "checkpoint 10 must be committed first"
+                    assert committed, f"checkpoint {commit} must be committed first"
                     os.kill(os.getpid(), signal.SIGKILL)
                 else:
                     os.kill(os.getpid(), signal.SIGTERM)
@@ -103,35 +103,61 @@ DRIVER = textwrap.dedent(
 )
 
 
-def _run_driver(tmp_path: Path, mode: str, at: int, overrides: list[str]) -> subprocess.CompletedProcess:
+def _start_driver(tmp_path: Path, mode: str, at: int, overrides: list[str], commit: int = 10,
+                  compile_cache: Path | None = None) -> subprocess.Popen:
+    """`DRIVER` in a process of its own: "kill" (kill -9 once the train row of step ``at`` is written, checkpoint
+    ``commit`` committed before), "term" (SIGTERM there) or "plain". ``compile_cache``: a persistent XLA compilation
+    cache for it (a process that runs the programs of an earlier one loads them instead of compiling)."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, str(script), mode, str(at), *overrides], capture_output=True, text=True,
-                          env=env, timeout=600)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", DRIVER_COMMIT=str(commit))
+    if compile_cache is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
+    return subprocess.Popen([sys.executable, str(script), mode, str(at), *overrides], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()  # a no-op once it has exited
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _run_driver(tmp_path: Path, mode: str, at: int, overrides: list[str], commit: int = 10,
+                compile_cache: Path | None = None) -> subprocess.CompletedProcess:
+    return _wait(_start_driver(tmp_path, mode, at, overrides, commit, compile_cache))
 
 
 @pytest.mark.parametrize("backend", ["native", "torchax"])
 def test_kill9_and_resume_is_bit_exact(tmp_path, backend, request):
+    """kill -9 after step 6 (checkpoint 5 committed), then the same command again: steps 6-8 and the final params
+    equal an uninterrupted run's bitwise."""
     tiny_overrides = request.getfixturevalue("tiny_overrides" if backend == "native" else "torchax_overrides")
-    ref_cfg = load_config(None, tiny_overrides + [f"run_dir={tmp_path / 'ref'}"])
-    ref = train(ref_cfg)
-    ref_params, _ = _final_params(ref_cfg, 20)
-
-    over = tiny_overrides + [f"run_dir={tmp_path / 'killed'}"]
-    killed = _run_driver(tmp_path, "kill", 12, over)
+    ref_cfg = load_config(None, tiny_overrides + ["train.steps=8", f"run_dir={tmp_path / 'ref'}"])
+    assert ref_cfg.checkpoint.every == 5
+    prepare_tokens(ref_cfg.data, load_tokenizer(ref_cfg.tokenizer, ref_cfg.data))  # before two processes read it
+    over = tiny_overrides + ["train.steps=8", f"run_dir={tmp_path / 'killed'}"]
+    cache = tmp_path / "xla-cache"  # the resumed process loads what the killed one compiled
+    killing = _start_driver(tmp_path, "kill", 6, over, commit=5, compile_cache=cache)
+    try:
+        ref = train(ref_cfg)  # the uninterrupted run, in this process while the other one runs
+        ref_params, _ = _final_params(ref_cfg, 8)
+    finally:
+        killed = _wait(killing)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     cfg = load_config(None, over)
-    assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 10
-    assert max(_losses(cfg.run_path)) == 12  # steps 11 and 12 ran but were never checkpointed
+    assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 5
+    assert max(_losses(cfg.run_path)) == 6  # step 6 ran but was never checkpointed
 
-    resumed = _run_driver(tmp_path, "plain", 0, over)  # the same command again
+    resumed = _run_driver(tmp_path, "plain", 0, over, compile_cache=cache)  # the same command again
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     losses = _losses(cfg.run_path)
-    for s in range(11, 21):
+    for s in range(6, 9):
         assert losses[s] == ref.losses[s], (s, losses[s], ref.losses[s])  # bitwise, not approximately
-    params, _ = _final_params(cfg, 20)
+    params, _ = _final_params(cfg, 8)
     jax.tree.map(np.testing.assert_array_equal, params, ref_params)
 
 
@@ -147,15 +173,18 @@ def test_sigterm_saves_at_the_step_boundary_and_exits_cleanly(tmp_path, tiny_ove
     assert result.step == 20 and min(result.losses) == saved + 1
 
 
+NO_EVAL = "data.val_fraction=0"  # no held-out windows: no evaluation, and no eval step to compile
+
+
 def test_unfinished_checkpoint_is_never_loaded(tiny_cfg):
-    cfg = tiny_cfg("train.steps=10")
+    cfg = tiny_cfg("train.steps=10", NO_EVAL)
     train(cfg)
     ckpts = cfg.run_path / "checkpoints"
     planted = ckpts / "15"  # looks like a step, but its save never committed
     (planted / "state").mkdir(parents=True)
     (planted / "state" / "garbage").write_bytes(b"\x00" * 100)
     (ckpts / "20.orbax-checkpoint-tmp-1234").mkdir()
-    result = train(tiny_cfg("train.steps=12"))
+    result = train(tiny_cfg("train.steps=12", NO_EVAL))
     assert sorted(result.losses) == [11, 12]  # resumed from 10, not from the planted 15
     aside = [p for p in ckpts.iterdir() if p.name.startswith("15.incomplete")]
     assert len(aside) == 1 and (aside[0] / "state" / "garbage").exists()  # moved aside, not deleted
@@ -193,7 +222,7 @@ def _poison(monkeypatch, nan_steps: set[int]):
 
 def test_nan_abort_keeps_last_good_checkpoint(tiny_cfg, monkeypatch):
     _poison(monkeypatch, {7})
-    cfg = tiny_cfg("train.on_nan=abort")
+    cfg = tiny_cfg("train.on_nan=abort", NO_EVAL)
     with pytest.raises(NonFiniteLossError, match=r"step 7: loss=nan.*last good checkpoint: 5"):
         train(cfg)
     assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 5
@@ -201,13 +230,14 @@ def test_nan_abort_keeps_last_good_checkpoint(tiny_cfg, monkeypatch):
 
 def test_nan_skip_counts_and_aborts_after_k_in_a_row(tiny_cfg, monkeypatch):
     _poison(monkeypatch, {7, 12, 13})
-    result = train(tiny_cfg("train.on_nan=skip", "train.max_nan_skips=3"))
-    assert result.step == 20 and result.nan_skipped == 3
-    assert np.isnan(result.losses[7]) and np.isfinite(result.losses[20])
+    result = train(tiny_cfg("train.on_nan=skip", "train.max_nan_skips=3", "train.steps=14", NO_EVAL))
+    assert result.step == 14 and result.nan_skipped == 3
+    assert np.isnan(result.losses[7]) and np.isfinite(result.losses[14])
 
     _poison(monkeypatch, {3, 4})
     with pytest.raises(NonFiniteLossError, match="2 non-finite steps in a row"):
-        train(tiny_cfg("train.on_nan=skip", "train.max_nan_skips=2", "run_dir=" + str(tiny_cfg().run_path) + "2"))
+        train(tiny_cfg("train.on_nan=skip", "train.max_nan_skips=2", NO_EVAL,
+                       "run_dir=" + str(tiny_cfg().run_path) + "2"))
 
 
 def test_missing_source_is_a_named_error(tiny_cfg, tmp_path):
