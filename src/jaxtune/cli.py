@@ -21,10 +21,11 @@ from jaxtune.io import CheckpointError
 from jaxtune.models.family import UnsupportedModelError
 from jaxtune.models.sampling import PromptError
 from jaxtune.sharding import ShardingError
+from jaxtune.train.rewards import RewardError
 from jaxtune.train.run_dir import RunDirError
 
 USER_ERRORS = (ConfigError, DataError, ShardingError, CheckpointError, UnsupportedModelError, PromptError,
-               FileNotFoundError, FileExistsError, RunDirError)
+               FileNotFoundError, FileExistsError, RunDirError, RewardError)
 
 
 def _train(args: argparse.Namespace) -> int:

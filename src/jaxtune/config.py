@@ -173,7 +173,7 @@ class DataConfig(_Section):
     text_field: str = "text"
     fields: dict[str, str] = Field({}, description="SFT field names when they differ from the format's: messages, "
                                    "role, content, system, instruction, input, output, prompt, completion, chosen, "
-                                   "rejected, answer")
+                                   "rejected")
     roles: dict[str, str] = Field({}, description="sharegpt: speaker names -> system/user/assistant "
                                   "(default human->user, gpt->assistant)")
     chat_template: str | None = Field(None, description="chatml, a .jinja file, or template text; default the "
@@ -259,7 +259,8 @@ class OptimConfig(_Section):
     grad_clip: float | None = Field(1.0, gt=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
-    decay_steps: int | None = Field(None, ge=1, description="default: train.steps")
+    decay_steps: int | None = Field(None, ge=1, description="in optimizer updates; default: train.steps (times "
+                                    "objective.num_iterations for grpo)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
 
 
@@ -287,7 +288,7 @@ class TrainConfig(_Section):
 PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo")
 DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1, "grpo": 0.0}
 DEFAULT_LOSS_TYPE = {"dpo": "sigmoid", "grpo": "dapo"}
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 # The reward functions built in (`jaxtune.train.rewards`); any other name is a user function, ``module:function``.
 BUILTIN_REWARDS = ("exact_number", "regex", "format", "length")
 
@@ -346,11 +347,10 @@ class ObjectiveConfig(_Section):
     beta: float | None = Field(None, ge=0, description="dpo: the KL weight (default 0.1); simpo: the reward scale "
                                "(default 2.0); orpo: the odds-ratio term's weight lambda (TRL's beta, default 0.1); "
                                "grpo: the KL penalty's weight (default 0: no reference model)")
-    loss_type: Literal["sigmoid", "ipo", "hinge", "grpo", "bnpo", "dr_grpo", "dapo"] | None = Field(
+    loss_type: Literal["sigmoid", "ipo", "hinge", "grpo", "dr_grpo", "dapo"] | None = Field(
         None, description="dpo: sigmoid (the DPO paper, default), ipo (squared, per-token log-ratios) or hinge; grpo: "
-        "how the per-token losses are averaged: grpo (per sequence, then over sequences), bnpo (over the "
-        "micro-batch's tokens), dr_grpo (over sequences x max_completion_length), dapo (over the whole batch's "
-        "tokens, default)")
+        "how the per-token losses are averaged: grpo (per sequence, then over sequences), dr_grpo (summed, over "
+        "sequences x max_completion_length), dapo (over the whole batch's completion tokens, default)")
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="dpo (sigmoid) and simpo: the assumed share of "
                                    "flipped labels (conservative DPO)")
     gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (TRL's simpo_gamma)")
@@ -519,6 +519,17 @@ class Config(_Section):
             raise ValueError(f"data.format=preference needs a preference objective; set objective.name to one of "
                              f"{', '.join(PREFERENCE_OBJECTIVES)}")
         return self
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """GRPO: the longest prompt in tokens, what ``data.seq_len`` leaves after ``max_completion_length``."""
+        return self.data.seq_len - self.objective.max_completion_length if self.objective.name == "grpo" else None
+
+    @property
+    def optimizer_updates(self) -> int:
+        """Optimizer updates in the whole run (what ``optim``'s schedule counts): ``train.steps``, times GRPO's
+        ``num_iterations`` passes per step."""
+        return self.train.steps * (self.objective.num_iterations if self.objective.name == "grpo" else 1)
 
     @property
     def run_path(self) -> Path:

@@ -15,6 +15,7 @@ from jaxtune.backends import backend_for_checkpoint, make_state_spec
 from jaxtune.config import Config, ConfigError, load_config
 from jaxtune.data import (
     Example,
+    PromptRows,
     Tokenizer,
     format_sample,
     load_tokenizer,
@@ -33,6 +34,7 @@ from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import StepLog, perplexity
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import step_reference, with_reference
+from jaxtune.train.rollout import Rollout, prompt_text
 from jaxtune.train.state import ModelSpec
 from jaxtune.train.step import Steps, jit_steps
 
@@ -126,6 +128,7 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
             **result.metrics, **extra}
 
 
+GRPO_SAMPLES = 4  # held-out completions shown with their rewards at each evaluation (GRPO)
 REWARD_ACCURACY = "rewards/accuracies"  # TRL's name: the share of held-out pairs whose chosen reply is rewarded more
 EMPTY_ANSWER = "(empty)"  # how a sample shows an answer that is empty or only whitespace
 
@@ -156,13 +159,22 @@ class Evaluator:
     run_dir: Path
     log: StepLog
     examples: list[Example] = field(default_factory=list)  # held-out rows (`TrainingData.eval_examples`)
+    rollout: Rollout | None = None  # GRPO: samples and scores completions
+    prompts: PromptRows | None = None  # GRPO: the held-out prompts
     evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "exact_match", "samples"} each
 
     def __post_init__(self) -> None:
         self.generator = self.steps.spec.generator()
         self.chat = renders_chat(self.cfg.data.format) and self.tokenizer.chat_template is not None
         wanted = self.cfg.eval.exact_match
-        if wanted and not self.examples:
+        # GRPO: the first eval.exact_match held-out prompts, answered greedily and scored by the reward functions.
+        self.scored = min(wanted, len(self.prompts)) if self.rollout is not None and self.prompts is not None else 0
+        if wanted and self.rollout is not None:
+            if not self.scored:
+                raise ConfigError(f"eval.exact_match={wanted}: there are no held-out prompts to answer "
+                                  "(data.val_fraction=0 without data.val_sources); set eval.exact_match=0 or hold "
+                                  "prompts out")
+        elif wanted and not self.examples:
             raise ConfigError(f"eval.exact_match={wanted}: there are no held-out rows to answer (pretraining text, or "
                               "data.val_fraction=0 without data.val_sources, or every held-out row was truncated); "
                               "set eval.exact_match=0 or hold rows out")
@@ -171,7 +183,7 @@ class Evaluator:
 
     @property
     def active(self) -> bool:
-        return bool(self.batches or self.questions or self.cfg.eval.prompts)
+        return bool(self.batches or self.questions or self.scored or self.cfg.eval.prompts)
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval.every
@@ -200,6 +212,8 @@ class Evaluator:
             record["exact_match"] = scalars["exact_match"] = exact_match(
                 [self.tokenizer.decode(a) for a in answers], [reference for _, reference in self.questions])
             said.append(f"held-out exact match {_score(record['exact_match'], len(self.questions))}")
+        if self.scored:
+            said.append(self._score_prompts(step, params, frozen, record, scalars))
         if scalars:
             self.log.writer.write(step, scalars, kind="eval")
             self.log.message(f"step {step}: " + ", ".join(said))
@@ -216,6 +230,33 @@ class Evaluator:
                 self.log.message(f"--- sample @ step {step} ---\n{text}")
         self.evals.append(record)
 
+    def _score_prompts(self, step: int, params: Any, frozen: tuple, record: dict[str, Any],
+                       scalars: dict[str, float]) -> str:
+        """GRPO: the held-out prompts answered greedily and scored: ``accuracy`` (the share the first answer-checking
+        reward scores 1) and the mean total ``reward``; the first few completions with their rewards go to
+        samples.jsonl and report.md."""
+        rollout = self.rollout
+        done = rollout.sample(self.steps.weights(params, frozen), self.prompts, list(range(self.scored)), group=1,
+                              temperature=0.0, seed=step)
+        scores = done.scores
+        scalars["reward"] = record["reward"] = float(scores.total.mean())
+        said = f"held-out reward {record['reward']:.3f}"
+        if rollout.rewards.accuracy is not None:
+            right = scores.per_function[:, rollout.rewards.accuracy] >= 1.0
+            scalars["accuracy"] = record["accuracy"] = float(right.mean())
+            said = f"held-out accuracy {_score(record['accuracy'], self.scored)}, " + said
+        shown_rows = []
+        for i in range(min(GRPO_SAMPLES, self.scored)):
+            rewards = {label: round(float(scores.per_function[i, k]), 4) for k, label in enumerate(rollout.rewards.labels)}
+            prompt = self.prompts.prompt(i)
+            text = format_sample(prompt_text(prompt), shown(done.texts[i]), not isinstance(prompt, str))
+            shown_rows.append({"text": text, "rewards": rewards})
+        record["completions"] = shown_rows
+        if jax.process_index() == 0:
+            with open(self.run_dir / "samples.jsonl", "a") as f:
+                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in shown_rows)
+        return said
+
     @property
     def last_loss(self) -> float | None:
         return next((e["loss"] for e in reversed(self.evals) if e["loss"] is not None), None)
@@ -223,6 +264,32 @@ class Evaluator:
     @property
     def samples(self) -> list[str]:
         return next((e["samples"] for e in reversed(self.evals) if e["samples"]), [])
+
+    def _report_rewards(self, first: dict[str, Any], last: dict[str, Any]) -> list[str]:
+        """GRPO's part of report.md: held-out accuracy and reward at every evaluation, before and after, and the first
+        held-out completions with their rewards, before and after."""
+        rows = [e for e in self.evals if "reward" in e]
+        if not rows:
+            return []
+        n, accuracy = self.scored, "accuracy" in rows[0]
+        lines = ["| step |" + (" held-out accuracy |" if accuracy else "") + " held-out reward |",
+                 "|--:|" + ("--:|" if accuracy else "") + "--:|"]
+        lines += [f"| {e['step']} |" + (f" {_score(e['accuracy'], n)} |" if accuracy else "") + f" {e['reward']:.3f} |"
+                  for e in rows]
+        lines.append("")
+        if accuracy and first is not last and "accuracy" in first:
+            lines += [(f"Held-out accuracy ({n} held-out prompts answered greedily, scored by the first answer-checking "
+                       f"reward): {_score(first['accuracy'], n)} before (step {first['step']}), "
+                       f"{_score(last['accuracy'], n)} after (step {last['step']})."), ""]
+        for k, after in enumerate(last.get("completions", [])):
+            lines.append(f"## Held-out prompt {k + 1}")
+            before = first.get("completions", []) if first is not last else []
+            for when, row in ((first, before[k] if k < len(before) else None), (last, after)):
+                if row is not None:
+                    head = (f"**{'Before' if when is first else 'After'} (step {when['step']}), rewards "
+                            f"{json.dumps(row['rewards'])}:**")
+                    lines += [head, "", "```", row["text"], "```", ""]
+        return lines
 
     def write_report(self) -> None:
         """report.md: held-out loss and exact match at every evaluation, exact match before and after, and the
@@ -248,6 +315,7 @@ class Evaluator:
                 lines.append(f"| {e['step']} |" + (loss or " | |") + (f" {_score(e['exact_match'], n)} |" if n else ""))
             lines.append("")
         first, last = self.evals[0], self.evals[-1]
+        lines += self._report_rewards(first, last)
         if n and first is not last:
             lines += [(f"Held-out exact match ({n} held-out rows answered greedily, reply compared with the reference): "
                        f"{_score(first['exact_match'], n)} before (step {first['step']}), "

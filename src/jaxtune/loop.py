@@ -25,6 +25,7 @@ from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import NonFiniteLossError, StepLog, write_summary
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import precompute_reference, step_reference, with_reference
+from jaxtune.train.rollout import make_rollout
 from jaxtune.train.run_dir import claim, writing
 from jaxtune.train.step import jit_steps
 
@@ -38,6 +39,7 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> train loss, for the steps run here
     eval_loss: float | None = None
     step_compiles: int = 0
+    sampler_compiles: int = 0  # GRPO: programs the rollout sampler compiled (one per prompt and cache bucket)
     nan_skipped: int = 0
     preempted: bool = False
     samples: list[str] = field(default_factory=list)
@@ -73,7 +75,8 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.data)
     data = make_training_data(cfg.data, tokenizer, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
-                              eval_batches=cfg.eval.batches, process_index=proc, process_count=jax.process_count())
+                              eval_batches=cfg.eval.batches, process_index=proc, process_count=jax.process_count(),
+                              max_prompt_tokens=cfg.max_prompt_tokens)
     if proc == 0:
         tokenizer.save(run_dir / "tokenizer")  # after the data: fine-tuning data may set its chat template
 
@@ -83,6 +86,7 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     precomputed = cfg.objective.uses_reference and cfg.objective.precompute_ref_logps
     reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk, precomputed)
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
+    rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None
 
     # Frozen params (a LoRA base, a reference copy) are not in the checkpoint: they are read again. Reference
     # log-probs computed once go into the batches before the data position is restored.
@@ -102,7 +106,8 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
 
     # Components that report.
     log = StepLog(run_dir, cfg, start, spec.model_cfg, ckpt)
-    evaluator = Evaluator(cfg, steps, tokenizer, data.eval_batches, run_dir, log, data.eval_examples)
+    evaluator = Evaluator(cfg, steps, tokenizer, data.eval_batches, run_dir, log, data.eval_examples, rollout,
+                          data.prompts.val if data.prompts is not None else None)
     for line in ckpt.notes(start, total) + data.report:
         log.message(line)
 
@@ -116,9 +121,12 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
         if start == 0 and evaluator.active:
             evaluator.run(0, state.params, frozen)  # the baseline the run report compares against
         while step < total:
-            state, metrics = steps.train(state, sharding.global_batch(mesh, next(data.train_iter)), frozen)
+            batch, sampled = next(data.train_iter), {}
+            if rollout is not None:  # GRPO: the batch's completions, sampled by the policy as it is now
+                batch, sampled = rollout.batch(steps.weights(state.params, frozen), data.prompts.train, batch, step)
+            state, metrics = steps.train(state, sharding.global_batch(mesh, batch), frozen)
             step += 1
-            log.push(step, metrics)
+            log.push(step, {**metrics, **sampled})
             if evaluator.due(step):
                 log.drain()
                 evaluator.run(step, state.params, frozen)
@@ -139,7 +147,8 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     ckpt.close()
     data.close()
     log.close()
-    result = TrainResult(run_dir, step, log.losses, evaluator.last_loss, steps.compiles, log.nan_skipped,
+    result = TrainResult(run_dir, step, log.losses, evaluator.last_loss, steps.compiles,
+                         rollout.generator.compiles if rollout is not None else 0, log.nan_skipped,
                          preemption.requested, evaluator.samples, evaluator.evals)
     if proc == 0:
         write_summary(run_dir, {"step": step, "final_train_loss": log.losses.get(step), "eval_loss": result.eval_loss,

@@ -8,7 +8,7 @@ How the training loop uses it::
     batch = next(data.train_iter)
 
 Inside, modules import only downward: ``errors``, ``synthetic`` → ``sources`` → ``rows`` → ``formats`` →
-``tokenizer`` → ``chat``, ``tokens`` → ``sft`` → ``preference`` → ``pipeline``.
+``tokenizer`` → ``chat``, ``tokens`` → ``sft`` → ``preference``, ``prompts`` → ``pipeline``.
 """
 
 from jaxtune.data.chat import encode_prompt, end_of_turn_ids, format_sample, resolve_chat_template, stop_ids
@@ -24,6 +24,7 @@ from jaxtune.data.pipeline import (
     test_sequences,
 )
 from jaxtune.data.preference import PairRows, PreferenceData, PreferenceStats, prepare_preference
+from jaxtune.data.prompts import PromptData, PromptRows, prepare_prompts
 from jaxtune.data.sft import question
 from jaxtune.data.sources import iter_documents, sources_fingerprint
 from jaxtune.data.tokenizer import Tokenizer, load_hf_tokenizer, load_tokenizer, load_tokenizer_dir
@@ -37,6 +38,8 @@ __all__ = [
     "PairRows",
     "PreferenceData",
     "PreferenceStats",
+    "PromptData",
+    "PromptRows",
     "TokenData",
     "Tokenizer",
     "TrainingData",
@@ -53,6 +56,7 @@ __all__ = [
     "make_train_iterator",
     "make_training_data",
     "prepare_preference",
+    "prepare_prompts",
     "prepare_tokens",
     "question",
     "renders_chat",

@@ -13,22 +13,26 @@
   ``{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`` (the prompt ends with a user turn, each
   completion starts with the assistant's); ``{"chosen": [messages], "rejected": [messages]}`` (implicit prompt: the
   longest run of leading messages the two share). Messages are ``role``/``content`` objects.
+* ``prompts``: prompts alone, for objectives that generate their completions (a `Prompt`, `jaxtune.data.prompts`),
+  in TRL's forms: ``{"prompt": str}`` (raw text, no chat template); ``{"prompt": [messages]}`` (ending with a user
+  turn); or ``{"messages": [messages]}`` ending with a user turn, or with an assistant turn, which is then not part
+  of the prompt but its reference answer. Every other field of the row (``answer``...) is kept for the rewards.
 
 A conversation is an optional system message, then user and assistant turns alternating, starting with the user
-and ending with the assistant, every content a non-empty string. A row that is not valid UTF-8, not JSON, lacks a
-field, names an unknown role, breaks the order or has an empty content (a pair also: equal completions, or an
-implicit prompt that is not one) is *bad*: ``data.bad_rows=raise`` stops
-with its file:line, ``drop`` skips it and counts it per reason (`REASONS`).
+and ending with the assistant (a prompt: with the user), every content a non-empty string. A row that is not valid
+UTF-8, not JSON, lacks a field, names an unknown role, breaks the order or has an empty content (a pair also: equal
+completions, or an implicit prompt that is not one) is *bad*: ``data.bad_rows=raise`` stops with its file:line,
+``drop`` skips it and counts it per reason (`REASONS`).
 
 A new format is one `Format` in `FORMATS` (its fields, the key that detects it, its parser, its bad-row reasons)
 and, when its `Example` is not a conversation or a prompt/completion, an encoder for it (`jaxtune.data.sft`,
-`jaxtune.data.preference`).
+`jaxtune.data.preference`, `jaxtune.data.prompts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,19 +74,33 @@ class Pair:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """A prompts row understood: the prompt as ``messages`` ending with a user turn, or as raw ``text``; and the row's
+    other ``fields`` as they were (``answer``...), with ``reference`` the content of the assistant turn that ended a
+    ``messages`` conversation (then dropped from the prompt; it replaces a ``reference`` field of the row)."""
+
+    messages: tuple[dict[str, str], ...] = ()
+    text: str = ""
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def texts(self) -> list[str]:
+        return [m["content"] for m in self.messages] if self.messages else [self.text]
+
+
+@dataclass(frozen=True)
 class Format:
     """One fine-tuning row format.
 
     ``fields``: the format's field names by what they hold (``data.fields`` renames them); ``detect_key``: a row
     holding this key is taken to be of this format (`detect_format`, in `FORMATS` order); ``parse(record, fields,
-    data_cfg)``: a row (a dict) as an `Example` (a `Pair` for preference rows), or `BadRow`; ``reasons``: the
-    `BadRow` reasons ``parse`` gives; ``chat``: rendered with the chat template (else raw text; preference rows are
-    either, by their form)."""
+    data_cfg)``: a row (a dict) as an `Example` (a `Pair` for preference rows, a `Prompt` for prompts), or `BadRow`;
+    ``reasons``: the `BadRow` reasons ``parse`` gives; ``chat``: rendered with the chat template (else raw text;
+    preference and prompts rows are either, by their form)."""
 
     name: str
     fields: dict[str, str]
     detect_key: str
-    parse: Callable[[dict, dict[str, str], DataConfig], Example | Pair]
+    parse: Callable[[dict, dict[str, str], DataConfig], Example | Pair | Prompt]
     reasons: tuple[str, ...]
     chat: bool = True
 
@@ -130,9 +148,10 @@ def _sharegpt(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Exa
 
 
 def _conversation(record: dict, fields: dict[str, str], role_names: dict[str, str],
-                  unknown_role_hint: str) -> Example:
+                  unknown_role_hint: str, ends_with: tuple[str, ...] = ("assistant",)) -> Example:
     """The list of turns under ``fields["messages"]``, each a ``fields["role"]`` (a key of ``role_names``) and a
-    ``fields["content"]``, as an `Example` of messages in the order the module docstring gives."""
+    ``fields["content"]``, as an `Example` of messages in the order the module docstring gives, the last turn one
+    of the roles ``ends_with``."""
     turns = record.get(fields["messages"])
     if turns is None:
         raise BadRow("missing_field", f"no {fields['messages']!r} field (found {sorted(record)}); "
@@ -140,7 +159,7 @@ def _conversation(record: dict, fields: dict[str, str], role_names: dict[str, st
     if not isinstance(turns, list) or not turns:
         raise BadRow("bad_type", f"{fields['messages']!r} must be a non-empty list of turns")
     msgs = _turns(turns, fields, role_names, unknown_role_hint)
-    _check_order([m["role"] for m in msgs])
+    _check_order([m["role"] for m in msgs], ends_with)
     return Example(messages=tuple(msgs))
 
 
@@ -162,16 +181,21 @@ def _turns(turns: list, fields: dict[str, str], role_names: dict[str, str], unkn
     return msgs
 
 
-def _check_order(roles: list[str]) -> None:
-    body = roles[1:] if roles[0] == "system" else roles
+_A_TURN = {"user": "a user", "assistant": "an assistant"}
+
+
+def _check_order(roles: list[str], ends_with: tuple[str, ...] = ("assistant",)) -> None:
+    """An optional system turn, then user and assistant alternating from the user's, the last one of ``ends_with``."""
+    body = roles[1:] if roles and roles[0] == "system" else roles
     for k, role in enumerate(body):
         expected = "user" if k % 2 == 0 else "assistant"
         if role != expected:
             offset = len(roles) - len(body)
             raise BadRow("role_order", f"turn {k + offset} is {role!r} where {expected!r} was expected (an optional "
                          "system turn, then user and assistant alternating)")
-    if not body or body[-1] != "assistant":
-        raise BadRow("role_order", "the conversation does not end with an assistant turn")
+    if not body or body[-1] not in ends_with:
+        raise BadRow("role_order", f"the conversation does not end with {' or '.join(_A_TURN[r] for r in ends_with)} "
+                     "turn")
 
 
 def _preference(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Pair:
@@ -197,14 +221,8 @@ def _preference(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> P
     if chosen_msgs == rejected_msgs:
         raise BadRow("identical", "the chosen and the rejected completion are the same")
     if record.get(fields["prompt"]) is not None:
-        prompt = record[fields["prompt"]]
-        if not isinstance(prompt, list) or not prompt:
-            raise BadRow("bad_type", f"{fields['prompt']!r} must be a non-empty list of messages when the "
-                         f"completions are (it is {type(prompt).__name__})")
-        prompt_msgs = _turns(prompt, fields, roles, what=f"{fields['prompt']!r} message")
-        if prompt_msgs[-1]["role"] != "user":
-            raise BadRow("role_order", f"the prompt's last turn is {prompt_msgs[-1]['role']!r}, not 'user' (the "
-                         "completions answer a user turn)")
+        prompt_msgs = _prompt_turns(record[fields["prompt"]], fields, roles,
+                                    "a non-empty list of messages when the completions are")
     else:  # implicit prompt: the messages the two conversations share, up to a user turn
         shared = 0
         while (shared < min(len(chosen_msgs), len(rejected_msgs))
@@ -224,6 +242,42 @@ def _preference(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> P
                 Example(messages=tuple(prompt_msgs + rejected_msgs)), len(prompt_msgs))
 
 
+def _prompts(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Prompt:
+    """A row in one of TRL's prompt forms (the module docstring) as a `Prompt`."""
+    roles = {r: r for r in ROLES}
+    kept = {k: v for k, v in record.items() if k not in (fields["prompt"], fields["messages"])}
+    prompt = record.get(fields["prompt"])
+    if prompt is None:
+        if record.get(fields["messages"]) is None:
+            raise BadRow("missing_field", f"no {fields['prompt']!r} or {fields['messages']!r} field (found "
+                         f"{sorted(record)}); set data.fields.prompt (or data.fields.messages) to the field holding "
+                         "the prompt")
+        msgs = list(_conversation(record, fields, roles, "", ends_with=("user", "assistant")).messages)
+        if msgs[-1]["role"] == "assistant":  # the reply the prompt had: its reference answer, not part of it
+            kept["reference"] = msgs.pop()["content"]
+        return Prompt(messages=tuple(msgs), fields=kept)
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise BadRow("empty_content", "the prompt is empty")
+        return Prompt(text=prompt, fields=kept)
+    msgs = _prompt_turns(prompt, fields, roles, "a string (text) or a non-empty list of messages")
+    _check_order([m["role"] for m in msgs], ends_with=("user",))
+    return Prompt(messages=tuple(msgs), fields=kept)
+
+
+def _prompt_turns(prompt: Any, fields: dict[str, str], roles: dict[str, str], expected: str) -> list[dict[str, str]]:
+    """A prompt given as messages (``expected``: what the prompt field may hold, for the error): a non-empty list of
+    turns, the last one the user's."""
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRow("bad_type", f"{fields['prompt']!r} must be {expected} (it is "
+                     f"{'an empty list' if prompt == [] else type(prompt).__name__})")
+    msgs = _turns(prompt, fields, roles, what=f"{fields['prompt']!r} message")
+    if msgs[-1]["role"] != "user":
+        raise BadRow("role_order", f"the prompt's last turn is {msgs[-1]['role']!r}, not 'user' (the completions "
+                     "answer a user turn)")
+    return msgs
+
+
 _CONVERSATION_REASONS = ("missing_field", "bad_type", "unknown_role", "role_order", "empty_content")
 _FIELD_REASONS = ("missing_field", "bad_type", "empty_content")
 
@@ -235,12 +289,15 @@ FORMATS = {f.name: f for f in (
            _CONVERSATION_REASONS),
     Format("alpaca", {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
            "instruction", _alpaca, _FIELD_REASONS),
-    # Before prompt_completion: a preference row holds a prompt too.
     Format("preference", {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "role": "role",
                           "content": "content"}, "chosen", _preference, (*_CONVERSATION_REASONS, "identical",
                                                                           "prompt_mismatch")),
-    Format("prompt_completion", {"prompt": "prompt", "completion": "completion"}, "prompt", _prompt_completion,
+    Format("prompt_completion", {"prompt": "prompt", "completion": "completion"}, "completion", _prompt_completion,
            _FIELD_REASONS, chat=False),
+    # Last: a preference or a prompt/completion row holds a prompt too (a prompts row given as messages ending with
+    # a user turn is detected as messages).
+    Format("prompts", {"prompt": "prompt", "messages": "messages", "role": "role", "content": "content"}, "prompt",
+           _prompts, _CONVERSATION_REASONS),
 )}
 # Why a row was bad (data.bad_rows): unreadable first, then each format's reasons, in this order in reports.
 REASONS = tuple(dict.fromkeys([*READ_REASONS, *(r for f in FORMATS.values() for r in f.reasons)]))
@@ -256,9 +313,9 @@ def field_names(data_cfg: DataConfig) -> dict[str, str]:
     return {**defaults, **data_cfg.fields}
 
 
-def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Example | Pair:
-    """A row as an `Example` (a `Pair`) of ``data.format``, or `BadRow` saying why it is not one; ``fields``:
-    `field_names`."""
+def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Example | Pair | Prompt:
+    """A row as an `Example` (a `Pair`, a `Prompt`) of ``data.format``, or `BadRow` saying why it is not one;
+    ``fields``: `field_names`."""
     if isinstance(record, BadRow):
         raise record
     if not isinstance(record, dict):
@@ -289,5 +346,5 @@ def detect_format(path: str) -> str:
 
 def renders_chat(format_name: str) -> bool:
     """Whether rows of ``data.format`` are rendered by the chat template (prompts are then user turns too); for
-    ``preference``, whose text pairs go raw, whether its conversational pairs would be."""
+    ``preference`` and ``prompts``, whose text rows go raw, whether their conversational rows would be."""
     return format_name in FORMATS and FORMATS[format_name].chat

@@ -31,6 +31,7 @@ from jaxtune.data.preference import (
     prepare_preference,
     resolve_settings,
 )
+from jaxtune.data.prompts import PromptData, prepare_prompts
 from jaxtune.data.sft import SFTStats, load_examples, prepare_sft, sequences
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
@@ -67,10 +68,11 @@ def make_train_iterator(
 ) -> grain.DatasetIterator:
     """An endless iterator of this process's training batches: {"inputs", "targets"}: int32 (global_batch //
     process_count, seq_len) (and the SFT keys, for `jaxtune.data.sft.PackedRows`; (..., 2, seq_len) pairs for
-    `jaxtune.data.preference.PairRows`). ``data``: pretraining
-    `TokenData` (its training windows) or any random-access source of equal-shaped examples. ``get_state()`` is a JSON-serialisable dict; ``set_state`` on a fresh iterator
-    made with the same arguments continues exactly where the saved one was (``num_workers`` included: the
-    state's shape depends on it). Close it (``.close()``) to stop worker processes.
+    `jaxtune.data.preference.PairRows`; {"prompt": (..., max_prompt_tokens), "prompt_len", "row": (...,)} for
+    `jaxtune.data.prompts.PromptRows`). ``data``: pretraining `TokenData` (its training windows) or any random-access
+    source of equal-shaped examples. ``get_state()`` is a JSON-serialisable dict; ``set_state`` on a fresh iterator
+    made with the same arguments continues exactly where the saved one was (``num_workers`` included: the state's
+    shape depends on it). Close it (``.close()``) to stop worker processes.
     """
     local_batch = _local_batch(global_batch, process_index, process_count, key="train.batch_size")
     ds = (
@@ -139,7 +141,9 @@ class TrainingData:
     start of training (what was read, dropped, truncated), and the held-out fine-tuning rows whole, in order (for
     exact match: `jaxtune.data.sft.question`; none for pretraining text; the chosen side of preference pairs). For
     preference data also the pairs themselves (``pairs``: to compute reference log-probs over them, then batch
-    ``pairs.train.with_reference(...)`` again with `make_train_iterator`)."""
+    ``pairs.train.with_reference(...)`` again with `make_train_iterator`). For prompts the prompts themselves
+    (``prompts``: each batch's ``row`` indexes ``prompts.train``, whose fields the rewards read), and no held-out
+    batches: the completions are generated in training, so there is no fixed held-out loss."""
 
     train_iter: Any
     eval_batches: list[Batch]
@@ -147,6 +151,7 @@ class TrainingData:
     eval_examples: list[Example] = field(default_factory=list)
     pairs: PreferenceData | None = None
     batching: dict[str, Any] = field(default_factory=dict)  # how the pairs were batched (`_pair_batches`' keys)
+    prompts: PromptData | None = None
 
     @property
     def pair_sources(self) -> dict[str, PairRows]:
@@ -171,9 +176,12 @@ class TrainingData:
 
 
 def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int, eval_batches: int,
-                       process_index: int = 0, process_count: int = 1) -> TrainingData:
-    """Pretraining windows (``data.format=text``), packed fine-tuning sequences, or preference pairs
-    (``data.format=preference``: arrays (batch_size, 2, seq_len)), as batches of ``batch_size``."""
+                       process_index: int = 0, process_count: int = 1,
+                       max_prompt_tokens: int | None = None) -> TrainingData:
+    """Pretraining windows (``data.format=text``), packed fine-tuning sequences, preference pairs
+    (``data.format=preference``: arrays (batch_size, 2, seq_len)) or prompts (``data.format=prompts``: arrays
+    (batch_size, max_prompt_tokens), which it needs: ``data.seq_len - objective.max_completion_length``), as batches
+    of ``batch_size``."""
     split = {"process_index": process_index, "process_count": process_count}
     if data_cfg.format == "text":
         tokens = prepare_tokens(data_cfg, tokenizer)
@@ -187,6 +195,14 @@ def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size
                         **split)
         it, val = _pair_batches(pairs.train, pairs.val, **batching)
         return TrainingData(it, val, pairs.stats.lines(), pairs.held_out, pairs, batching)
+    if data_cfg.format == "prompts":
+        if max_prompt_tokens is None:
+            raise ValueError("data.format=prompts needs max_prompt_tokens (data.seq_len - "
+                             "objective.max_completion_length)")
+        prompts = prepare_prompts(data_cfg, tokenizer, max_prompt_tokens)
+        it = make_train_iterator(prompts.train, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers,
+                                 **split)
+        return TrainingData(it, [], prompts.stats.lines(), prompts=prompts)
     sft = prepare_sft(data_cfg, tokenizer)
     it = make_train_iterator(sft.train, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers, **split)
     val = (make_sequence_batches(sft.val, batch_size=batch_size, num_batches=eval_batches, **split)
@@ -205,7 +221,12 @@ def _pair_batches(train: PairRows, val: PairRows | None, *, batch_size: int, see
 def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
     """Every sequence of the test data ``data`` (a file, glob or ``hf:`` dataset in ``data_cfg``'s format), as a
     random-access source for `make_sequence_batches`, and what was read: pretraining windows (all of them, no
-    held-out split), fine-tuning rows packed as for training, or preference pairs."""
+    held-out split), fine-tuning rows packed as for training, or preference pairs. Not prompts: their completions
+    are generated, so there is no fixed sequence to score."""
+    if data_cfg.format == "prompts":
+        raise DataError(f"--data {data}: held-out loss does not apply to data.format=prompts (the completions are "
+                        "generated: there is no text to score); give rows with completions and their format, e.g. "
+                        "data.format=messages")
     test_cfg = data_cfg.model_copy(update={"sources": [data], "val_sources": [], "val_fraction": 0.0})
     if data_cfg.format == "text":
         tokens = prepare_tokens(test_cfg, tokenizer)

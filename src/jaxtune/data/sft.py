@@ -43,7 +43,7 @@ import numpy as np
 from jaxtune.config import DataConfig
 from jaxtune.data.chat import resolve_chat_template
 from jaxtune.data.errors import DataError
-from jaxtune.data.formats import REASONS, Example, Pair, field_names, parse_row
+from jaxtune.data.formats import REASONS, Example, Pair, Prompt, field_names, parse_row
 from jaxtune.data.rows import BadRow, read_rows
 from jaxtune.data.tokenizer import Tokenizer
 
@@ -248,12 +248,12 @@ class SFTData:
 
 
 def parsed_rows(sources: list[str], data_cfg: DataConfig, stats: RowStats,
-                chunk: int = 1024) -> Iterator[list[tuple[str, Example | Pair]]]:
+                chunk: int = 1024) -> Iterator[list[tuple[str, Example | Pair | Prompt]]]:
     """The good rows of ``sources`` as (where, parsed row), in chunks of up to ``chunk``, counting every row read
     (``stats.rows``) and the bad ones dropped (``stats.dropped``). A bad row under ``data.bad_rows=raise`` raises
     only once the chunk before it is consumed, so an earlier row's error (its length) comes first."""
     fields = field_names(data_cfg)
-    pending: list[tuple[str, Example | Pair]] = []
+    pending: list[tuple[str, Example | Pair | Prompt]] = []
     for where, record in read_rows(sources, data_cfg):
         stats.rows += 1
         try:
@@ -269,10 +269,12 @@ def parsed_rows(sources: list[str], data_cfg: DataConfig, stats: RowStats,
     yield pending
 
 
-def overlong_error(where: str, tokens: int, limit: int) -> DataError:
-    """``data.overlong=raise``: the row at ``where`` has more than ``limit`` tokens."""
-    return DataError(f"{where}: {tokens} tokens, more than data.seq_len + 1 = {limit}; set data.overlong=truncate or "
-                     "drop, or raise data.seq_len")
+def overlong_error(where: str, tokens: int, limit: int, limit_name: str = "data.seq_len + 1",
+                   remedy: str = "raise data.seq_len") -> DataError:
+    """``data.overlong=raise``: the row at ``where`` has more than ``limit`` tokens (``limit_name``: what sets the
+    limit; ``remedy``: how else to make room)."""
+    return DataError(f"{where}: {tokens} tokens, more than {limit_name} = {limit}; set data.overlong=truncate or "
+                     f"drop, or {remedy}")
 
 
 def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, stats: SFTStats,

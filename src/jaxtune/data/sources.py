@@ -6,7 +6,8 @@ Each ``data.sources`` entry is one of
   sorted by path. It exists on every machine, so a run needs no download.
 * ``hf:NAME``: a HuggingFace dataset, streamed (``pip install 'jaxtune[hf]'``).
 * ``synthetic:NAME``: fine-tuning rows the package generates (``synthetic:arithmetic``, preference pairs
-  ``synthetic:arithmetic-preferences``), for offline quickstarts.
+  ``synthetic:arithmetic-preferences``, prompts with answers ``synthetic:arithmetic-prompts``), for offline
+  quickstarts.
 * a local file, a glob (``data/**/*.jsonl``) or a directory (read recursively, hidden entries skipped,
   only ``.txt .md .py .jsonl .json .parquet`` files).
 

@@ -23,6 +23,13 @@ half-trained model makes. A sum with a carry has the carry forgotten::
 and a sum without one has one digit wrong by one, in the ones or the tens (which, and which way, seeded), its working
 agreeing with it ("3+5=8, 2+4=7, so 78." for 23 plus 45): never the right answer.
 
+``synthetic:arithmetic-prompts`` (generated): the same 10,000 sums in the same order and phrasings, as prompts with
+their answer (``data.format: prompts``, TRL's conversational form), for RL with a verifiable reward (``grpo`` with
+the ``exact_number`` reward on ``answer``)::
+
+    prompt: What is 47 plus 85?
+    answer: "132"
+
 ``synthetic:chat-small`` (shipped): 552 human-written English conversations from the ChatterBot corpus, BSD-3-Clause
 (``chat_small.jsonl``; its source, selection and licence are in ``chat_small.README.md`` beside it).
 
@@ -84,12 +91,19 @@ def arithmetic_preferences(seed: int = 0) -> Iterator[dict]:
                "rejected": [{"role": "assistant", "content": wrong_sum(a, b, slips)}]}
 
 
+def arithmetic_prompts(seed: int = 0) -> Iterator[dict]:
+    for a, b, question in _sums(seed):
+        yield {"prompt": [{"role": "user", "content": question}], "answer": str(a + b)}
+
+
 def chat_small() -> Iterator[dict]:
     with CHAT_SMALL.open(encoding="utf-8") as f:
         for line in f:
             yield json.loads(line)
 
 
-GENERATORS = {"arithmetic": arithmetic, "arithmetic-preferences": arithmetic_preferences, "chat-small": chat_small}
+GENERATORS = {"arithmetic": arithmetic, "arithmetic-preferences": arithmetic_preferences,
+              "arithmetic-prompts": arithmetic_prompts, "chat-small": chat_small}
 # The data.format of each generator's rows.
-GENERATOR_FORMATS = {"arithmetic": "messages", "arithmetic-preferences": "preference", "chat-small": "messages"}
+GENERATOR_FORMATS = {"arithmetic": "messages", "arithmetic-preferences": "preference", "arithmetic-prompts": "prompts",
+                     "chat-small": "messages"}

@@ -83,14 +83,17 @@ def truncate_left(prompts: Sequence[Sequence[int]], max_seq_len: int, max_new_to
 
 
 def collect(ids: np.ndarray, out: list[list[int]], done: np.ndarray, eos_id: int | Sequence[int] | None,
-            on_step: Callable[[np.ndarray], None] | None) -> bool:
+            on_step: Callable[[np.ndarray], None] | None, keep_stop: bool = False) -> bool:
     """Append one generated position ``ids`` (B,) to the unfinished rows of ``out``, marking rows that emitted a
-    stop id as ``done`` (in place); calls ``on_step`` (stopped rows as -1). Returns whether every row is done."""
+    stop id as ``done`` (in place; the stop id appended too with ``keep_stop``); calls ``on_step`` (stopped rows as
+    -1). Returns whether every row is done."""
     stops = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     for i, tok in enumerate(ids):
         if not done[i]:
             if int(tok) in stops:
                 done[i] = True
+                if keep_stop:
+                    out[i].append(int(tok))
             else:
                 out[i].append(int(tok))
     if on_step is not None:
@@ -130,8 +133,9 @@ class Generator:
     def __call__(self, params: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  eos_id: int | Sequence[int] | None = None, seed: int = 0,
-                 on_step: Callable[[np.ndarray], None] | None = None) -> list[list[int]]:
-        """Generate continuations of ``prompts`` (token ids); returns the new ids per prompt (EOS excluded).
+                 on_step: Callable[[np.ndarray], None] | None = None, keep_stop: bool = False) -> list[list[int]]:
+        """Generate continuations of ``prompts`` (token ids); returns the new ids per prompt (the stop id excluded,
+        unless ``keep_stop``).
 
         ``params``: the model's params, or (adapters, base) for LoRA. ``eos_id``: one or several stop ids.
         on_step(tokens (B,)) is called after each generated position, for streaming.
@@ -154,7 +158,7 @@ class Generator:
         out: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
         for t in range(max_new_tokens):
-            if collect(np.asarray(nxt), out, done, eos_id, on_step) or t == max_new_tokens - 1:
+            if collect(np.asarray(nxt), out, done, eos_id, on_step, keep_stop) or t == max_new_tokens - 1:
                 break
             nxt, cache = self._decode(params, cache, key_valid, nxt, jnp.asarray(lengths + t), p_len + t,
                                       *sampling, key)

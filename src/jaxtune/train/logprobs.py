@@ -28,6 +28,11 @@ def loss_chunk_size(batch: int, seq: int, vocab: int, requested: int = 0) -> int
     return max(fits or [1])
 
 
+def tempered(logits: jax.Array, temperature: float) -> jax.Array:
+    """``logits / temperature`` (the same array at temperature 1, so the usual programs are unchanged)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """logits (B, T, V) float32, targets (B, T) int32 -> (B, T) log p(targets)."""
     return -optax.softmax_cross_entropy_with_integer_labels(logits, targets)

@@ -46,9 +46,11 @@ class ReferenceModel:
     copy: bool = False  # the weights are a frozen copy, the last frozen group (else they are the model's own)
 
     def bind(self, frozen: tuple) -> Reference:
-        """The reference's per-token log-probs of (N, T) rows, deterministic and without gradient."""
+        """The reference's per-token log-probs of (N, T) rows (of logits / temperature), deterministic and without
+        gradient."""
         weights = self.weights(frozen)
-        return lambda rows: jax.lax.stop_gradient(self.forward.token_logps(weights, rows, None))
+        return lambda rows, temperature=1.0: jax.lax.stop_gradient(
+            self.forward.token_logps(weights, rows, None, temperature))
 
     def model_frozen(self, frozen: tuple) -> tuple:
         """The model's own frozen groups (the copy removed)."""

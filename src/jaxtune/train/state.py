@@ -87,22 +87,23 @@ class Forward(Protocol):
         """(B, T, D): the final (normalised) hidden states the output layer reads, in the compute dtype."""
         ...
 
-    def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
-        """(B, T) float32: log p(targets[b, t] | inputs[b, :t + 1]), without holding the (B, T, V) logits of a large
-        vocabulary at once where the backend can avoid it."""
+    def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None,
+                    temperature: float = 1.0) -> jax.Array:
+        """(B, T) float32: log p(targets[b, t] | inputs[b, :t + 1]) under softmax(logits / temperature), without
+        holding the (B, T, V) logits of a large vocabulary at once where the backend can avoid it."""
         ...
 
 
 class Sampler(Protocol):
-    """Token generation for eval prompts and `jaxtune generate`: called with `ModelSpec.weights` and prompt ids;
-    returns the new ids per prompt, stop ids excluded."""
+    """Token generation for eval prompts, `jaxtune generate` and GRPO's rollouts: called with `ModelSpec.weights` and
+    prompt ids; returns the new ids per prompt, the stop id excluded (or, ``keep_stop``, kept as the last id)."""
 
     compiles: int
     max_seq_len: int  # the context prompt and new tokens share
 
     def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,
-                 seed: int = 0, on_step: Any = None) -> list[list[int]]: ...
+                 seed: int = 0, on_step: Any = None, keep_stop: bool = False) -> list[list[int]]: ...
 
 
 class ModelSpec(Protocol):

@@ -48,39 +48,73 @@ def _split_micro(batch: Batch, n: int) -> Batch:
     return {k: v.reshape(v.shape[0] // n, n, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
 
 
+def per_unit(metrics: Metrics, count: jax.Array) -> dict[str, jax.Array]:
+    """An objective's summed metrics as means: each sum over the loss's ``count``, or a (sum, count) pair over its
+    own."""
+    return {k: v[0] / jnp.maximum(v[1], 1.0) if isinstance(v, tuple) else v / jnp.maximum(count, 1.0)
+            for k, v in metrics.items()}
+
+
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *,
-                    micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True):
+                    micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True, passes: int = 1,
+                    prepare: Callable[[Any, Batch, tuple], Batch] | None = None):
     """Build the step around ``loss_fn`` (`objective_loss`). The loss is weighted by the objective's count over
     the whole batch: gradients of summed losses are accumulated over micro-batches and divided once by the total
-    count (not a mean of means); so are the objective's metrics."""
+    count (not a mean of means); so are the objective's metrics.
+
+    ``passes`` > 1: that many optimizer updates on the same batch (GRPO's ``num_iterations``), ``prepare(params,
+    batch, frozen)`` first annotating the batch with the weights as they were; the step's loss and metrics are the
+    first pass's, and the learning-rate schedule counts updates. A non-finite pass (with ``skip_nonfinite``) keeps
+    the state as it was before the step."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def train_step(state: TrainState, batch: Batch, frozen: tuple = ()):
-        """``frozen``: parameters that do not train (a LoRA base): read, never updated, no optimizer state."""
-        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step) if use_dropout else None
+    def gradients(params, batch, step_key, frozen):
+        """(summed loss, count, metric sums), and the gradients divided by the count."""
         if micro_batches == 1:
-            (loss_sum, (count, extra)), grads = grad_fn(state.params, batch, step_key, frozen)
+            (loss_sum, (count, extra)), grads = grad_fn(params, batch, step_key, frozen)
         else:
             micro_batch = _split_micro(batch, micro_batches)
 
             def micro(carry, xs):
                 i, mb = xs
                 key = None if step_key is None else jax.random.fold_in(step_key, i)
-                (l, (n, m)), g = grad_fn(state.params, mb, key, frozen)
+                (l, (n, m)), g = grad_fn(params, mb, key, frozen)
                 return jax.tree.map(jnp.add, carry, (g, l, n, m)), None
 
             first = jax.tree.map(lambda x: x[0], micro_batch)
-            aux = jax.eval_shape(lambda: loss_fn(state.params, first, step_key, frozen))
-            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (state.params, aux[0], *aux[1]))
+            aux = jax.eval_shape(lambda: loss_fn(params, first, step_key, frozen))
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (params, aux[0], *aux[1]))
             xs = (jnp.arange(micro_batches), micro_batch)
             (grads, loss_sum, count, extra), _ = jax.lax.scan(micro, zeros, xs)
         denom = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        loss = loss_sum / denom
+        return loss_sum / denom, count, per_unit(extra, count), jax.tree.map(lambda g: g / denom, grads)
+
+    def update(params, opt_state, batch, step_key, frozen):
+        loss, count, extra, grads = gradients(params, batch, step_key, frozen)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, opt_state, params)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        return optax.apply_updates(params, updates), opt_state, (loss, count, extra, grad_norm, finite)
+
+    def train_step(state: TrainState, batch: Batch, frozen: tuple = ()):
+        """``frozen``: parameters that do not train (a LoRA base): read, never updated, no optimizer state."""
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step) if use_dropout else None
+        if passes == 1:
+            params, opt_state, (loss, count, extra, grad_norm, finite) = update(
+                state.params, state.opt_state, batch, step_key, frozen)
+        else:
+            if prepare is not None:
+                batch = prepare(state.params, batch, frozen)
+
+            def one_pass(carry, i):
+                params, opt_state, ok = carry
+                key = None if step_key is None else jax.random.fold_in(step_key, micro_batches + i)
+                params, opt_state, out = update(params, opt_state, batch, key, frozen)
+                return (params, opt_state, ok & out[-1]), out
+
+            (params, opt_state, finite), outs = jax.lax.scan(one_pass, (state.params, state.opt_state, True),
+                                                             jnp.arange(passes))
+            loss, count, extra, grad_norm, _ = jax.tree.map(lambda x: x[0], outs)
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
             params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
@@ -92,8 +126,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
             nan_streak=jnp.where(finite, 0, state.nan_streak + 1),
             nan_skipped=state.nan_skipped + jnp.where(finite, 0, 1),
         )
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "tokens": count,
-                   "finite": finite, "nan_streak": new_state.nan_streak, **{k: v / denom for k, v in extra.items()}}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step * passes), "tokens": count,
+                   "finite": finite, "nan_streak": new_state.nan_streak, **extra}
         return new_state, metrics
 
     return train_step
@@ -113,9 +147,17 @@ def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
                 reference: ReferenceModel | None = None) -> tuple[Callable, Callable]:
     """(train step, eval step), unjitted, from the spec, the objective, the ``train`` config and the reference model
     (`jaxtune.train.reference`) the objective compares with, if any."""
-    loss = objective_loss(objective, spec.forward(train.loss_chunk), spec.weights, reference)
+    forward = spec.forward(train.loss_chunk)
+    loss = objective_loss(objective, forward, spec.weights, reference)
+    passes = getattr(objective, "passes", 1)
+    prepare = None
+    if passes > 1 and hasattr(objective, "prepare"):
+        def prepare(params, batch, frozen):
+            model_frozen = frozen if reference is None else reference.model_frozen(frozen)
+            return objective.prepare(forward, spec.weights(params, model_frozen), batch)
     step = make_train_step(loss, spec.tx, spec.lr_schedule, micro_batches=train.micro_batches,
-                           skip_nonfinite=train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key)
+                           skip_nonfinite=train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key, passes=passes,
+                           prepare=prepare)
     return step, make_eval_step(loss)
 
 
@@ -150,14 +192,13 @@ class Steps:
         """The objective over host ``batches`` (each this process's rows), summed and divided once by the total
         count: the one held-out loss training and `jaxtune eval` report. Call inside ``sharding.use_mesh``."""
         total = count = 0.0
-        sums: dict[str, float] = {}
+        sums: dict[str, Any] = {}
         for b in batches:
             s, n, m = jax.device_get(self.eval(params, sharding.global_batch(self.spec.mesh, b), frozen))
             total, count = total + float(s), count + float(n)
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            sums = m if not sums else jax.tree.map(lambda a, b: a + b, sums, m)
         denom = max(count, 1.0)
-        return EvalResult(total / denom, count, {k: v / denom for k, v in sums.items()})
+        return EvalResult(total / denom, count, {k: float(v) for k, v in per_unit(sums, denom).items()})
 
 
 def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,

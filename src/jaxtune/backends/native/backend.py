@@ -20,7 +20,7 @@ from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, rea
 from jaxtune.models.lora import merge_adapters, write_adapter
 from jaxtune.models.registry import init_params, merge, model_layout
 from jaxtune.models.sampling import Generator
-from jaxtune.train.logprobs import chunked_token_logps, loss_chunk_size, token_logps
+from jaxtune.train.logprobs import chunked_token_logps, loss_chunk_size, tempered, token_logps
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout
 
@@ -45,13 +45,14 @@ class NativeForward:
     def hidden(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
         return self._run(weights, batch, key, return_hidden=True)[1]
 
-    def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+    def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None,
+                    temperature: float = 1.0) -> jax.Array:
         b, t = batch["inputs"].shape
         chunk = loss_chunk_size(b, t, self.vocab_size, self.loss_chunk)
         if chunk >= t:  # (B, T, V) float32 logits
-            return token_logps(self._run(weights, batch, key)[1], batch["targets"])
+            return token_logps(tempered(self._run(weights, batch, key)[1], temperature), batch["targets"])
         model, hidden = self._run(weights, batch, key, return_hidden=True)
-        return chunked_token_logps(model.logits, hidden, batch["targets"], chunk)
+        return chunked_token_logps(lambda h: tempered(model.logits(h), temperature), hidden, batch["targets"], chunk)
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,10 @@ class NativeBackend:
 
     def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> NativeSpec:
         model_cfg = model_config(cfg.model, vocab_size)
-        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        tx = make_optimizer(cfg.optim, cfg.optimizer_updates)
         graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
         shardings, abstract, frozen = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed)
-        return NativeSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract,
+        return NativeSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.optimizer_updates), mesh, shardings, abstract,
                           cfg.model.from_hf, frozen, tuple(group_sh[1:]))
 
     def runs(self, config_json: dict[str, Any]) -> bool:

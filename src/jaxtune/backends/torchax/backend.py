@@ -30,7 +30,7 @@ from jaxtune.config import Config, ConfigError, TorchaxModelConfig
 from jaxtune.io import atomic_dir
 from jaxtune.models.family import check_fits
 from jaxtune.models.sampling import bucket, check_prompts, collect, sample_logits
-from jaxtune.train.logprobs import token_logps
+from jaxtune.train.logprobs import tempered, token_logps
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout
 
@@ -50,8 +50,9 @@ class TorchaxForward:
         return self.model.hidden(weights, batch["inputs"], batch.get("positions"), key,
                                  adapters_off=self.adapters_off)
 
-    def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
-        return token_logps(self.logits(weights, batch, key), batch["targets"])
+    def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None,
+                    temperature: float = 1.0) -> jax.Array:
+        return token_logps(tempered(self.logits(weights, batch, key), temperature), batch["targets"])
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class TorchaxGenerator:
 
     def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,
-                 seed: int = 0, on_step: Any = None) -> list[list[int]]:
+                 seed: int = 0, on_step: Any = None, keep_stop: bool = False) -> list[list[int]]:
         max_new_tokens = check_prompts(prompts, self.max_seq_len, max_new_tokens)
         longest = max(len(p) for p in prompts)
         length = min(bucket(longest + max_new_tokens), self.max_seq_len)
@@ -130,7 +131,7 @@ class TorchaxGenerator:
         done = np.zeros(len(prompts), bool)
         for t in range(max_new_tokens):
             ids = np.asarray(self._next(weights, tokens, lengths, jax.random.fold_in(key, t), *sampling))
-            if collect(ids, out, done, eos_id, on_step) or t == max_new_tokens - 1:
+            if collect(ids, out, done, eos_id, on_step, keep_stop) or t == max_new_tokens - 1:
                 break
             tokens[np.arange(len(prompts)), lengths] = ids
             lengths = lengths + 1
@@ -158,9 +159,9 @@ class TorchaxBackend:
         abstract_groups = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), g) for g in groups]
         fsdp = mesh.shape["fsdp"]
         group_sh = [jax.tree.map(lambda a: NamedSharding(mesh, P(*fsdp_axes(a.shape, fsdp))), g) for g in groups]
-        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        tx = make_optimizer(cfg.optim, cfg.optimizer_updates)
         shardings, abstract, frozen_abstract = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed)
-        return TorchaxSpec(info, model, tx, schedule(cfg.optim, cfg.train.steps), mesh, shardings, abstract,
+        return TorchaxSpec(info, model, tx, schedule(cfg.optim, cfg.optimizer_updates), mesh, shardings, abstract,
                            trainable, frozen if model.frozen_names else None, frozen_abstract, tuple(group_sh[1:]))
 
     def runs(self, config_json: dict[str, Any]) -> bool:

@@ -1,9 +1,13 @@
 """What an objective is: a function of the model (`jaxtune.train.state.Forward`), its weights and a batch.
 
 It returns ``(summed loss, count, metrics)``: the loss summed over its units (tokens for cross-entropy,
-sequence pairs for a preference loss), how many units counted, and extra scalars as sums over the same units. The
-step divides all of them by the count accumulated over the whole batch (micro-batches included), so a logged
-metric is a mean per unit, at train and eval alike; the loop logs every metric an objective returns.
+sequence pairs for a preference loss), how many units counted, and extra scalars as sums over the same units, or as
+(sum, count) pairs when a metric has units of its own (GRPO's per-token KL beside a per-sequence loss). The step
+divides each sum by its count accumulated over the whole batch (micro-batches included), so a logged metric is a mean
+per unit, at train and eval alike; the loop logs every metric an objective returns.
+
+An objective that trains several passes on one batch (``passes`` > 1: GRPO's ``num_iterations``) may have a
+``prepare(forward, weights, batch) -> batch``, called once before the first pass with the weights as they were.
 
 An objective that compares the policy with a frozen reference model (``uses_reference``: DPO's KL anchor, GRPO's
 KL penalty) is handed a `Reference`: the reference's per-token log-probs of a batch of (N, T) rows. Which model that
@@ -20,8 +24,9 @@ import jax
 
 from jaxtune.train.state import Batch, Forward
 
-Metrics = dict[str, jax.Array]
-Reference = Callable[[Batch], jax.Array]  # (N, T) rows -> (N, T) float32 log p(targets) of the reference model
+Metrics = dict[str, jax.Array | tuple[jax.Array, jax.Array]]  # a sum (over the loss's count), or (sum, its count)
+# (N, T) rows[, temperature] -> (N, T) float32 log p(targets) of the reference model (of logits / temperature)
+Reference = Callable[..., jax.Array]
 
 
 class Objective(Protocol):

@@ -1,0 +1,105 @@
+"""GRPO (group relative policy optimisation): the policy-gradient loss on completions the loop sampled itself.
+
+The batch (`jaxtune.train.rollout`) holds ``num_generations`` completions of each prompt as (N, T) rows (prompt then
+completion, ``loss_mask`` on the completion's tokens and its end token) and each completion's ``advantages`` (N,):
+its reward minus its group's mean, divided by the group's std unless ``scale_rewards`` is off.
+
+Per completion token, with the log-probs of the tempered distribution the tokens were sampled from
+(logits / ``temperature``) and r = π(token) / π_old(token)::
+
+    loss_t = -min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A)  [+ beta * r * KL_t]
+    KL_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                 (k3; r: TRL's bias correction)
+
+π_old is the policy that sampled: the same weights on the first pass (r = 1, its gradient the plain policy
+gradient), the weights before the step's first update on later passes (``num_iterations`` > 1: the batch's
+``old_logps``, from `GRPO.prepare`). ``beta`` = 0 needs no reference model.
+
+How the token losses are averaged (``loss_type``, TRL's names): ``grpo``, each completion's mean, then the mean over
+completions; ``dapo``, the mean over every completion token of the batch; ``dr_grpo``, the sum over completion tokens
+divided by (completions × ``max_completion_length``). Each is a sum and a count here, so micro-batches add up to the
+whole batch's value. (TRL's ``bnpo``, a mean of per-micro-batch token means, is not a sum over a count: it is
+``dapo`` when there is one micro-batch.)
+
+Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``, ``clip_ratio/high_mean`` and
+``clip_ratio/region_mean`` (the share of completion tokens whose ratio was clipped below, above, either).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.train.objectives.base import Metrics, Reference
+from jaxtune.train.state import Batch, Forward
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+
+
+@dataclass(frozen=True)
+class GRPO:
+    name: str = "grpo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "dapo"
+    temperature: float = 1.0
+    max_completion_length: int = 128
+    passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
+    metric_names: tuple[str, ...] = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"objective.loss_type={self.loss_type!r}: grpo takes one of {', '.join(LOSS_TYPES)}")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.beta > 0
+
+    def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
+        """(N, T) log-probs of the batch's targets under the tempered policy."""
+        return forward.token_logps(weights, {k: batch[k] for k in ROW_KEYS if k in batch}, key, self.temperature)
+
+    def prepare(self, forward: Forward, weights: Any, batch: Batch) -> Batch:
+        """Before the first of several passes: the sampling policy's log-probs, fixed for every pass (``old_logps``)."""
+        return {**batch, "old_logps": jax.lax.stop_gradient(self.logps(forward, weights, batch, None))}
+
+    def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
+                 reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
+        mask = batch["loss_mask"]
+        logps = self.logps(forward, weights, batch, key)
+        old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
+        ratio = jnp.exp(logps - old)
+        adv = batch["advantages"][:, None]
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        clipped = jnp.clip(ratio, 1.0 - self.epsilon, 1.0 + high)
+        per_token = -jnp.minimum(ratio * adv, clipped * adv)
+        tokens = jnp.sum(mask)
+        metrics: Metrics = {}
+        if self.beta > 0:
+            if reference is None:
+                raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
+            delta = reference({k: batch[k] for k in ROW_KEYS if k in batch}, self.temperature) - logps
+            kl = (jnp.exp(delta) - delta - 1.0) * ratio  # TRL's bias correction: weighted by the ratio
+            per_token = per_token + self.beta * kl
+            metrics["kl"] = (jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens)
+        else:
+            metrics["kl"] = (jnp.zeros((), jnp.float32), tokens)
+        fixed = jax.lax.stop_gradient(ratio)
+        low_clip = ((fixed < 1.0 - self.epsilon) & (adv < 0)).astype(jnp.float32)
+        high_clip = ((fixed > 1.0 + high) & (adv > 0)).astype(jnp.float32)
+        metrics["clip_ratio/low_mean"] = (jnp.sum(low_clip * mask), tokens)
+        metrics["clip_ratio/high_mean"] = (jnp.sum(high_clip * mask), tokens)
+        metrics["clip_ratio/region_mean"] = (jnp.sum(jnp.maximum(low_clip, high_clip) * mask), tokens)
+        summed = per_token * mask
+        n = jnp.asarray(mask.shape[0], jnp.float32)
+        if self.loss_type == "grpo":
+            total, count = jnp.sum(jnp.sum(summed, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0)), n
+        elif self.loss_type == "dr_grpo":
+            total, count = jnp.sum(summed), n * self.max_completion_length
+        else:  # dapo
+            total, count = jnp.sum(summed), tokens
+        return total, count, metrics

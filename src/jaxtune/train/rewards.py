@@ -1,0 +1,284 @@
+"""GRPO's reward functions (`jaxtune.config.RewardConfig`): each completion scored by every function, weighted.
+
+A batch is N completions: ``num_generations`` per prompt, each with its prompt (a string, or a list of message
+dicts, as the row gave it), the row's other fields (``{"answer": "132"}``), its length in tokens and the row's
+``file:line`` for error messages. `Rewards.score` returns the (N, K) scores of the K functions and their weighted sum
+(N,), as TRL's ``GRPOTrainer._calculate_rewards``; `group_advantages` turns the sums into advantages as TRL does.
+
+Built in: ``exact_number``, ``regex``, ``format``, ``length`` (see `RewardConfig`). Any other ``name`` is a function
+of the user's, ``module:function``, imported when the rewards are made (before training) from the current directory
+as ``python -m`` would, and called once per batch as ``f(prompts=..., completions=..., rows=...)``.
+
+A function that raises, or scores a completion None, NaN, +-inf or something that is not a number, stops training
+with a `RewardError` naming it and the row (``objective.reward_errors: raise``, the default) or scores that
+completion 0 and is counted in `Scores.errors` (``zero``; a call that raised scores its whole batch 0). Unlike TRL, a
+None is not read as "this reward does not apply". Data errors (a row without the field a built-in reads) and
+programming errors (a function returning the wrong number of scores) always raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+import math
+import numbers
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+import numpy as np
+
+from jaxtune.config import ConfigError, ObjectiveConfig, RewardConfig
+
+# A number as written in a completion: integer or decimal, negative, with thousands separators ("1,234.5"). The
+# minus counts only where it cannot be a binary one ("5-3" is 5 and 3); a number never starts inside a digit run.
+_NUMBER = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
+_NUMBER_IN_TEXT = re.compile(rf"(?:(?<![\w)\]])-)?(?<!\d){_NUMBER}")
+_NUMBER_ALONE = re.compile(rf"-?{_NUMBER}")
+_ANSWER_CHECKS = ("exact_number", "regex")  # the built-ins that judge the answer: held-out accuracy reports them
+_FIX = "fix the function, or set objective.reward_errors: zero to score such completions 0 (counted)"
+
+
+class RewardError(ValueError):
+    """A reward function failed on a row, or a row lacks what a reward reads; names the reward and the row."""
+
+
+@dataclass(frozen=True)
+class Scores:
+    per_function: np.ndarray  # (N, K) float32: one column per reward function; failures scored 0 under "zero"
+    total: np.ndarray  # (N,) float32: sum over functions of weight * score
+    errors: dict[str, int]  # label -> completions scored 0 because the function failed ("zero"); only labels > 0
+
+
+# A built-in scores one completion: (completion, row, length in tokens, where) -> score.
+_OneScore = Callable[[str, dict, int, str], float]
+
+
+@dataclass(frozen=True)
+class _Function:
+    label: str
+    one: _OneScore | None  # a built-in
+    batch: Callable[..., Any] | None  # a user function, called once per batch
+
+
+class Rewards:
+    """The run's reward functions (`make_rewards`): labels (metric names ``reward/<label>``), weights and `score`."""
+
+    def __init__(self, functions: list[_Function], weights: list[float], accuracy: int | None, policy: str):
+        self._functions = functions
+        self._policy = policy
+        self.labels = [f.label for f in functions]
+        self.weights = np.asarray(weights, np.float32)  # (K,)
+        self.accuracy = accuracy  # index of the first answer-checking reward, or None
+
+    def score(self, prompts: list, completions: list[str], rows: list[dict], lengths: list[int],
+              where: list[str]) -> Scores:
+        """Scores N completions: ``per_function`` (N, K), ``total`` (N,) = per_function @ weights, both float32."""
+        n = len(completions)
+        if not len(prompts) == len(rows) == len(lengths) == len(where) == n:
+            raise ValueError(f"score needs one prompt, row, length and where per completion; got {len(prompts)}, "
+                             f"{len(rows)}, {len(lengths)}, {len(where)} for {n} completions")
+        per_function = np.zeros((n, len(self._functions)), np.float32)
+        errors: dict[str, int] = {}
+        for k, f in enumerate(self._functions):
+            if f.one is not None:
+                per_function[:, k] = [f.one(c, r, m, w) for c, r, m, w in zip(completions, rows, lengths, where)]
+                continue
+            per_function[:, k], failed = self._call(f, prompts, completions, rows, where)
+            if failed:
+                errors[f.label] = failed
+        total = (per_function * self.weights[None, :]).sum(axis=1, dtype=np.float32)  # (N,)
+        return Scores(per_function=per_function, total=total, errors=errors)
+
+    def _call(self, f: _Function, prompts: list, completions: list[str], rows: list[dict],
+              where: list[str]) -> tuple[np.ndarray, int]:
+        """A user function's (N,) scores on the batch, and how many of them are failures scored 0."""
+        n = len(completions)
+        try:
+            out = f.batch(prompts=prompts, completions=completions, rows=rows)
+        except Exception as e:
+            if self._policy == "zero":
+                return np.zeros(n, np.float32), n
+            bad = _culprit(f.batch, prompts, completions, rows)
+            row = f"the row {where[bad]}" if bad is not None else f"a batch of {n} completions from {where[0]} on"
+            raise RewardError(f"reward {f.label!r} raised {_one_line(e)} on {row}; {_FIX}") from e
+        try:
+            values = list(out)
+        except TypeError:
+            values = None
+        if values is None or len(values) != n:
+            got = f"{len(values)} scores" if values is not None else f"a {type(out).__name__}"
+            raise RewardError(f"reward {f.label!r} returned {got} for {n} completions (from {where[0]} on); it "
+                              "must return one number per completion")
+        scores = np.zeros(n, np.float32)
+        failed = 0
+        for i, v in enumerate(values):
+            if isinstance(v, (numbers.Real, np.bool_)) and math.isfinite(v):
+                scores[i] = float(v)
+            elif self._policy == "zero":
+                failed += 1
+            else:
+                raise RewardError(f"reward {f.label!r} scored the completion of the row {where[i]} {v!r}, not a "
+                                  f"finite number; {_FIX}")
+        return scores, failed
+
+
+def make_rewards(cfg: ObjectiveConfig) -> Rewards:
+    """The reward functions of ``cfg.rewards``, user functions imported now: a `ConfigError` names the key."""
+    functions, taken = [], set()
+    bases = [r.name if r.builtin else r.name.partition(":")[2] for r in cfg.rewards]
+    for i, (r, base) in enumerate(zip(cfg.rewards, bases)):
+        key = f"objective.rewards[{i}]"
+        label, n = base, 2
+        while label in taken or (label != base and label in bases):  # format, format_2 (unless a function is so named)
+            label, n = f"{base}_{n}", n + 1
+        taken.add(label)
+        if r.builtin:
+            functions.append(_Function(label, _builtin(r, cfg, key, label), None))
+        else:
+            functions.append(_Function(label, None, _import(r.name, f"{key}.name")))
+    accuracy = next((i for i, r in enumerate(cfg.rewards) if r.name in _ANSWER_CHECKS), None)
+    return Rewards(functions, [r.weight for r in cfg.rewards], accuracy, cfg.reward_errors)
+
+
+def group_advantages(total: np.ndarray, group: int, scale: bool) -> np.ndarray:
+    """(N,) float32 advantages of (N,) total rewards, each prompt's ``group`` completions contiguous: the reward less
+    its group's mean, divided (``scale``) by the group's std + 1e-4, the unbiased std as ``torch.std`` (TRL)."""
+    total = np.asarray(total, np.float64)
+    if total.ndim != 1 or group < 1 or total.size % group:
+        raise ValueError(f"group_advantages needs (n_prompts * group,) rewards; got shape {total.shape} for "
+                         f"group={group}")
+    if scale and group < 2:
+        raise ValueError("group_advantages with scale needs group >= 2 (the std of one completion is undefined)")
+    grouped = total.reshape(-1, group)  # (P, G)
+    advantages = grouped - grouped.mean(axis=1, keepdims=True)
+    if scale:
+        advantages = advantages / (grouped.std(axis=1, ddof=1, keepdims=True) + 1e-4)
+    return advantages.reshape(-1).astype(np.float32)
+
+
+def _builtin(r: RewardConfig, cfg: ObjectiveConfig, key: str, label: str) -> _OneScore:
+    if r.name == "exact_number":
+        return _exact_number(r.field, key, label)
+    if r.name == "regex":
+        pattern = re.compile(r.pattern)
+        if pattern.groups < 1:
+            raise ConfigError(f"{key}.pattern={r.pattern!r} has no group: put the answer's part in parentheses, "
+                              r"e.g. 'answer is (\S+)'")
+        return _regex(pattern, r.field, key, label)
+    if r.name == "format":
+        pattern = re.compile(r.pattern, re.DOTALL)
+        return lambda completion, row, length, where: float(pattern.fullmatch(completion.strip()) is not None)
+    max_tokens = r.max_tokens or cfg.max_completion_length
+    buffer = r.buffer or max(1, max_tokens // 4)
+    if buffer > max_tokens:
+        raise ConfigError(f"{key}.buffer={buffer} is more than its max_tokens={max_tokens}; the penalty grows over "
+                          "the last `buffer` tokens before max_tokens")
+    return lambda completion, row, length, where: _overlong(length, max_tokens, buffer)
+
+
+def _exact_number(field: str, key: str, label: str) -> _OneScore:
+    def score(completion: str, row: dict, length: int, where: str) -> float:
+        answer = _number_field(row, field, where, key, label)
+        found = _NUMBER_IN_TEXT.findall(completion)
+        return float(bool(found) and Decimal(found[-1].replace(",", "")) == answer)
+    return score
+
+
+def _regex(pattern: re.Pattern, field: str, key: str, label: str) -> _OneScore:
+    def score(completion: str, row: dict, length: int, where: str) -> float:
+        answer = str(_field(row, field, where, key, label)).strip()
+        match = pattern.search(completion)
+        return float(match is not None and match.group(1) is not None and match.group(1).strip() == answer)
+    return score
+
+
+def _overlong(n: int, max_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong penalty (TRL's ``get_soft_overlong_punishment``) of an n-token completion."""
+    if n <= max_tokens - buffer:
+        return 0.0
+    return (max_tokens - buffer - n) / buffer if n < max_tokens else -1.0
+
+
+def _field(row: dict, field: str, where: str, key: str, label: str) -> Any:
+    if row.get(field) is None:
+        has = f"has {field!r} empty" if field in row else f"has no field {field!r}"
+        raise RewardError(f"reward {label!r}: the row {where} {has} (its fields: {', '.join(sorted(row)) or 'none'}); "
+                          f"give every row one, or set {key}.field to the field that holds the answer")
+    return row[field]
+
+
+def _number_field(row: dict, field: str, where: str, key: str, label: str) -> Decimal:
+    """The row's answer as an exact number: an int, a finite float, or a string that is one number ("1,234")."""
+    value = _field(row, field, where, key, label)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return Decimal(int(value))
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        return Decimal(repr(float(value)))  # 0.1 is "0.1", not its binary expansion
+    if isinstance(value, str) and _NUMBER_ALONE.fullmatch(value.strip()):
+        return Decimal(value.strip().replace(",", ""))
+    raise RewardError(f"reward {label!r}: the row {where} has {field}={value!r}, not a number; write the answer "
+                      f"alone (e.g. \"1,234\" or -3.5), or use a regex reward ({key}.name: regex)")
+
+
+def _import(name: str, key: str) -> Callable[..., Any]:
+    """The function ``module:attribute`` names, imported with the current directory on sys.path."""
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"{key}={name!r}: a reward function of your own is named module:function")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        dotted = module_name.removesuffix(".py").replace("/", ".").replace("\\", ".")
+        raise ConfigError(f"{key}={name!r}: name the module, not its file: {dotted}:{attribute}, run from the "
+                          "directory that holds it")
+    with _cwd_on_path():
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:
+            raise ConfigError(f"{key}={name!r}: cannot import module {module_name!r} ({_one_line(e)}); it is looked "
+                              f"up from the current directory ({os.getcwd()}) and the installed packages") from e
+    f: Any = module
+    for part in attribute.split("."):
+        if not hasattr(f, part):
+            known = [a for a in dir(f) if not a.startswith("_")]
+            near = difflib.get_close_matches(part, known, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"{key}={name!r}: {module_name!r} ({getattr(module, '__file__', None)}) has no "
+                              f"{attribute!r}{hint}")
+        f = getattr(f, part)
+    if not callable(f):
+        raise ConfigError(f"{key}={name!r}: {module_name}.{attribute} is a {type(f).__name__}, not a function")
+    return f
+
+
+@contextlib.contextmanager
+def _cwd_on_path() -> Iterator[None]:
+    # `python -m` puts the current directory first on sys.path; the jaxtune command (a console script) does not.
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(cwd)
+
+
+def _culprit(f: Callable[..., Any], prompts: list, completions: list[str], rows: list[dict]) -> int | None:
+    """The first completion the user function raises on alone, to name its row; None if each passes alone."""
+    for i in range(len(completions)):
+        try:
+            f(prompts=prompts[i:i + 1], completions=completions[i:i + 1], rows=rows[i:i + 1])
+        except Exception:  # noqa: BLE001 (any failure of the user's function marks its row)
+            return i
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())

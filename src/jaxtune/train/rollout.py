@@ -1,0 +1,154 @@
+"""GRPO's rollouts: completions sampled by the run's own generator inside the loop, scored by the reward functions,
+and laid out as the batch the ``grpo`` objective trains on.
+
+Each step takes ``train.batch_size`` prompts (`jaxtune.data.PromptRows` items) and samples ``num_generations``
+completions of each, at most ``max_completion_length`` tokens, with the policy's current weights (``temperature``,
+``top_p``, ``top_k``). The sampler is the backend's (`ModelSpec.generator`: the native KV-cache generator), whose
+shapes are bucketed: one prefill per prompt-length bucket and one decode step per cache bucket, compiled once each
+and reused every step after. Its random key is a function of ``train.seed`` and the step alone, so a resumed run
+samples exactly what the uninterrupted one did.
+
+A completion ends at the first stop id (EOS, and for chat prompts the template's end-of-turn token), which it keeps
+and is trained on, or at ``max_completion_length`` tokens. Its text (without the stop id) is what reward functions
+read. The batch's rows are prompt then completion, right-padded to ``data.seq_len``, the loss mask on the
+completion; ``advantages`` are the group-normalised total rewards (`jaxtune.train.rewards.group_advantages`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtune.config import Config, ConfigError
+from jaxtune.data import PromptRows, Tokenizer, stop_ids
+from jaxtune.train.rewards import Rewards, Scores, group_advantages, make_rewards
+from jaxtune.train.state import Sampler
+
+
+def prompt_text(prompt: str | list[dict[str, Any]]) -> str:
+    """A prompt as samples show it: its text, or a conversation's last (user) message."""
+    return prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) if prompt else ""
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The sampling seed of ``step``: a function of the run's seed and the step only (resumes sample the same)."""
+    return (seed * 1_000_003 + step * 7_919 + 1) % (1 << 31)
+
+
+@dataclass
+class Completions:
+    """Sampled completions of a batch of prompts, ``group`` per prompt, contiguous, scored."""
+
+    prompt_ids: list[list[int]]  # per completion: its prompt's ids
+    ids: list[list[int]]  # per completion: the new ids, the stop id last if it stopped
+    texts: list[str]  # per completion: its text, the stop id left out
+    rows: list[int]  # per completion: its prompt's row in the source
+    scores: Scores
+    stopped: np.ndarray  # (N,) bool: ended with a stop id (else cut at max_completion_length)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([len(c) for c in self.ids], np.int32)
+
+
+@dataclass
+class Rollout:
+    """Samples, scores and lays out GRPO's completions (`batch`), and answers held-out prompts (`answer`)."""
+
+    cfg: Config
+    generator: Sampler
+    tokenizer: Tokenizer
+    rewards: Rewards
+    chat: bool
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def stops(self) -> list[int]:
+        return stop_ids(self.tokenizer, self.chat)
+
+    def sample(self, weights: Any, source: PromptRows, rows: list[int], *, group: int, temperature: float,
+               seed: int) -> Completions:
+        """``group`` completions of each of the prompts ``rows`` of ``source`` (temperature 0: greedy), scored."""
+        o = self.cfg.objective
+        prompt_ids = [source.ids(r) for r in rows for _ in range(group)]
+        t0 = time.perf_counter()
+        greedy = temperature == 0.0
+        ids = self.generator(weights, prompt_ids, max_new_tokens=o.max_completion_length, temperature=temperature,
+                             top_k=None if greedy else o.top_k, top_p=None if greedy or o.top_p >= 1.0 else o.top_p,
+                             eos_id=self.stops, seed=seed, keep_stop=True)
+        t1 = time.perf_counter()
+        stops = set(self.stops)
+        stopped = np.array([bool(c) and c[-1] in stops for c in ids])
+        texts = [self.tokenizer.decode(c[:-1] if s else c) for c, s in zip(ids, stopped)]
+        expanded = [r for r in rows for _ in range(group)]
+        scores = self.rewards.score([source.prompt(r) for r in expanded], texts,
+                                    [source.fields(r) for r in expanded], [len(c) for c in ids],
+                                    [source.where(r) for r in expanded])
+        self.timings = {"generation": t1 - t0, "rewards": time.perf_counter() - t1,
+                        "generated_tokens": float(sum(len(c) for c in ids))}
+        return Completions(prompt_ids, ids, texts, expanded, scores, stopped)
+
+    def batch(self, weights: Any, source: PromptRows, prompts: dict[str, np.ndarray],
+              step: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The training batch for the prompt batch ``prompts`` at ``step`` (N = prompts × ``num_generations`` rows)
+        and the rollout's metrics."""
+        o = self.cfg.objective
+        done = self.sample(weights, source, [int(r) for r in prompts["row"]], group=o.num_generations,
+                           temperature=o.temperature, seed=rollout_seed(self.cfg.train.seed, step))
+        advantages = group_advantages(done.scores.total, o.num_generations, o.scale_rewards)
+        rows = training_rows(done.prompt_ids, done.ids, self.cfg.data.seq_len)
+        return {**rows, "advantages": advantages.astype(np.float32)}, self.metrics(done)
+
+    def metrics(self, done: Completions) -> dict[str, float]:
+        """TRL's rollout metrics (rewards, completion lengths), and the time spent sampling and scoring."""
+        total, g = done.scores.total, self.cfg.objective.num_generations
+        grouped = total.reshape(-1, g)
+        lengths = done.lengths
+        out = {"reward": float(total.mean()), "reward_std": float(total.std(ddof=1)) if total.size > 1 else 0.0,
+               "frac_reward_zero_std": float(np.mean(np.isclose(grouped.std(axis=1), 0.0))),
+               "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
+               "completions/clipped_ratio": float(np.mean(~done.stopped))}
+        for k, label in enumerate(self.rewards.labels):
+            column = done.scores.per_function[:, k]
+            out[f"rewards/{label}/mean"] = float(column.mean())
+            out[f"rewards/{label}/std"] = float(column.std(ddof=1)) if column.size > 1 else 0.0
+        for label, n in done.scores.errors.items():
+            out[f"reward_errors/{label}"] = float(n)
+        gen = self.timings["generation"]
+        out["time/generation"] = gen
+        out["time/rewards"] = self.timings["rewards"]
+        out["generation_tok_s"] = self.timings["generated_tokens"] / max(gen, 1e-9)
+        return out
+
+
+def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer) -> Rollout:
+    if jax.process_count() > 1:
+        raise ConfigError("objective.name=grpo runs in one process for now (its rollouts sample each process's prompts "
+                          "apart); run it on one host, over all of its devices")
+    chat = cfg.data.format == "prompts" and tokenizer.chat_template is not None
+    return Rollout(cfg, generator, tokenizer, make_rewards(cfg.objective), chat)
+
+
+def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], seq_len: int) -> dict[str, np.ndarray]:
+    """(N, seq_len) rows of prompt then completion: ``inputs`` and ``targets`` shifted by one, ``positions`` from
+    0, ``segment_ids`` 1 (0: padding) and ``loss_mask`` on the targets that are completion tokens."""
+    n = len(prompt_ids)
+    out = {"inputs": np.zeros((n, seq_len), np.int32), "targets": np.zeros((n, seq_len), np.int32),
+           "positions": np.zeros((n, seq_len), np.int32), "segment_ids": np.zeros((n, seq_len), np.int32),
+           "loss_mask": np.zeros((n, seq_len), np.float32)}
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        seq = list(p) + list(c)
+        if len(seq) - 1 > seq_len:
+            raise ValueError(f"rollout row {i}: {len(p)} prompt + {len(c)} completion tokens exceed data.seq_len + 1 "
+                             f"= {seq_len + 1}")
+        m = len(seq) - 1
+        out["inputs"][i, :m] = seq[:-1]
+        out["targets"][i, :m] = seq[1:]
+        out["positions"][i, :m] = np.arange(m)
+        out["segment_ids"][i, :m] = 1
+        out["loss_mask"][i, len(p) - 1:m] = 1.0
+    return out

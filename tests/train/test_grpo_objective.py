@@ -1,0 +1,522 @@
+"""GRPO (`jaxtune.train.objectives.grpo`) against TRL 1.16.0's own code, on a tiny random fp32 `LlamaForCausalLM`
+saved with ``save_pretrained`` and read by jaxtune (``model.from_hf``), and its passes and micro-batches through the
+real train step (`jaxtune.train.step.build_steps`).
+
+The rollout is made by hand: 2 prompts (3 and 9 tokens) x a group of 4 completions (N = 8) of 2 to 12 tokens, each
+ending in EOS but one cut at ``max_completion_length`` = 12; made-up rewards, one group's all equal; advantages by
+TRL's group normalisation ((r - group mean) / (group std + 1e-4), `trl.trainer.utils.nanstd`), which
+`jaxtune.train.rewards.group_advantages` is checked to reproduce. Both sides get those advantages. Ours lays the
+rollout out as the loop does (`jaxtune.train.rollout.training_rows`, right-padded rows of prompt then completion);
+TRL's inputs are as ``_generate_and_score_completions`` makes them: ``prompt_ids``/``prompt_mask`` left-padded,
+``completion_ids``/``completion_mask`` right-padded (the mask through the EOS, all ones for the cut one),
+``advantages`` (B,), ``num_items_in_batch`` (the completion tokens), ``ref_per_token_logps`` when beta > 0 and
+``old_per_token_logps`` for the mu > 1 check.
+
+The TRL side is a real `GRPOTrainer` (``GRPOConfig(bf16=False, use_cpu=True, report_to=[])``, its beta, epsilon,
+epsilon_high, loss_type, temperature, max_completion_length=12, num_generations=4, per_device_train_batch_size=8, a
+two-prompt dataset and a reward function it never calls): ``trainer.compute_loss(trainer.model, inputs)`` (which is
+``_compute_loss``) in train mode, its loss, ``loss.backward()``'s gradients and the metrics it logged in
+``_metrics["train"]``. ``current_gradient_accumulation_steps``, which `transformers.Trainer` sets only inside its
+training loop, is set to 1 (one process, steps_per_generation 1: no rescaling of any loss type). Its reference and
+sampling-policy log-probs are TRL's ``_get_per_token_logps_and_entropies`` (the fused, tempered LM head
+``GRPOTrainer`` adds) on the reference model (its ``ref_model`` given the unperturbed weights) and on the old
+checkpoint. The policy is the saved model plus noise (both sides read the same perturbed checkpoint), the reference
+the unperturbed one (so KL != 0), the sampling policy of the mu > 1 check ("old") the policy plus more noise, so some
+ratios leave [1 - epsilon, 1 + epsilon_high] on both sides (asserted).
+
+Error measure: rel(ours, ref) = max|ours - ref| / max|ref|, float32 on both sides. Tolerances:
+  * loss_type grpo, dapo, dr_grpo, beta = 0: loss and the gradients of the embedding, a q_proj, an mlp down_proj,
+    the final norm and lm_head                                                                     rel <= 1e-5
+  * dapo, beta = 0.04 (the reference a frozen copy, as full fine-tuning has it): loss, gradients and the ``kl``
+    metric vs TRL's logged ``kl``                                                                  rel <= 1e-5
+  * temperature 0.7 (dapo, beta = 0.04): loss, gradients and kl                                    rel <= 1e-5
+  * mu > 1 (``old_logps`` from the old checkpoint, epsilon 0.2, epsilon_high 0.28): loss, gradients and the
+    clip_ratio/low_mean, high_mean and region_mean metrics vs TRL's logged ones (all > 0)          rel <= 1e-5
+  * dapo, beta = 0.04, with ``old_logps``: loss and gradients (the KL term weighted by the ratio, TRL's
+    use_bias_correction_kl)                                                                        rel <= 1e-5
+    and the ``kl`` metric vs TRL's logged one (both the ratio-weighted mean the loss adds)          rel <= 1e-5
+  * the train step (dapo, with ``old_logps``) in 2 micro-batches of different token counts vs 1: loss, metrics, and
+    every parameter's update                                                                       rel <= 1e-6
+  * objective.num_iterations=2 through the train step: `GRPO.prepare` called once, 2 AdamW updates, every
+    parameter's update equal to that of two made by hand (the spec's optimizer, ``old_logps`` fixed at the first
+    weights'), and unlike that with ``old_logps`` re-taken before the second (rel 0.5 here)        rel <= 1e-6
+  The updates' errors are measured against the update, beyond one float32 spacing of the parameter per update
+  applied (`update_error`): the parameters are float32, and an update of 1e-3 to a norm scale near 1 is only
+  resolved to 6e-8 / 1e-3 = 6e-5. The spec's AdamW has eps = 0.1: at the default 1e-8 its first update is
+  lr * g / (|g| + 1e-8), which a float32 rounding of a gradient entry near 1e-8 moves by a good part of lr.
+
+XLA's CPU compiles dominate the run time, so one spec serves every check (the objective is not part of a spec), each
+objective's loss-and-gradient function is compiled once and, like the train steps, without LLVM's optimisations
+(``xla_backend_optimization_level=0``: the same operations, compiled in a third of the time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxtune import sharding
+from jaxtune.backends import make_state_spec
+from jaxtune.config import ObjectiveConfig, TrainConfig, load_config
+from jaxtune.train.objectives import GRPO, make_objective
+from jaxtune.train.reference import step_reference
+from jaxtune.train.rewards import group_advantages
+from jaxtune.train.rollout import training_rows
+from jaxtune.train.step import build_steps, objective_loss, per_unit
+
+torch = pytest.importorskip("torch", reason="the TRL comparisons run PyTorch")
+transformers = pytest.importorskip("transformers", reason="the tiny checkpoints are transformers models")
+trl = pytest.importorskip("trl", reason="GRPO is checked against TRL's code")
+datasets = pytest.importorskip("datasets", reason="GRPOTrainer takes a datasets.Dataset")
+
+TRL_VERSION = "1.16.0"  # the code the formulas, metric names and the comparisons below were read from
+TOL = 1e-5  # against TRL
+STEP_TOL = 1e-6  # the train step against the same objective by hand
+V, T = 128, 24  # vocabulary; positions per row (the longest rollout needs 9 + 12 - 1 = 20)
+PAD, BOS, EOS = 0, 1, 2
+MAX_COMPLETION = 12
+GROUP = 4
+PROMPTS = [[BOS, 5, 9], [BOS, 10, 11, 12, 13, 14, 15, 16, 17]]
+# GROUP completions of each prompt, contiguous: 2 to 12 tokens, all ending in EOS but the 4th (cut at 12).
+COMPLETIONS = [
+    [20, 21, EOS], [22, EOS], [23, 24, 25, 26, 27, 28, 29, EOS], list(range(30, 42)),
+    [50, 51, 52, 53, EOS], [54, 55, EOS], [56, 57, 58, 59, 60, 61, 62, 63, 64, 65, EOS], [66, 67, 68, 69, 70, 71, EOS],
+]
+REWARDS = [1.0, 0.0, 0.5, -0.5, 0.5, 0.5, 0.5, 0.5]  # the second group's all equal: advantages 0
+N = len(COMPLETIONS)
+# jaxtune param path -> (HF tensor, whether ours is its transpose: our kernels are (in, out), nn.Linear's (out, in)).
+GRAD_PARAMS = {
+    ("embed", "embedding"): ("model.embed_tokens.weight", False),
+    ("layers", 0, "attn", "q", "kernel"): ("model.layers.0.self_attn.q_proj.weight", True),
+    ("layers", 1, "mlp", "down", "kernel"): ("model.layers.1.mlp.down_proj.weight", True),
+    ("norm", "scale"): ("model.norm.weight", False),
+    ("lm_head", "embedding"): ("lm_head.weight", False),
+}
+CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+OFF_POLICY = {"epsilon": 0.2, "epsilon_high": 0.28}  # the mu > 1 checks' clipping (DAPO's clip-higher)
+MESH = sharding.make_mesh(1, 1, 1, jax.devices()[:1])
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def update_error(new, ref_new, start, ulps: int = 1) -> float:
+    """How far parameters ``new`` are from ``ref_new``, both reached from ``start``, relative to the update: per
+    leaf max(|new - ref_new| - ulps float32 spacings of the parameter, 0) / max|ref_new - start|, the worst leaf. An
+    update equal to 1e-6 can still land on the neighbouring float32 of the parameter (for a norm scale near 1, 6e-8: 6e-5
+    of a 1e-3 update), once per update applied."""
+
+    def leaf(a, b, s):
+        a, b, s = np.asarray(a), np.asarray(b), np.asarray(s)
+        excess = np.abs(a.astype(np.float64) - b) - ulps * np.spacing(np.maximum(np.abs(a), np.abs(b)))
+        return float(np.maximum(excess, 0.0).max() / np.abs(b.astype(np.float64) - s).max())
+
+    return max(jax.tree.leaves(jax.tree.map(leaf, new, ref_new, start)))
+
+
+def prompt_of(i: int) -> list[int]:
+    return PROMPTS[i // GROUP]
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_one_thread():
+    """One PyTorch thread while this module runs: on models this small more threads only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{"ref": a random tiny Llama, "policy": the same plus noise, "old": the policy plus more noise}, each a
+    save_pretrained directory."""
+    root = tmp_path_factory.mktemp("grpo")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False, initializer_range=0.1, bos_token_id=BOS,
+                                      eos_token_id=EOS, pad_token_id=PAD)
+    model = transformers.LlamaForCausalLM(config).float()
+    model.save_pretrained(root / "ref")
+    for name, scale in (("policy", 0.05), ("old", 0.1)):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(scale * torch.randn_like(p))
+        model.save_pretrained(root / name)
+    return {name: root / name for name in ("ref", "policy", "old")}
+
+
+def hf_model(directory):
+    return transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------- the rollout
+
+
+def trl_advantages() -> np.ndarray:
+    """(N,) float32: TRL's group normalisation of REWARDS (``_generate_and_score_completions``, scale_rewards
+    "group")."""
+    from trl.trainer.utils import nanstd
+
+    rewards = torch.tensor(REWARDS, dtype=torch.float32)
+    mean = torch.nanmean(rewards.view(-1, GROUP), dim=1).repeat_interleave(GROUP)
+    std = nanstd(rewards.view(-1, GROUP), dim=1).repeat_interleave(GROUP)
+    return ((rewards - mean) / (std + 1e-4)).numpy()
+
+
+ADVANTAGES = trl_advantages()
+
+
+def our_batch(old_logps: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The rollout as the loop lays it out: (N, T) rows, ``advantages``, and (N, T) ``old_logps`` when given."""
+    batch = {**training_rows([prompt_of(i) for i in range(N)], COMPLETIONS, T), "advantages": ADVANTAGES}
+    return batch if old_logps is None else {**batch, "old_logps": old_logps}
+
+
+def completion_to_rows(x: torch.Tensor) -> np.ndarray:
+    """TRL's (N, 12) per-completion-token values at our rows' target positions (N, T), 0 elsewhere."""
+    out = np.zeros((N, T), np.float32)
+    for i, c in enumerate(COMPLETIONS):
+        start = len(prompt_of(i)) - 1
+        out[i, start:start + len(c)] = x[i, :len(c)].numpy()
+    return out
+
+
+def trl_inputs() -> dict[str, torch.Tensor]:
+    """The rollout as TRL's ``_compute_loss`` takes it."""
+    width = max(map(len, PROMPTS))
+    prompt_ids = torch.full((N, width), PAD, dtype=torch.long)
+    prompt_mask = torch.zeros((N, width), dtype=torch.long)
+    completion_ids = torch.full((N, MAX_COMPLETION), PAD, dtype=torch.long)
+    completion_mask = torch.zeros((N, MAX_COMPLETION), dtype=torch.long)
+    for i, c in enumerate(COMPLETIONS):
+        p = prompt_of(i)
+        prompt_ids[i, width - len(p):] = torch.tensor(p)
+        prompt_mask[i, width - len(p):] = 1
+        completion_ids[i, :len(c)] = torch.tensor(c)
+        completion_mask[i, :len(c)] = 1
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+            "completion_mask": completion_mask, "advantages": torch.tensor(ADVANTAGES),
+            "num_items_in_batch": completion_mask.sum()}
+
+
+def test_rollout_layout():
+    """The rollout is what the checks below claim: completion lengths 2 to 12, one cut without EOS, the second
+    group's advantages 0, jaxtune's group_advantages equal to TRL's normalisation, and our loss mask on exactly the
+    completion tokens TRL's completion_mask marks."""
+    lengths = [len(c) for c in COMPLETIONS]
+    assert min(lengths) == 2 and max(lengths) == MAX_COMPLETION
+    assert sum(c[-1] != EOS for c in COMPLETIONS) == 1
+    assert np.all(ADVANTAGES[GROUP:] == 0) and np.all(ADVANTAGES[:GROUP] != 0)
+    assert rel(group_advantages(np.array(REWARDS), GROUP, True), ADVANTAGES) <= 1e-6
+    batch, inputs = our_batch(), trl_inputs()
+    assert np.array_equal(batch["loss_mask"], completion_to_rows(inputs["completion_mask"].float()))
+    assert np.array_equal(batch["targets"] * batch["loss_mask"], completion_to_rows(inputs["completion_ids"].float()))
+    # The 2 micro-batches (every other row) hold different numbers of completion tokens.
+    assert batch["loss_mask"][0::2].sum() != batch["loss_mask"][1::2].sum()
+
+
+# ---------------------------------------------------------------------------------------------------- TRL side
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A word-level tokenizer (w3 .. w127): GRPOTrainer needs one; the compared rollouts are token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, V)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>")
+
+
+@dataclass
+class TRLResult:
+    loss: float
+    metrics: dict[str, float]
+    grads: dict[str, np.ndarray]
+    old_logps: np.ndarray | None = None  # (N, T): the old checkpoint's log-probs given to TRL, in our rows
+
+
+def trl_logps(trainer, model, inputs) -> torch.Tensor:
+    """(N, 12) completion-token log-probs of ``model`` by TRL's ``_get_per_token_logps_and_entropies``."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        return trainer._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].size(1))[0]
+
+
+def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, **config) -> TRLResult:
+    """GRPOTrainer (the perturbed policy; with beta > 0 its reference model the unperturbed checkpoint):
+    ``compute_loss`` on the rollout, the metrics it logged, the policy's gradients. ``off_policy``: the inputs carry
+    ``old_per_token_logps`` from the old checkpoint (what TRL holds when num_iterations > 1)."""
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    assert trl.__version__ == TRL_VERSION, f"these comparisons were written against TRL {TRL_VERSION}"
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+                      per_device_train_batch_size=N, num_generations=GROUP, max_completion_length=MAX_COMPLETION,
+                      num_iterations=2 if off_policy else 1, **config)
+    data = datasets.Dataset.from_dict({"prompt": ["w5 w9", "w10 w11"]})
+    trainer = GRPOTrainer(model=hf_model(checkpoints["policy"]), reward_funcs=lambda completions, **_: [0.0] * len(
+        completions), args=args, train_dataset=data, processing_class=tokenizer)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop, which is not run here
+    trainer.model.train()  # _compute_loss logs under "train" in train mode (dropout is 0 either way)
+    inputs = trl_inputs()
+    if args.beta > 0:
+        assert args.use_bias_correction_kl  # TRL's default: the KL term is weighted by the ratio
+        # GRPOTrainer loads its reference from the policy's path; give it the unperturbed weights.
+        trainer.ref_model.load_state_dict(hf_model(checkpoints["ref"]).state_dict())
+        inputs["ref_per_token_logps"] = trl_logps(trainer, trainer.ref_model, inputs)
+    old = None
+    if off_policy:
+        old_model = hf_model(checkpoints["old"])
+        add_fused_lm_head(old_model, temperature=args.temperature)  # as GRPOTrainer patches its own model
+        inputs["old_per_token_logps"] = trl_logps(trainer, old_model, inputs)
+        old = completion_to_rows(inputs["old_per_token_logps"])
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    params = dict(trainer.model.named_parameters())
+    grads = {name: params[name].grad.detach().numpy().copy() for name, _ in GRAD_PARAMS.values()}
+    return TRLResult(loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads, old)
+
+
+# ---------------------------------------------------------------------------------------------------- jaxtune side
+
+
+def objective_cfg(**keys) -> ObjectiveConfig:
+    return ObjectiveConfig(name="grpo", rewards=[{"name": "length"}], num_generations=GROUP,
+                           max_completion_length=MAX_COMPLETION, **keys)
+
+
+@dataclass
+class Native:
+    """The native spec of the checkpoints' architecture (full fine-tuning, AdamW at lr 1e-2 with eps 0.1: see the
+    module's docstring), its weights."""
+
+    spec: Any
+    policy: Any  # the perturbed checkpoint's params
+    ref: Any  # the unperturbed checkpoint's params
+    compiled: dict = field(default_factory=dict)  # objective -> jitted value_and_grad of its loss
+
+
+@pytest.fixture(scope="module")
+def native(checkpoints) -> Native:
+    def spec_for(model_dir):
+        cfg = load_config(None, [f"model.from_hf={model_dir}", "objective.name=grpo", "data.format=prompts",
+                                 "data.sources=[prompts.jsonl]", f"data.seq_len={T}", "train.batch_size=2",
+                                 "objective.rewards=[{name: length}]", f"objective.num_generations={GROUP}",
+                                 f"objective.max_completion_length={MAX_COMPLETION}", "optim.lr=1e-2",
+                                 "optim.eps=0.1", "optim.warmup_steps=0", "train.steps=3"])
+        return make_state_spec(cfg, None, MESH)
+
+    spec = spec_for(checkpoints["policy"])
+    return Native(spec, spec.init(0).params, spec_for(checkpoints["ref"]).init(0).params)
+
+
+@dataclass
+class Ours:
+    loss: float
+    count: float
+    metrics: dict[str, float]
+    grads: Any
+
+
+def loss_and_grad(native: Native, objective: GRPO, cfg: ObjectiveConfig):
+    """(reference, jitted value_and_grad of ``objective``'s `objective_loss`), compiled once per objective."""
+    reference = step_reference(native.spec, cfg)
+    assert reference is None or reference.copy  # full fine-tuning: a frozen copy of the weights
+    if objective not in native.compiled:
+        loss_fn = objective_loss(objective, native.spec.forward(), native.spec.weights, reference)
+        native.compiled[objective] = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), compiler_options=FAST_COMPILE)
+    return reference, native.compiled[objective]
+
+
+def ours(native: Native, params, batch, **keys) -> Ours:
+    """``objective.name=grpo`` (with ``keys``) on ``params`` as the train step forms it: `objective_loss`'s sums and
+    their gradients divided by the objective's count, the metrics by `per_unit`. With beta > 0 the reference is the
+    unperturbed checkpoint, as the frozen copy (the last frozen group)."""
+    cfg = objective_cfg(**keys)
+    reference, fn = loss_and_grad(native, replace(make_objective(cfg), passes=1), cfg)
+    with sharding.use_mesh(MESH):
+        (total, (count, metrics)), grads = fn(params, sharding.global_batch(MESH, batch), None,
+                                              () if reference is None else (native.ref,))
+    n = float(count)
+    return Ours(float(total) / n, n, {k: float(v) for k, v in per_unit(metrics, count).items()},
+                jax.tree.map(lambda g: np.asarray(g) / n, grads))
+
+
+def our_grad(grads, path) -> np.ndarray:
+    node = grads
+    for k in path:
+        node = node[k]
+    return node.T if GRAD_PARAMS[path][1] else node
+
+
+def assert_matches(mine: Ours, theirs: TRLResult, names=()) -> dict[str, float]:
+    """Loss, the ``names`` metrics and the gradients within TOL; the errors."""
+    errors = {"loss": rel(mine.loss, theirs.loss)}
+    errors |= {k: rel(mine.metrics[k], theirs.metrics[k]) for k in names}
+    errors |= {name: rel(our_grad(mine.grads, path), theirs.grads[name]) for path, (name, _) in GRAD_PARAMS.items()}
+    bad = {k: v for k, v in errors.items() if not v <= TOL}
+    assert not bad, (bad, mine.loss, theirs.loss, mine.metrics, theirs.metrics)
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------------- vs TRL
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_loss_types_match_trl(checkpoints, tokenizer, native, tmp_path, loss_type):
+    """beta = 0, on-policy (ratio 1): each loss type's loss and gradients equal GRPOTrainer's."""
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, beta=0.0, loss_type=loss_type)
+    mine = ours(native, native.policy, our_batch(), loss_type=loss_type)
+    tokens = float(our_batch()["loss_mask"].sum())
+    assert mine.count == {"grpo": N, "dapo": tokens, "dr_grpo": N * MAX_COMPLETION}[loss_type]
+    assert mine.metrics["kl"] == 0.0 and "kl" not in theirs.metrics
+    assert_matches(mine, theirs)
+
+
+def test_kl_penalty_matches_trl(checkpoints, tokenizer, native, tmp_path):
+    """dapo with beta = 0.04 against the reference model (a frozen copy of the unperturbed checkpoint; TRL's
+    ref_model with the same weights): loss, gradients and the kl metric equal GRPOTrainer's."""
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, beta=0.04, loss_type="dapo")
+    mine = ours(native, native.policy, our_batch(), beta=0.04, loss_type="dapo")
+    assert theirs.metrics["kl"] > 1e-3  # the policy is not the reference
+    assert_matches(mine, theirs, names=("kl",))
+
+
+def test_temperature_matches_trl(checkpoints, tokenizer, native, tmp_path):
+    """temperature 0.7 (the policy's and the reference's log-probs of logits / 0.7 on both sides), dapo with beta =
+    0.04 so that the loss too depends on it (on-policy, the policy term's value does not): loss, gradients and the
+    kl metric equal GRPOTrainer's, and differ from temperature 1's."""
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, beta=0.04, loss_type="dapo", temperature=0.7)
+    mine = ours(native, native.policy, our_batch(), beta=0.04, loss_type="dapo", temperature=0.7)
+    assert_matches(mine, theirs, names=("kl",))
+    at_one = ours(native, native.policy, our_batch(), beta=0.04, loss_type="dapo")
+    assert abs(mine.metrics["kl"] - at_one.metrics["kl"]) > 1e-2 * at_one.metrics["kl"]
+    assert rel(mine.grads["lm_head"]["embedding"], at_one.grads["lm_head"]["embedding"]) > 1e-2
+
+
+@pytest.fixture(scope="module")
+def off_policy(checkpoints, tokenizer, tmp_path_factory) -> TRLResult:
+    """GRPOTrainer's result with ``old_per_token_logps`` from the old checkpoint (dapo, OFF_POLICY clipping)."""
+    return trl_grpo(checkpoints, tokenizer, tmp_path_factory.mktemp("trl"), off_policy=True, beta=0.0,
+                    loss_type="dapo", **OFF_POLICY)
+
+
+def test_old_logps_match_trl(native, off_policy):
+    """mu > 1 semantics: with the batch's ``old_logps`` (the old checkpoint's, so ratios != 1), loss, gradients and
+    the clip ratios equal GRPOTrainer's, some tokens clipped below and some above."""
+    mine = ours(native, native.policy, our_batch(off_policy.old_logps), loss_type="dapo", **OFF_POLICY)
+    assert all(off_policy.metrics[k] > 0 for k in CLIP_METRICS), off_policy.metrics
+    assert_matches(mine, off_policy, names=CLIP_METRICS)
+
+
+@pytest.fixture(scope="module")
+def off_policy_kl(checkpoints, tokenizer, native, tmp_path_factory) -> tuple[Ours, TRLResult]:
+    """dapo with beta = 0.04 and ``old_logps`` from the old checkpoint: (ours, GRPOTrainer's)."""
+    keys = {"beta": 0.04, "loss_type": "dapo", **OFF_POLICY}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path_factory.mktemp("trl"), off_policy=True, **keys)
+    return ours(native, native.policy, our_batch(theirs.old_logps), **keys), theirs
+
+
+def test_kl_penalty_with_old_logps_matches_trl(off_policy_kl):
+    """beta > 0 with ``old_logps``: the KL term weighted by the ratio, as TRL's use_bias_correction_kl: loss and
+    gradients equal GRPOTrainer's."""
+    assert_matches(*off_policy_kl)
+
+
+def test_kl_metric_with_old_logps_is_trls(off_policy_kl):
+    """The ``kl`` metric with ``old_logps`` (ratios != 1) vs GRPOTrainer's logged ``kl``."""
+    mine, theirs = off_policy_kl
+    assert rel(mine.metrics["kl"], theirs.metrics["kl"]) <= TOL, (mine.metrics["kl"], theirs.metrics["kl"])
+
+
+# ---------------------------------------------------------------------------------------------------- train step
+
+
+def jit_step(native: Native, objective: GRPO, micro_batches: int = 1):
+    """The train step `build_steps` makes for ``objective``, jitted (state not donated: reused)."""
+    step, _ = build_steps(native.spec, objective, TrainConfig(batch_size=N, micro_batches=micro_batches))
+    return jax.jit(step, compiler_options=FAST_COMPILE)
+
+
+def test_micro_batches_give_the_same_update(native, off_policy):
+    """dapo (count: tokens) with ``old_logps`` (some ratios clipped): the train step in 2 micro-batches of different
+    token counts makes the update, loss and metrics of the step in 1."""
+    objective = make_objective(objective_cfg(loss_type="dapo", **OFF_POLICY))
+    batch = our_batch(off_policy.old_logps)
+    state = native.spec.init(0)
+    out = {}
+    with sharding.use_mesh(MESH):
+        for m in (1, 2):
+            new, metrics = jit_step(native, objective, m)(state, sharding.global_batch(MESH, batch))
+            out[m] = (jax.device_get(new.params), jax.device_get(metrics))
+    (one, m1), (two, m2) = out[1], out[2]
+    assert float(m1["tokens"]) == float(m2["tokens"]) == batch["loss_mask"].sum()
+    assert m1["clip_ratio/region_mean"] > 0
+    for k in ("loss", "grad_norm", "kl", *CLIP_METRICS):
+        assert abs(float(m2[k]) - float(m1[k])) <= STEP_TOL * max(abs(float(m1[k])), 1e-30), (k, m1[k], m2[k])
+    assert update_error(two, one, state.params) <= STEP_TOL
+
+
+PREPARED: list[int] = []  # CountedGRPO.prepare's calls
+
+
+class CountedGRPO(GRPO):
+    """GRPO counting its `prepare` calls (made while tracing: once per traced step)."""
+
+    def prepare(self, forward, weights, batch):
+        PREPARED.append(1)
+        return super().prepare(forward, weights, batch)
+
+
+def test_num_iterations_is_two_updates_with_fixed_old_logps(native):
+    """objective.num_iterations=2: one call of the step takes the old log-probs once (`GRPO.prepare`, the weights
+    before the step) and makes 2 AdamW updates, the second with the ratio of the once-updated weights to those: the
+    same parameters as the two updates made by hand with the spec's optimizer (and not those made with the old
+    log-probs re-taken before the second update). The step's loss is the first pass's."""
+    cfg = objective_cfg(num_iterations=2, loss_type="dapo", **OFF_POLICY)
+    objective = make_objective(cfg)
+    assert objective.passes == 2
+    counted = CountedGRPO(**{k: getattr(objective, k) for k in objective.__dataclass_fields__})
+    state = native.spec.init(0)
+    batch = our_batch()
+    with sharding.use_mesh(MESH):
+        new, metrics = jit_step(native, counted)(state, sharding.global_batch(MESH, batch))
+    assert len(PREPARED) == 1 and int(new.step) == 1
+    counts = [int(c) for _, c in optax.tree_utils.tree_get_all_with_path(new.opt_state, "count")]
+    assert counts and all(c == 2 for c in counts), counts  # AdamW's (and its schedule's) update count
+
+    # By hand: old log-probs of the first weights, then two updates with the spec's optimizer.
+    forward, spec = native.spec.forward(), native.spec
+    logps = jax.jit(lambda params: objective.logps(forward, spec.weights(params, ()), batch, None))
+    tx_update = jax.jit(lambda g, s, p: spec.tx.update(g, s, p))
+
+    def update(params, opt_state, old):
+        mine = ours(native, params, our_batch(np.asarray(old)), loss_type="dapo", **OFF_POLICY)
+        updates, opt_state = tx_update(mine.grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, mine
+
+    with sharding.use_mesh(MESH):
+        old = logps(state.params)
+        params1, opt1, first = update(state.params, state.opt_state, old)
+        params2, _, _ = update(params1, opt1, old)
+        retaken, _, _ = update(params1, opt1, logps(params1))
+    assert abs(float(metrics["loss"]) - first.loss) <= STEP_TOL * abs(first.loss)
+    assert update_error(new.params, params2, state.params, ulps=2) <= STEP_TOL
+    assert update_error(retaken, params2, state.params) > 1e-3  # the fixed old log-probs are felt

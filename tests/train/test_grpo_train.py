@@ -1,0 +1,189 @@
+"""GRPO end to end, through `jaxtune.loop.train`: completions sampled inside the loop, scored, trained on.
+
+Tiny models on the generated arithmetic prompts (`synthetic:arithmetic-prompts`' first rows), CPU. Checked: the train
+step compiles once and the sampler once per bucket (no recompiles after a bucket's first step); train rows carry the
+rollout's and the objective's metrics (TRL's names), eval rows held-out accuracy and reward; samples.jsonl and
+report.md the completions with their rewards; a killed LoRA run (KL to the base with the adapters off, two passes per
+batch) resumes bitwise; a reward function that raises is one line naming it and the row, or scored 0 and counted;
+the torchax backend trains with its own sampler; the README's commands run. The loss itself is checked against TRL in
+test_grpo_objective.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import TORCHAX_LLAMA
+from test_loop import _final_params, _losses, _run_driver
+
+from jaxtune.cli import main
+from jaxtune.config import load_config
+from jaxtune.data.synthetic import arithmetic_prompts
+from jaxtune.loop import train
+from jaxtune.train.checkpoint import Checkpointer
+
+MODEL = ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
+         "model.n_kv_head=2", "model.d_ff=128", "model.max_seq_len=64"]
+# Rewards that vary on a random model: the length penalty (completions run to 16 tokens) and a digit count.
+REST = ["data.format=prompts", "data.chat_template=chatml", "data.seq_len=48", "data.val_fraction=0.1",
+        "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
+        "objective.name=grpo", "objective.num_generations=4", "objective.max_completion_length=16",
+        "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}]",
+        "optim.lr=1e-2", "optim.warmup_steps=0", "optim.schedule=constant", "train.batch_size=4", "train.steps=4",
+        "eval.every=2", "eval.exact_match=8", "checkpoint.every=2", "logging.every=1", "logging.progress=false",
+        "logging.tensorboard=false"]
+ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_number/mean",
+                   "rewards/length/mean", "rewards/length/std", "completions/mean_length", "completions/max_length",
+                   "completions/clipped_ratio", "time/generation", "time/rewards", "generation_tok_s")
+OBJECTIVE_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in itertools.islice(arithmetic_prompts(), 200)))
+    return path
+
+
+@pytest.fixture
+def grpo(prompts_file, tmp_path, data_cache):
+    """grpo("objective.beta=0.04", ...) -> overrides of a tiny native GRPO run in this test's tmp dir."""
+
+    def make(*extra: str, run: str = "run") -> list[str]:
+        return [*MODEL, *REST, f"data.sources=[{prompts_file}]", f"data.cache_dir={data_cache}",
+                f"run_dir={tmp_path / run}", *extra]
+
+    return make
+
+
+def _rows(run_dir: Path, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == kind]
+
+
+def test_grpo_trains_with_a_reference_and_reports(grpo):
+    """Full fine-tuning with a KL penalty (the reference a frozen copy): one train-step compile; the sampler compiles
+    a prefill and a decode for the rollouts' shape and the same for the held-out prompts', and never again (4 steps,
+    3 evaluations); every metric is logged and finite; the evaluations and report.md show accuracy and rewards."""
+    cfg = load_config(None, grpo("objective.beta=0.04"))
+    result = train(cfg)
+    assert result.step_compiles == 1
+    assert result.sampler_compiles == 4, result.sampler_compiles
+    train_rows, eval_rows = _rows(cfg.run_path, "train"), _rows(cfg.run_path, "eval")
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    for row in train_rows:
+        assert set(ROLLOUT_METRICS + OBJECTIVE_METRICS) <= set(row), sorted(row)
+        assert np.isfinite([row[k] for k in ROLLOUT_METRICS + OBJECTIVE_METRICS]).all(), row
+        assert 1 <= row["completions/mean_length"] <= row["completions/max_length"] <= 16
+        assert row["tokens"] == pytest.approx(row["completions/mean_length"] * 16)  # dapo counts completion tokens
+    assert train_rows[0]["kl"] == 0.0 and train_rows[-1]["kl"] > 0  # the policy leaves its reference
+    assert any(r["reward_std"] > 0 for r in train_rows)
+    assert [r["step"] for r in eval_rows] == [0, 2, 4]
+    for row in eval_rows:
+        assert 0.0 <= row["accuracy"] <= 1.0 and np.isfinite(row["reward"])
+    samples = [json.loads(line) for line in (cfg.run_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0] * 4 + [2] * 4 + [4] * 4
+    assert set(samples[0]["rewards"]) == {"exact_number", "length"} and samples[0]["text"].startswith("user: ")
+    report = (cfg.run_path / "report.md").read_text()
+    assert "| step | held-out accuracy | held-out reward |" in report
+    assert f"| 4 | {eval_rows[-1]['accuracy']:.1%} (" in report
+    assert "Held-out accuracy (8 held-out prompts" in report and "## Held-out prompt 1" in report
+
+
+def test_grpo_lora_kill9_and_resume_is_bitwise(grpo, tmp_path):
+    """LoRA GRPO with a KL penalty (the base with the adapters off) and two passes per batch, killed after step 4
+    with step 3 committed, resumed: the rollouts are sampled again with the same keys, so the losses of steps 4-5
+    and the final adapters equal the uninterrupted run's bitwise."""
+    lora = ["model.lora.rank=4", "objective.beta=0.04", "objective.num_iterations=2", "train.steps=5",
+            "eval.every=0", "eval.exact_match=0", "checkpoint.every=3", "checkpoint.keep=5"]
+    ref_cfg = load_config(None, grpo(*lora, run="ref"))
+    ref = train(ref_cfg)
+    assert ref.step_compiles == 1
+    ref_params, _ = _final_params(ref_cfg, 5)
+
+    over = grpo(*lora, run="killed")
+    killed = _run_driver(tmp_path, "kill", 4, over, commit=3)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    cfg = load_config(None, over)
+    assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 3
+    resumed = _run_driver(tmp_path, "plain", 0, over)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    losses = _losses(cfg.run_path)
+    for s in range(4, 6):
+        assert losses[s] == ref.losses[s], (s, losses[s], ref.losses[s])
+    params, _ = _final_params(cfg, 5)
+    jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+
+
+REWARD_MODULE = """
+def flaky(prompts, completions, rows):
+    if any(int(row["answer"]) % 2 for row in rows):
+        raise ZeroDivisionError("no reward for an odd sum")
+    return [1.0 for _ in completions]
+"""
+
+
+@pytest.mark.parametrize("policy", ["raise", "zero"])
+def test_a_reward_function_that_raises(grpo, prompts_file, tmp_path, monkeypatch, capsys, policy):
+    """A user reward (module:function) that raises on the prompts with an odd sum: one line naming it and such a
+    prompt's file:line, exit 2 (reward_errors=raise); or the batch's completions scored 0 and counted (zero)."""
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(REWARD_MODULE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    over = grpo("objective.rewards=[{name: 'my_rewards:flaky'}]", f"objective.reward_errors={policy}",
+                "train.steps=2", "eval.every=0", "eval.exact_match=0", "data.val_fraction=0")
+    (tmp_path / "grpo.yaml").write_text("name: grpo\n")
+    code = main(["train", str(tmp_path / "grpo.yaml"), *over])
+    err = capsys.readouterr().err
+    if policy == "raise":
+        assert code == 2
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1, err
+        assert "flaky" in lines[0] and "ZeroDivisionError" in lines[0], lines[0]
+        where = re.search(re.escape(str(prompts_file)) + r":(\d+)", lines[0])
+        assert where, lines[0]
+        row = json.loads(prompts_file.read_text().splitlines()[int(where[1]) - 1])
+        assert int(row["answer"]) % 2 == 1, (lines[0], row)
+    else:
+        assert code == 0, err
+        rows = _rows(tmp_path / "run", "train")
+        assert sum(r.get("reward_errors/flaky", 0) for r in rows) >= 16  # a batch with an odd sum: all 16 zeroed
+
+
+def test_torchax_grpo_lora_samples_with_its_own_generator(grpo, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")  # torchax itself is imported through jaxtune's compatibility shim
+    directory = tmp_path / "hf-llama-config"
+    transformers.LlamaConfig(**{**TORCHAX_LLAMA, "vocab_size": 300}).save_pretrained(directory)
+    over = [o for o in grpo("train.steps=2", "eval.every=0", "eval.exact_match=0") if not o.startswith("model.")]
+    cfg = load_config(None, [*over, "model.backend=torchax", f"model.hf_config={directory}", "model.lora.rank=4"])
+    result = train(cfg)
+    assert result.step_compiles == 1 and result.sampler_compiles >= 1
+    row = _rows(cfg.run_path, "train")[-1]
+    assert set(ROLLOUT_METRICS + OBJECTIVE_METRICS) <= set(row) and row["completions/mean_length"] >= 1
+
+
+def test_grpo_quickstart_as_the_readme_runs_it(tmp_path, data_cache, capsys):
+    """The README's commands, shortened: the fine-tuning quickstart, its export, then grpo-quickstart from it."""
+    sft, model, run = tmp_path / "sft", tmp_path / "sft-model", tmp_path / "grpo"
+    fast = [f"data.cache_dir={data_cache}", "eval.prompts=[]", "logging.progress=false", "logging.tensorboard=false"]
+    assert main(["train", "finetune-quickstart", f"run_dir={sft}", "train.steps=20", "eval.every=0",
+                 "eval.exact_match=0", "data.val_fraction=0", *fast]) == 0
+    assert main(["export", str(sft), str(model)]) == 0
+    capsys.readouterr()
+    assert main(["train", "grpo-quickstart", f"model.from_hf={model}", f"run_dir={run}", "train.steps=2",
+                 "train.batch_size=2", "eval.every=0", "eval.exact_match=4", "checkpoint.every=2",
+                 "logging.every=1", *fast]) == 0
+    out = capsys.readouterr().out
+    assert "prompt data: 10000 rows ->" in out and "held-out accuracy" in out
+    assert json.loads((run / "summary.json").read_text())["step_compiles"] == 1
+    assert [r["step"] for r in _rows(run, "eval")] == [0, 2]
