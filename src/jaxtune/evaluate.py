@@ -34,7 +34,7 @@ from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import StepLog, perplexity
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import step_reference, with_reference
-from jaxtune.train.rollout import Rollout, prompt_text
+from jaxtune.train.rollout import Rollout, make_rollout, prompt_text
 from jaxtune.train.state import ModelSpec
 from jaxtune.train.step import Steps, jit_steps
 
@@ -108,6 +108,8 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     split = dict(process_index=jax.process_index(), process_count=jax.process_count())
     size = cfg.train.batch_size
     extra: dict[str, Any] = {}
+    if cfg.objective.name == "grpo":
+        return _evaluate_prompts(run, data)
     if data is None:
         held_out = make_training_data(cfg.data, tok, batch_size=size, seed=cfg.train.seed,
                                       eval_batches=batches or cfg.eval.batches, **split)
@@ -129,6 +131,25 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
 
 
 GRPO_SAMPLES = 4  # held-out completions shown with their rewards at each evaluation (GRPO)
+def _evaluate_prompts(run: LoadedRun, data: str | None) -> dict[str, Any]:
+    """A GRPO run: held-out prompts (or every prompt of ``data``) answered greedily and scored by the run's reward
+    functions; ``eval.exact_match`` of them when set, else all."""
+    cfg = run.cfg
+    if data is not None:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(
+            update={"sources": [data], "val_sources": [data], "val_fraction": 0.0})})
+    prompts = make_training_data(cfg.data, run.tokenizer, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
+                                 eval_batches=1, max_prompt_tokens=cfg.max_prompt_tokens).prompts
+    if prompts.val is None or not len(prompts.val):
+        raise ConfigError("data.val_fraction is 0 (and no data.val_sources): there are no held-out prompts to answer; "
+                          "pass a prompts file (jaxtune eval RUN --data FILE)")
+    count = min(cfg.eval.exact_match or len(prompts.val), len(prompts.val))
+    rollout = make_rollout(cfg, run.spec.generator(), run.tokenizer)
+    with sharding.use_mesh(run.spec.mesh):
+        _, scores = rollout.held_out(run.weights, prompts.val, count, seed=0)
+    return {"step": run.step, "prompts": count, **scores}
+
+
 REWARD_ACCURACY = "rewards/accuracies"  # TRL's name: the share of held-out pairs whose chosen reply is rewarded more
 EMPTY_ANSWER = "(empty)"  # how a sample shows an answer that is empty or only whitespace
 
@@ -236,14 +257,12 @@ class Evaluator:
         reward scores 1) and the mean total ``reward``; the first few completions with their rewards go to
         samples.jsonl and report.md."""
         rollout = self.rollout
-        done = rollout.sample(self.steps.weights(params, frozen), self.prompts, list(range(self.scored)), group=1,
-                              temperature=0.0, seed=step)
+        done, held_out = rollout.held_out(self.steps.weights(params, frozen), self.prompts, self.scored, step)
         scores = done.scores
-        scalars["reward"] = record["reward"] = float(scores.total.mean())
+        scalars.update(held_out)
+        record.update(held_out)
         said = f"held-out reward {record['reward']:.3f}"
-        if rollout.rewards.accuracy is not None:
-            right = scores.per_function[:, rollout.rewards.accuracy] >= 1.0
-            scalars["accuracy"] = record["accuracy"] = float(right.mean())
+        if "accuracy" in held_out:
             said = f"held-out accuracy {_score(record['accuracy'], self.scored)}, " + said
         shown_rows = []
         for i in range(min(GRPO_SAMPLES, self.scored)):

@@ -186,4 +186,10 @@ def test_grpo_quickstart_as_the_readme_runs_it(tmp_path, data_cache, capsys):
     out = capsys.readouterr().out
     assert "prompt data: 10000 rows ->" in out and "held-out accuracy" in out
     assert json.loads((run / "summary.json").read_text())["step_compiles"] == 1
+    last = _rows(run, "eval")[-1]
     assert [r["step"] for r in _rows(run, "eval")] == [0, 2]
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0  # the same held-out prompts, greedily: the same scores as the run's last
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["step"] == 2 and scored["prompts"] == 4
+    assert scored["accuracy"] == last["accuracy"] and scored["reward"] == pytest.approx(last["reward"])

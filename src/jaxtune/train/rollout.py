@@ -92,6 +92,15 @@ class Rollout:
                         "generated_tokens": float(sum(len(c) for c in ids))}
         return Completions(prompt_ids, ids, texts, expanded, scores, stopped)
 
+    def held_out(self, weights: Any, source: PromptRows, count: int, seed: int) -> tuple[Completions, dict[str, float]]:
+        """The first ``count`` prompts of ``source`` answered greedily and scored: the mean total ``reward`` and
+        ``accuracy``, the share the first answer-checking reward (`Rewards.accuracy`) scores 1 (if there is one)."""
+        done = self.sample(weights, source, list(range(count)), group=1, temperature=0.0, seed=seed)
+        scores = {"reward": float(done.scores.total.mean())}
+        if self.rewards.accuracy is not None:
+            scores["accuracy"] = float(np.mean(done.scores.per_function[:, self.rewards.accuracy] >= 1.0))
+        return done, scores
+
     def batch(self, weights: Any, source: PromptRows, prompts: dict[str, np.ndarray],
               step: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """The training batch for the prompt batch ``prompts`` at ``step`` (N = prompts × ``num_generations`` rows)
