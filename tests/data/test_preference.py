@@ -20,9 +20,9 @@ from jaxtune.config import DataConfig, TokenizerConfig
 from jaxtune.data import DataError, load_tokenizer
 from jaxtune.data.formats import FORMATS, REASONS, Example, Pair, detect_format, field_names, parse_row, renders_chat
 from jaxtune.data.pipeline import make_sequence_batches, make_training_data, test_sequences
-from jaxtune.data.preference import PairRows, PreferenceStats, load_pairs, prepare_preference, resolve_settings
+from jaxtune.data.preference import PairRows, PreferenceStats, load_pairs, prepare_preference
 from jaxtune.data.rows import BadRow, read_rows
-from jaxtune.data.sft import DROP_REASONS, question
+from jaxtune.data.sft import DROP_REASONS, completion_settings, question
 from jaxtune.data.synthetic import arithmetic, arithmetic_preferences, worked_sum
 
 U, A, S = "user", "assistant", "system"
@@ -63,7 +63,7 @@ def parsed(row: dict, data_cfg: DataConfig) -> Pair:
 
 
 def load(tok, data_cfg: DataConfig, stats: PreferenceStats | None = None):
-    resolve_settings(data_cfg, tok)  # sets data.chat_template, as prepare_preference does
+    completion_settings(data_cfg, tok)  # sets data.chat_template, as prepare_preference does
     return load_pairs(data_cfg.sources, data_cfg, tok, stats if stats is not None else PreferenceStats())
 
 

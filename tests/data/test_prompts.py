@@ -21,9 +21,9 @@ from jaxtune.config import DataConfig
 from jaxtune.data import DataError, PromptData, PromptRows, prepare_prompts
 from jaxtune.data.formats import FORMATS, REASONS, Prompt, detect_format, field_names, parse_row, renders_chat
 from jaxtune.data.pipeline import make_training_data, test_sequences
-from jaxtune.data.prompts import PromptStats, encode_prompts, load_prompts, resolve_settings
+from jaxtune.data.prompts import PromptStats, encode_prompts, load_prompts
 from jaxtune.data.rows import BadRow, read_rows
-from jaxtune.data.sft import DROP_REASONS
+from jaxtune.data.sft import DROP_REASONS, completion_settings
 from jaxtune.data.synthetic import arithmetic, arithmetic_prompts
 
 U, A, S = "user", "assistant", "system"
@@ -57,7 +57,7 @@ def parsed(row: dict, data_cfg: DataConfig) -> Prompt:
 
 
 def load(tok, data_cfg: DataConfig, max_prompt_tokens: int = 256, stats: PromptStats | None = None):
-    resolve_settings(data_cfg, tok)  # sets data.chat_template, as prepare_prompts does
+    completion_settings(data_cfg, tok)  # sets data.chat_template, as prepare_prompts does
     return load_prompts(data_cfg.sources, data_cfg, tok, max_prompt_tokens,
                         stats if stats is not None else PromptStats())
 

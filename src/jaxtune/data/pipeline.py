@@ -29,10 +29,9 @@ from jaxtune.data.preference import (
     PreferenceStats,
     load_pairs,
     prepare_preference,
-    resolve_settings,
 )
 from jaxtune.data.prompts import PromptData, prepare_prompts
-from jaxtune.data.sft import SFTStats, load_examples, prepare_sft, sequences
+from jaxtune.data.sft import SFTStats, completion_settings, load_examples, prepare_sft, sequences
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
 
@@ -232,7 +231,7 @@ def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tup
         tokens = prepare_tokens(test_cfg, tokenizer)
         return TextWindows(tokens, "train"), {"sequences": tokens.train_windows}
     if data_cfg.format == "preference":
-        resolve_settings(test_cfg, tokenizer)
+        completion_settings(test_cfg, tokenizer)
         stats = PreferenceStats()
         pairs = load_pairs(test_cfg.sources, test_cfg, tokenizer, stats)
         if not pairs:

@@ -35,10 +35,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxtune.config import DataConfig
-from jaxtune.data.chat import resolve_chat_template
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import Example, Pair
-from jaxtune.data.sft import Encoded, Encoder, Examples, PackedRows, RowStats, overlong_error, parsed_rows, split_rows
+from jaxtune.data.sft import (
+    Encoded,
+    Encoder,
+    Examples,
+    PackedRows,
+    RowStats,
+    completion_settings,
+    overlong_error,
+    parsed_rows,
+    split_rows,
+)
 from jaxtune.data.tokenizer import Tokenizer
 
 EncodedPair = tuple[Encoded, Encoded]  # (chosen, rejected), each the prompt then its completion
@@ -95,16 +104,6 @@ class PreferenceData:
     val: PairRows | None
     stats: PreferenceStats
     held_out: list[Example] = field(default_factory=list)  # the held-out pairs' chosen Examples, not truncated
-
-
-def resolve_settings(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:
-    """Refuses what does not apply to pairs, and sets the chat template (``data.chat_template``) when one is given:
-    text pairs need none, so its absence is an error only at the first conversational pair."""
-    if data_cfg.loss_on != "assistant":
-        raise DataError(f"data.loss_on={data_cfg.loss_on} does not apply to data.format=preference: the loss is on "
-                        "each completion's assistant turns; leave data.loss_on at assistant")
-    if data_cfg.chat_template is not None:
-        resolve_chat_template(data_cfg, tokenizer)
 
 
 def encode_pairs(encoder: Encoder, pairs: list[Pair]) -> list[EncodedPair]:
@@ -168,7 +167,7 @@ def _tokens(pair: EncodedPair) -> bytes:
 
 def prepare_preference(data_cfg: DataConfig, tokenizer: Tokenizer) -> PreferenceData:
     """Read, encode and split the preference pairs (see the module docstring)."""
-    resolve_settings(data_cfg, tokenizer)
+    completion_settings(data_cfg, tokenizer)
     stats = PreferenceStats()
     train, val = split_rows(data_cfg, lambda sources: load_pairs(sources, data_cfg, tokenizer, stats), _tokens,
                             stats, "pairs")

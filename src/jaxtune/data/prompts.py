@@ -31,10 +31,8 @@ from typing import Any
 import numpy as np
 
 from jaxtune.config import DataConfig
-from jaxtune.data.chat import resolve_chat_template
-from jaxtune.data.errors import DataError
 from jaxtune.data.formats import Prompt
-from jaxtune.data.sft import Encoded, Examples, RowStats, overlong_error, parsed_rows, split_rows
+from jaxtune.data.sft import Encoded, Examples, RowStats, completion_settings, overlong_error, parsed_rows, split_rows
 from jaxtune.data.tokenizer import Tokenizer
 
 # What sets a prompt's length limit, and how else to make room, as data.overlong=raise says.
@@ -111,16 +109,6 @@ class PromptData:
     max_prompt_tokens: int
 
 
-def resolve_settings(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:
-    """Refuses what does not apply to prompts, and sets the chat template (``data.chat_template``) when one is given:
-    text prompts need none, so its absence is an error only at the first conversational prompt."""
-    if data_cfg.loss_on != "assistant":
-        raise DataError(f"data.loss_on={data_cfg.loss_on} does not apply to data.format=prompts: the loss is on the "
-                        "generated completions; leave data.loss_on at assistant")
-    if data_cfg.chat_template is not None:
-        resolve_chat_template(data_cfg, tokenizer)
-
-
 def encode_prompts(tokenizer: Tokenizer, prompts: list[Prompt]) -> list[np.ndarray]:
     """Each prompt's ids, int32 (n,): text encoded as is, messages rendered by the chat template with the generation
     prompt; text and conversational prompts may mix."""
@@ -163,7 +151,7 @@ def prepare_prompts(data_cfg: DataConfig, tokenizer: Tokenizer, max_prompt_token
     """Read, encode and split the prompts (see the module docstring), each at most ``max_prompt_tokens`` long."""
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens={max_prompt_tokens}: a prompt needs at least one token")
-    resolve_settings(data_cfg, tokenizer)
+    completion_settings(data_cfg, tokenizer)
     stats = PromptStats(max_prompt_tokens=max_prompt_tokens)
     train, val = split_rows(
         data_cfg, lambda sources: load_prompts(sources, data_cfg, tokenizer, max_prompt_tokens, stats),

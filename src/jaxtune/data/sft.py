@@ -269,6 +269,17 @@ def parsed_rows(sources: list[str], data_cfg: DataConfig, stats: RowStats,
     yield pending
 
 
+def completion_settings(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:
+    """For formats trained on completions (preference pairs, GRPO's prompts): refuses another ``data.loss_on``, and
+    sets the chat template (``data.chat_template``) when one is given: text rows need
+    none, so its absence is an error only at the first conversational row."""
+    if data_cfg.loss_on != "assistant":
+        raise DataError(f"data.loss_on={data_cfg.loss_on} does not apply to data.format={data_cfg.format}: the loss is "
+                        "on the completions' tokens; leave data.loss_on at assistant")
+    if data_cfg.chat_template is not None:
+        resolve_chat_template(data_cfg, tokenizer)
+
+
 def overlong_error(where: str, tokens: int, limit: int, limit_name: str = "data.seq_len + 1",
                    remedy: str = "raise data.seq_len") -> DataError:
     """``data.overlong=raise``: the row at ``where`` has more than ``limit`` tokens (``limit_name``: what sets the
