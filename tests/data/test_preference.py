@@ -6,18 +6,18 @@ template of its own (data.chat_template: chatml sets it), and a plain one for ra
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
-from test_sft import build_tokenizer, write_jsonl
+import rows_helpers
+from rows_helpers import A, S, U, bad_rows_file, fresh, m, parsed
+from test_sft import write_jsonl
 
-from jaxtune.config import DataConfig, TokenizerConfig
-from jaxtune.data import DataError, load_tokenizer
+from jaxtune.config import DataConfig
+from jaxtune.data import DataError
 from jaxtune.data.formats import FORMATS, REASONS, Example, Pair, detect_format, field_names, parse_row, renders_chat
 from jaxtune.data.pipeline import make_sequence_batches, make_training_data, test_sequences
 from jaxtune.data.preference import PairRows, PreferenceStats, load_pairs, prepare_preference
@@ -25,25 +25,12 @@ from jaxtune.data.rows import BadRow, read_rows
 from jaxtune.data.sft import DROP_REASONS, completion_settings, question
 from jaxtune.data.synthetic import arithmetic, arithmetic_preferences, worked_sum
 
-U, A, S = "user", "assistant", "system"
 IM_END = "<|im_end|>"
-
-
-def m(role: str, content: str) -> dict:
-    return {"role": role, "content": content}
 
 
 @pytest.fixture(scope="module")
 def tok_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tokenizers")
-    build_tokenizer(root / "chatml", None, ["<|im_start|>", IM_END], "<|endoftext|>")
-    build_tokenizer(root / "plain", None, [], "<|endoftext|>")
-    return root
-
-
-def fresh(tok_dirs, name: str = "chatml"):
-    """A new Tokenizer (data.chat_template sets its template, so tests do not share one)."""
-    return load_tokenizer(TokenizerConfig(kind="hf", path=str(tok_dirs / name)), DataConfig())
+    return rows_helpers.build_chat_tokenizers(tmp_path_factory.mktemp("tokenizers"))
 
 
 @pytest.fixture
@@ -52,14 +39,7 @@ def tok(tok_dirs):
 
 
 def cfg(**kw) -> DataConfig:
-    kw.setdefault("format", "preference")
-    kw.setdefault("chat_template", "chatml")
-    kw.setdefault("val_fraction", 0.0)
-    return DataConfig(**kw)
-
-
-def parsed(row: dict, data_cfg: DataConfig) -> Pair:
-    return parse_row(row, data_cfg, field_names(data_cfg))
+    return rows_helpers.chatml_cfg("preference", **kw)
 
 
 def load(tok, data_cfg: DataConfig, stats: PreferenceStats | None = None):
@@ -239,10 +219,6 @@ GOOD_ROWS = [{"prompt": [m(U, "Hi")], "chosen": [m(A, "Hello!")], "rejected": [m
              {"prompt": "Ciao", "chosen": " Salut 🙂", "rejected": " Bye"}]
 
 
-def raw(line) -> bytes:
-    return line if isinstance(line, bytes) else json.dumps(line, ensure_ascii=False).encode()
-
-
 def test_bad_rows_cover_every_reason():
     assert {reason for reason, _, _ in BAD} == {"non_utf8", "invalid_json", *FORMATS["preference"].reasons}
     assert set(FORMATS["preference"].reasons) == {"missing_field", "bad_type", "unknown_role", "role_order",
@@ -250,20 +226,9 @@ def test_bad_rows_cover_every_reason():
     assert set(REASONS) <= set(DROP_REASONS)
 
 
-def bad_rows_file(path: Path) -> Path:
-    """GOOD_ROWS[0], a blank line, the bad rows with GOOD_ROWS[1] among them, then GOOD_ROWS[2]."""
-    lines = [raw(GOOD_ROWS[0]), b""]
-    for k, (_, line, _) in enumerate(BAD):
-        lines.append(raw(line))
-        if k == 5:
-            lines.append(raw(GOOD_ROWS[1]))
-    lines.append(raw(GOOD_ROWS[2]))
-    path.write_bytes(b"\n".join(lines) + b"\n")
-    return path
-
-
 def test_bad_rows_drop_counts_each_reason(tok, tmp_path):
-    data_cfg = cfg(sources=[str(bad_rows_file(tmp_path / "mixed.jsonl"))], bad_rows="drop", seq_len=64)
+    data_cfg = cfg(sources=[str(bad_rows_file(tmp_path / "mixed.jsonl", GOOD_ROWS, BAD))], bad_rows="drop",
+                   seq_len=64)
     stats = PreferenceStats()
     pairs = load(tok, data_cfg, stats)
     assert [[trained(tok, e) for e in p] for p in pairs] == [
@@ -287,23 +252,19 @@ def test_bad_rows_drop_counts_each_reason(tok, tmp_path):
     assert data.stats.trained_tokens == sum(int(e.mask[1:].sum()) for p in pairs for e in p)
 
 
+def read_pairs(tok):
+    """path -> its pairs, read with the default data.bad_rows=raise."""
+    return lambda path: load(tok, cfg(sources=[str(path)]))
+
+
 def test_bad_rows_raise_names_the_first_bad_line(tok, tmp_path):
-    path = bad_rows_file(tmp_path / "mixed.jsonl")
-    with pytest.raises(DataError) as err:
-        load(tok, cfg(sources=[str(path)]))
-    assert str(err.value).startswith(f"{path}:3: not valid UTF-8")
-    assert str(err.value).endswith("fix the row or set data.bad_rows=drop")
+    rows_helpers.assert_first_bad_line_named(read_pairs(tok), bad_rows_file(tmp_path / "mixed.jsonl", GOOD_ROWS, BAD))
 
 
 @pytest.mark.parametrize("k", range(len(BAD)), ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(BAD)])
 def test_bad_row_raise_message(tok, tmp_path, k):
     _, line, message = BAD[k]
-    path = tmp_path / "one.jsonl"
-    path.write_bytes(raw(GOOD_ROWS[0]) + b"\n\n" + raw(line) + b"\n" + raw(GOOD_ROWS[2]) + b"\n")
-    with pytest.raises(DataError) as err:
-        load(tok, cfg(sources=[str(path)]))
-    assert str(err.value).startswith(f"{path}:3: ")
-    assert message in str(err.value)
+    rows_helpers.assert_bad_row_message(read_pairs(tok), tmp_path / "one.jsonl", GOOD_ROWS, line, message)
 
 
 # --- 3. length ---
@@ -372,9 +333,7 @@ def test_overlong_raise(tok, overlong):
 # --- 4. held out, reference log-probs, batches ---
 
 def many_pairs(n: int, salt: str = "") -> list[dict]:
-    rng = np.random.default_rng(n + len(salt))
-    words = ["alpha", "beta", "gamma", "naïve", "café", "🙂", "x ** 2", "def", "return"]
-    say = lambda: " ".join(rng.choice(words, size=int(rng.integers(1, 8))))
+    say = rows_helpers.phrases(n, salt)
     out = []
     for i in range(n):
         prompt, good, bad = f"{salt}q{i} {say()}", f"yes {say()}", f"no {say()}"

@@ -10,31 +10,28 @@ from __future__ import annotations
 import pickle
 import re
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
-from test_preference import fresh, m, raw
+import rows_helpers
+from rows_helpers import A, S, U, bad_rows_file, fresh, m, parsed
 from test_sft import FAMILIES, build_tokenizer, write_jsonl
 
 from jaxtune.config import DataConfig
 from jaxtune.data import DataError, PromptData, PromptRows, prepare_prompts
-from jaxtune.data.formats import FORMATS, REASONS, Prompt, detect_format, field_names, parse_row, renders_chat
+from jaxtune.data.formats import FORMATS, REASONS, Prompt, detect_format, field_names, renders_chat
 from jaxtune.data.pipeline import make_training_data, test_sequences
 from jaxtune.data.prompts import PromptStats, encode_prompts, load_prompts
 from jaxtune.data.rows import BadRow, read_rows
 from jaxtune.data.sft import DROP_REASONS, completion_settings
 from jaxtune.data.synthetic import arithmetic, arithmetic_prompts
 
-U, A, S = "user", "assistant", "system"
 LIMIT = "data.seq_len - objective.max_completion_length"
 
 
 @pytest.fixture(scope="module")
 def tok_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tokenizers")
-    build_tokenizer(root / "chatml", None, ["<|im_start|>", "<|im_end|>"], "<|endoftext|>")
-    build_tokenizer(root / "plain", None, [], "<|endoftext|>")
+    root = rows_helpers.build_chat_tokenizers(tmp_path_factory.mktemp("tokenizers"))
     template, specials, eos, bos, _ = FAMILIES["llama3"]
     build_tokenizer(root / "llama3", template, specials, eos, bos)
     return root
@@ -46,14 +43,7 @@ def tok(tok_dirs):
 
 
 def cfg(**kw) -> DataConfig:
-    kw.setdefault("format", "prompts")
-    kw.setdefault("chat_template", "chatml")
-    kw.setdefault("val_fraction", 0.0)
-    return DataConfig(**kw)
-
-
-def parsed(row: dict, data_cfg: DataConfig) -> Prompt:
-    return parse_row(row, data_cfg, field_names(data_cfg))
+    return rows_helpers.chatml_cfg("prompts", **kw)
 
 
 def load(tok, data_cfg: DataConfig, max_prompt_tokens: int = 256, stats: PromptStats | None = None):
@@ -214,20 +204,8 @@ def test_bad_rows_cover_every_reason():
     assert set(REASONS) <= set(DROP_REASONS)
 
 
-def bad_rows_file(path: Path) -> Path:
-    """GOOD_ROWS[0], a blank line, the bad rows with GOOD_ROWS[1] among them, then GOOD_ROWS[2]."""
-    lines = [raw(GOOD_ROWS[0]), b""]
-    for k, (_, line, _) in enumerate(BAD):
-        lines.append(raw(line))
-        if k == 5:
-            lines.append(raw(GOOD_ROWS[1]))
-    lines.append(raw(GOOD_ROWS[2]))
-    path.write_bytes(b"\n".join(lines) + b"\n")
-    return path
-
-
 def test_bad_rows_drop_counts_each_reason(tok, tmp_path):
-    data_cfg = cfg(sources=[str(bad_rows_file(tmp_path / "mixed.jsonl"))], bad_rows="drop")
+    data_cfg = cfg(sources=[str(bad_rows_file(tmp_path / "mixed.jsonl", GOOD_ROWS, BAD))], bad_rows="drop")
     data = prepare_prompts(data_cfg, tok, max_prompt_tokens=64)
     assert [data.train.prompt(i) for i in range(3)] == [[m(U, "Hi")], [m(U, "2+2?")], "Ciao"]
     assert [data.train.fields(i) for i in range(3)] == [{"answer": "1"}, {"reference": "4"}, {}]
@@ -241,22 +219,15 @@ def test_bad_rows_drop_counts_each_reason(tok, tmp_path):
 
 
 def test_bad_rows_raise_names_the_first_bad_line(tok, tmp_path):
-    path = bad_rows_file(tmp_path / "mixed.jsonl")
-    with pytest.raises(DataError) as err:
-        prepare_prompts(cfg(sources=[str(path)]), tok, max_prompt_tokens=64)
-    assert str(err.value).startswith(f"{path}:3: not valid UTF-8")
-    assert str(err.value).endswith("fix the row or set data.bad_rows=drop")
+    read = lambda path: prepare_prompts(cfg(sources=[str(path)]), tok, max_prompt_tokens=64)
+    rows_helpers.assert_first_bad_line_named(read, bad_rows_file(tmp_path / "mixed.jsonl", GOOD_ROWS, BAD))
 
 
 @pytest.mark.parametrize("k", range(len(BAD)), ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(BAD)])
 def test_bad_row_raise_message(tok, tmp_path, k):
     _, line, message = BAD[k]
-    path = tmp_path / "one.jsonl"
-    path.write_bytes(raw(GOOD_ROWS[0]) + b"\n\n" + raw(line) + b"\n" + raw(GOOD_ROWS[2]) + b"\n")
-    with pytest.raises(DataError) as err:
-        load(tok, cfg(sources=[str(path)]))
-    assert str(err.value).startswith(f"{path}:3: ")
-    assert message in str(err.value)
+    read = lambda path: load(tok, cfg(sources=[str(path)]))
+    rows_helpers.assert_bad_row_message(read, tmp_path / "one.jsonl", GOOD_ROWS, line, message)
 
 
 # --- 3. length ---
@@ -318,9 +289,7 @@ def test_overlong_raise(tok, overlong):
 # --- 4. held out, batches ---
 
 def many_prompts(n: int, salt: str = "") -> list[dict]:
-    rng = np.random.default_rng(n + len(salt))
-    words = ["alpha", "beta", "gamma", "naïve", "café", "🙂", "x ** 2", "def", "return"]
-    say = lambda: " ".join(rng.choice(words, size=int(rng.integers(1, 8))))
+    say = rows_helpers.phrases(n, salt)
     out = []
     for i in range(n):
         question = f"{salt}q{i} {say()}"

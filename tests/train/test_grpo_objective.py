@@ -52,33 +52,28 @@ objective's loss-and-gradient function is compiled once and, like the train step
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
 import optax
 import pytest
+import trl_reference
+from trl_reference import BOS, EOS, MESH, PAD, TOL, TRL_VERSION, Native, Ours, TRLResult, hf_model, rel
 
 from jaxtune import sharding
-from jaxtune.backends import make_state_spec
-from jaxtune.config import ObjectiveConfig, TrainConfig, load_config
+from jaxtune.config import ObjectiveConfig, TrainConfig
 from jaxtune.train.objectives import GRPO, make_objective
-from jaxtune.train.reference import step_reference
 from jaxtune.train.rewards import group_advantages
 from jaxtune.train.rollout import training_rows
-from jaxtune.train.step import build_steps, objective_loss, per_unit
+from jaxtune.train.step import build_steps, per_unit
 
 torch = pytest.importorskip("torch", reason="the TRL comparisons run PyTorch")
-transformers = pytest.importorskip("transformers", reason="the tiny checkpoints are transformers models")
 trl = pytest.importorskip("trl", reason="GRPO is checked against TRL's code")
 datasets = pytest.importorskip("datasets", reason="GRPOTrainer takes a datasets.Dataset")
 
-TRL_VERSION = "1.16.0"  # the code the formulas, metric names and the comparisons below were read from
-TOL = 1e-5  # against TRL
-STEP_TOL = 1e-6  # the train step against the same objective by hand
+STEP_TOL = 1e-6  # the train step against the same objective by hand (TOL, 1e-5: against TRL)
 V, T = 128, 24  # vocabulary; positions per row (the longest rollout needs 9 + 12 - 1 = 20)
-PAD, BOS, EOS = 0, 1, 2
 MAX_COMPLETION = 12
 GROUP = 4
 PROMPTS = [[BOS, 5, 9], [BOS, 10, 11, 12, 13, 14, 15, 16, 17]]
@@ -89,23 +84,8 @@ COMPLETIONS = [
 ]
 REWARDS = [1.0, 0.0, 0.5, -0.5, 0.5, 0.5, 0.5, 0.5]  # the second group's all equal: advantages 0
 N = len(COMPLETIONS)
-# jaxtune param path -> (HF tensor, whether ours is its transpose: our kernels are (in, out), nn.Linear's (out, in)).
-GRAD_PARAMS = {
-    ("embed", "embedding"): ("model.embed_tokens.weight", False),
-    ("layers", 0, "attn", "q", "kernel"): ("model.layers.0.self_attn.q_proj.weight", True),
-    ("layers", 1, "mlp", "down", "kernel"): ("model.layers.1.mlp.down_proj.weight", True),
-    ("norm", "scale"): ("model.norm.weight", False),
-    ("lm_head", "embedding"): ("lm_head.weight", False),
-}
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 OFF_POLICY = {"epsilon": 0.2, "epsilon_high": 0.28}  # the mu > 1 checks' clipping (DAPO's clip-higher)
-MESH = sharding.make_mesh(1, 1, 1, jax.devices()[:1])
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def update_error(new, ref_new, start, ulps: int = 1) -> float:
@@ -129,37 +109,15 @@ def prompt_of(i: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
 
-@pytest.fixture(scope="module", autouse=True)
-def torch_one_thread():
-    """One PyTorch thread while this module runs: on models this small more threads only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One PyTorch thread while this module runs (see trl_reference.one_torch_thread).
+torch_one_thread = pytest.fixture(scope="module", autouse=True)(trl_reference.one_torch_thread)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{"ref": a random tiny Llama, "policy": the same plus noise, "old": the policy plus more noise}, each a
     save_pretrained directory."""
-    root = tmp_path_factory.mktemp("grpo")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False, initializer_range=0.1, bos_token_id=BOS,
-                                      eos_token_id=EOS, pad_token_id=PAD)
-    model = transformers.LlamaForCausalLM(config).float()
-    model.save_pretrained(root / "ref")
-    for name, scale in (("policy", 0.05), ("old", 0.1)):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(scale * torch.randn_like(p))
-        model.save_pretrained(root / name)
-    return {name: root / name for name in ("ref", "policy", "old")}
-
-
-def hf_model(directory):
-    return transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return trl_reference.save_checkpoints(tmp_path_factory.mktemp("grpo"), V, {"policy": 0.05, "old": 0.1})
 
 
 # ---------------------------------------------------------------------------------------------------- the rollout
@@ -234,20 +192,11 @@ def test_rollout_layout():
 @pytest.fixture(scope="module")
 def tokenizer():
     """A word-level tokenizer (w3 .. w127): GRPOTrainer needs one; the compared rollouts are token ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, V)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>")
+    return trl_reference.word_tokenizer(V)
 
 
 @dataclass
-class TRLResult:
-    loss: float
-    metrics: dict[str, float]
-    grads: dict[str, np.ndarray]
+class GRPOResult(TRLResult):
     old_logps: np.ndarray | None = None  # (N, T): the old checkpoint's log-probs given to TRL, in our rows
 
 
@@ -259,7 +208,7 @@ def trl_logps(trainer, model, inputs) -> torch.Tensor:
         return trainer._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].size(1))[0]
 
 
-def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, **config) -> TRLResult:
+def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, **config) -> GRPOResult:
     """GRPOTrainer (the perturbed policy; with beta > 0 its reference model the unperturbed checkpoint):
     ``compute_loss`` on the rollout, the metrics it logged, the policy's gradients. ``off_policy``: the inputs carry
     ``old_per_token_logps`` from the old checkpoint (what TRL holds when num_iterations > 1)."""
@@ -289,9 +238,8 @@ def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, **confi
         old = completion_to_rows(inputs["old_per_token_logps"])
     loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
-    params = dict(trainer.model.named_parameters())
-    grads = {name: params[name].grad.detach().numpy().copy() for name, _ in GRAD_PARAMS.values()}
-    return TRLResult(loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads, old)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return GRPOResult(loss.item(), metrics, trl_reference.hf_grads(trainer.model), old)
 
 
 # ---------------------------------------------------------------------------------------------------- jaxtune side
@@ -302,47 +250,16 @@ def objective_cfg(**keys) -> ObjectiveConfig:
                            max_completion_length=MAX_COMPLETION, **keys)
 
 
-@dataclass
-class Native:
-    """The native spec of the checkpoints' architecture (full fine-tuning, AdamW at lr 1e-2 with eps 0.1: see the
-    module's docstring), its weights."""
-
-    spec: Any
-    policy: Any  # the perturbed checkpoint's params
-    ref: Any  # the unperturbed checkpoint's params
-    compiled: dict = field(default_factory=dict)  # objective -> jitted value_and_grad of its loss
+# A GRPO run, full fine-tuning, AdamW at lr 1e-2 with eps 0.1 (see the module's docstring).
+GRPO_RUN = ("objective.name=grpo", "data.format=prompts", "data.sources=[prompts.jsonl]", f"data.seq_len={T}",
+            "train.batch_size=2", "objective.rewards=[{name: length}]", f"objective.num_generations={GROUP}",
+            f"objective.max_completion_length={MAX_COMPLETION}", "optim.lr=1e-2", "optim.eps=0.1",
+            "optim.warmup_steps=0", "train.steps=3")
 
 
 @pytest.fixture(scope="module")
 def native(checkpoints) -> Native:
-    def spec_for(model_dir):
-        cfg = load_config(None, [f"model.from_hf={model_dir}", "objective.name=grpo", "data.format=prompts",
-                                 "data.sources=[prompts.jsonl]", f"data.seq_len={T}", "train.batch_size=2",
-                                 "objective.rewards=[{name: length}]", f"objective.num_generations={GROUP}",
-                                 f"objective.max_completion_length={MAX_COMPLETION}", "optim.lr=1e-2",
-                                 "optim.eps=0.1", "optim.warmup_steps=0", "train.steps=3"])
-        return make_state_spec(cfg, None, MESH)
-
-    spec = spec_for(checkpoints["policy"])
-    return Native(spec, spec.init(0).params, spec_for(checkpoints["ref"]).init(0).params)
-
-
-@dataclass
-class Ours:
-    loss: float
-    count: float
-    metrics: dict[str, float]
-    grads: Any
-
-
-def loss_and_grad(native: Native, objective: GRPO, cfg: ObjectiveConfig):
-    """(reference, jitted value_and_grad of ``objective``'s `objective_loss`), compiled once per objective."""
-    reference = step_reference(native.spec, cfg)
-    assert reference is None or reference.copy  # full fine-tuning: a frozen copy of the weights
-    if objective not in native.compiled:
-        loss_fn = objective_loss(objective, native.spec.forward(), native.spec.weights, reference)
-        native.compiled[objective] = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), compiler_options=FAST_COMPILE)
-    return reference, native.compiled[objective]
+    return Native.of(checkpoints, *GRPO_RUN)
 
 
 def ours(native: Native, params, batch, **keys) -> Ours:
@@ -350,30 +267,13 @@ def ours(native: Native, params, batch, **keys) -> Ours:
     their gradients divided by the objective's count, the metrics by `per_unit`. With beta > 0 the reference is the
     unperturbed checkpoint, as the frozen copy (the last frozen group)."""
     cfg = objective_cfg(**keys)
-    reference, fn = loss_and_grad(native, replace(make_objective(cfg), passes=1), cfg)
-    with sharding.use_mesh(MESH):
-        (total, (count, metrics)), grads = fn(params, sharding.global_batch(MESH, batch), None,
-                                              () if reference is None else (native.ref,))
-    n = float(count)
-    return Ours(float(total) / n, n, {k: float(v) for k, v in per_unit(metrics, count).items()},
-                jax.tree.map(lambda g: np.asarray(g) / n, grads))
-
-
-def our_grad(grads, path) -> np.ndarray:
-    node = grads
-    for k in path:
-        node = node[k]
-    return node.T if GRAD_PARAMS[path][1] else node
+    means = lambda metrics, count: {k: float(v) for k, v in per_unit(metrics, count).items()}
+    return trl_reference.objective_result(native, replace(make_objective(cfg), passes=1), cfg, params, batch, means)
 
 
 def assert_matches(mine: Ours, theirs: TRLResult, names=()) -> dict[str, float]:
     """Loss, the ``names`` metrics and the gradients within TOL; the errors."""
-    errors = {"loss": rel(mine.loss, theirs.loss)}
-    errors |= {k: rel(mine.metrics[k], theirs.metrics[k]) for k in names}
-    errors |= {name: rel(our_grad(mine.grads, path), theirs.grads[name]) for path, (name, _) in GRAD_PARAMS.items()}
-    bad = {k: v for k, v in errors.items() if not v <= TOL}
-    assert not bad, (bad, mine.loss, theirs.loss, mine.metrics, theirs.metrics)
-    return errors
+    return trl_reference.assert_close(mine, theirs, names, lambda k, a, b: rel(a[k], b[k]))
 
 
 # ---------------------------------------------------------------------------------------------------- vs TRL
@@ -412,7 +312,7 @@ def test_temperature_matches_trl(checkpoints, tokenizer, native, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def off_policy(checkpoints, tokenizer, tmp_path_factory) -> TRLResult:
+def off_policy(checkpoints, tokenizer, tmp_path_factory) -> GRPOResult:
     """GRPOTrainer's result with ``old_per_token_logps`` from the old checkpoint (dapo, OFF_POLICY clipping)."""
     return trl_grpo(checkpoints, tokenizer, tmp_path_factory.mktemp("trl"), off_policy=True, beta=0.0,
                     loss_type="dapo", **OFF_POLICY)
@@ -452,7 +352,7 @@ def test_kl_metric_with_old_logps_is_trls(off_policy_kl):
 def jit_step(native: Native, objective: GRPO, micro_batches: int = 1):
     """The train step `build_steps` makes for ``objective``, jitted (state not donated: reused)."""
     step, _ = build_steps(native.spec, objective, TrainConfig(batch_size=N, micro_batches=micro_batches))
-    return jax.jit(step, compiler_options=FAST_COMPILE)
+    return jax.jit(step, compiler_options=trl_reference.FAST_COMPILE)
 
 
 def test_micro_batches_give_the_same_update(native, off_policy):

@@ -14,25 +14,19 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import signal
 import sys
 import textwrap
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
-from conftest import TORCHAX_LLAMA
-from test_loop import _final_params, _losses, _run_driver
+from tiny_runs import assert_kill9_resume_is_bitwise, metric_rows, run_overrides, torchax_lora_config, write_rows
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
 from jaxtune.data.synthetic import arithmetic_prompts
 from jaxtune.loop import train
-from jaxtune.train.checkpoint import Checkpointer
 
-MODEL = ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
-         "model.n_kv_head=2", "model.d_ff=128", "model.max_seq_len=64"]
 # Rewards that vary on a random model: the length penalty (completions run to 16 tokens) and a digit count.
 REST = ["data.format=prompts", "data.chat_template=chatml", "data.seq_len=48", "data.val_fraction=0.1",
         "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
@@ -49,25 +43,13 @@ OBJECTIVE_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in itertools.islice(arithmetic_prompts(), 200)))
-    return path
+    return write_rows(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", itertools.islice(arithmetic_prompts(), 200))
 
 
 @pytest.fixture
 def grpo(prompts_file, tmp_path, data_cache):
     """grpo("objective.beta=0.04", ...) -> overrides of a tiny native GRPO run in this test's tmp dir."""
-
-    def make(*extra: str, run: str = "run") -> list[str]:
-        return [*MODEL, *REST, f"data.sources=[{prompts_file}]", f"data.cache_dir={data_cache}",
-                f"run_dir={tmp_path / run}", *extra]
-
-    return make
-
-
-def _rows(run_dir: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("kind") == kind]
+    return run_overrides(REST, prompts_file, tmp_path, data_cache)
 
 
 def test_grpo_trains_with_a_reference_and_reports(grpo):
@@ -78,7 +60,7 @@ def test_grpo_trains_with_a_reference_and_reports(grpo):
     result = train(cfg)
     assert result.step_compiles == 1
     assert result.sampler_compiles == 4, result.sampler_compiles
-    train_rows, eval_rows = _rows(cfg.run_path, "train"), _rows(cfg.run_path, "eval")
+    train_rows, eval_rows = metric_rows(cfg.run_path, "train"), metric_rows(cfg.run_path, "eval")
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
     for row in train_rows:
         assert set(ROLLOUT_METRICS + OBJECTIVE_METRICS) <= set(row), sorted(row)
@@ -105,23 +87,7 @@ def test_grpo_lora_kill9_and_resume_is_bitwise(grpo, tmp_path):
     and the final adapters equal the uninterrupted run's bitwise."""
     lora = ["model.lora.rank=4", "objective.beta=0.04", "objective.num_iterations=2", "train.steps=5",
             "eval.every=0", "eval.exact_match=0", "checkpoint.every=3", "checkpoint.keep=5"]
-    ref_cfg = load_config(None, grpo(*lora, run="ref"))
-    ref = train(ref_cfg)
-    assert ref.step_compiles == 1
-    ref_params, _ = _final_params(ref_cfg, 5)
-
-    over = grpo(*lora, run="killed")
-    killed = _run_driver(tmp_path, "kill", 4, over, commit=3)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    cfg = load_config(None, over)
-    assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 3
-    resumed = _run_driver(tmp_path, "plain", 0, over)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    losses = _losses(cfg.run_path)
-    for s in range(4, 6):
-        assert losses[s] == ref.losses[s], (s, losses[s], ref.losses[s])
-    params, _ = _final_params(cfg, 5)
-    jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+    assert_kill9_resume_is_bitwise(tmp_path, grpo, lora, steps=5, kill_at=4, commit=3)
 
 
 REWARD_MODULE = """
@@ -155,20 +121,15 @@ def test_a_reward_function_that_raises(grpo, prompts_file, tmp_path, monkeypatch
         assert int(row["answer"]) % 2 == 1, (lines[0], row)
     else:
         assert code == 0, err
-        rows = _rows(tmp_path / "run", "train")
+        rows = metric_rows(tmp_path / "run", "train")
         assert sum(r.get("reward_errors/flaky", 0) for r in rows) >= 16  # a batch with an odd sum: all 16 zeroed
 
 
 def test_torchax_grpo_lora_samples_with_its_own_generator(grpo, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("torch")  # torchax itself is imported through jaxtune's compatibility shim
-    directory = tmp_path / "hf-llama-config"
-    transformers.LlamaConfig(**{**TORCHAX_LLAMA, "vocab_size": 300}).save_pretrained(directory)
-    over = [o for o in grpo("train.steps=2", "eval.every=0", "eval.exact_match=0") if not o.startswith("model.")]
-    cfg = load_config(None, [*over, "model.backend=torchax", f"model.hf_config={directory}", "model.lora.rank=4"])
+    cfg = torchax_lora_config(grpo("train.steps=2", "eval.every=0", "eval.exact_match=0"), tmp_path)
     result = train(cfg)
     assert result.step_compiles == 1 and result.sampler_compiles >= 1
-    row = _rows(cfg.run_path, "train")[-1]
+    row = metric_rows(cfg.run_path, "train")[-1]
     assert set(ROLLOUT_METRICS + OBJECTIVE_METRICS) <= set(row) and row["completions/mean_length"] >= 1
 
 
@@ -186,8 +147,8 @@ def test_grpo_quickstart_as_the_readme_runs_it(tmp_path, data_cache, capsys):
     out = capsys.readouterr().out
     assert "prompt data: 10000 rows ->" in out and "held-out accuracy" in out
     assert json.loads((run / "summary.json").read_text())["step_compiles"] == 1
-    last = _rows(run, "eval")[-1]
-    assert [r["step"] for r in _rows(run, "eval")] == [0, 2]
+    last = metric_rows(run, "eval")[-1]
+    assert [r["step"] for r in metric_rows(run, "eval")] == [0, 2]
     capsys.readouterr()
     assert main(["eval", str(run)]) == 0  # the same held-out prompts, greedily: the same scores as the run's last
     scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

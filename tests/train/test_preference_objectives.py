@@ -41,34 +41,29 @@ bitwise reference check and the train steps are compiled as training compiles th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import trl_reference
+from trl_reference import BOS, GRAD_PARAMS, MESH, TOL, TRL_VERSION, Native, Ours, TRLResult, hf_grads, hf_model, rel
 
 from jaxtune import sharding
-from jaxtune.backends import make_state_spec
-from jaxtune.config import ObjectiveConfig, load_config
+from jaxtune.config import ObjectiveConfig
 from jaxtune.data.preference import PairRows
 from jaxtune.data.sft import Encoded
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.objectives.preference import flat_pairs
 from jaxtune.train.reference import step_reference, with_reference
-from jaxtune.train.step import jit_steps, objective_loss
+from jaxtune.train.step import jit_steps
 
 torch = pytest.importorskip("torch", reason="the TRL comparisons run PyTorch")
-transformers = pytest.importorskip("transformers", reason="the tiny checkpoints are transformers models")
 trl = pytest.importorskip("trl", reason="the preference objectives are checked against TRL's code")
 datasets = pytest.importorskip("datasets", reason="DPOTrainer takes a datasets.Dataset")
 
-TRL_VERSION = "1.16.0"  # the code the formulas, metric names and the comparisons below were read from
-TOL = 1e-5
 V, T = 100, 12  # vocabulary; positions per sequence (the longest pair below needs 9)
-BOS, EOS = 1, 2
 # (prompt, chosen, rejected) token ids: prompts of 2 to 6 tokens, completions of 2 to 6, each ending in EOS.
 PAIRS = [
     ([BOS, 5, 9, 14], [22, 31, 2], [40, 2]),
@@ -84,23 +79,8 @@ ORPO_EQUAL = [
     ([BOS], [26, 27, 28, 2], [35, 36, 2]),
     ([BOS], [41, 42, 43, 2], [44, 45, 46, 47, 48, 2]),
 ]
-# jaxtune param path -> (HF tensor, whether ours is its transpose: our kernels are (in, out), nn.Linear's (out, in)).
-GRAD_PARAMS = {
-    ("embed", "embedding"): ("model.embed_tokens.weight", False),
-    ("layers", 0, "attn", "q", "kernel"): ("model.layers.0.self_attn.q_proj.weight", True),
-    ("layers", 1, "mlp", "down", "kernel"): ("model.layers.1.mlp.down_proj.weight", True),
-    ("norm", "scale"): ("model.norm.weight", False),
-    ("lm_head", "embedding"): ("lm_head.weight", False),
-}
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 ORPO_METRICS = (*REWARDS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
-MESH = sharding.make_mesh(1, 1, 1, jax.devices()[:1])
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 # Metrics that are differences of two others (chosen minus rejected): their error is measured against the larger
@@ -117,32 +97,14 @@ def metric_error(k: str, ours: dict[str, float], theirs: dict[str, float]) -> fl
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
 
-@pytest.fixture(scope="module", autouse=True)
-def torch_one_thread():
-    """One PyTorch thread while this module runs: on models this small more threads only contend (each eager
-    forward and backward is ~40x slower with 2 on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One PyTorch thread while this module runs (see trl_reference.one_torch_thread).
+torch_one_thread = pytest.fixture(scope="module", autouse=True)(trl_reference.one_torch_thread)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{"ref": a random tiny Llama, "policy": the same plus noise}, each a save_pretrained directory."""
-    root = tmp_path_factory.mktemp("preference")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False, initializer_range=0.1, bos_token_id=BOS,
-                                      eos_token_id=EOS, pad_token_id=0)
-    model = transformers.LlamaForCausalLM(config).float()
-    model.save_pretrained(root / "ref")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(root / "policy")
-    return {"ref": root / "ref", "policy": root / "policy"}
+    return trl_reference.save_checkpoints(tmp_path_factory.mktemp("preference"), V, {"policy": 0.05})
 
 
 # ---------------------------------------------------------------------------------------------------- TRL side
@@ -152,29 +114,7 @@ def checkpoints(tmp_path_factory):
 def tokenizer():
     """A word-level tokenizer (w3 .. w99): DPOTrainer tokenizes its dataset with it; the compared batches are
     collated from the token ids above."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, V)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>")
-
-
-def hf_model(directory):
-    return transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
-
-
-def hf_grads(model) -> dict[str, np.ndarray]:
-    params = dict(model.named_parameters())
-    return {name: params[name].grad.detach().numpy().copy() for name, _ in GRAD_PARAMS.values()}
-
-
-@dataclass
-class TRLResult:
-    loss: float
-    metrics: dict[str, float]
-    grads: dict[str, np.ndarray]
+    return trl_reference.word_tokenizer(V)
 
 
 def trl_dpo(checkpoints, tokenizer, tmp_path, pairs, **config) -> TRLResult:
@@ -242,37 +182,19 @@ def trl_orpo(checkpoints, pairs, beta) -> TRLResult:
 # ---------------------------------------------------------------------------------------------------- jaxtune side
 
 
+# A DPO run, full fine-tuning, batches of 4 pairs.
+DPO_RUN = ("objective.name=dpo", "data.format=preference", "data.sources=[pairs.jsonl]", f"data.seq_len={T}",
+           "train.batch_size=4", "optim.lr=1e-2", "optim.warmup_steps=0", "train.steps=3")
+
+
 def spec_for(model_dir, *overrides: str):
     """(config, spec) of a DPO run from ``model_dir`` (``model.from_hf``) on a one-device mesh."""
-    cfg = load_config(None, [f"model.from_hf={model_dir}", "objective.name=dpo", "data.format=preference",
-                             "data.sources=[pairs.jsonl]", f"data.seq_len={T}", "train.batch_size=4",
-                             "optim.lr=1e-2", "optim.warmup_steps=0", "train.steps=3", *overrides])
-    return cfg, make_state_spec(cfg, None, MESH)
-
-
-@dataclass
-class Native:
-    """The native spec of the checkpoints' architecture, full fine-tuning, and its two sets of weights."""
-
-    spec: Any
-    policy: Any  # the perturbed checkpoint's params
-    ref: Any  # the unperturbed checkpoint's params
-    compiled: dict = field(default_factory=dict)  # objective -> jitted value_and_grad of its loss
+    return trl_reference.tiny_spec(model_dir, *DPO_RUN, *overrides)
 
 
 @pytest.fixture(scope="module")
 def native(checkpoints) -> Native:
-    _, spec = spec_for(checkpoints["policy"])
-    _, ref_spec = spec_for(checkpoints["ref"])
-    return Native(spec, spec.init(0).params, ref_spec.init(0).params)
-
-
-@dataclass
-class Ours:
-    loss: float
-    count: float
-    metrics: dict[str, float]
-    grads: Any
+    return Native.of(checkpoints, *DPO_RUN)
 
 
 def ours(native: Native, pairs, name: str, empty_pairs: int = 0, **keys) -> Ours:
@@ -280,20 +202,10 @@ def ours(native: Native, pairs, name: str, empty_pairs: int = 0, **keys) -> Ours
     and their gradients, divided by the objective's count. DPO's reference is the unperturbed checkpoint, as the
     frozen copy (the last frozen group). ``empty_pairs``: padding pairs (all zeros) after ``pairs``."""
     cfg = ObjectiveConfig(name=name, **keys)
-    objective = make_objective(cfg)
-    reference = step_reference(native.spec, cfg)
-    assert reference is None or reference.copy  # full fine-tuning: a frozen copy of the weights
-    if objective not in native.compiled:
-        loss_fn = objective_loss(objective, native.spec.forward(), native.spec.weights, reference)
-        native.compiled[objective] = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), compiler_options=FAST_COMPILE)
     batch = pair_batch(pairs)
     batch = {k: np.concatenate([v, np.zeros((empty_pairs, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
-    with sharding.use_mesh(MESH):
-        (total, (count, metrics)), grads = native.compiled[objective](
-            native.policy, sharding.global_batch(MESH, batch), None, () if reference is None else (native.ref,))
-    n = float(count)
-    return Ours(float(total) / n, n, {k: float(v) / n for k, v in metrics.items()},
-                jax.tree.map(lambda g: np.asarray(g) / n, grads))
+    means = lambda metrics, count: {k: float(v) / float(count) for k, v in metrics.items()}
+    return trl_reference.objective_result(native, make_objective(cfg), cfg, native.policy, batch, means)
 
 
 def pair_batch(pairs) -> dict[str, np.ndarray]:
@@ -306,21 +218,9 @@ def pair_batch(pairs) -> dict[str, np.ndarray]:
     return {k: np.stack([rows[i][k] for i in range(len(rows))]) for k in rows[0]}
 
 
-def our_grad(grads, path) -> np.ndarray:
-    node = grads
-    for k in path:
-        node = node[k]
-    return node.T if GRAD_PARAMS[path][1] else node
-
-
 def assert_matches(mine: Ours, theirs: TRLResult, names=REWARDS, grads: bool = True) -> dict[str, float]:
     """Loss, ``names`` metrics, rewards/accuracies (and the gradients) as the tolerances above; the errors."""
-    errors = {"loss": rel(mine.loss, theirs.loss)}
-    errors |= {k: metric_error(k, mine.metrics, theirs.metrics) for k in names}
-    if grads:
-        errors |= {name: rel(our_grad(mine.grads, path), theirs.grads[name]) for path, (name, _) in GRAD_PARAMS.items()}
-    bad = {k: v for k, v in errors.items() if not v <= TOL}
-    assert not bad, (bad, mine.loss, theirs.loss, mine.metrics, theirs.metrics)
+    errors = trl_reference.assert_close(mine, theirs, names, metric_error, grads)
     assert np.float32(mine.metrics["rewards/accuracies"]) == np.float32(theirs.metrics["rewards/accuracies"])
     return errors
 
@@ -377,7 +277,7 @@ def test_dpo_label_smoothing_is_conservative_dpo(checkpoints, tokenizer, native,
     assert abs(mine.loss - trl_loss) > 1e-2  # the smoothing is felt
     expected_grads = hf_grads(policy)
     for path, (name, _) in GRAD_PARAMS.items():
-        assert rel(our_grad(mine.grads, path), expected_grads[name]) <= TOL, name
+        assert rel(trl_reference.our_grad(mine.grads, path), expected_grads[name]) <= TOL, name
 
 
 # ---------------------------------------------------------------------------------------------------- SimPO, ORPO

@@ -12,27 +12,21 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
-from conftest import TORCHAX_LLAMA
-from test_loop import _final_params, _losses, _run_driver
+from tiny_runs import assert_kill9_resume_is_bitwise, metric_rows, run_overrides, torchax_lora_config, write_rows
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
 from jaxtune.data.synthetic import arithmetic_preferences
 from jaxtune.loop import train
-from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.objectives.preference import REWARD_METRICS
 from jaxtune.train.reference import REF_LOGPS_FILE
 
-MODEL = ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
-         "model.n_kv_head=2", "model.d_ff=128", "model.max_seq_len=64"]
 REST = ["data.format=preference", "data.chat_template=chatml", "data.seq_len=64", "data.val_fraction=0.1",
         "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
         "objective.name=dpo", "optim.lr=1e-2", "optim.warmup_steps=2", "train.batch_size=8", "train.steps=6",
@@ -42,25 +36,13 @@ REST = ["data.format=preference", "data.chat_template=chatml", "data.seq_len=64"
 
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in itertools.islice(arithmetic_preferences(), 240)))
-    return path
+    return write_rows(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", itertools.islice(arithmetic_preferences(), 240))
 
 
 @pytest.fixture
 def pref(pairs_file, tmp_path, data_cache):
     """pref("objective.name=orpo", ...) -> overrides of a tiny native preference run in this test's tmp dir."""
-
-    def make(*extra: str, run: str = "run") -> list[str]:
-        return [*MODEL, *REST, f"data.sources=[{pairs_file}]", f"data.cache_dir={data_cache}",
-                f"run_dir={tmp_path / run}", *extra]
-
-    return make
-
-
-def _rows(run_dir: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("kind") == kind]
+    return run_overrides(REST, pairs_file, tmp_path, data_cache)
 
 
 def test_dpo_quickstart_as_the_readme_runs_it(tmp_path, data_cache, capsys):
@@ -81,7 +63,7 @@ def test_dpo_quickstart_as_the_readme_runs_it(tmp_path, data_cache, capsys):
     assert "preference data: 10000 rows ->" in out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["step_compiles"] == 1
-    train_rows, eval_rows = _rows(run, "train"), _rows(run, "eval")
+    train_rows, eval_rows = metric_rows(run, "train"), metric_rows(run, "eval")
     assert [r["step"] for r in eval_rows] == [0, 12, 24]
     for row in train_rows + eval_rows:
         assert set(REWARD_METRICS) <= set(row), row
@@ -124,7 +106,7 @@ def test_reference_free_objectives_train(pref, name):
     cfg = load_config(None, pref(f"objective.name={name}", "train.steps=4", "eval.every=0"))
     result = train(cfg)
     assert result.step_compiles == 1
-    last = _rows(cfg.run_path, "eval")[-1]
+    last = metric_rows(cfg.run_path, "eval")[-1]
     assert set(REWARD_METRICS) <= set(last) and np.isfinite(last["loss"])
     assert last["logps/chosen"] < 0  # SimPO and ORPO log the mean log-prob per completion token
     if name == "orpo":
@@ -136,23 +118,7 @@ def test_dpo_lora_kill9_and_resume_is_bitwise(pref, tmp_path):
     """LoRA DPO (reference: the base with the adapters off), killed after step 12 with step 10 committed, resumed:
     the losses of steps 11-20 and the final adapters equal the uninterrupted run's bitwise."""
     lora = ["model.lora.rank=4", "train.steps=20", "eval.every=0", "checkpoint.every=5", "checkpoint.keep=10"]
-    ref_cfg = load_config(None, pref(*lora, run="ref"))
-    ref = train(ref_cfg)
-    assert ref.step_compiles == 1
-    ref_params, _ = _final_params(ref_cfg, 20)
-
-    over = pref(*lora, run="killed")
-    killed = _run_driver(tmp_path, "kill", 12, over)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    cfg = load_config(None, over)
-    assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 10
-    resumed = _run_driver(tmp_path, "plain", 0, over)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    losses = _losses(cfg.run_path)
-    for s in range(11, 21):
-        assert losses[s] == ref.losses[s], (s, losses[s], ref.losses[s])
-    params, _ = _final_params(cfg, 20)
-    jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+    assert_kill9_resume_is_bitwise(tmp_path, pref, lora, steps=20, kill_at=12, commit=10)
 
 
 def test_dpo_lora_run_exports_an_adapter_and_evaluates(pref, pairs_file, tmp_path, capsys):
@@ -161,7 +127,7 @@ def test_dpo_lora_run_exports_an_adapter_and_evaluates(pref, pairs_file, tmp_pat
     capsys.readouterr()
     assert main(["eval", str(cfg.run_path)]) == 0
     held_out = json.loads(capsys.readouterr().out)
-    assert held_out["rewards/accuracies"] == _rows(cfg.run_path, "eval")[-1]["rewards/accuracies"]
+    assert held_out["rewards/accuracies"] == metric_rows(cfg.run_path, "eval")[-1]["rewards/accuracies"]
     assert main(["eval", str(cfg.run_path), "--data", str(pairs_file)]) == 0  # every pair of a test file
     every = json.loads(capsys.readouterr().out)
     assert every["pairs"] == 240 and every["tokens"] == 240 and 0.0 <= every["rewards/accuracies"] <= 1.0
@@ -170,15 +136,10 @@ def test_dpo_lora_run_exports_an_adapter_and_evaluates(pref, pairs_file, tmp_pat
 
 
 def test_torchax_dpo_lora_uses_the_same_objective(pref, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("torch")  # torchax itself is imported through jaxtune's compatibility shim
-    directory = tmp_path / "hf-llama-config"
-    transformers.LlamaConfig(**{**TORCHAX_LLAMA, "vocab_size": 300}).save_pretrained(directory)
-    over = [o for o in pref("model.lora.rank=4", "train.steps=3", "eval.every=0") if not o.startswith("model.")]
-    cfg = load_config(None, [*over, "model.backend=torchax", f"model.hf_config={directory}", "model.lora.rank=4"])
+    cfg = torchax_lora_config(pref("model.lora.rank=4", "train.steps=3", "eval.every=0"), tmp_path)
     result = train(cfg)
     assert result.step_compiles == 1
-    last = _rows(cfg.run_path, "eval")[-1]
+    last = metric_rows(cfg.run_path, "eval")[-1]
     assert set(REWARD_METRICS) <= set(last)
     assert last["rewards/margins"] != 0.0  # the adapters moved the policy away from the base
 

@@ -1,0 +1,80 @@
+"""What the end-to-end tests of the objectives trained on completions share (test_preference_train.py,
+test_grpo_train.py): the tiny Llama they train, a JSONL of generated rows, a maker of a run's overrides, the rows of a
+run's metrics.jsonl, the same run on the torchax backend, and the check that a killed run resumes bitwise."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import TORCHAX_LLAMA
+from test_loop import _final_params, _losses, _run_driver
+
+from jaxtune.config import Config, load_config
+from jaxtune.loop import train
+from jaxtune.train.checkpoint import Checkpointer
+
+MODEL = ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
+         "model.n_kv_head=2", "model.d_ff=128", "model.max_seq_len=64"]
+
+
+def write_rows(path: Path, rows: Iterable[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def run_overrides(rest: list[str], source: Path, tmp_path: Path, data_cache: Path) -> Callable[..., list[str]]:
+    """make(*extra, run="run") -> overrides of a tiny native run (MODEL, ``rest``, then ``extra``) on ``source``,
+    its run_dir ``tmp_path / run``."""
+
+    def make(*extra: str, run: str = "run") -> list[str]:
+        return [*MODEL, *rest, f"data.sources=[{source}]", f"data.cache_dir={data_cache}",
+                f"run_dir={tmp_path / run}", *extra]
+
+    return make
+
+
+def metric_rows(run_dir: Path, kind: str) -> list[dict]:
+    """The rows of ``kind`` ("train", "eval") in the run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == kind]
+
+
+def torchax_lora_config(overrides: list[str], tmp_path: Path) -> Config:
+    """The run of ``overrides`` on the torchax backend: a LlamaForCausalLM of conftest's TORCHAX_LLAMA shape (the
+    BPE's 300 ids), LoRA rank 4, instead of the native model."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")  # torchax itself is imported through jaxtune's compatibility shim
+    directory = tmp_path / "hf-llama-config"
+    transformers.LlamaConfig(**{**TORCHAX_LLAMA, "vocab_size": 300}).save_pretrained(directory)
+    over = [o for o in overrides if not o.startswith("model.")]
+    return load_config(None, [*over, "model.backend=torchax", f"model.hf_config={directory}", "model.lora.rank=4"])
+
+
+def assert_kill9_resume_is_bitwise(tmp_path: Path, make: Callable[..., list[str]], overrides: list[str], steps: int,
+                                   kill_at: int, commit: int) -> None:
+    """The run of ``make(*overrides)`` (``steps`` steps) uninterrupted, then killed (kill -9) once step ``kill_at``
+    is logged with step ``commit`` committed, and resumed: one train-step compile, the resumed run's losses from
+    step ``commit`` + 1 on and its final parameters equal the uninterrupted run's bitwise."""
+    ref_cfg = load_config(None, make(*overrides, run="ref"))
+    ref = train(ref_cfg)
+    assert ref.step_compiles == 1
+    ref_params, _ = _final_params(ref_cfg, steps)
+
+    over = make(*overrides, run="killed")
+    killed = _run_driver(tmp_path, "kill", kill_at, over, commit=commit)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    cfg = load_config(None, over)
+    assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == commit
+    resumed = _run_driver(tmp_path, "plain", 0, over)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    losses = _losses(cfg.run_path)
+    for s in range(commit + 1, steps + 1):
+        assert losses[s] == ref.losses[s], (s, losses[s], ref.losses[s])
+    params, _ = _final_params(cfg, steps)
+    jax.tree.map(np.testing.assert_array_equal, params, ref_params)
