@@ -123,3 +123,38 @@ def jaxtune_step(cfg: Any) -> dict[str, Any]:
     train_step = jit_steps(spec, make_objective(cfg.objective), cfg.train).train
     return {"spec": spec, "mesh": mesh, "state": state, "frozen": frozen, "train_step": train_step,
             "setup_s": setup_s}
+
+
+def add_malloc_arg(ap: Any) -> None:
+    ap.add_argument("--malloc-arena", action="store_true",
+                    help="glibc malloc: one arena, no mmap, no trim (cpu_step.tune_malloc); both frameworks")
+
+
+def quiet_trainers() -> None:
+    """Silence transformers', datasets' and TRL's progress bars and deprecation chatter (the tables are the output)."""
+    import warnings
+
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # gradient_checkpointing's rename, peft
+    warnings.filterwarnings("ignore", category=UserWarning, module="trl")
+
+
+PAD, BOS, EOS = 0, 1, 2  # the word tokenizer's special ids
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer over ids 0..V-1 (w3 ... w{V-1}): texts of space-separated words encode to exactly their
+    ids, and every id decodes (TRL's trainers want a tokenizer; the timed batches are made of ids)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>")

@@ -56,7 +56,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 import datasets
 import flax
@@ -68,7 +67,21 @@ import peft
 import torch
 import transformers
 import trl
-from _harness import add_common_args, add_round_args, first_call, interleave, pin_threads, run_record, timing_row
+from _harness import (
+    BOS,
+    EOS,
+    PAD,
+    add_common_args,
+    add_malloc_arg,
+    add_round_args,
+    first_call,
+    interleave,
+    pin_threads,
+    quiet_trainers,
+    run_record,
+    timing_row,
+    word_tokenizer,
+)
 from cpu_step import tune_malloc
 
 from jaxtune import sharding
@@ -86,7 +99,6 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 STEP1_RTOL = 1e-5  # same weights and pairs: step-1 log-probs agree to float32 reduction-order noise
 METRICS = ("logps/chosen", "logps/rejected", "rewards/margins")  # read from both sides after every step
 STEP1_KEYS = ("loss_step1", "logps/chosen_step1", "logps/rejected_step1")
-PAD, BOS, EOS = 0, 1, 2
 
 
 # ---------------------------------------------------------------- model and data
@@ -121,18 +133,6 @@ def jaxtune_batch(pairs, seq: int) -> dict[str, np.ndarray]:
                for p, ch, rj in pairs]
     rows = PairRows.of(encoded, seq)
     return {k: np.stack([rows[i][k] for i in range(len(rows))]) for k in rows[0]}
-
-
-def word_tokenizer(vocab: int):
-    """A word-level tokenizer over ids 0..V-1 (w3 ... w{V-1}): DPOTrainer wants one; the timed batches are collated
-    from token ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, vocab)}}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>")
 
 
 # ---------------------------------------------------------------- jaxtune
@@ -269,8 +269,7 @@ def main(argv=None) -> dict:
                     help="transformers' attention (sdpa: its default)")
     ap.add_argument("--no-lora", action="store_true", help="skip the LoRA rows")
     ap.add_argument("--no-compile", action="store_true", help="skip the TRL torch.compile row")
-    ap.add_argument("--malloc-arena", action="store_true",
-                    help="glibc malloc: one arena, no mmap, no trim (cpu_step.tune_malloc); both frameworks")
+    add_malloc_arg(ap)
     args = ap.parse_args(argv)
     if args.rounds < 3 or args.steps < 1 or args.warmup < 0:
         ap.error("use at least 3 timed rounds and 1 step per round")
@@ -279,11 +278,7 @@ def main(argv=None) -> dict:
     threads = pin_threads(args.threads)
     if args.malloc_arena:
         tune_malloc()
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
-    warnings.filterwarnings("ignore", category=FutureWarning)  # gradient_checkpointing's rename, peft
-    warnings.filterwarnings("ignore", category=UserWarning, module="trl")
+    quiet_trainers()
 
     n_steps = 1 + (args.warmup + args.rounds) * args.steps  # per implementation, the first step included
     rng = np.random.RandomState(0)

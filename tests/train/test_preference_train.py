@@ -22,6 +22,7 @@ from tiny_runs import assert_kill9_resume_is_bitwise, metric_rows, run_overrides
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
+from jaxtune.data import load_tokenizer
 from jaxtune.data.synthetic import arithmetic_preferences
 from jaxtune.loop import train
 from jaxtune.train.objectives.preference import REWARD_METRICS
@@ -115,10 +116,10 @@ def test_reference_free_objectives_train(pref, name):
 
 
 def test_dpo_lora_kill9_and_resume_is_bitwise(pref, tmp_path):
-    """LoRA DPO (reference: the base with the adapters off), killed after step 12 with step 10 committed, resumed:
-    the losses of steps 11-20 and the final adapters equal the uninterrupted run's bitwise."""
-    lora = ["model.lora.rank=4", "train.steps=20", "eval.every=0", "checkpoint.every=5", "checkpoint.keep=10"]
-    assert_kill9_resume_is_bitwise(tmp_path, pref, lora, steps=20, kill_at=12, commit=10)
+    """LoRA DPO (reference: the base with the adapters off), killed after step 6 with step 5 committed, resumed:
+    the losses of steps 6-8 and the final adapters equal the uninterrupted run's bitwise."""
+    lora = ["model.lora.rank=4", "train.steps=8", "eval.every=0", "checkpoint.every=5", "checkpoint.keep=10"]
+    assert_kill9_resume_is_bitwise(tmp_path, pref, lora, steps=8, kill_at=6, commit=5)
 
 
 def test_dpo_lora_run_exports_an_adapter_and_evaluates(pref, pairs_file, tmp_path, capsys):
@@ -128,9 +129,11 @@ def test_dpo_lora_run_exports_an_adapter_and_evaluates(pref, pairs_file, tmp_pat
     assert main(["eval", str(cfg.run_path)]) == 0
     held_out = json.loads(capsys.readouterr().out)
     assert held_out["rewards/accuracies"] == metric_rows(cfg.run_path, "eval")[-1]["rewards/accuracies"]
-    assert main(["eval", str(cfg.run_path), "--data", str(pairs_file)]) == 0  # every pair of a test file
+    test_file = tmp_path / "test-pairs.jsonl"
+    test_file.write_text("".join(pairs_file.read_text().splitlines(keepends=True)[:40]))
+    assert main(["eval", str(cfg.run_path), "--data", str(test_file)]) == 0  # every pair of a test file
     every = json.loads(capsys.readouterr().out)
-    assert every["pairs"] == 240 and every["tokens"] == 240 and 0.0 <= every["rewards/accuracies"] <= 1.0
+    assert every["pairs"] == 40 and every["tokens"] == 40 and 0.0 <= every["rewards/accuracies"] <= 1.0
     assert main(["export", str(cfg.run_path), str(tmp_path / "adapter"), "--adapter"]) == 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
@@ -164,13 +167,19 @@ def test_dpo_on_a_mesh_matches_one_device(pref, tmp_path):
     copy or the LoRA base sharded over fsdp) gives the single-device losses, with each kind of reference."""
     kinds = {"copy": [], "adapters-off": ["model.lora.rank=4"]}
     short = ["train.steps=3", "eval.every=0", "data.val_fraction=0"]  # no held-out split: no eval step to compile
-    one = {k: train(load_config(None, pref(*short, *extra, run=f"one-{k}"))) for k, extra in kinds.items()}
     runs = {k: pref(*short, *extra, "mesh.data=2", "mesh.fsdp=2", run=f"mesh-{k}") for k, extra in kinds.items()}
+    first = load_config(None, runs["copy"])
+    load_tokenizer(first.tokenizer, first.data)  # trained and cached once, before two processes want it
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, json.dumps(runs)], capture_output=True, text=True,
-                          env=env, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.split("LOSSES=")[-1])
+    proc = subprocess.Popen([sys.executable, "-c", MESH_SCRIPT, json.dumps(runs)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:  # the single-device runs in this process while the 4-device ones run in theirs
+        one = {k: train(load_config(None, pref(*short, *extra, run=f"one-{k}"))) for k, extra in kinds.items()}
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        proc.kill()  # a no-op once it has exited
+    assert proc.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.split("LOSSES=")[-1])
     for kind, result in one.items():
         assert out[kind]["compiles"] == 1
         for step, loss in result.losses.items():

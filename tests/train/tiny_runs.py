@@ -13,9 +13,10 @@ import jax
 import numpy as np
 import pytest
 from conftest import TORCHAX_LLAMA
-from test_loop import _final_params, _losses, _run_driver
+from test_loop import _final_params, _losses, _run_driver, _start_driver, _wait
 
 from jaxtune.config import Config, load_config
+from jaxtune.data import load_tokenizer
 from jaxtune.loop import train
 from jaxtune.train.checkpoint import Checkpointer
 
@@ -60,18 +61,24 @@ def assert_kill9_resume_is_bitwise(tmp_path: Path, make: Callable[..., list[str]
                                    kill_at: int, commit: int) -> None:
     """The run of ``make(*overrides)`` (``steps`` steps) uninterrupted, then killed (kill -9) once step ``kill_at``
     is logged with step ``commit`` committed, and resumed: one train-step compile, the resumed run's losses from
-    step ``commit`` + 1 on and its final parameters equal the uninterrupted run's bitwise."""
+    step ``commit`` + 1 on and its final parameters equal the uninterrupted run's bitwise. The uninterrupted run
+    trains in this process while the killed one runs in its own (the data cache is built first, once); the resumed
+    process loads what the killed one compiled from a persistent XLA cache."""
     ref_cfg = load_config(None, make(*overrides, run="ref"))
-    ref = train(ref_cfg)
-    assert ref.step_compiles == 1
-    ref_params, _ = _final_params(ref_cfg, steps)
-
+    load_tokenizer(ref_cfg.tokenizer, ref_cfg.data)  # trained and cached once, before two processes want it
     over = make(*overrides, run="killed")
-    killed = _run_driver(tmp_path, "kill", kill_at, over, commit=commit)
+    cache = tmp_path / "xla-cache"
+    killing = _start_driver(tmp_path, "kill", kill_at, over, commit=commit, compile_cache=cache)
+    try:
+        ref = train(ref_cfg)
+        ref_params, _ = _final_params(ref_cfg, steps)
+    finally:
+        killed = _wait(killing)
+    assert ref.step_compiles == 1
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     cfg = load_config(None, over)
     assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == commit
-    resumed = _run_driver(tmp_path, "plain", 0, over)
+    resumed = _run_driver(tmp_path, "plain", 0, over, compile_cache=cache)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     losses = _losses(cfg.run_path)
     for s in range(commit + 1, steps + 1):

@@ -1,0 +1,450 @@
+"""CPU GRPO step throughput: jaxtune's rollout + GRPO train step vs TRL's ``GRPOTrainer`` (transformers generate), on
+the same model, prompts, group size and reward.
+
+One random ``LlamaForCausalLM`` (fp32, seeded, untied head) is written with ``save_pretrained`` into a temp dir with
+its tokenizer, and both sides start from it. A step takes ``--prompts`` prompts of random token ids (``--min-prompt``
+to ``--max-prompt`` tokens, ids 3..V-1), samples ``--num-generations`` completions of each (``--prompts`` x
+``--num-generations`` completions per step) of ``--max-completion-length`` tokens at temperature 1.0 (no top-k, no
+top-p), scores them with the same Python reward (`sevens`: the number of "7" characters in the decoded completion, so
+rewards vary within a group and the advantages are not zero), and takes one GRPO update: the dapo loss (the mean over
+every completion token of the batch), one pass (TRL's num_iterations 1), epsilon 0.2, group-scaled advantages,
+``--beta`` (0: no reference model; > 0: the k3 KL to a frozen copy of the initial weights). AdamW on both sides: lr
+``--lr``, betas (0.9, 0.999), eps 1e-8, weight decay 0, a constant lr, global-norm clipping at 1.0 (TRL's defaults,
+except the schedule, constant here).
+
+The tokenizer is a word-level one over the model's ids (``w3`` ... ``w{V-1}``, and ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2 =
+EOS), saved with the model, so a prompt's text re-tokenizes to exactly its ids on TRL's side and every sampled id
+decodes. So that neither side stops early and both generate the same number of tokens, EOS is biased out in the
+weights both load: every token embedding gets +8 on hidden dimension 0, which then dominates the residual stream and
+stays positive through the layers, and ``lm_head``'s EOS row is -4 on that dimension and 0 elsewhere, so EOS's logit is
+about -64 at every position (the other logits stay near 0: sampling is near-uniform over the rest). Checked every step:
+the completions that ended before ``--max-completion-length`` are counted per side and printed.
+
+- jaxtune: a config with ``model.from_hf=<dir>``, ``objective.name=grpo`` and ``data.format=prompts``, built as
+  ``train()`` builds it (``loop.py``): the checkpoint's tokenizer (``load_tokenizer``), ``make_state_spec`` →
+  ``step_reference`` → ``jit_steps`` → ``load_frozen`` + ``with_reference`` → ``init``, and
+  ``make_rollout(cfg, spec.generator(), tokenizer)`` (the native KV-cache sampler, the reward imported as
+  ``grpo_cpu:sevens``). The prompts are a `PromptRows` made from the token ids directly, and a step's prompt batch is
+  its items stacked ({"prompt", "prompt_len", "row"}), as the data pipeline yields them. ``data.seq_len`` is
+  ``--max-prompt`` + ``--max-completion-length``, so the train rows are (N, seq_len). Timed, as the loop runs a
+  step: ``rollout.batch(steps.weights(params, frozen), prompts, batch, step)`` (sampling, decoding, rewards,
+  advantages, row layout), ``steps.train(state, global_batch(mesh, batch), frozen)``, ``block_until_ready`` on the
+  new state and the metrics, and reading the metrics to the host.
+- TRL: a real ``GRPOTrainer`` over the saved model and tokenizer (``bf16=False``: TRL defaults to True even on CPU;
+  ``gradient_checkpointing=False``: TRL defaults to True, jaxtune does not remat; ``use_cpu=True``, ``report_to=[]``;
+  ``per_device_train_batch_size`` = the step's completions, as TRL counts them; ``num_generations``,
+  ``max_completion_length``, ``steps_per_generation=1``, ``num_iterations=1``, ``beta``, ``loss_type="dapo"``,
+  ``lr_scheduler_type="constant"``; no vLLM, so completions come from ``model.generate`` with a KV cache; its default
+  optimizer ``adamw_torch_fused`` from ``create_optimizer_and_scheduler``; with beta > 0 TRL loads its own reference
+  copy). A step's input is what its dataloader yields: the prompts' rows, each repeated ``num_generations`` times.
+  Timed: what ``Trainer._run_epoch`` does per optimizer step without the callbacks and the logging:
+  ``trainer.training_step(model, inputs, None)`` (its ``_prepare_inputs``: tokenising, generation, decoding, rewards,
+  advantages, the reference forward when beta > 0, TRL's metrics; then ``compute_loss`` and backward),
+  ``trainer._clip_grad_norm(model)``, ``optimizer.step()``, ``lr_scheduler.step()``, ``model.zero_grad()`` and
+  ``loss.item()``.
+
+Each step is split in three, measured inside it. Generation: jaxtune's ``Rollout`` times its sampler call
+(``time/generation``: left-padding, one prefill, a decode step per new token, each token read back to the host to
+check for stops); on TRL's side ``_generate_single_turn`` (left-padding, ``model.generate``, the EOS mask, the ids to
+lists) is wrapped with a timer. Scoring: the rest of making the batch, jaxtune's ``rollout.batch`` and TRL's
+``_prepare_inputs`` less generation (decoding, rewards, advantages, the row layout; TRL also runs the reference
+forward here when beta > 0, jaxtune inside its train step). Training: the step less both (the policy forward and
+backward, jaxtune's reference forward, clipping, the optimizer, reading the loss). Reward time is also reported on
+its own: jaxtune's ``time/rewards`` (decoding the completions' texts and calling the reward), TRL's the reward call.
+
+The two sides sample different completions (different random generators), so their losses are not compared: the GRPO
+loss and gradients are checked against TRL's in ``tests/train/test_grpo_objective.py``. Printed as a sanity check: each
+side's mean reward (the same distribution: a near-uniform sampler and the same reward) and losses.
+
+Timing as in ``dpo_cpu.py``: after the first step (jaxtune: trace + compile of the prefill, the decode step and the
+train step) and ``--warmup`` rounds, the implementations are interleaved round by round in one process (order rotated
+every round), each round running ``--steps`` steps of each; the tables report medians per step, and beside the ratio
+of medians the ratio of the fastest steps and of the median CPU time (user + system, all threads) per step. XLA's pool
+uses the cores in the affinity mask and torch gets as many threads. On a loaded machine set ``OMP_WAIT_POLICY=PASSIVE``
+or use ``--threads 1``. Usage:
+
+    [OMP_WAIT_POLICY=PASSIVE] PYTHONPATH=src python benchmarks/grpo_cpu.py [--rounds 4 --steps 2] [--beta 0 0.04]
+        [--prompts 4 --num-generations 8 --max-completion-length 64 --min-prompt 16 --max-prompt 32]
+        [--layers 4 --d-model 256 --heads 4 --kv-heads 2 --d-ff 688 --vocab 2048] [--attn sdpa|eager]
+        [--malloc-arena] [--threads N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import datasets
+import flax
+import jax
+import jaxlib
+import numpy as np
+import optax
+import torch
+import transformers
+import trl
+from _harness import (
+    BOS,
+    EOS,
+    PAD,
+    add_common_args,
+    add_malloc_arg,
+    add_round_args,
+    first_call,
+    interleave,
+    pin_threads,
+    quiet_trainers,
+    run_record,
+    timing_row,
+    word_tokenizer,
+)
+from cpu_step import tune_malloc
+from dpo_cpu import cpu_flags, lscpu_model
+
+from jaxtune import sharding
+from jaxtune.backends import make_state_spec
+from jaxtune.config import load_config
+from jaxtune.data import PromptRows, load_tokenizer
+from jaxtune.data.formats import Prompt
+from jaxtune.data.prompts import EncodedPrompt
+from jaxtune.train.objectives import make_objective
+from jaxtune.train.reference import step_reference, with_reference
+from jaxtune.train.rollout import make_rollout
+from jaxtune.train.step import jit_steps
+
+EOS_DIM, EOS_SHIFT, EOS_WEIGHT = 0, 8.0, -4.0  # see the module docstring: EOS's logit is about -64 everywhere
+
+
+def sevens(prompts, completions, **_) -> list[float]:
+    """The reward, on both sides: the number of "7" characters in each completion's text. TRL calls it with
+    ``completion_ids`` and more keywords, jaxtune with ``rows``; neither is read."""
+    return [float(c.count("7")) for c in completions]
+
+
+# ---------------------------------------------------------------- model, tokenizer and prompts
+def write_hf_model(directory: str, a: argparse.Namespace) -> int:
+    """A seeded random fp32 LlamaForCausalLM of the benchmark shape with EOS biased out, and the word-level tokenizer,
+    saved together; returns the model's parameter count."""
+    cfg = transformers.LlamaConfig(vocab_size=a.vocab, hidden_size=a.d_model, num_hidden_layers=a.layers,
+                                   num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                                   head_dim=a.d_model // a.heads, intermediate_size=a.d_ff,
+                                   max_position_embeddings=max(a.max_prompt + a.max_completion_length, 512),
+                                   attention_dropout=0.0, use_cache=True, tie_word_embeddings=False,
+                                   pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, EOS_DIM] += EOS_SHIFT
+        model.lm_head.weight[EOS] = 0.0
+        model.lm_head.weight[EOS, EOS_DIM] = EOS_WEIGHT
+    model.save_pretrained(directory, safe_serialization=True)
+    word_tokenizer(a.vocab).save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+def random_prompts(rng: np.random.RandomState, a: argparse.Namespace, n: int) -> list[list[int]]:
+    """``n`` prompts of random ids 3..V-1, ``--min-prompt`` to ``--max-prompt`` tokens each."""
+    return [rng.randint(3, a.vocab, rng.randint(a.min_prompt, a.max_prompt + 1)).tolist() for _ in range(n)]
+
+
+def text_of(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+# ---------------------------------------------------------------- jaxtune
+def jaxtune_impl(cfg, prompts: list[list[int]], per_step: int) -> tuple[dict, dict]:
+    """jaxtune's GRPO step as ``train()`` builds and runs it; step ``k`` takes prompts ``k*per_step`` onwards."""
+    t0 = time.perf_counter()
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.data)
+    spec = make_state_spec(cfg, None, mesh)
+    reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk)
+    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
+    rollout = make_rollout(cfg, spec.generator(), tokenizer)
+    frozen = with_reference(spec.load_frozen(cfg.train.seed), reference, spec, cfg.train.seed)
+    state = spec.init(cfg.train.seed)
+    jax.block_until_ready((state, frozen))
+    setup_s = time.perf_counter() - t0
+
+    source = PromptRows([EncodedPrompt(f"bench:{i}", Prompt(text=text_of(p)), np.asarray(p, np.int32))
+                         for i, p in enumerate(prompts)], cfg.max_prompt_tokens)
+    items = [source[i] for i in range(len(source))]
+    batches = [{k: np.stack([it[k] for it in items[s:s + per_step]]) for k in items[0]}
+               for s in range(0, len(items), per_step)]
+    box = {"state": state, "i": 0}
+
+    def step() -> dict:
+        i = box["i"]
+        with sharding.use_mesh(mesh):
+            t0 = time.perf_counter()
+            batch, sampled = rollout.batch(steps.weights(box["state"].params, frozen), source, batches[i], i)
+            prepared = time.perf_counter()
+            box["state"], metrics = steps.train(box["state"], sharding.global_batch(mesh, batch), frozen)
+            jax.block_until_ready((box["state"], metrics))
+            m = jax.device_get(metrics)
+            dt = time.perf_counter() - t0
+        box["i"] += 1
+        t = rollout.timings
+        lengths = batch["loss_mask"].sum(axis=1)  # completion tokens per row (a stop id would be one of them)
+        return {"loss": float(m["loss"]), "reward": sampled["reward"], "kl": float(m["kl"]),
+                "generation_s": t["generation"], "rewards_s": t["rewards"], "tokens": t["generated_tokens"],
+                "stopped": int(np.sum(lengths < cfg.objective.max_completion_length)), "prepare_s": prepared - t0,
+                "step_s": dt}
+
+    impl = {"step": step, "compiles": lambda: steps.compiles, "sampler_compiles": lambda: rollout.generator.compiles}
+    return impl, {"setup_s": setup_s, "reference": "frozen copy" if reference is not None else "none",
+                  "seq_len": cfg.data.seq_len}
+
+
+# ---------------------------------------------------------------- TRL
+def trl_impl(directory: str, a: argparse.Namespace, beta: float, out_dir: str, prompts: list[list[int]],
+             per_step: int) -> tuple[dict, dict]:
+    """A GRPOTrainer over the saved model and tokenizer, its optimizer and scheduler created as ``train()`` would,
+    generation and the reward timed from inside."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    n = per_step * a.num_generations
+    args = GRPOConfig(output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False,
+                      per_device_train_batch_size=n, num_generations=a.num_generations,
+                      max_completion_length=a.max_completion_length, steps_per_generation=1, num_iterations=1,
+                      temperature=1.0, beta=beta, loss_type="dapo", learning_rate=a.lr, lr_scheduler_type="constant",
+                      weight_decay=0.0, max_grad_norm=1.0, save_strategy="no", disable_tqdm=True, logging_steps=10**6)
+    clock = {"generation": 0.0, "rewards": 0.0, "tokens": 0, "stopped": 0, "prepare": 0.0}
+
+    def reward(prompts, completions, **kwargs):
+        t0 = time.perf_counter()
+        out = sevens(prompts, completions, **kwargs)
+        clock["rewards"] = time.perf_counter() - t0
+        return out
+
+    reward.__name__ = "sevens"
+    data = datasets.Dataset.from_dict({"prompt": [text_of(p) for p in prompts[:per_step]]})
+    model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation=a.attn)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=data,
+                          processing_class=tokenizer)
+    trainer.create_optimizer_and_scheduler(num_training_steps=10**6)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer._run_epoch before each step
+    if (trainer.ref_model is not None) != (beta > 0):
+        raise RuntimeError(f"TRL's reference model with beta={beta}: {trainer.ref_model is not None}")
+
+    generate = trainer._generate_single_turn
+
+    def timed_generate(*args, **kwargs):
+        t0 = time.perf_counter()
+        completion_ids, logprobs = generate(*args, **kwargs)
+        clock["generation"] = time.perf_counter() - t0
+        clock["tokens"] = sum(len(c) for c in completion_ids)
+        clock["stopped"] = sum(len(c) < a.max_completion_length for c in completion_ids)
+        return completion_ids, logprobs
+
+    prepare = trainer._prepare_inputs
+
+    def timed_prepare(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = prepare(*args, **kwargs)
+        clock["prepare"] = time.perf_counter() - t0
+        return out
+
+    trainer._generate_single_turn = timed_generate
+    trainer._prepare_inputs = timed_prepare  # Trainer.training_step calls it first (GRPO: generation and scoring)
+    # What TRL's dataloader yields per step (RepeatSampler, identity collator): each prompt's row num_generations times.
+    inputs = [[{"prompt": text_of(p)} for p in prompts[s:s + per_step] for _ in range(a.num_generations)]
+              for s in range(0, len(prompts), per_step)]
+    first = trainer.processing_class(text=[x["prompt"] for x in inputs[0]])["input_ids"]
+    if first[::a.num_generations] != prompts[:per_step]:
+        raise RuntimeError("TRL's tokenizer does not give back the prompts' ids")
+    box = {"i": 0}
+
+    def step() -> dict:
+        model = trainer.model
+        t0 = time.perf_counter()
+        loss = trainer.training_step(model, inputs[box["i"]], None)  # generation, scoring, loss, backward
+        trainer._clip_grad_norm(model)
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        model.zero_grad()
+        trainer.state.global_step += 1
+        value = loss.item()
+        dt = time.perf_counter() - t0
+        box["i"] += 1
+        m = trainer._metrics["train"]
+        return {"loss": value, "reward": m["reward"][-1], "kl": m["kl"][-1] if m.get("kl") else 0.0,
+                "generation_s": clock["generation"], "rewards_s": clock["rewards"], "tokens": clock["tokens"],
+                "stopped": clock["stopped"], "prepare_s": clock["prepare"], "step_s": dt}
+
+    return {"step": step}, {"reference": "frozen copy (TRL's)" if trainer.ref_model is not None else "none"}
+
+
+# ---------------------------------------------------------------- main
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_round_args(ap, rounds=4)
+    add_common_args(ap, prompts=4, num_generations=8, max_completion_length=64, min_prompt=16, max_prompt=32,
+                    layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=2048)
+    ap.add_argument("--beta", type=float, nargs="+", default=[0.0],
+                    help="KL weights, one setup each (0: no reference model)")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
+                    help="transformers' attention (sdpa: its default)")
+    add_malloc_arg(ap)
+    args = ap.parse_args(argv)
+    if args.rounds < 3 or args.steps < 1 or args.warmup < 0:
+        ap.error("use at least 3 timed rounds and 1 step per round")
+    if not 1 <= args.min_prompt <= args.max_prompt:
+        ap.error("need 1 <= --min-prompt <= --max-prompt")
+    threads = pin_threads(args.threads)
+    if args.malloc_arena:
+        tune_malloc()
+    quiet_trainers()
+
+    n_steps = 1 + (args.warmup + args.rounds) * args.steps  # per implementation, the first step included
+    prompts = random_prompts(np.random.RandomState(0), args, n_steps * args.prompts)
+    completions = args.prompts * args.num_generations
+    seq_len = args.max_prompt + args.max_completion_length
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = os.path.join(tmp.name, "model")
+    n_params = write_hf_model(model_dir, args)
+    base = [f"model.from_hf={model_dir}", "objective.name=grpo", "objective.loss_type=dapo",
+            f"objective.num_generations={args.num_generations}",
+            f"objective.max_completion_length={args.max_completion_length}", "objective.temperature=1.0",
+            "objective.rewards=[{name: 'grpo_cpu:sevens'}]", "data.format=prompts", "data.sources=[prompts.jsonl]",
+            f"data.seq_len={seq_len}", f"train.batch_size={args.prompts}", f"train.steps={n_steps}",
+            f"optim.lr={args.lr}", "optim.b1=0.9", "optim.b2=0.999", "optim.eps=1e-8", "optim.weight_decay=0.0",
+            "optim.grad_clip=1.0", "optim.schedule=constant", "optim.warmup_steps=0"]
+
+    impls: dict[str, dict] = {}
+    setups: dict[str, dict] = {}  # setup -> {"jaxtune": impl name, "TRL": impl name, "reference": ...}
+    setup_s: dict[str, float] = {}
+    torch.manual_seed(0)  # TRL's sampling
+    for beta in args.beta:
+        setup = f"beta {beta:g}"
+        cfg = load_config(None, base + [f"objective.beta={beta}"])
+        jname, tname = f"jaxtune {setup} (jax.jit)", f"TRL {setup} (eager)"
+        impls[jname], js = jaxtune_impl(cfg, prompts, args.prompts)
+        setup_s[jname] = js["setup_s"]
+        impls[tname], ts = trl_impl(model_dir, args, beta, os.path.join(tmp.name, f"trl-{len(impls)}"), prompts,
+                                    args.prompts)
+        setups[setup] = {"jaxtune": jname, "TRL": tname, "reference": js["reference"], "trl_reference": ts["reference"]}
+
+    for im in impls.values():
+        im["fn"] = lambda _, st=im["step"]: [st() for _ in range(args.steps)]
+        im["first"], im["first_step_s"] = first_call(im["step"])  # jaxtune: trace + compile
+    compiles_after_first = {name: (im["compiles"](), im["sampler_compiles"]()) for name, im in impls.items()
+                            if "compiles" in im}
+    run = interleave(impls, range(args.warmup + args.rounds), timed=lambda r: r >= args.warmup)
+    load0, load1 = run["load_before"], run["load_after"]
+    tmp.cleanup()
+
+    # ---- report (times are per round of --steps steps: per step below)
+    rows = {}
+    for name, im in impls.items():
+        im["times"] = [t / args.steps for t in im["times"]]
+        im["cpu"] = [c / args.steps for c in im["cpu"]]
+        seq = [im["first"]] + [x for out in im["outputs"] for x in out]
+        timed = [x for r, out in enumerate(im["outputs"]) if r >= args.warmup for x in out]
+        gen = statistics.median(x["generation_s"] for x in timed)
+        tokens = statistics.median(x["tokens"] for x in timed)
+        timing = timing_row(im, completions * args.max_completion_length)
+        row = {"implementation": name, **timing, "steps_per_s": 1e3 / timing["ms_per_step"],
+               "first_step_s": im["first_step_s"], "generation_ms": gen * 1e3,
+               "generated_tokens_per_step": tokens,
+               "generation_tokens_per_s": statistics.median(x["tokens"] / x["generation_s"] for x in timed),
+               "scoring_ms": statistics.median((x["prepare_s"] - x["generation_s"]) for x in timed) * 1e3,
+               "training_ms": statistics.median((x["step_s"] - x["prepare_s"]) for x in timed) * 1e3,
+               "rewards_ms": statistics.median(x["rewards_s"] for x in timed) * 1e3,
+               "stopped_early": sum(x["stopped"] for x in seq), "completions_run": completions * len(seq),
+               "mean_reward": float(np.mean([x["reward"] for x in seq])),
+               "losses": [x["loss"] for x in seq], "kl": [x["kl"] for x in seq], "steps_run": len(seq)}
+        if "compiles" in im:
+            row["jax_compiles"] = {"train_step": im["compiles"](), "sampler": im["sampler_compiles"](),
+                                   "after_first_step": compiles_after_first[name]}
+        rows[name] = row
+
+    omp_wait = os.environ.get("OMP_WAIT_POLICY", "unset")
+    command = (("" if omp_wait == "unset" else f"OMP_WAIT_POLICY={omp_wait} ") + "PYTHONPATH=src "
+               + " ".join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])]))
+    record = run_record(jax=jax, jaxlib=jaxlib, torch=torch, transformers=transformers, trl=trl, flax=flax,
+                        optax=optax, numpy=np)
+    machine = f"{lscpu_model()} ({cpu_flags()}), {os.cpu_count()} cores"
+    print(f"machine: {machine}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()))
+    print(f"command: {command}")
+    print(f"Llama (random, fp32, untied head, EOS biased out): {args.layers} layers, hidden {args.d_model}, "
+          f"{args.heads} heads ({args.kv_heads} kv), intermediate {args.d_ff}, vocab {args.vocab}, "
+          f"{n_params / 1e6:.2f}M params; transformers attention {args.attn}")
+    print(f"GRPO: {args.prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens x {args.num_generations} "
+          f"generations = {completions} completions of {args.max_completion_length} tokens per step, temperature 1.0; "
+          f"dapo, epsilon 0.2, one pass; jaxtune rows (N, {seq_len}); AdamW lr {args.lr:g} betas (0.9, 0.999) eps 1e-8 "
+          f"wd 0, constant lr, clip 1.0; reward: count of '7' in the text")
+    print(f"threads: XLA {threads} / torch {torch.get_num_threads()} (OMP_WAIT_POLICY {omp_wait}); malloc tuning "
+          f"{'on' if args.malloc_arena else 'off'}; first step + {args.warmup} warm-up round(s) + {args.rounds} timed "
+          f"rounds of {args.steps} step(s) per implementation, interleaved ({run['seconds']:.0f} s); load average "
+          f"{load0[0]:.2f} -> {load1[0]:.2f} (1 min), {load0[1]:.2f} -> {load1[1]:.2f} (5 min)")
+    print("jaxtune setup (tokenizer, spec, weights from the checkpoint, reference, state): "
+          + ", ".join(f"{n} {s:.1f} s" for n, s in setup_s.items()))
+    for r in rows.values():
+        print(f"  {r['implementation']}: mean reward {r['mean_reward']:.3f}; completions that stopped before "
+              f"{args.max_completion_length} tokens {r['stopped_early']}/{r['completions_run']}; loss step 1 "
+              f"{r['losses'][0]:.3g}, last {r['losses'][-1]:.3g}; kl last {r['kl'][-1]:.3g}"
+              + (f"; jax compiles (train step, sampler) {r['jax_compiles']['train_step']}, "
+                 f"{r['jax_compiles']['sampler']}" if "jax_compiles" in r else ""))
+
+    head = ["setup", "reference", "jaxtune ms/step", "TRL ms/step", "ratio (jaxtune / TRL steps/s)", "(best step)",
+            "(CPU time)", "jaxtune steps/s", "TRL steps/s"]
+    print("\n| " + " | ".join(head) + " |")
+    print("|" + "|".join("-" * (len(h) + 1) + (":" if i > 1 else "-") for i, h in enumerate(head)) + "|")
+    summary = []
+    for setup, names in setups.items():
+        j, t = rows[names["jaxtune"]], rows[names["TRL"]]
+        ratio = t["ms_per_step"] / j["ms_per_step"]
+        best, cpu = t["ms_per_step_min"] / j["ms_per_step_min"], t["cpu_ms_per_step"] / j["cpu_ms_per_step"]
+        summary.append({"setup": setup, "jaxtune_ms": j["ms_per_step"], "trl_ms": t["ms_per_step"], "ratio": ratio,
+                        "ratio_best_step": best, "ratio_cpu_time": cpu})
+        print(f"| {setup} | {names['reference']} | {j['ms_per_step']:.0f} | {t['ms_per_step']:.0f} | "
+              f"**{ratio:.2f}x** | {best:.2f}x | {cpu:.2f}x | {j['steps_per_s']:.2f} | {t['steps_per_s']:.2f} |")
+
+    head = ["implementation", "steps/s", "ms/step (median / min)", "CPU ms/step", "generation ms",
+            "generated tokens/step", "generation tokens/s", "scoring ms", "training ms", "rewards ms",
+            "first step (s)"]
+    print("\n| " + " | ".join(head) + " |")
+    print("|" + "|".join("-" * (len(h) + 1) + (":" if i else "-") for i, h in enumerate(head)) + "|")
+    for r in rows.values():
+        print(f"| {r['implementation']} | {r['steps_per_s']:.2f} | {r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f} "
+              f"| {r['cpu_ms_per_step']:.0f} | {r['generation_ms']:.0f} | {r['generated_tokens_per_step']:,.0f} | "
+              f"{r['generation_tokens_per_s']:,.0f} | {r['scoring_ms']:.0f} | {r['training_ms']:.0f} | "
+              f"{r['rewards_ms']:.2f} | "
+              f"{r['first_step_s']:.1f} |")
+    noisy = [r["implementation"] for r in rows.values() if r["ms_per_step"] > 1.3 * r["ms_per_step_min"]]
+    if noisy:
+        print(f"noisy: median > 1.3x the fastest step for {noisy} (load average {load1[0]:.1f} on "
+              f"{os.cpu_count()} cores)")
+    recompiled = [name for name, r in rows.items()
+                  if "jax_compiles" in r and (r["jax_compiles"]["train_step"], r["jax_compiles"]["sampler"])
+                  != r["jax_compiles"]["after_first_step"]]
+    if recompiled:
+        print(f"warning: jax compiled again after the first step for {recompiled}")
+    early = [r["implementation"] for r in rows.values() if r["stopped_early"]]
+    if early:
+        print(f"warning: some completions stopped early (EOS sampled) for {early}: the sides' token counts differ")
+
+    result = record | {
+        "machine_lscpu": machine, "command": command, "summary": summary, "rows": list(rows.values()),
+        "config": vars(args) | {"threads": threads, "completions_per_step": completions, "seq_len": seq_len,
+                                "params": n_params, "loadavg_before_after": [load0, load1],
+                                "timed_s": run["seconds"], "omp_wait_policy": omp_wait},
+        "jaxtune_setup_s": setup_s}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
