@@ -45,6 +45,23 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jaxtune-cache")
 
 
+QUICK = ["eval.exact_match=0", "eval.prompts=[]", "logging.progress=false", "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="session")
+def quickstart_sft_model(tmp_path_factory, data_cache) -> Path:
+    """The README's first steps of the DPO and GRPO quickstarts, shortened and done once for the session:
+    `jaxtune train finetune-quickstart` (30 steps), then `jaxtune export` of it. The exported model directory."""
+    from jaxtune.cli import main
+
+    root = tmp_path_factory.mktemp("quickstart-sft")
+    sft, model = root / "sft", root / "model"
+    assert main(["train", "finetune-quickstart", f"run_dir={sft}", "train.steps=30", "eval.every=0",
+                 "data.val_fraction=0", f"data.cache_dir={data_cache}", *QUICK]) == 0
+    assert main(["export", str(sft), str(model)]) == 0
+    return model
+
+
 @pytest.fixture
 def tiny_overrides(tmp_path, data_cache) -> list[str]:
     return TINY + [f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}"]

@@ -133,13 +133,11 @@ def test_torchax_grpo_lora_samples_with_its_own_generator(grpo, tmp_path):
     assert set(ROLLOUT_METRICS + OBJECTIVE_METRICS) <= set(row) and row["completions/mean_length"] >= 1
 
 
-def test_grpo_quickstart_as_the_readme_runs_it(tmp_path, data_cache, capsys):
-    """The README's commands, shortened: the fine-tuning quickstart, its export, then grpo-quickstart from it."""
-    sft, model, run = tmp_path / "sft", tmp_path / "sft-model", tmp_path / "grpo"
+def test_grpo_quickstart_as_the_readme_runs_it(quickstart_sft_model, tmp_path, data_cache, capsys):
+    """The README's commands, shortened: the fine-tuning quickstart, its export (done once, `quickstart_sft_model`),
+    then grpo-quickstart from it, then `jaxtune eval` of the GRPO run."""
+    model, run = quickstart_sft_model, tmp_path / "grpo"
     fast = [f"data.cache_dir={data_cache}", "eval.prompts=[]", "logging.progress=false", "logging.tensorboard=false"]
-    assert main(["train", "finetune-quickstart", f"run_dir={sft}", "train.steps=20", "eval.every=0",
-                 "eval.exact_match=0", "data.val_fraction=0", *fast]) == 0
-    assert main(["export", str(sft), str(model)]) == 0
     capsys.readouterr()
     assert main(["train", "grpo-quickstart", f"model.from_hf={model}", f"run_dir={run}", "train.steps=2",
                  "train.batch_size=2", "eval.every=0", "eval.exact_match=4", "checkpoint.every=2",

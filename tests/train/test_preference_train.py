@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import QUICK
 from tiny_runs import assert_kill9_resume_is_bitwise, metric_rows, run_overrides, torchax_lora_config, write_rows
 
 from jaxtune.cli import main
@@ -46,16 +47,12 @@ def pref(pairs_file, tmp_path, data_cache):
     return run_overrides(REST, pairs_file, tmp_path, data_cache)
 
 
-def test_dpo_quickstart_as_the_readme_runs_it(tmp_path, data_cache, capsys):
+def test_dpo_quickstart_as_the_readme_runs_it(quickstart_sft_model, tmp_path, data_cache, capsys):
     """The README's commands, shortened: the fine-tuning quickstart, its export, then dpo-quickstart from it (a
     frozen copy as the reference). The step compiles once; train and eval rows carry TRL's metric names; held-out
     reward accuracy starts at 0 (policy == reference) and rises clearly; report.md tabulates it."""
-    sft, model, run = tmp_path / "sft", tmp_path / "sft-model", tmp_path / "dpo"
-    fast = [f"data.cache_dir={data_cache}", "eval.exact_match=0", "eval.prompts=[]", "logging.progress=false",
-            "logging.tensorboard=false"]
-    assert main(["train", "finetune-quickstart", f"run_dir={sft}", "train.steps=30", "eval.every=0",
-                 "data.val_fraction=0", *fast]) == 0
-    assert main(["export", str(sft), str(model)]) == 0
+    model, run = quickstart_sft_model, tmp_path / "dpo"
+    fast = [f"data.cache_dir={data_cache}", *QUICK]
     capsys.readouterr()
     # Shortened: 24 steps from a 30-step SFT model, at 5x the recipe's learning rate.
     assert main(["train", "dpo-quickstart", f"model.from_hf={model}", f"run_dir={run}", "train.steps=24",
