@@ -125,9 +125,27 @@ def jaxtune_step(cfg: Any) -> dict[str, Any]:
             "setup_s": setup_s}
 
 
+def check_rounds(ap: Any, args: Any) -> None:
+    """Refuse fewer than 3 timed rounds or no step per round (``add_round_args``' keys)."""
+    if args.rounds < 3 or args.steps < 1 or args.warmup < 0:
+        ap.error("use at least 3 timed rounds and 1 step per round")
+
+
 def add_malloc_arg(ap: Any) -> None:
     ap.add_argument("--malloc-arena", action="store_true",
                     help="glibc malloc: one arena, no mmap, no trim (cpu_step.tune_malloc); both frameworks")
+
+
+def start_trainers(args: Any) -> int:
+    """What the benchmarks beside TRL do before building anything: pin ``--threads``, apply ``--malloc-arena``
+    (`cpu_step.tune_malloc`) and silence the trainers' chatter; the thread count."""
+    from cpu_step import tune_malloc
+
+    threads = pin_threads(args.threads)
+    if args.malloc_arena:
+        tune_malloc()
+    quiet_trainers()
+    return threads
 
 
 def quiet_trainers() -> None:

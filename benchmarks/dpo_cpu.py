@@ -74,15 +74,14 @@ from _harness import (
     add_common_args,
     add_malloc_arg,
     add_round_args,
+    check_rounds,
     first_call,
     interleave,
-    pin_threads,
-    quiet_trainers,
     run_record,
+    start_trainers,
     timing_row,
     word_tokenizer,
 )
-from cpu_step import tune_malloc
 
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
@@ -271,14 +270,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-compile", action="store_true", help="skip the TRL torch.compile row")
     add_malloc_arg(ap)
     args = ap.parse_args(argv)
-    if args.rounds < 3 or args.steps < 1 or args.warmup < 0:
-        ap.error("use at least 3 timed rounds and 1 step per round")
+    check_rounds(ap, args)
     if not (8 < args.prompt and args.prompt + 8 + args.min_completion <= args.seq):
         ap.error("need --prompt > 8 and --prompt + 8 + --min-completion <= --seq")
-    threads = pin_threads(args.threads)
-    if args.malloc_arena:
-        tune_malloc()
-    quiet_trainers()
+    threads = start_trainers(args)
 
     n_steps = 1 + (args.warmup + args.rounds) * args.steps  # per implementation, the first step included
     rng = np.random.RandomState(0)

@@ -95,15 +95,14 @@ from _harness import (
     add_common_args,
     add_malloc_arg,
     add_round_args,
+    check_rounds,
     first_call,
     interleave,
-    pin_threads,
-    quiet_trainers,
     run_record,
+    start_trainers,
     timing_row,
     word_tokenizer,
 )
-from cpu_step import tune_malloc
 from dpo_cpu import cpu_flags, lscpu_model
 
 from jaxtune import sharding
@@ -294,14 +293,10 @@ def main(argv=None) -> dict:
                     help="transformers' attention (sdpa: its default)")
     add_malloc_arg(ap)
     args = ap.parse_args(argv)
-    if args.rounds < 3 or args.steps < 1 or args.warmup < 0:
-        ap.error("use at least 3 timed rounds and 1 step per round")
+    check_rounds(ap, args)
     if not 1 <= args.min_prompt <= args.max_prompt:
         ap.error("need 1 <= --min-prompt <= --max-prompt")
-    threads = pin_threads(args.threads)
-    if args.malloc_arena:
-        tune_malloc()
-    quiet_trainers()
+    threads = start_trainers(args)
 
     n_steps = 1 + (args.warmup + args.rounds) * args.steps  # per implementation, the first step included
     prompts = random_prompts(np.random.RandomState(0), args, n_steps * args.prompts)

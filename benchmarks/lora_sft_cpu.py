@@ -53,6 +53,7 @@ import transformers
 from _harness import (
     add_common_args,
     add_round_args,
+    check_rounds,
     first_call,
     interleave,
     jaxtune_step,
@@ -149,8 +150,7 @@ def main(argv=None) -> dict:
                     help="give transformers plain causal rows (no position_ids): less masking work, and a different "
                          "function, so the step-1 loss check is reported but not enforced")
     args = ap.parse_args(argv)
-    if args.rounds < 3 or args.steps < 1 or args.warmup < 0:
-        ap.error("use at least 3 timed rounds and 1 step per round")
+    check_rounds(ap, args)
     threads = pin_threads(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

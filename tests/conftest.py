@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import jax
@@ -161,3 +163,21 @@ def save_chatml_tokenizer(directory: Path, texts: list[str]) -> int:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     assert [tok.token_to_id(s) for s in CHAT_SPECIALS] == [0, 1, 2]
     return tok.get_vocab_size()
+
+
+def beside(proc: subprocess.Popen, work):
+    """(work(), the JSON ``proc`` prints after "RESULT"), ``work`` running in this process while ``proc`` (a test's
+    run on simulated devices, in its own process) runs: on two cores each compile is single-threaded, so the two
+    overlap. ``proc`` is killed if ``work`` fails."""
+    try:
+        value = work()
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    try:
+        out, err = proc.communicate(timeout=900)
+    finally:
+        proc.kill()  # a no-op once it has exited
+    assert proc.returncode == 0, err[-3000:]
+    return value, json.loads(out.split("RESULT", 1)[1])

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import beside
 
 from jaxtune.config import ConfigError, load_config
 from jaxtune.loop import train
@@ -160,18 +161,7 @@ def test_sharded_layouts_match_single_device(torchax_overrides):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, json.dumps(layouts), *base], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        single = train(cfg)  # the one-device reference, in this process while the 8-device one runs
-    except BaseException:
-        proc.kill()
-        proc.communicate()
-        raise
-    try:
-        stdout, stderr = proc.communicate(timeout=900)
-    finally:
-        proc.kill()  # a no-op once it has exited
-    assert proc.returncode == 0, stderr[-3000:]
-    out = json.loads(stdout.split("RESULT", 1)[1])
+    single, out = beside(proc, lambda: train(cfg))  # the one-device reference while the 8-device one runs
     for name, r in out.items():
         assert r["compiles"] == 1, name
         for step, loss in r["losses"].items():

@@ -10,6 +10,7 @@ import textwrap
 
 import jax
 import pytest
+from conftest import beside
 
 from jaxtune.config import load_config
 from jaxtune.data import load_tokenizer, prepare_tokens
@@ -87,22 +88,6 @@ def _launch(layouts: dict, probe: list, base: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _beside(proc: subprocess.Popen, work):
-    """(work(), the RESULT of ``proc``), ``work`` running in this process while ``proc`` runs."""
-    try:
-        value = work()
-    except BaseException:
-        proc.kill()
-        proc.communicate()
-        raise
-    try:
-        out, err = proc.communicate(timeout=900)
-    finally:
-        proc.kill()  # a no-op once it has exited
-    assert proc.returncode == 0, err[-3000:]
-    return value, json.loads(out.split("RESULT ", 1)[1])
-
-
 def _single_device(base: list[str], run_dir) -> dict[int, float]:
     """The reference losses: the same run on one device, in this process."""
     assert jax.device_count() == 1
@@ -117,7 +102,7 @@ def test_layouts_match_single_device(tmp_path, tiny_overrides, family):
                              f"model.family={family}", f"run_dir={tmp_path / 'layout'}"]
     cfg = load_config(None, base)
     prepare_tokens(cfg.data, load_tokenizer(cfg.tokenizer, cfg.data))  # built once, before two processes read it
-    ref, out = _beside(_launch(LAYOUTS, PROBES[family], base), lambda: _single_device(base, tmp_path / "single"))
+    ref, out = beside(_launch(LAYOUTS, PROBES[family], base), lambda: _single_device(base, tmp_path / "single"))
     assert sorted(ref) == list(range(1, STEPS + 1))
     reshard = out.pop("reshard")
     assert reshard["bitwise"] and reshard["sharded"] == {"data": 1, "fsdp": 4, "tensor": 2}
@@ -163,7 +148,7 @@ def test_lora_adapters_shard_with_their_base(tmp_path, tiny_overrides):
         _check_lora_shardings(cfg, base)  # abstract meshes: no devices, no compiles
         return _single_device(base, tmp_path / "single")
 
-    ref, out = _beside(_launch(layouts, ["layers", 0, "mlp", "gate", "lora_a"], base), here)
+    ref, out = beside(_launch(layouts, ["layers", 0, "mlp", "gate", "lora_a"], base), here)
     assert out.pop("reshard")["bitwise"]
     for name, r in out.items():
         for step, loss in r["losses"].items():
