@@ -176,3 +176,9 @@ def word_tokenizer(vocab: int):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
                                                 eos_token="</s>")
+
+
+def print_header(head: list[str], text_columns: int = 1) -> None:
+    """A markdown table's header: ``head``, its first ``text_columns`` columns left-aligned, the rest right."""
+    print("\n| " + " | ".join(head) + " |")
+    print("|" + "|".join("-" * (len(h) + 1) + (":" if i >= text_columns else "-") for i, h in enumerate(head)) + "|")

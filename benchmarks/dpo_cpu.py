@@ -77,6 +77,7 @@ from _harness import (
     check_rounds,
     first_call,
     interleave,
+    print_header,
     run_record,
     start_trainers,
     timing_row,
@@ -409,8 +410,7 @@ def main(argv=None) -> dict:
 
     head = ["setup", "reference", "jaxtune ms/step", "TRL ms/step", "ratio (TRL / jaxtune time)", "(best step)",
             "(CPU time)", "jaxtune tokens/s", "TRL tokens/s"]
-    print("\n| " + " | ".join(head) + " |")
-    print("|" + "|".join("-" * (len(h) + 1) + (":" if i > 1 else "-") for i, h in enumerate(head)) + "|")
+    print_header(head, 2)
     summary = []
     for setup, names in rows_of.items():
         j = rows[names["jaxtune"]]
@@ -428,8 +428,7 @@ def main(argv=None) -> dict:
 
     head = ["implementation", "tokens/s (median)", "real tokens/s", "ms/step (median / min)", "CPU ms/step",
             "first step (s)"]
-    print("\n| " + " | ".join(head) + " |")
-    print("|" + "|".join("-" * (len(h) + 1) + (":" if i else "-") for i, h in enumerate(head)) + "|")
+    print_header(head)
     for r in rows.values():
         print(f"| {r['implementation']} | {r['tokens_per_s']:,.0f} | {r['real_tokens_per_s']:,.0f} | "
               f"{r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f} | {r['cpu_ms_per_step']:.0f} | "

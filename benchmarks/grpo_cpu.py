@@ -98,6 +98,7 @@ from _harness import (
     check_rounds,
     first_call,
     interleave,
+    print_header,
     run_record,
     start_trainers,
     timing_row,
@@ -393,8 +394,7 @@ def main(argv=None) -> dict:
 
     head = ["setup", "reference", "jaxtune ms/step", "TRL ms/step", "ratio (jaxtune / TRL steps/s)", "(best step)",
             "(CPU time)", "jaxtune steps/s", "TRL steps/s"]
-    print("\n| " + " | ".join(head) + " |")
-    print("|" + "|".join("-" * (len(h) + 1) + (":" if i > 1 else "-") for i, h in enumerate(head)) + "|")
+    print_header(head, 2)
     summary = []
     for setup, names in setups.items():
         j, t = rows[names["jaxtune"]], rows[names["TRL"]]
@@ -408,8 +408,7 @@ def main(argv=None) -> dict:
     head = ["implementation", "steps/s", "ms/step (median / min)", "CPU ms/step", "generation ms",
             "generated tokens/step", "generation tokens/s", "scoring ms", "training ms", "rewards ms",
             "first step (s)"]
-    print("\n| " + " | ".join(head) + " |")
-    print("|" + "|".join("-" * (len(h) + 1) + (":" if i else "-") for i, h in enumerate(head)) + "|")
+    print_header(head)
     for r in rows.values():
         print(f"| {r['implementation']} | {r['steps_per_s']:.2f} | {r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f} "
               f"| {r['cpu_ms_per_step']:.0f} | {r['generation_ms']:.0f} | {r['generated_tokens_per_step']:,.0f} | "

@@ -58,6 +58,7 @@ from _harness import (
     interleave,
     jaxtune_step,
     pin_threads,
+    print_header,
     run_record,
     timing_row,
 )
@@ -268,8 +269,7 @@ def main(argv=None) -> dict:
     head = ["implementation", "tokens/s (median)", "ms/step (median / min)", "vs HF eager", "(best step)"]
     head += ["vs HF sdpa"] if sd else []
     head += ["CPU ms/step", "first step (s)", "loss step 1", "loss last"]
-    print("\n| " + " | ".join(head) + " |")
-    print("|" + "|".join("-" * (len(h) + 1) + (":" if i else "-") for i, h in enumerate(head)) + "|")
+    print_header(head)
     e = by["HF+PEFT eager"]
     for r in rows:
         cells = [r["implementation"], f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f}",

@@ -38,7 +38,7 @@ import optax
 import torch
 import torch.nn.functional as F
 import transformers
-from _harness import add_common_args, first_call, interleave, pin_threads, run_record, timing_row
+from _harness import add_common_args, first_call, interleave, pin_threads, print_header, run_record, timing_row
 from flax import nnx
 
 from jaxtune.models import from_hf
@@ -235,8 +235,7 @@ def main(argv=None) -> dict:
     head = ["family", "params", "jaxtune tok/s", "HF eager tok/s", "jaxtune / eager", "(best step)"]
     head += ["HF sdpa tok/s", "jaxtune / sdpa"] if sd else []
     head += ["jaxtune ms", "eager ms"] + (["sdpa ms"] if sd else []) + ["jaxtune CPU ms", "eager CPU ms", "compile s"]
-    print("\n| " + " | ".join(head) + " |")
-    print("|" + "|".join("-" * (len(h) + 1) + (":" if i else "-") for i, h in enumerate(head)) + "|")
+    print_header(head)
     for fam in info:
         j, e = by[(fam, "jaxtune")], by[(fam, "hf eager")]
         cells = [fam, f"{info[fam]['params'] / 1e6:.2f}M", f"{j['tokens_per_s']:,.0f}", f"{e['tokens_per_s']:,.0f}",

@@ -69,6 +69,7 @@ from _harness import (
     interleave,
     jaxtune_step,
     pin_threads,
+    print_header,
     run_record,
     timing_row,
 )
@@ -337,8 +338,7 @@ def main(argv=None) -> dict:
 
     head = ["implementation", "tokens/s (median)", "ms/step (median / min)", "vs native", "vs PyTorch eager",
             "CPU ms/step", "first step (s)", "timed steps"]
-    print("\n| " + " | ".join(head) + " |")
-    print("|" + "|".join("-" * (len(h) + 1) + (":" if i else "-") for i, h in enumerate(head)) + "|")
+    print_header(head)
     for r in rows:
         cells = [r["implementation"], f"{r['tokens_per_s']:,.0f}",
                  f"{r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f}", f"{r['vs_native']:.2f}x",
