@@ -182,3 +182,11 @@ def print_header(head: list[str], text_columns: int = 1) -> None:
     """A markdown table's header: ``head``, its first ``text_columns`` columns left-aligned, the rest right."""
     print("\n| " + " | ".join(head) + " |")
     print("|" + "|".join("-" * (len(h) + 1) + (":" if i >= text_columns else "-") for i, h in enumerate(head)) + "|")
+
+
+def say_noisy(rows: Iterable[dict[str, Any]], load1: float) -> None:
+    """Flag the implementations whose median step is over 1.3x their fastest: other work on the machine (PyTorch's
+    OpenMP threads suffer most), at 1-minute load average ``load1``."""
+    noisy = [r["implementation"] for r in rows if r["ms_per_step"] > 1.3 * r["ms_per_step_min"]]
+    if noisy:
+        print(f"noisy: median > 1.3x the fastest step for {noisy} (load average {load1:.1f} on {os.cpu_count()} cores)")

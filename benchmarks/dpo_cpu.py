@@ -79,6 +79,7 @@ from _harness import (
     interleave,
     print_header,
     run_record,
+    say_noisy,
     start_trainers,
     timing_row,
     word_tokenizer,
@@ -433,10 +434,7 @@ def main(argv=None) -> dict:
         print(f"| {r['implementation']} | {r['tokens_per_s']:,.0f} | {r['real_tokens_per_s']:,.0f} | "
               f"{r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f} | {r['cpu_ms_per_step']:.0f} | "
               f"{r['first_step_s']:.1f} |")
-    noisy = [r["implementation"] for r in rows.values() if r["ms_per_step"] > 1.3 * r["ms_per_step_min"]]
-    if noisy:
-        print(f"noisy: median > 1.3x the fastest step for {noisy} (load average {load1[0]:.1f} on "
-              f"{os.cpu_count()} cores)")
+    say_noisy(rows.values(), load1[0])
     recompiled = [r["implementation"] for r in rows.values() if r.get("jax_compiles", 1) != 1]
     if recompiled:
         print(f"warning: the jitted step was traced more than once for {recompiled}")

@@ -100,6 +100,7 @@ from _harness import (
     interleave,
     print_header,
     run_record,
+    say_noisy,
     start_trainers,
     timing_row,
     word_tokenizer,
@@ -415,10 +416,7 @@ def main(argv=None) -> dict:
               f"{r['generation_tokens_per_s']:,.0f} | {r['scoring_ms']:.0f} | {r['training_ms']:.0f} | "
               f"{r['rewards_ms']:.2f} | "
               f"{r['first_step_s']:.1f} |")
-    noisy = [r["implementation"] for r in rows.values() if r["ms_per_step"] > 1.3 * r["ms_per_step_min"]]
-    if noisy:
-        print(f"noisy: median > 1.3x the fastest step for {noisy} (load average {load1[0]:.1f} on "
-              f"{os.cpu_count()} cores)")
+    say_noisy(rows.values(), load1[0])
     recompiled = [name for name, r in rows.items()
                   if "jax_compiles" in r and (r["jax_compiles"]["train_step"], r["jax_compiles"]["sampler"])
                   != r["jax_compiles"]["after_first_step"]]

@@ -71,6 +71,7 @@ from _harness import (
     pin_threads,
     print_header,
     run_record,
+    say_noisy,
     timing_row,
 )
 
@@ -352,10 +353,7 @@ def main(argv=None) -> dict:
     if RECIPE in by:
         ratios["torchax_vs_recipe_unjitted"] = by[TORCHAX]["tokens_per_s"] / by[RECIPE]["tokens_per_s"]
     print("\n" + ", ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()))
-    noisy = [r["implementation"] for r in rows if r["ms_per_step"] > 1.3 * r["ms_per_step_min"]]
-    if noisy:  # typical of other work on the machine; PyTorch's OpenMP threads suffer most (see the docstring)
-        print(f"noisy: median > 1.3x the fastest step for {noisy} (load average {load1[0]:.1f} on "
-              f"{os.cpu_count()} cores)")
+    say_noisy(rows, load1[0])
     if stats:
         print("\noptimized HLO of one step (a second compile, --hlo-stats):")
         for name, s in stats.items():
