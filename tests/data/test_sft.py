@@ -314,7 +314,7 @@ def test_chat_template_setting(tok_dirs, tmp_path):
     assert chatml.apply_chat_template(list(CONVO), add_generation_prompt=True) == expected
 
 
-# --- 2. templates the mask cannot be derived from ---
+# --- 2. templates that are not prefix-stable, and templates the mask cannot be derived from ---
 
 LAST_DIFFERENT = (  # marks the final message: a conversation's beginning is not the beginning of its text
     "{% for m in messages %}{% if loop.last %}[final] {% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + "
@@ -332,19 +332,40 @@ NO_CONTENT = (  # does not render what the assistant said
     "{{ m['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+REPLIES_ECHOED = (  # repeats every reply after the conversation: the text after a reply depends on it
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '(' + m['content'] + ')' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TWO_EXCHANGES = ({"role": "user", "content": "Hi."}, {"role": "assistant", "content": "One. Two."},
+                 {"role": "user", "content": "More?"}, {"role": "assistant", "content": "Three. Four."})
 
 
-@pytest.mark.parametrize("template,message", [
-    (LAST_DIFFERENT, "does not render a conversation's beginning as the beginning of its text"),
-    (EARLIER_REWRITTEN, "does not render a conversation's beginning as the beginning of its text"),
-    (NO_CONTENT, "does not render the assistant's content after its generation prompt"),
+@pytest.mark.parametrize("template,replies", [
+    (LAST_DIFFERENT, ["One. Two.<|im_end|>", "Three. Four.<|im_end|>"]),
+    (EARLIER_REWRITTEN, ["One<|im_end|>", "Three. Four.<|im_end|>"]),  # as the template renders the earlier one
 ])
-def test_template_that_is_not_prefix_stable_is_an_error(tok_dirs, template, message):
+def test_template_that_is_not_prefix_stable_is_located(tok_dirs, template, replies):
+    """The replies are found in the rendering without prefix stability (tests/data/test_chat_templates.py has the
+    real ones: Qwen 3, Mistral with a system message)."""
     tok = fresh(tok_dirs, "chatml")
     tok.chat_template = template
-    ex = Example(messages=({"role": "user", "content": "Hi."}, {"role": "assistant", "content": "One. Two."},
-                           {"role": "user", "content": "More?"}, {"role": "assistant", "content": "Three. Four."}))
-    with pytest.raises(DataError, match=message) as err:
+    ex = Example(messages=TWO_EXCHANGES)
+    msgs = [dict(m) for m in TWO_EXCHANGES]
+    assert Encoder(tok, cfg()).prefix_spans(msgs, tok.apply_chat_template(msgs), [1, 3]) is None
+    (enc,) = Encoder(tok, cfg()).encode([ex])
+    assert tok.decode(enc.ids.tolist()) == tok.apply_chat_template(msgs)
+    assert mask_runs(enc.mask) == 2 and masked_text(tok, enc) == "".join(replies)
+    (last,) = Encoder(tok, cfg(loss_on="last_assistant")).encode([ex])
+    assert masked_text(tok, last) == replies[-1] and mask_runs(last.mask) == 1
+
+
+@pytest.mark.parametrize("template", [NO_CONTENT, REPLIES_ECHOED])
+def test_template_whose_replies_cannot_be_located_is_an_error(tok_dirs, template):
+    tok = fresh(tok_dirs, "chatml")
+    tok.chat_template = template
+    ex = Example(messages=TWO_EXCHANGES)
+    with pytest.raises(DataError, match="does not render an assistant turn's content where it can be found") as err:
         Encoder(tok, cfg()).encode([ex])
     assert "set data.chat_template" in str(err.value) and "data.loss_on=all" in str(err.value)
     # Training on every token needs no reply boundaries.

@@ -45,15 +45,27 @@ def resolve_chat_template(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:
                         "data.chat_template (chatml, a .jinja file, or template text)")
 
 
+# A reply no template mangles (no surrounding whitespace, no markup) and no conversation contains: rendered in an
+# assistant turn's place, it shows where the template puts that turn's content and what follows it.
+REPLY_PLACEHOLDER = "JAXTUNE-REPLY-PLACEHOLDER-5e1d"
+
+
+def end_of_turn(tokenizer: Tokenizer) -> str:
+    """The text the chat template closes an assistant turn with (``<|im_end|>``, ``<|eot_id|>``, ``</s>``): what
+    follows the reply in a one-exchange conversation, without trailing whitespace; "" when the template renders no
+    reply content."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"},
+                                          {"role": "assistant", "content": REPLY_PLACEHOLDER}])
+    at = text.find(REPLY_PLACEHOLDER)
+    return text[at + len(REPLY_PLACEHOLDER):].rstrip() if at >= 0 else ""
+
+
 def end_of_turn_ids(tokenizer: Tokenizer) -> list[int]:
     """Token ids that end an assistant turn under the chat template (besides EOS): generation stops at them."""
-    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     try:
-        prompt = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True)
-        reply = tokenizer.apply_chat_template(msgs)[len(prompt):].rstrip()
+        tail = end_of_turn(tokenizer)
     except DataError:
         return []
-    tail = reply[reply.find("y") + 1:] if "y" in reply else ""
     ids = tokenizer.encode_chat([tail])[0] if tail else []
     return ids[:1] if len(ids) == 1 else []
 

@@ -1,18 +1,35 @@
-"""Supervised fine-tuning data: rows → conversations → token ids with a loss mask → packed fixed-length rows.
+r"""Supervised fine-tuning data: rows → conversations → token ids with a loss mask → packed fixed-length rows.
 
 **Rows.** Rows are read from ``data.sources`` (`jaxtune.data.rows`) and understood as ``data.format`` says
 (`jaxtune.data.formats`); a bad row stops the run (``data.bad_rows=raise``, with its file:line) or is counted per
 reason and skipped (``drop``).
 
 **Loss mask without template markers.** The conversation is rendered with the tokenizer's chat template (or
-``data.chat_template``). For each assistant turn ``i``, the template renders the conversation up to turn ``i``
-with the generation prompt (``P``) and up to and including turn ``i`` (``F``); the reply is ``F[len(P):]``
-without its trailing whitespace: the content plus the template's end-of-turn (``<|im_end|>``, ``<|eot_id|>``,
-``<end_of_turn>``), which the model must learn to emit. This needs only that the template renders a prefix of the
-conversation as a prefix of the text, which holds for ChatML, Llama 3, Gemma and most others (Mistral's only without
-a system message, which it moves into the last user turn; Qwen 3's not, as it rewrites earlier turns); a template
-for which it does not is an error that says so (``data.loss_on=all`` still works). The text is encoded piece by piece (prompt pieces, reply pieces),
-so a reply's tokens are exactly those the model produces after the prompt at inference time.
+``data.chat_template``). Each assistant reply is trained on as that text renders it, from the end of its generation
+prompt through the template's end-of-turn (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ``</s>``), which the
+model must learn to emit; trailing whitespace is not trained. It is found in one of two ways. The fast way needs the
+template to render a prefix of the conversation as a prefix of the text, as ChatML, Llama 3, Gemma and Mistral v7
+do: for each assistant turn ``i``, the conversation up to turn ``i`` with the generation prompt (``P``) and up to
+and including turn ``i`` (``F``) are rendered, and the reply is ``F[len(P):]``. Templates that render a turn
+differently once later turns follow take the other way: Qwen 3 drops the reasoning of replies before the last user
+message and opens later ones with a ``<think>`` block; Mistral v0.3 and Nemo move the system message into the last
+user turn. There the conversation is rendered again with a placeholder for the reply, and the text that follows the
+placeholder, found at the end of the real rendering, marks where the reply's content ends. The reply starts where
+its generation prompt ends: after the rendering of the conversation before it (the same text, or its longest tail
+found since the previous reply), at the latest occurrence of the generation prompt (or of its longest head, when the
+template leaves part of it out of an earlier turn). A template that does not render a reply's content where a
+placeholder can show it is an error that says so (``data.loss_on=all`` still works).
+
+For Qwen 3 the trained span is what the model emits after its generation prompt ``<|im_start|>assistant\n``:
+``content<|im_end|>`` for a reply before the last user message (the template renders it without its reasoning) and
+``<think>\n{reasoning}\n</think>\n\n{content}<|im_end|>`` for a reply after it, the ``<think>`` block included even
+when empty, as Qwen 3's ``{% generation %}`` training templates mark it: the model learns to open and close the
+block it meets at inference. The reasoning comes from a turn's ``reasoning_content`` or from ``<think>...</think>``
+at the start of its content. A template that sets ``enable_thinking`` false puts the empty block in the generation
+prompt, and it is then not trained.
+
+The text is encoded piece by piece (prompt pieces, reply pieces), so a reply's tokens are exactly those the model
+produces after the prompt at inference time.
 ``data.loss_on``: ``assistant`` (every assistant turn), ``last_assistant``, or ``all`` (every token).
 
 **Length.** A row of ``n`` tokens fills ``n - 1`` positions (inputs ``[:-1]``, targets ``[1:]``). Rows longer than
@@ -41,7 +58,7 @@ from typing import TypeVar
 import numpy as np
 
 from jaxtune.config import DataConfig
-from jaxtune.data.chat import resolve_chat_template
+from jaxtune.data.chat import REPLY_PLACEHOLDER, end_of_turn, resolve_chat_template
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import REASONS, Example, Pair, Prompt, field_names, parse_row
 from jaxtune.data.rows import BadRow, read_rows
@@ -74,29 +91,76 @@ class Encoder:
         if not ex.messages:
             return [(ex.prompt, self.loss_on == "all"), (ex.completion, True)]
         msgs = [dict(m) for m in ex.messages]
-        render = self.tok.apply_chat_template
-        full = render(msgs)
+        full = self.tok.apply_chat_template(msgs)
         if self.loss_on == "all":
             return [(full, True)]
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i >= prompt_turns]
         if self.loss_on == "last_assistant":
             turns = turns[-1:]
+        spans = self.prefix_spans(msgs, full, turns)
+        if spans is None:
+            spans = self.located_spans(msgs, full, turns)
         pieces, pos = [], 0
+        for start, end in spans:
+            pieces += [(full[pos:start], False), (full[start:end], True)]
+            pos = end
+        pieces.append((full[pos:], False))
+        return [p for p in pieces if p[0]]
+
+    def prefix_spans(self, msgs: list[dict], full: str, turns: list[int]) -> list[tuple[int, int]] | None:
+        """Each turn's reply as ``full[start:end]``, when the template renders the conversation up to a turn as the
+        beginning of ``full`` (the fast way, in the module docstring); None when it does not."""
+        render = self.tok.apply_chat_template
+        spans, pos = [], 0
         for i in turns:
             prompt = render(msgs[:i], add_generation_prompt=True)
             reply = render(msgs[: i + 1])
             end = len(reply.rstrip())
-            if not (reply.startswith(prompt) and full.startswith(reply) and len(prompt) >= pos):
-                raise DataError("the chat template does not render a conversation's beginning as the beginning of "
-                                "its text, so the assistant's tokens cannot be located; set data.chat_template "
-                                "to a template that does (e.g. chatml) or data.loss_on=all")
-            if msgs[i]["content"].strip() not in full[len(prompt):end]:
-                raise DataError("the chat template does not render the assistant's content after its generation "
-                                "prompt; set data.chat_template (e.g. chatml) or data.loss_on=all")
-            pieces += [(full[pos:len(prompt)], False), (full[len(prompt):end], True)]
+            if not (reply.startswith(prompt) and full.startswith(reply) and len(prompt) >= pos
+                    and msgs[i]["content"].strip() in full[len(prompt):end]):
+                return None
+            spans.append((len(prompt), end))
             pos = end
-        pieces.append((full[pos:], False))
-        return [p for p in pieces if p[0]]
+        return spans
+
+    def located_spans(self, msgs: list[dict], full: str, turns: list[int]) -> list[tuple[int, int]]:
+        """Each turn's reply as ``full[start:end]``, found without prefix stability (the module docstring): where the
+        content ends, from a rendering with a placeholder for it; where the reply starts, by aligning the rendering
+        of the conversation before it, then the generation prompt, with ``full``."""
+        render = self.tok.apply_chat_template
+        eot = end_of_turn(self.tok)
+        spans, pos = [], 0
+        for i in turns:
+            probe = render([*msgs[:i], {**msgs[i], "content": REPLY_PLACEHOLDER}, *msgs[i + 1:]])
+            at = probe.find(REPLY_PLACEHOLDER)
+            after = probe[at + len(REPLY_PLACEHOLDER):]
+            if at < 0 or REPLY_PLACEHOLDER in after or not full.endswith(after):
+                raise DataError("the chat template does not render an assistant turn's content where it can be found "
+                                "(a placeholder reply rendered in its place changes the rest of the text or is "
+                                "missing), so the assistant's tokens cannot be located; set data.chat_template to a "
+                                "template that renders each reply (e.g. chatml) or data.loss_on=all")
+            content_end = len(full) - len(after)
+            # The text before the turn can differ from the probe's where the template moves the turn's reasoning
+            # into a <think> block (Qwen 3); it is the same up to that point.
+            content_bound = min(at, _shared_prefix(full, probe), content_end)
+            if not full.startswith(eot, content_end) or content_bound < pos:
+                raise DataError("the chat template does not close each assistant reply with its end-of-turn "
+                                f"({eot!r}) in the order of the conversation, so the assistant's tokens cannot be "
+                                "located; set data.chat_template (e.g. chatml) or data.loss_on=all")
+            # The reply starts where the generation prompt ends: after the conversation before it (the same text,
+            # or its longest tail found since the previous reply: Mistral moves the system message), the latest
+            # occurrence of the generation prompt, or of its longest head (it can hold text, like an empty <think>
+            # block, that the template leaves out of an earlier turn).
+            with_prompt = render(msgs[:i], add_generation_prompt=True)
+            before = with_prompt[:_shared_prefix(with_prompt, render(msgs[:i]))]
+            if full.startswith(before) and pos <= len(before) <= content_bound:
+                start = len(before)
+            else:
+                start = pos + _latest_end(full[pos:content_bound], before, tail=True)
+            start += _latest_end(full[start:content_bound], with_prompt[len(before):], tail=False)
+            spans.append((start, content_end + len(eot)))
+            pos = content_end + len(eot)
+        return spans
 
     def encode(self, examples: list[Example], prompt_turns: list[int] | None = None) -> list[Encoded]:
         """Each example's (ids, mask); ``prompt_turns``: each one's, as `pieces` takes it (default 0)."""
@@ -117,6 +181,28 @@ class Encoder:
                 mask.append(True)
             out.append(Encoded(np.asarray(ids, np.int32), np.asarray(mask, bool), ex))
         return out
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # a[:k] == b[:k] holds up to the answer and not beyond: bisect on k
+        k = (lo + hi + 1) // 2
+        lo, hi = (k, hi) if a[:k] == b[:k] else (lo, k - 1)
+    return lo
+
+
+def _latest_end(window: str, text: str, tail: bool) -> int:
+    """Where in ``window`` the latest occurrence of ``text``'s longest tail (``tail``) or head that occurs there
+    ends; 0 if none does."""
+    def part(k: int) -> str:
+        return text[len(text) - k:] if tail else text[:k]
+
+    short, long = 0, min(len(text), len(window))
+    while short < long:  # a part that occurs has every shorter part occur too: bisect on its length
+        k = (short + long + 1) // 2
+        short, long = (k, long) if part(k) in window else (short, k - 1)
+    return window.rfind(part(short)) + short if short else 0
 
 
 def question(tokenizer: Tokenizer, ex: Example) -> tuple[list[int], str]:
