@@ -274,6 +274,8 @@ class TrainConfig(_Section):
     compile_cache_dir: str | None = Field(None, description="persistent XLA compilation cache")
     loss_chunk: int = Field(0, ge=0, description="sequence positions per cross-entropy chunk (large vocabularies); "
                             "0: auto, chunking only when the batch's float32 logits would exceed 1 GiB")
+    profile_steps: tuple[int, int] | None = Field(None, description="[START, END]: a jax.profiler trace of steps "
+                                                  "START..END (1-based, inclusive) under run_dir/profile/")
 
     @model_validator(mode="after")
     def _divides(self) -> TrainConfig:
@@ -281,6 +283,12 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"train.batch_size={self.batch_size} is not divisible by train.micro_batches={self.micro_batches}"
             )
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            if not 1 <= first <= last <= self.steps:
+                raise ValueError(f"train.profile_steps={list(self.profile_steps)}: want [START, END] with 1 <= START "
+                                 f"<= END <= train.steps ({self.steps}), e.g. [10, 15] (after the first step's "
+                                 "compile)")
         return self
 
 
@@ -561,6 +569,7 @@ IDENTITY_KEYS = (
 RESUMABLE_KEYS = (
     "name", "run_dir", "model.remat", "model.attention", "model.trust_remote_code", "data.cache_dir", "data.bad_rows",
     "train.steps", "train.on_nan", "train.max_nan_skips", "train.compile_cache_dir", "train.loss_chunk",
+    "train.profile_steps",
     "eval", "checkpoint", "mesh", "distributed", "logging",
 )
 

@@ -4,6 +4,7 @@ training loop's evaluations (`Evaluator`: held-out loss, held-out exact match, p
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,10 +87,12 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     step = 0
     if (run_dir / "checkpoints").is_dir():
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-        step = ckpt.latest_step() or 0
+        step = ckpt.resume_step()
         if step:
-            state, _ = ckpt.restore(step, spec.abstract)
+            step, state, _ = ckpt.restore(step, spec.abstract)
         ckpt.close()
+        for line in ckpt.notes(0, 0):
+            print(line, file=sys.stderr)
     if not step:
         state = spec.init(cfg.train.seed)
     return LoadedRun(cfg, tokenizer, spec, state.params, spec.load_frozen(cfg.train.seed), step)

@@ -22,8 +22,9 @@ from jaxtune.evaluate import Evaluator
 from jaxtune.models.family import check_fits
 from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer
-from jaxtune.train.metrics import NonFiniteLossError, StepLog, write_summary
+from jaxtune.train.metrics import Laps, NonFiniteLossError, StepLog, write_summary
 from jaxtune.train.objectives import make_objective
+from jaxtune.train.profile import Profiler
 from jaxtune.train.reference import precompute_reference, step_reference, with_reference
 from jaxtune.train.rollout import make_rollout
 from jaxtune.train.run_dir import claim, writing
@@ -61,6 +62,7 @@ def train(cfg: Config) -> TrainResult:
 
 
 def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> TrainResult:
+    laps = Laps()  # where the wall time goes (summary.json "seconds")
     if cfg.train.compile_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(Path(cfg.train.compile_cache_dir).expanduser()))
     proc, total = jax.process_index(), cfg.train.steps
@@ -99,7 +101,7 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
 
     # Restore or init.
     if start:
-        state, data_state = ckpt.restore(start, spec.abstract)
+        start, state, data_state = ckpt.restore(start, spec.abstract)  # an older step if this one is damaged
         data.train_iter.set_state(data_state)
     else:
         state = spec.init(cfg.train.seed)
@@ -113,23 +115,35 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
 
     def save(step: int) -> None:
         log.drain()  # never save a state whose loss has not been checked
+        laps.lap("steps")
         ckpt.save(step, state, data.train_iter.get_state(), cfg.to_dict())
+        laps.lap("save")
 
     # Loop.
-    with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(mesh), ckpt.reporting_failures():
+    profiler = Profiler(cfg.train.profile_steps, run_dir, start, log.message)
+    laps.lap("setup")
+    with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(mesh), ckpt.reporting_failures(), \
+            profiler:
         step = start
         if start == 0 and evaluator.active:
             evaluator.run(0, state.params, frozen)  # the baseline the run report compares against
+            laps.lap("eval")
         while step < total:
+            profiler.before(step + 1)  # the trace holds the whole step: its batch, GRPO's sampling, the update
             batch, sampled = next(data.train_iter), {}
             if rollout is not None:  # GRPO: the batch's completions, sampled by the policy as it is now
                 batch, sampled = rollout.batch(steps.weights(state.params, frozen), data.prompts.train, batch, step)
             state, metrics = steps.train(state, sharding.global_batch(mesh, batch), frozen)
+            if step == start:
+                laps.lap("compile")  # the first dispatch compiled the step (or loaded it from the cache)
             step += 1
+            profiler.after(step, state)
             log.push(step, {**metrics, **sampled})
             if evaluator.due(step):
                 log.drain()
+                laps.lap("steps")
                 evaluator.run(step, state.params, frozen)
+                laps.lap("eval")
             stop = preemption.reached(step)
             if ckpt.due(step) or step == total or stop:
                 save(step)
@@ -138,22 +152,28 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
                 log.message(f"{preemption.signal}: saved step {step}, exiting; re-run the same command to resume")
                 break
         log.drain()
+        laps.lap("steps")
         if step == total:
             if ckpt.latest_step() != total:
                 save(total)
             evaluator.run(total, state.params, frozen)
+            laps.lap("eval")
 
     # Close and report.
     ckpt.close()
     data.close()
     log.close()
+    laps.lap("finish")
     result = TrainResult(run_dir, step, log.losses, evaluator.last_loss, steps.compiles,
                          rollout.generator.compiles if rollout is not None else 0, log.nan_skipped,
                          preemption.requested, evaluator.samples, evaluator.evals)
     if proc == 0:
         write_summary(run_dir, {"step": step, "final_train_loss": log.losses.get(step), "eval_loss": result.eval_loss,
                                 "nan_skipped": log.nan_skipped, "preempted": result.preempted,
-                                "params": spec.model_cfg.num_params(), "step_compiles": steps.compiles},
+                                "params": spec.model_cfg.num_params(), "step_compiles": steps.compiles,
+                                "seconds": {k: round(v, 3) for k, v in laps.seconds.items()}},
                       result.preempted)
         evaluator.write_report()
+        if not result.preempted:
+            print(laps.line(), flush=True)
     return result

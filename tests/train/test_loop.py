@@ -38,7 +38,8 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def _final_params(cfg, step: int):
     spec = make_state_spec(cfg, 512, make_mesh(1, 1, 1, jax.devices()[:1]))
     ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
-    state, data_state = ckpt.restore(step, spec.abstract)
+    got, state, data_state = ckpt.restore(step, spec.abstract)
+    assert got == step, f"step {step} did not restore (step {got} did)"
     ckpt.close()
     return jax.tree.map(np.asarray, state.params), data_state
 

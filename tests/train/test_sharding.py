@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
         result = train(cfg)
         spec = make_state_spec(cfg, 512, make_mesh(d, f, t))
         ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
-        state, _ = ckpt.restore(result.step, spec.abstract)
+        _, state, _ = ckpt.restore(result.step, spec.abstract)
         ckpt.close()
         restored[name] = (cfg, result.step, state)
         fc = state.params
@@ -67,7 +67,7 @@ SCRIPT = textwrap.dedent(
     cfg, step, state = restored["data8"]
     spec = make_state_spec(cfg, 512, make_mesh(1, 4, 2))
     ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
-    moved, _ = ckpt.restore(step, spec.abstract)
+    _, moved, _ = ckpt.restore(step, spec.abstract)
     ckpt.close()
     same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), state, moved)
     out["reshard"] = {"bitwise": all(jax.tree.leaves(same)),

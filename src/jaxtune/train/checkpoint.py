@@ -9,16 +9,27 @@ naming the file and the error: its unfinished directory is moved aside the same 
 they are, and the next run resumes from the last of them. Orbax reports such a failure again and again from its
 background threads (logged tracebacks; callbacks of writes still in flight when its event loop closed); those
 reports are silenced, as the line says it all.
+
+A committed checkpoint can still be damaged afterwards (a copy cut short, bit rot, a full network disk). Once a
+save has finished, process 0 seals it: ``jaxtune-manifest.json`` in the step directory records every file's size and
+CRC-32, computed in a background thread from the files as written. Resuming checks the newest step against its
+manifest (a step saved before manifests, or killed between commit and seal, has none and is checked by restoring it)
+and reads its config; a step that fails either, or whose restore then fails, is *unreadable*: it is moved aside
+(``<step>.unreadable-<time>``, never deleted) with one line saying which file and why, and the run resumes from the
+newest readable step. When no step is readable, nothing is moved and the error says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import shutil
 import sys
+import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +38,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtune.config import CheckpointConfig, ConfigError, identity_diff
+from jaxtune.io import CheckpointError, write_text_atomically
 from jaxtune.train.run_dir import WriteError, describe
 
 log = logging.getLogger(__name__)
@@ -58,6 +70,54 @@ def _set_aside_incomplete(directory: Path, orbax_tmp: bool = False) -> list[Path
 
 def _committed_steps(directory: Path) -> list[int]:
     return sorted(int(d.name) for d in directory.iterdir() if d.name.isdigit() and (d / COMMIT_MARK).exists())
+
+
+# --- integrity: a manifest of every file's size and CRC-32, written once a save has finished ---
+
+MANIFEST = "jaxtune-manifest.json"
+_READ_BLOCK = 16 << 20  # zlib.crc32 releases the GIL on blocks this large: sealing overlaps the train steps
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _seal(step_dir: Path) -> None:
+    """Write ``step_dir``'s manifest: {relative path: [size, crc32]} for every file in it."""
+    files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    sums = {str(p.relative_to(step_dir)): [p.stat().st_size, _crc32(p)] for p in files}
+    write_text_atomically(step_dir / MANIFEST, json.dumps({"version": 1, "files": sums}))
+
+
+def damage(step_dir: Path) -> str | None:
+    """Why ``step_dir``'s files do not match its manifest (a file missing, cut short or changed), or None when they
+    do or there is no manifest to check against."""
+    try:
+        files = json.loads((step_dir / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is damaged ({e})"
+    for name, (size, crc) in files.items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if (actual := path.stat().st_size) != size:
+            return f"{name} has {actual} bytes, {size} were written"
+        if _crc32(path) != crc:
+            return f"{name} has changed since it was written (CRC-32 mismatch)"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception as one short line (tensorstore's messages go on to print a whole spec)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = text.split(" See full TensorStore details")[0]
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 # A tensorstore write error names the file, then the errno: ...Failed writing: "<path>": ... [os_error_code='28']
@@ -133,6 +193,9 @@ class Checkpointer:
         self.set_aside = _set_aside_incomplete(self.directory)
         self.saving: int | None = None  # the step of the last save started
         self.failed = False  # a save failed and was reported
+        self.unreadable: list[str] = []  # one line per damaged checkpoint set aside
+        self._sealed: int | None = None  # the last step whose manifest was started
+        self._sealer: threading.Thread | None = None
         _quiet_orbax_failure_reports()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
@@ -146,11 +209,13 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def resume_step(self, config: dict[str, Any]) -> int:
-        """The step to resume from (0: none). A checkpoint of a different run (a key of
-        `jaxtune.config.IDENTITY_KEYS` changed) is refused before any work is done."""
-        start = self.latest_step() or 0
-        diff = identity_diff(self.read_config(start), config) if start else []
+    def resume_step(self, config: dict[str, Any] | None = None) -> int:
+        """The step to resume from (0: none): the newest readable one (the module docstring says which are not).
+        With ``config``, a checkpoint of a different run (a key of `jaxtune.config.IDENTITY_KEYS` changed) is refused
+        before any work is done."""
+        start, saved, bad = self._newest_readable()
+        self._set_aside_unreadable(bad)
+        diff = identity_diff(saved, config) if start and config is not None else []
         if diff:
             run_dir = self.directory.parent
             raise ConfigError(f"{run_dir} holds a checkpoint (step {start}) of a different run; these keys differ:\n  "
@@ -158,10 +223,49 @@ class Checkpointer:
                               + "\nUse another run_dir (e.g. run_dir=runs/NEW), or restore the original values.")
         return start
 
+    def _newest_readable(self, failed: list[tuple[int, str]] = ()) -> tuple[int, dict[str, Any] | None,
+                                                                            list[tuple[int, str]]]:
+        """(step, its config, [(newer unreadable step, why)]) for the newest committed step, besides ``failed``,
+        whose files match its manifest and whose config reads; (0, None, []) when there are no checkpoints. Raises
+        `CheckpointError` (and moves nothing) when there are some and none is readable."""
+        bad = list(failed)
+        skip = {step for step, _ in bad}
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            if step in skip:
+                continue
+            why = damage(self.directory / str(step))
+            if why is None:
+                try:
+                    config = self.read_config(step)
+                    if not isinstance(config, dict):
+                        raise TypeError(f"not a mapping but {type(config).__name__}")
+                    return step, config, bad
+                except Exception as e:  # noqa: BLE001 (any failure to read it makes the step unreadable)
+                    why = f"its config cannot be read: {_first_line(e)}"
+            bad.append((step, why))
+        if bad:
+            listed = "\n  ".join(f"step {step}: {why}" for step, why in bad)
+            raise CheckpointError(f"no checkpoint in {self.directory} can be read:\n  {listed}\nNothing was moved. "
+                                  "Restore the checkpoints from a copy, or move the directory away to start the run "
+                                  "over.")
+        return 0, None, bad
+
+    def _set_aside_unreadable(self, bad: list[tuple[int, str]]) -> None:
+        """Move unreadable steps to ``<step>.unreadable-<time>`` (never deleted) and say so, one line each."""
+        for step, why in bad:
+            src = self.directory / str(step)
+            dest = src.with_name(f"{step}.unreadable-{int(time.time())}")
+            if jax.process_index() == 0 and src.is_dir():
+                shutil.move(str(src), str(dest))
+            self.unreadable.append(f"checkpoint step {step} is unreadable ({why}); moved to {dest}, not loaded")
+        if bad:
+            self.manager.reload()
+
     def notes(self, start: int, total: int) -> list[str]:
         """What the run log says about the checkpoints it found."""
         lines = [f"resumed from {self.directory / str(start)} (step {start}/{total})"] if start else []
-        return lines + [f"ignored an unfinished checkpoint, moved to {moved}" for moved in self.set_aside]
+        return (self.unreadable + lines
+                + [f"ignored an unfinished checkpoint, moved to {moved}" for moved in self.set_aside])
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -174,8 +278,33 @@ class Checkpointer:
             config=ocp.args.JsonSave(config),
         )
         with self._as_write_error(step):
-            self.manager.save(step, args=args, force=True)
+            self.manager.save(step, args=args, force=True)  # waits for the previous save to finish first
+        self._seal_in_background(self.saving)
         self.saving = step  # in flight until the next save or wait
+
+    def _seal_in_background(self, step: int | None) -> None:
+        """Start writing the manifest of ``step``, a finished save (process 0; one at a time)."""
+        if step is None or step == self._sealed or self.failed or jax.process_index() != 0:
+            return
+        self._join_sealer()
+        self._sealed = step
+        self._sealer = threading.Thread(target=self._seal_quietly, args=(self.directory / str(step),),
+                                        name=f"jaxtune-seal-{step}", daemon=True)
+        self._sealer.start()
+
+    @staticmethod
+    def _seal_quietly(step_dir: Path) -> None:
+        try:
+            _seal(step_dir)
+        except FileNotFoundError:
+            pass  # deleted meanwhile (checkpoint.keep): nothing to vouch for
+        except OSError as e:  # a full disk: the step stays usable, checked by restoring it
+            log.warning("could not write %s: %s", step_dir / MANIFEST, e)
+
+    def _join_sealer(self) -> None:
+        if self._sealer is not None:
+            self._sealer.join()
+            self._sealer = None
 
     @contextlib.contextmanager
     def _as_write_error(self, step: int | None) -> Iterator[None]:
@@ -209,13 +338,21 @@ class Checkpointer:
                 self.wait()
             raise
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
-        """Restore the state straight into the shardings carried by ``abstract_state`` (ShapeDtypeStructs)."""
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()),
-        )
-        return out["state"], out["data"]
+    def restore(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
+        """(step, state, data position): ``step``'s, restored straight into the shardings carried by
+        ``abstract_state`` (ShapeDtypeStructs); when that fails, the newest older step that restores (the failed
+        ones are set aside once one has)."""
+        failed: list[tuple[int, str]] = []
+        while True:
+            try:
+                out = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+            except Exception as e:  # noqa: BLE001 (whatever breaks the restore, an older step may still do)
+                failed.append((step, f"restoring it failed: {_first_line(e)}"))
+                step, _, failed = self._newest_readable(failed)
+                continue
+            self._set_aside_unreadable(failed)
+            return step, out["state"], out["data"]
 
     def read_config(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
@@ -223,6 +360,8 @@ class Checkpointer:
     def wait(self) -> None:
         with self._as_write_error(None):
             self.manager.wait_until_finished()
+        self._seal_in_background(self.saving)
+        self._join_sealer()
 
     def close(self) -> None:
         self.wait()

@@ -228,6 +228,30 @@ class StepLog:
         self.writer.close()
 
 
+class Laps:
+    """Where a run's wall time goes: ``lap(phase)`` adds the time since the previous lap to ``phase``.
+
+    The loop's phases: ``setup`` (checkpoint scan, data, model, restore), ``compile`` (the first step's dispatch,
+    which compiles it), ``steps`` (read at a host sync: before an evaluation, a save or the end), ``eval`` (with the
+    eval step's compile), ``save`` (the blocking part of a save: the copy to host; the write runs beside the steps)
+    and ``finish`` (the last save's wait, plot, report). summary.json gets them as ``seconds``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.t
+        self.t = now
+
+    def line(self) -> str:
+        total = sum(self.seconds.values())
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
+        steps = self.seconds.get("steps", 0.0)
+        return f"time: {total:.1f} s in train(): {parts} s; {100 * (1 - steps / total) if total else 0:.1f}% outside steps"
+
+
 def write_summary(run_dir: Path, summary: dict[str, Any], preempted: bool) -> None:
     """summary.json and loss.png, and (unless preempted) the closing lines on stdout (process 0)."""
     with writing(run_dir / "loss.png"):
