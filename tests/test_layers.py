@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Layer of each module, by its longest matching prefix; a module may import its own layer's group or a lower layer.
 LAYERS = {
-    "jaxtune": 0, "jaxtune.config": 0, "jaxtune.sharding": 0, "jaxtune.io": 0,
+    "jaxtune": 0, "jaxtune.config": 0, "jaxtune.sharding": 0, "jaxtune.io": 0, "jaxtune.runtime": 0,
     "jaxtune.models": 1, "jaxtune.data": 1,
     "jaxtune.train": 2,
     "jaxtune.backends": 3,
@@ -25,7 +25,8 @@ LAYERS = {
 SIBLINGS = [("jaxtune.models", "jaxtune.data"), ("jaxtune.backends.native", "jaxtune.backends.torchax")]
 # Third-party imports allowed inside a function: optional extras, and slow imports only some runs need.
 LAZY = {"torch", "transformers", "peft", "torchax", "wandb", "libtpu", "datasets", "pyarrow", "tiktoken",
-        "huggingface_hub", "matplotlib", "tensorboardX", "tqdm", "jinja2", "absl"}
+        "huggingface_hub", "matplotlib", "tensorboardX", "tqdm", "jinja2", "absl",
+        "tokenizers"}  # a tokenizing worker process loads only the library its tokenizer needs
 
 
 def _modules() -> dict[str, Path]:

@@ -159,8 +159,9 @@ class DataConfig(_Section):
     library source, present on every machine), a local file, glob or directory (.txt/.jsonl/.parquet), or
     ``hf:NAME`` for a HuggingFace dataset (``hf:roneneldan/TinyStories``).
 
-    ``format: text`` is pretraining text cut into windows; the other formats are supervised fine-tuning rows
-    (see `jaxtune.data.formats`): ``messages`` (OpenAI chat), ``sharegpt`` (``conversations`` of ``from``/``value``),
+    ``format: text`` is pretraining text cut into windows (``tokens``: pretraining token ids already made, nanoGPT or
+    llm.c ``.bin``, ``.npy``, or ``input_ids`` rows; `jaxtune.data.pretokenized`); the other formats are supervised
+    fine-tuning rows (see `jaxtune.data.formats`): ``messages`` (OpenAI chat), ``sharegpt`` (``conversations`` of ``from``/``value``),
     ``alpaca`` (``instruction``/``input``/``output``) and ``prompt_completion``, rendered by the tokenizer's chat
     template (or ``chat_template``), loss on the tokens ``loss_on`` names, packed into ``seq_len`` rows; and
     ``preference``: pairs of completions, ``prompt``/``chosen``/``rejected`` in TRL's forms (text, or messages with an
@@ -169,7 +170,8 @@ class DataConfig(_Section):
     their answer fields, for objectives that generate their completions (``grpo``; `jaxtune.data.prompts`)."""
 
     sources: list[str] = ["python-stdlib"]
-    format: Literal["text", "messages", "sharegpt", "alpaca", "prompt_completion", "preference", "prompts"] = "text"
+    format: Literal["text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion", "preference",
+                    "prompts"] = "text"
     text_field: str = "text"
     fields: dict[str, str] = Field({}, description="SFT field names when they differ from the format's: messages, "
                                    "role, content, system, instruction, input, output, prompt, completion, chosen, "
@@ -193,6 +195,12 @@ class DataConfig(_Section):
     val_fraction: float = Field(0.05, ge=0.0, le=0.5)
     cache_dir: str = "~/.cache/jaxtune"
     num_workers: int = Field(0, ge=0, description="grain worker processes; 0 reads in the main process")
+    num_proc: int | None = Field(None, ge=1, description="processes tokenizing the corpus; default all cores (the "
+                                 "tokens are identical for any count)")
+    token_vocab_size: int | None = Field(None, ge=1, description="format tokens: the vocabulary the token files "
+                                         "assume; checked against the tokenizer's")
+    token_eos_id: int | None = Field(None, ge=0, description="format tokens: the eos id the token files separate "
+                                     "documents with; checked against the tokenizer's")
 
     @field_validator("sources", "val_sources", mode="before")
     @classmethod
@@ -271,7 +279,8 @@ class TrainConfig(_Section):
     micro_batches: int = Field(1, ge=1, description="gradient accumulation: micro-batches per step")
     on_nan: Literal["abort", "skip"] = "abort"
     max_nan_skips: int = Field(5, ge=1, description="skip: abort after this many non-finite steps in a row")
-    compile_cache_dir: str | None = Field(None, description="persistent XLA compilation cache")
+    compile_cache_dir: str | None = Field("~/.cache/jaxtune/xla", description="JAX's persistent compilation cache "
+                                          "(null: off); entries are keyed by program, flags, device and versions")
     loss_chunk: int = Field(0, ge=0, description="sequence positions per cross-entropy chunk (large vocabularies); "
                             "0: auto, chunking only when the batch's float32 logits would exceed 1 GiB")
     profile_steps: tuple[int, int] | None = Field(None, description="[START, END]: a jax.profiler trace of steps "
@@ -565,9 +574,12 @@ IDENTITY_KEYS = (
 # Free to change on resume: names and places (the data cache included), how a step is computed with the same math
 # (remat, attention kernel, loss chunks), how long (train.steps: a longer run continues; with optim.decay_steps unset
 # the schedule follows the new length), what happens on a bad row or a NaN (data.bad_rows: a run that got this far
-# had none or dropped them; raise stops before training), and how often to evaluate, save and log.
+# had none or dropped them; raise stops before training), how many processes tokenize (data.num_proc: the tokens are
+# identical for any count) and what token files are checked against (data.token_*: they change no id), and how often
+# to evaluate, save and log.
 RESUMABLE_KEYS = (
     "name", "run_dir", "model.remat", "model.attention", "model.trust_remote_code", "data.cache_dir", "data.bad_rows",
+    "data.num_proc", "data.token_vocab_size", "data.token_eos_id",
     "train.steps", "train.on_nan", "train.max_nan_skips", "train.compile_cache_dir", "train.loss_chunk",
     "train.profile_steps",
     "eval", "checkpoint", "mesh", "distributed", "logging",

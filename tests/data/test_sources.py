@@ -28,13 +28,13 @@ def test_directory_reads_known_suffixes_sorted_and_skips_hidden(tmp_path):
     (tmp_path / "a.txt").write_text("alpha")
     (tmp_path / "b" / "c.md").write_text("# gamma")
     (tmp_path / "b" / "d.py").write_text("delta = 1\n")
-    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")  # latin-1, not UTF-8
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")  # latin-1, not UTF-8: skipped under bad_rows=drop
     (tmp_path / "empty.txt").write_text("  \n")  # whitespace-only documents are dropped
     (tmp_path / "notes.bin").write_text("not data")  # unknown suffix: skipped in a directory
     (tmp_path / ".git").mkdir()
     (tmp_path / ".git" / "x.txt").write_text("hidden")
     # Sorted by path components: b/c.md comes before bad.txt.
-    assert _docs(tmp_path) == ["alpha", "# gamma", "delta = 1\n", "caf\ufffd au lait"]
+    assert _docs(tmp_path, bad_rows="drop") == ["alpha", "# gamma", "delta = 1\n"]
 
 
 def test_glob_and_single_file(tmp_path):

@@ -36,6 +36,8 @@ from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
 
 Batch = dict[str, np.ndarray]  # {"inputs": int32 (B, T), "targets": int32 (B, T)}
+# Cut into windows of one token stream: text tokenized here, or token ids made elsewhere (`jaxtune.data.pretokenized`).
+PRETRAINING_FORMATS = ("text", "tokens")
 
 
 class TextWindows:
@@ -177,17 +179,17 @@ class TrainingData:
 def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int, eval_batches: int,
                        process_index: int = 0, process_count: int = 1,
                        max_prompt_tokens: int | None = None) -> TrainingData:
-    """Pretraining windows (``data.format=text``), packed fine-tuning sequences, preference pairs
+    """Pretraining windows (``data.format=text`` or ``tokens``), packed fine-tuning sequences, preference pairs
     (``data.format=preference``: arrays (batch_size, 2, seq_len)) or prompts (``data.format=prompts``: arrays
     (batch_size, max_prompt_tokens), which it needs: ``data.seq_len - objective.max_completion_length``), as batches
     of ``batch_size``."""
     split = {"process_index": process_index, "process_count": process_count}
-    if data_cfg.format == "text":
+    if data_cfg.format in PRETRAINING_FORMATS:
         tokens = prepare_tokens(data_cfg, tokenizer)
         it = make_train_iterator(tokens, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers, **split)
         val = (make_eval_batches(tokens, batch_size=batch_size, num_batches=eval_batches, **split)
                if tokens.val_windows else [])
-        return TrainingData(it, val, [])
+        return TrainingData(it, val, tokens.report())
     if data_cfg.format == "preference":
         pairs = prepare_preference(data_cfg, tokenizer)
         batching = dict(batch_size=batch_size, seed=seed, eval_batches=eval_batches, num_workers=data_cfg.num_workers,
@@ -227,7 +229,7 @@ def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tup
                         "generated: there is no text to score); give rows with completions and their format, e.g. "
                         "data.format=messages")
     test_cfg = data_cfg.model_copy(update={"sources": [data], "val_sources": [], "val_fraction": 0.0})
-    if data_cfg.format == "text":
+    if data_cfg.format in PRETRAINING_FORMATS:
         tokens = prepare_tokens(test_cfg, tokenizer)
         return TextWindows(tokens, "train"), {"sequences": tokens.train_windows}
     if data_cfg.format == "preference":

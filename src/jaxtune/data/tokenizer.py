@@ -26,9 +26,11 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jaxtune.config import DataConfig, TokenizerConfig, local_or_hub
+from jaxtune.data.encode_worker import hf_ids
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import iter_turn_texts
-from jaxtune.data.sources import iter_documents, sources_fingerprint, take_bytes
+from jaxtune.data.progress import Progress
+from jaxtune.data.sources import Piece, ReadStats, read_pieces, sources_fingerprint, take_bytes
 from jaxtune.io import atomic_dir, read_json
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,11 @@ class Tokenizer(abc.ABC):
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
+
+    def worker_spec(self) -> tuple[str, str] | None:
+        """How a tokenizing worker process rebuilds this tokenizer (`jaxtune.data.encode_worker.make_encoder`):
+        (kind, payload); None when it cannot, and the corpus is then tokenized in-process."""
+        return None
 
     def encode_chat(self, texts: list[str]) -> list[list[int]]:
         """Encodes rendered chat text, where special-token spellings (``<|im_start|>``, ``<bos>``) are the special
@@ -109,11 +116,13 @@ class _HFTokenizer(Tokenizer):
         if self._chat_tok is None:  # a copy that maps special-token text to the special ids
             self._chat_tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
             self._chat_tok.encode_special_tokens = False
-        return [e.ids for e in self._chat_tok.encode_batch_fast(texts, add_special_tokens=False)]
+        return hf_ids(self._chat_tok, texts)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        # encode_batch_fast skips the character offsets, which we never use.
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        return hf_ids(self._tok, texts)
+
+    def worker_spec(self) -> tuple[str, str]:
+        return "hf", self._tok.to_str()
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
@@ -148,6 +157,9 @@ class _TiktokenTokenizer(Tokenizer):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._enc.encode_ordinary_batch(texts)
+
+    def worker_spec(self) -> tuple[str, str]:
+        return "tiktoken", self._name
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
@@ -189,15 +201,15 @@ def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     directory = Path(data_cfg.cache_dir).expanduser() / f"bpe-{key}"
     if not (directory / META_FILE).is_file():
-        log.info(
-            "training a %d-token byte-level BPE on %d bytes of data.sources", tok_cfg.vocab_size, tok_cfg.train_bytes
-        )
+        progress = Progress(f"training a {tok_cfg.vocab_size}-token BPE tokenizer (reading data.sources)",
+                            tok_cfg.train_bytes, str(directory))
         trained = _HFTokenizer(
-            _train_bpe(take_bytes(_corpus(data_cfg), tok_cfg.train_bytes), tok_cfg.vocab_size,
+            _train_bpe(_corpus(data_cfg, tok_cfg.train_bytes, progress), tok_cfg.vocab_size,
                        tuple(tok_cfg.special_tokens)),
             EOS_TOKEN,
             where="tokenizer.kind=bpe",
         )
+        progress.close("merges computed")
         # Saved whole or not at all, so a killed run never leaves a half-saved tokenizer; when another process
         # (e.g. a second host sharing the cache) saved its copy first, that one is kept and used.
         atomic_dir(directory, trained.save, replace=False)
@@ -205,11 +217,22 @@ def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
     return load_tokenizer_dir(directory)
 
 
-def _corpus(data_cfg: DataConfig) -> Iterator[str]:
-    """What a BPE learns from: the documents, or for chat/instruction data the text of every turn."""
+def _corpus(data_cfg: DataConfig, train_bytes: int, progress: Progress) -> Iterator[str]:
+    """What a BPE learns from, up to ``train_bytes`` bytes: the documents (as the tokenizer reads them: pieces of at
+    most a block, `jaxtune.data.sources.read_pieces`, so memory stays bounded), or for chat/instruction data the
+    text of every turn."""
+    if data_cfg.format == "tokens":
+        raise DataError("data.format=tokens: the sources are token ids already; set tokenizer.kind (hf or tiktoken) "
+                        "and tokenizer.path to the tokenizer they were made with, not bpe")
     if data_cfg.format == "text":
-        return iter_documents(data_cfg)
-    return iter_turn_texts(data_cfg)
+        pieces = take_bytes(read_pieces(data_cfg, ReadStats()), train_bytes)
+    else:
+        pieces = take_bytes((Piece(t, end=True) for t in iter_turn_texts(data_cfg)), train_bytes)
+    done = 0
+    for piece in pieces:
+        done += len(piece.text)
+        progress.update(done)
+        yield piece.text
 
 
 def _train_bpe(docs: Iterator[str], vocab_size: int, specials: tuple[str, ...] = ()) -> tokenizers.Tokenizer:
