@@ -15,20 +15,27 @@ import json
 import sys
 from pathlib import Path
 
-from jaxtune.config import ConfigError
-from jaxtune.data import DataError
-from jaxtune.io import CheckpointError
-from jaxtune.models.family import UnsupportedModelError
-from jaxtune.models.sampling import PromptError
-from jaxtune.sharding import ShardingError
-from jaxtune.train.rewards import RewardError
-from jaxtune.train.run_dir import RunDirError
+from jaxtune import runtime
 
-USER_ERRORS = (ConfigError, DataError, ShardingError, CheckpointError, UnsupportedModelError, PromptError,
-               FileNotFoundError, FileExistsError, RunDirError, RewardError)
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The errors a command reports as one ``error:`` line (exit 2): bad input, not a bug. Imported here, not at
+    the top, so that the CLI answers before JAX and the data stack have loaded."""
+    from jaxtune.config import ConfigError
+    from jaxtune.data import DataError
+    from jaxtune.io import CheckpointError
+    from jaxtune.models.family import UnsupportedModelError
+    from jaxtune.models.sampling import PromptError
+    from jaxtune.sharding import ShardingError
+    from jaxtune.train.rewards import RewardError
+    from jaxtune.train.run_dir import RunDirError
+
+    return (ConfigError, DataError, ShardingError, CheckpointError, UnsupportedModelError, PromptError,
+            FileNotFoundError, FileExistsError, RunDirError, RewardError)
 
 
 def _train(args: argparse.Namespace) -> int:
+    print(f"jaxtune train {args.config}: starting", flush=True)  # at once: the imports below take seconds
     from jaxtune.config import load_config
     from jaxtune.loop import NonFiniteLossError, train
 
@@ -55,6 +62,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from jaxtune.config import ConfigError
     from jaxtune.evaluate import load_run
     from jaxtune.generate import sample
 
@@ -92,7 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from jaxtune.config import load_config
+    from jaxtune.config import ConfigError, load_config
     from jaxtune.info import format_info, info
 
     mesh = []
@@ -188,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_parity)
 
     args = parser.parse_args(argv)
+    runtime.tune_malloc()  # before JAX allocates: see jaxtune.runtime
     try:
         return args.fn(args)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before the training loop (which saves and exits 0 on the first Ctrl-C)

@@ -22,7 +22,7 @@ from jaxtune.evaluate import Evaluator
 from jaxtune.models.family import check_fits
 from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer
-from jaxtune.train.metrics import Laps, NonFiniteLossError, StepLog, write_summary
+from jaxtune.train.metrics import Laps, NonFiniteLossError, StepLog, prefetch_plotting, write_loss_plot, write_summary
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.profile import Profiler
 from jaxtune.train.reference import precompute_reference, step_reference, with_reference
@@ -63,8 +63,9 @@ def train(cfg: Config) -> TrainResult:
 
 def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> TrainResult:
     laps = Laps()  # where the wall time goes (summary.json "seconds")
-    if cfg.train.compile_cache_dir:
+    if cfg.train.compile_cache_dir:  # JAX keys entries by program, options, flags, device kind and versions
         jax.config.update("jax_compilation_cache_dir", str(Path(cfg.train.compile_cache_dir).expanduser()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)  # 1 s would skip eval and sampler
     proc, total = jax.process_index(), cfg.train.steps
 
     # Checkpoints first: resuming with a different model/data/seed is refused before any work is done.
@@ -121,6 +122,8 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
 
     # Loop.
     profiler = Profiler(cfg.train.profile_steps, run_dir, start, log.message)
+    if proc == 0:
+        prefetch_plotting()  # loss.png at the end
     laps.lap("setup")
     with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(mesh), ckpt.reporting_failures(), \
             profiler:
@@ -163,17 +166,19 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     ckpt.close()
     data.close()
     log.close()
-    laps.lap("finish")
     result = TrainResult(run_dir, step, log.losses, evaluator.last_loss, steps.compiles,
                          rollout.generator.compiles if rollout is not None else 0, log.nan_skipped,
                          preemption.requested, evaluator.samples, evaluator.evals)
+    if proc == 0:
+        write_loss_plot(run_dir)
+        evaluator.write_report()
+    laps.lap("finish")
     if proc == 0:
         write_summary(run_dir, {"step": step, "final_train_loss": log.losses.get(step), "eval_loss": result.eval_loss,
                                 "nan_skipped": log.nan_skipped, "preempted": result.preempted,
                                 "params": spec.model_cfg.num_params(), "step_compiles": steps.compiles,
                                 "seconds": {k: round(v, 3) for k, v in laps.seconds.items()}},
                       result.preempted)
-        evaluator.write_report()
         if not result.preempted:
             print(laps.line(), flush=True)
     return result

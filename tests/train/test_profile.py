@@ -26,6 +26,9 @@ def test_profile_steps_write_a_trace_and_log_their_step_time(tiny_cfg, capsys):
     (perfetto,) = profile.glob("plugins/profile/*/perfetto_trace.json.gz")
     events = json.loads(gzip.decompress(perfetto.read_bytes()))
     assert events["traceEvents"]  # Perfetto's JSON: events recorded while the steps ran
+    seconds = json.loads((cfg.run_path / "summary.json").read_text())["seconds"]  # where the wall time went
+    assert {"setup", "compile", "steps", "save", "finish"} <= set(seconds) and seconds["steps"] > 0, seconds
+    assert re.search(r"time: [\d.]+ s in train\(\): setup [\d.]+, compile .*% outside steps", out), out
 
     resumed = train(tiny_cfg("train.steps=6", "train.profile_steps=[2, 3]", NO_EVAL, "checkpoint.every=100"))
     assert resumed.step == 6

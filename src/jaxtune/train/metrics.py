@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -104,8 +106,7 @@ class MetricsWriter:
             with writing(self.jsonl_path):
                 self.jsonl = open(self.jsonl_path, "a", buffering=1)
         if cfg.tensorboard:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer()
             with writing(run_dir / "tensorboard"):
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first)
         if cfg.wandb_project:
@@ -151,6 +152,21 @@ class MetricsWriter:
                 sink.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def _summary_writer() -> type:
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX.writer imports torch when it is installed
+    (only to accept torch tensors, which we never pass), and that costs ~2 s of every run's start. A torch already
+    imported (the torchax backend) is left alone."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX catches
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 class StepLog:
@@ -253,9 +269,7 @@ class Laps:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any], preempted: bool) -> None:
-    """summary.json and loss.png, and (unless preempted) the closing lines on stdout (process 0)."""
-    with writing(run_dir / "loss.png"):
-        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    """summary.json, and (unless preempted) the closing lines on stdout (process 0)."""
     with writing(run_dir / "summary.json"):
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if preempted:
@@ -266,15 +280,33 @@ def write_summary(run_dir: Path, summary: dict[str, Any], preempted: bool) -> No
           f"run directory: {run_dir} (checkpoints/, metrics.jsonl, loss.png, samples.jsonl, tensorboard/)", flush=True)
 
 
-def plot_loss(metrics_path: Path, out: Path) -> Path | None:
-    """Loss curve (train and validation) from metrics.jsonl as a PNG."""
-    if not metrics_path.exists():
-        return None
+def write_loss_plot(run_dir: Path) -> None:
+    """loss.png from metrics.jsonl (process 0)."""
+    with writing(run_dir / "loss.png"):
+        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+
+
+def prefetch_plotting() -> None:
+    """Import matplotlib in a background thread while the steps run (the import is most of the ~0.8 s that
+    loss.png costs at the end of a run; the steps wait on XLA, not on Python)."""
+    threading.Thread(target=_pyplot, daemon=True, name="jaxtune-prefetch-matplotlib").start()
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot, drawing to files (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_loss(metrics_path: Path, out: Path) -> Path | None:
+    """Loss curve (train and validation) from metrics.jsonl as a PNG."""
+    if not metrics_path.exists():
+        return None
+    plt = _pyplot()
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     fig, ax = plt.subplots(figsize=(7, 4))
     for kind, style in (("train", "-"), ("eval", "o-")):

@@ -1,0 +1,68 @@
+"""Process-level costs outside the train step (issue 17): the allocator setting that removes the per-step page faults,
+and start-up imports that the CLI and the loop avoid. Each check runs in a fresh interpreter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# Allocate and free a 64 MiB buffer (like XLA:CPU's per-step temp buffer) from a worker thread 20 times, touching
+# every page; print the minor page faults of the last 19 rounds.
+FAULTS = textwrap.dedent("""
+    import ctypes, resource, sys, threading
+    from jaxtune import runtime
+    print(runtime.tune_malloc() if sys.argv[1] == "tuned" else "default", flush=True)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    size = 64 << 20
+    def step():
+        p = libc.malloc(size)
+        ctypes.memset(p, 1, size)
+        libc.free(ctypes.c_void_p(p))
+    def rounds(n):
+        for _ in range(n):
+            t = threading.Thread(target=step)
+            t.start(); t.join()
+    rounds(1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    rounds(19)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+""")
+
+
+def _python(code: str, *args: str, env: dict | None = None) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings: Linux only")
+def test_tune_malloc_removes_the_page_faults_of_a_reused_buffer():
+    """64 MiB is 16k pages: freshly mapped each round by default, reused warm once tuned."""
+    mode, default = _python(FAULTS, "default")
+    assert mode == "default" and int(default) > 19 * 10_000, default
+    mode, tuned = _python(FAULTS, "tuned")
+    assert mode == "tuned" and int(tuned) < 19 * 200, tuned  # a few pages per round (thread stacks), not 16k
+
+
+def test_jaxtune_malloc_default_opts_out():
+    import os
+
+    env = {**os.environ, "JAXTUNE_MALLOC": "default"}
+    assert _python("from jaxtune import runtime; print(runtime.tune_malloc())", env=env) == ["default"]
+
+
+def test_cli_answers_before_jax_is_imported():
+    """`jaxtune train` prints its first line before the imports that take seconds: the CLI module pulls in no JAX."""
+    code = "import sys; import jaxtune.cli; print('jax' in sys.modules, 'jaxtune.data' in sys.modules)"
+    assert _python(code) == ["False", "False"]
+
+
+def test_tensorboard_writer_does_not_import_torch():
+    pytest.importorskip("torch")
+    code = ("import sys; from jaxtune.train.metrics import _summary_writer; _summary_writer(); "
+            "print('torch' in sys.modules); import torch; print(torch.__name__)")
+    assert _python(code) == ["False", "torch"]  # and torch still imports afterwards
