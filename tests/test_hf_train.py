@@ -134,6 +134,25 @@ def test_parity_command(hf_llama, capsys):
     assert main(["parity", str(hf_llama), "--new-tokens", "0", "--seq", "16", "--tolerance", "0"]) == 1
 
 
+@pytest.mark.parametrize(("ours", "theirs", "expected"), [
+    # transformers stopped at EOS (2) after 3 tokens, ours emitted the same EOS and went on: they agree (the bug was
+    # scoring the length difference as disagreement)
+    ([5, 6, 2, 7, 8], [5, 6, 2], (3, 3, "both stopped at EOS after 3")),
+    # transformers stopped at EOS where ours emits another token: a disagreement at that position
+    ([5, 6, 9, 7], [5, 6, 2], (2, 3, "transformers stopped at EOS after 3")),
+    ([5, 6, 9, 2], [5, 6, 9, 4], (3, 4, "ours stopped at EOS after 4")),
+    ([5, 6, 9, 4], [5, 6, 9, 4], (4, 4, "")),  # neither stopped: all compared
+])
+def test_greedy_agreement_compares_up_to_the_first_eos_of_either_side(ours, theirs, expected):
+    from jaxtune.parity import Comparison, ParityReport, greedy_agreement
+
+    assert greedy_agreement(ours, theirs, {2}) == expected
+    agree, compared, stop = expected
+    report = ParityReport("llama", [Comparison("native", 0.0, 0.0, [agree], [compared], [stop])], new_tokens=5)
+    assert report.ok == (agree == compared)
+    assert f"greedy agreement:       {agree}/{compared}" in report.format()
+
+
 def test_pretrained_gpt2_run_exports_to_transformers(tiny_cfg, tmp_path):
     """A GPT-2 pretrained from scratch (our BPE, scanned layers) exports to a directory that transformers loads
     (model and tokenizer) with our logits (<=1e-5 rel); bf16 export halves the weights."""

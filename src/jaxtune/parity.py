@@ -5,6 +5,11 @@ Loads the checkpoint in jaxtune and in `transformers` (CPU, float32, eager atten
 through both, and compares: logits (relative error max|ours - theirs| / max|theirs| and mean|diff| /
 mean|theirs|) and greedy generation (our generator against ``transformers.generate``). With the torchax backend
 the transformers model run through torchax is compared too (and the native model, when the family has one).
+
+Greedy generation follows one stopping rule on both sides: the checkpoint's EOS ids (generation_config.json, else
+config.json; transformers stops at them whatever it is told). Each prompt's tokens are compared up to and including
+the first EOS of either side, and the report says where a side stopped, so a real checkpoint that ends its answer
+early is not scored as disagreeing.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class Comparison:
     max_rel: float
     mean_rel: float
     greedy_agree: list[int] = field(default_factory=list)  # matching leading generated tokens, per prompt
+    greedy_compared: list[int] = field(default_factory=list)  # tokens compared: up to the first EOS of either side
+    greedy_stops: list[str] = field(default_factory=list)  # where a side stopped at EOS ("" when neither did)
 
 
 @dataclass
@@ -47,19 +54,20 @@ class ParityReport:
 
     @property
     def ok(self) -> bool:
-        return all(c.max_rel <= self.tolerance and all(a == self.new_tokens for a in c.greedy_agree)
-                   for c in self.comparisons)
+        return all(c.max_rel <= self.tolerance and c.greedy_agree == c.greedy_compared for c in self.comparisons)
 
     def format(self) -> str:
         lines = [f"family:                 {self.family}", f"batch:                  {self.text_source}"]
         for c in self.comparisons:
-            agree = ", ".join(f"{a}/{self.new_tokens}" for a in c.greedy_agree) or "not run"
+            agree = ", ".join(f"{a}/{n}" + (f" ({stop})" if stop else "")
+                              for a, n, stop in zip(c.greedy_agree, c.greedy_compared, c.greedy_stops)) or "not run"
             lines += [
                 f"[{c.name} vs transformers eager]",
-                f"  logits max rel. error:  {c.max_rel:.3e}  (max|ours - transformers| / max|transformers|; "
-                f"tolerance {self.tolerance:g})",
+                (f"  logits max rel. error:  {c.max_rel:.3e}  (max|ours - transformers| / max|transformers|; "
+                 f"tolerance {self.tolerance:g})"),
                 f"  logits mean rel. error: {c.mean_rel:.3e}  (mean|ours - transformers| / mean|transformers|)",
-                f"  greedy agreement:       {agree}  (leading generated tokens equal, per prompt)",
+                (f"  greedy agreement:       {agree}  (leading generated tokens equal, per prompt, up to the "
+                 "first EOS of either side)"),
             ]
         lines.append(f"result:                 {'PASS' if self.ok else 'FAIL'}")
         return "\n".join(lines)
@@ -101,7 +109,8 @@ def parity(directory: str | Path, *, batch: int = 2, seq: int = 32, new_tokens: 
     with torch.no_grad():
         ref = theirs(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
     prompts = [list(map(int, row[: seq // 2 + i])) for i, row in enumerate(tokens)]  # different lengths
-    hf_greedy = _hf_greedy(theirs, prompts, new_tokens) if new_tokens else []
+    eos = _eos_ids(directory, theirs)
+    hf_greedy = _hf_greedy(theirs, prompts, new_tokens, eos) if new_tokens else []
     native = BACKENDS["native"].runs(read_config_json(directory))
     if backend == "native" and not native:
         read_hf_config(directory)  # raises UnsupportedModelError, saying why and what to do
@@ -115,18 +124,51 @@ def parity(directory: str | Path, *, batch: int = 2, seq: int = 32, new_tokens: 
         c = Comparison(name, float(diff.max() / np.abs(ref).max()), float(diff.mean() / np.abs(ref).mean()))
         if new_tokens:
             for mine, hf_ids in zip(generate(prompts, new_tokens), hf_greedy):
-                c.greedy_agree.append(next((i for i, (a, b) in enumerate(zip(mine, hf_ids)) if a != b),
-                                           min(len(mine), len(hf_ids))))
+                agree, compared, stop = greedy_agreement(list(mine), hf_ids, eos)
+                c.greedy_agree.append(agree)
+                c.greedy_compared.append(compared)
+                c.greedy_stops.append(stop)
         comparisons.append(c)
     return ParityReport(family, comparisons, new_tokens=new_tokens, tolerance=tolerance, text_source=source)
 
 
-def _hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def greedy_agreement(ours: list[int], theirs: list[int], eos: set[int]) -> tuple[int, int, str]:
+    """(leading tokens equal, tokens compared, where a side stopped) for one prompt's greedy continuations: both are
+    compared up to and including the first EOS of either side (a side that stops early is not a disagreement when
+    the other emits the same EOS there)."""
+
+    def stop(ids: list[int]) -> int | None:
+        return next((i + 1 for i, t in enumerate(ids) if t in eos), None)
+
+    ours_stop, theirs_stop = stop(ours), stop(theirs)
+    ends = [n for n in (ours_stop, theirs_stop, len(ours), len(theirs)) if n is not None]
+    compared = min(ends)
+    agree = next((i for i, (a, b) in enumerate(zip(ours[:compared], theirs[:compared])) if a != b), compared)
+    if ours_stop == theirs_stop and ours_stop is not None:
+        where = f"both stopped at EOS after {ours_stop}"
+    else:
+        sides = [f"{name} stopped at EOS after {n}" for name, n in (("ours", ours_stop), ("transformers", theirs_stop))
+                 if n is not None]
+        where = "; ".join(sides)
+    return agree, compared, where
+
+
+def _eos_ids(directory: Path, model) -> set[int]:
+    """The EOS ids transformers stops greedy generation at: generation_config.json's, else config.json's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return set()
+    return {int(i) for i in ([ids] if isinstance(ids, int) else ids)}
+
+
+def _hf_greedy(model, prompts: list[list[int]], new_tokens: int, eos: set[int]) -> list[list[int]]:
     import torch
     import transformers
 
-    greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
-                                           pad_token_id=0)
+    greedy = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens,
+                                           eos_token_id=sorted(eos) or None, pad_token_id=0)
     out = []
     for p in prompts:
         with torch.no_grad():
