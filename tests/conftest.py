@@ -47,6 +47,13 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jaxtune-cache")
 
 
+def without_starting(stdout: str) -> str:
+    """``stdout`` of `jaxtune train` without the line the CLI prints at once, before its imports
+    (``jaxtune train CONFIG: starting``): what the run itself said."""
+    return "".join(line for line in stdout.splitlines(keepends=True)
+                   if not (line.startswith("jaxtune train ") and line.rstrip("\n").endswith(": starting")))
+
+
 QUICK = ["eval.exact_match=0", "eval.prompts=[]", "logging.progress=false", "logging.tensorboard=false"]
 
 
