@@ -26,7 +26,8 @@ SIBLINGS = [("jaxtune.models", "jaxtune.data"), ("jaxtune.backends.native", "jax
 # Third-party imports allowed inside a function: optional extras, and slow imports only some runs need.
 LAZY = {"torch", "transformers", "peft", "torchax", "wandb", "libtpu", "datasets", "pyarrow", "tiktoken",
         "huggingface_hub", "matplotlib", "tensorboardX", "tqdm", "jinja2", "absl",
-        "tokenizers"}  # a tokenizing worker process loads only the library its tokenizer needs
+        "tokenizers",  # a tokenizing worker process loads only the library its tokenizer needs
+        "gguf"}  # GGUF import (models/gguf.py): only when a .gguf file is given
 
 
 def _modules() -> dict[str, Path]:

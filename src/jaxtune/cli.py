@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_train)
 
     p = sub.add_parser("eval", help="held-out loss/perplexity of a run's latest checkpoint or of a model directory")
-    p.add_argument("target", help="run directory, HuggingFace model directory (e.g. an export) or config")
+    p.add_argument("target", help="run directory, HuggingFace model directory (e.g. an export), .gguf file or config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--data", help="test set (file, glob or hf:NAME) in the run's data.format; a model directory's "
                    "format is read from the first row unless data.format=... is given")

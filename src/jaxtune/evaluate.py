@@ -30,7 +30,8 @@ from jaxtune.data import (
 )
 from jaxtune.generate import sample
 from jaxtune.models.family import check_fits
-from jaxtune.models.hf import read_config_json
+from jaxtune.models.gguf import is_gguf
+from jaxtune.models.hf import read_config_json, resolve_hf_dir
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import StepLog, perplexity
 from jaxtune.train.objectives import make_objective
@@ -61,8 +62,10 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
 
     A config whose run has no checkpoint yet gives the initial model (step 0), useful as a baseline. A model
     directory runs on the first backend that can run it (native, else torchax), with ``data.seq_len`` capped at the
-    model's context unless set."""
+    model's context unless set. A ``.gguf`` file: the model directory it converts to (`jaxtune.models.gguf`)."""
     path = Path(target).expanduser()
+    if is_gguf(path) and path.is_file():
+        path = resolve_hf_dir(path)
     hf_dir = path.is_dir() and not (path / "config.yaml").is_file() and (path / "config.json").is_file()
     if hf_dir:  # an exported (or any HuggingFace) model directory: its weights, its tokenizer, default settings
         backend = ([] if any(o.startswith("model.backend=") for o in overrides)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jaxtune.config import local_or_hub
 from jaxtune.io import CheckpointError, SafetensorsFile, atomic_dir, host, read_json, write_safetensors
 from jaxtune.models.family import TORCHAX_HINT, Family, Map, UnsupportedModelError, check_fits, dtype_from_hf
+from jaxtune.models.gguf import gguf_to_hf_dir, is_gguf
 from jaxtune.models.registry import FAMILIES, model_layout
 
 INDEX = "model.safetensors.index.json"
@@ -32,12 +33,15 @@ HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]  # never *
 def resolve_hf_dir(name: str | Path, files: list[str] = HUB_FILES) -> Path:
     """A local model directory as is; a hub name (``org/model``) downloaded once into the HuggingFace cache (the
     ``files``: by default config, safetensors and tokenizer files) and its snapshot directory returned. Offline, the
-    cached snapshot; without one, an error naming model.from_hf and the ways on (`jaxtune.config.local_or_hub`)."""
+    cached snapshot; without one, an error naming model.from_hf and the ways on (`jaxtune.config.local_or_hub`).
+    A ``.gguf`` file: the HuggingFace directory it converts to, converted once and cached (`jaxtune.models.gguf`)."""
+    if is_gguf(name):
+        return gguf_to_hf_dir(name)
     return local_or_hub(str(name), "model.from_hf", files)
 
 
 class HFCheckpoint:
-    """A HuggingFace model directory (or hub name, see `resolve_hf_dir`): its config.json and every tensor in its
+    """A HuggingFace model directory (or hub name or .gguf file, see `resolve_hf_dir`): its config.json and every tensor in its
     safetensors file(s)."""
 
     def __init__(self, directory: str | Path):

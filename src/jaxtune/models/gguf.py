@@ -1,0 +1,249 @@
+"""GGUF import: a llama.cpp ``.gguf`` file as a HuggingFace model directory.
+
+A ``.gguf`` file is converted once into a cached directory (config.json rebuilt from the GGUF metadata,
+model.safetensors with every tensor dequantized to float32, the tokenizer with its chat template, and
+generation_config.json), which the HuggingFace path (`jaxtune.models.hf`) then reads like any other. The cache key
+is the file's size, mtime and the sha256 of its first `HASHED_BYTES`, so an edited or replaced file is converted
+again; the directory is written beside its final name and renamed into place (`jaxtune.io.atomic_dir`).
+
+Architectures: ``llama`` (Llama 2/3.x (3.1+ RoPE scaling from ``rope_freqs``), SmolLM, Mistral), ``qwen2`` and ``qwen3``. Tensor types:
+whatever the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, ...).
+llama.cpp's converter permutes the rows of a llama model's q/k projections for its RoPE layout; they are put back.
+Needs ``gguf`` (tensors) and ``transformers`` (the tokenizer): ``pip install gguf transformers``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxtune.io import CheckpointError, atomic_dir, write_safetensors
+from jaxtune.models.family import TORCHAX_HINT, UnsupportedModelError
+
+CONVERTER_VERSION = 1  # part of the cache key: bump when the converted directory changes
+HASHED_BYTES = 16 << 20
+INSTALL = "pip install gguf transformers"
+
+# GGUF general.architecture -> (HF model_type, HF architecture class, q/k rows permuted by llama.cpp)
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM", True), "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM", False)}
+
+_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def cache_root() -> Path:
+    """Where converted files live: $JAXTUNE_GGUF_CACHE, else ~/.cache/jaxtune/gguf."""
+    return Path(os.environ.get("JAXTUNE_GGUF_CACHE") or "~/.cache/jaxtune/gguf").expanduser()
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError(f"reading a .gguf file needs the gguf package: {INSTALL}") from None
+    return gguf
+
+
+def cache_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        h.update(f.read(HASHED_BYTES))
+    return f"{path.stem[:60]}-{st.st_size}-{st.st_mtime_ns}-{h.hexdigest()[:16]}-v{CONVERTER_VERSION}"
+
+
+def gguf_to_hf_dir(path: str | Path, cache: Path | None = None) -> Path:
+    """The HuggingFace model directory a ``.gguf`` file converts to, converted on first use and cached."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such .gguf file")
+    out = (cache or cache_root()) / cache_key(path)
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_dir(out, lambda tmp: convert(path, tmp), replace=False)
+    return out
+
+
+# --- metadata ---
+
+def _fields(reader: Any) -> dict[str, Any]:
+    out = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.scores"):
+            out[key] = len(field.data)  # only their length is needed here; transformers reads the tokenizer
+            continue
+        try:
+            out[key] = field.contents()
+        except (ValueError, TypeError, IndexError, KeyError):  # a field this gguf cannot decode: not one we use
+            continue
+    return out
+
+
+def hf_config(meta: dict[str, Any], tensor_names: set[str], where: str) -> dict[str, Any]:
+    """config.json for the GGUF metadata ``meta`` (see `_fields`)."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"{where}: GGUF architecture {arch!r} is not supported (supported: "
+                                    f"{', '.join(ARCHITECTURES)}); convert the original HuggingFace checkpoint "
+                                    "instead, or use a supported model")
+    model_type, cls, _ = ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = KeyError) -> Any:
+        if f"{arch}.{key}" in meta:
+            return meta[f"{arch}.{key}"]
+        if default is KeyError:
+            raise CheckpointError(f"{where}: GGUF metadata lacks {arch}.{key}")
+        return default
+
+    n_head = int(get("attention.head_count"))
+    d_model = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", d_model // n_head))
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(f"{where}: partial RoPE ({arch}.rope.dimension_count={rope_dim}, head_dim="
+                                    f"{head_dim}) is not supported natively; {TORCHAX_HINT}")
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", "", None):
+        raise UnsupportedModelError(f"{where}: GGUF rope scaling {scaling!r} is not supported; use the original "
+                                    "HuggingFace checkpoint")
+    vocab = meta.get("tokenizer.ggml.tokens") or get("vocab_size")
+    c: dict[str, Any] = {
+        "architectures": [cls], "model_type": model_type, "vocab_size": int(vocab), "hidden_size": d_model,
+        "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": n_head, "num_key_value_heads": int(get("attention.head_count_kv", n_head)),
+        "head_dim": head_dim, "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)), "hidden_act": "silu",
+        "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_scaling": None,
+        "tie_word_embeddings": "output.weight" not in tensor_names, "torch_dtype": "float32",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
+    if model_type == "llama":
+        c["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+        c["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
+    if model_type in ("qwen2", "qwen3"):
+        c["use_sliding_window"] = False
+        if model_type == "qwen3":
+            c["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    return c
+
+
+# --- tensors ---
+
+def hf_name(name: str, where: str) -> str:
+    """The HF tensor name of a GGUF one (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    stem, _, suffix = name.rpartition(".")
+    parts = stem.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _BLOCK:
+        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{suffix}"
+    if stem in _TOP:
+        return f"{_TOP[stem]}.{suffix}"
+    raise UnsupportedModelError(f"{where}: GGUF tensor {name!r} has no HuggingFace counterpart natively; "
+                                "use the original HuggingFace checkpoint")
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf.py ``LlamaModel.permute``)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def dequantized(tensor: Any, where: str) -> np.ndarray:
+    """A GGUFReader tensor as a float32 array in numpy (= HF, (out, in)) order."""
+    t = tensor.tensor_type
+    try:
+        x = _gguf().quants.dequantize(tensor.data, t)
+    except NotImplementedError:
+        raise CheckpointError(f"{where}: tensor {tensor.name} has GGUF type {t.name}, which the gguf package cannot "
+                              "dequantize; use a file quantized to another type (F16, Q8_0, Q4_K, ...)") from None
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(shape))
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(config.json dict, {HF name: float32 array}) of a .gguf file."""
+    gguf = _gguf()
+    where = str(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a damaged or non-GGUF file
+        raise CheckpointError(f"{where}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    meta = _fields(reader)
+    names = {t.name for t in reader.tensors}
+    config = hf_config(meta, names, where)
+    permuted = ARCHITECTURES[meta["general.architecture"]][2]
+    tensors = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            config["rope_scaling"] = llama3_rope(dequantized(t, where), config, where)
+            continue
+        name = hf_name(t.name, where)
+        x = dequantized(t, where)
+        if permuted and t.name.endswith((".attn_q.weight", ".attn_q.bias")):
+            x = unpermute(x, config["num_attention_heads"])
+        elif permuted and t.name.endswith((".attn_k.weight", ".attn_k.bias")):
+            x = unpermute(x, config["num_key_value_heads"])
+        tensors[name] = x
+    return config, tensors
+
+
+def llama3_rope(divisors: np.ndarray, config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ``rope_scaling`` of a Llama 3.1+ GGUF, whose ``rope_freqs`` tensor holds the per-frequency divisors
+    convert_hf_to_gguf.py computed from it: factor = the largest divisor, and low/high_freq_factor and
+    original_max_position_embeddings Meta's (1, 4, 8192), checked by recomputing every divisor."""
+    dim, theta = config["head_dim"], config["rope_theta"]
+    factor = float(divisors.max())
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    old = scaling["original_max_position_embeddings"]
+    low, high = old / scaling["low_freq_factor"], old / scaling["high_freq_factor"]
+    want = []
+    for freq in 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim):
+        wavelen = 2 * np.pi / freq
+        smooth = (old / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        want.append(1.0 if wavelen < high else factor if wavelen > low else 1 / ((1 - smooth) / factor + smooth))
+    if divisors.shape != (dim // 2,) or not np.allclose(divisors, want, rtol=1e-4):
+        raise UnsupportedModelError(f"{where}: its rope_freqs are not Llama 3's RoPE scaling (factor {factor:g}, "
+                                    "low/high_freq_factor 1/4, original context 8192); use the original "
+                                    "HuggingFace checkpoint")
+    return scaling
+
+
+# --- the converted directory ---
+
+def _tokenizer(path: Path, out: Path) -> None:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise CheckpointError(f"{path}: its tokenizer is converted by transformers: {INSTALL}") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # noqa: BLE001 - transformers' own message says which tokenizer it could not read
+        raise CheckpointError(f"{path}: transformers could not convert its tokenizer ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    tok.save_pretrained(str(out))
+
+
+def convert(path: Path, out: Path) -> None:
+    """Write the HuggingFace model directory of the .gguf ``path`` into ``out``."""
+    config, tensors = read_gguf(path)
+    _tokenizer(path, out)
+    write_safetensors(out / "model.safetensors", tensors)
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "SOURCE").write_text(f"{path.resolve()}\n")

@@ -1,0 +1,315 @@
+"""GGUF import (`jaxtune.models.gguf`): a ``.gguf`` file wherever a HuggingFace model directory is taken.
+
+The tiny files are written here, offline, the way llama.cpp's convert_hf_to_gguf.py writes a Llama: its metadata
+keys, q/k rows permuted for llama.cpp's RoPE, norms kept F32, the gpt2 tokenizer keys with the chat template, from
+a tiny random transformers LlamaForCausalLM. Reference: transformers' own GGUF loader (``gguf_file=``).
+
+Error measure: rel(ours, ref) = max|ours - ref| / max|ref|. Tolerances:
+  * imported tensors vs transformers' GGUF loader, every type:                   bitwise equal (both dequantize
+    with the gguf package)
+  * imported tensors vs the original weights: F32 bitwise; F16 |err| <= max(2^-11 |w|, 2^-25) (half an ulp, subnormals too); Q8_0 |err| <= max|w| / 127;
+    Q4_0 |err| <= max|w| / 8 (half a step is max/16 of the block; the far end clamps at 7 steps of 8: one step)
+  * logits of the native model from the .gguf vs transformers from the same .gguf, fp32:  rel <= 1e-5
+  * SmolLM2-135M-Instruct Q4_1 (real, when installed): logits rel <= 3e-5, greedy tokens equal up to the EOS
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtune.io import CheckpointError
+from jaxtune.models.family import UnsupportedModelError
+from jaxtune.models.hf import HFCheckpoint, from_hf
+from jaxtune.models.sampling import Generator
+from tests.conftest import save_chatml_tokenizer
+from tests.models.real_models import SMOLLM2_INSTALL, smollm2_gguf
+
+gguf = pytest.importorskip("gguf", reason="GGUF import needs the gguf package: pip install gguf==0.19.0")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+Q = gguf.GGMLQuantizationType
+TYPES = ["F32", "F16", "Q8_0", "Q4_0"]
+BOUND = {"F32": lambda w: 0.0, "F16": lambda w: np.maximum(np.abs(w) * 2.0**-11, 2.0**-25), "Q8_0": lambda w: np.abs(w).max() / 127,
+         "Q4_0": lambda w: np.abs(w).max() / 8}
+IDS = np.random.default_rng(0).integers(0, 300, (2, 24))
+TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?", "<|im_start|>user"] * 20
+
+
+def rel(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py ``LlamaModel.permute``."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def gguf_name(hf: str) -> str:
+    stem, _, suffix = hf.rpartition(".")
+    if stem in GGUF_NAMES:
+        return f"{GGUF_NAMES[stem]}.{suffix}"
+    _, _, i, rest = stem.split(".", 3)
+    return f"blk.{i}.{BLOCK[rest]}.{suffix}"
+
+
+def write_gguf(path: Path, hf_dir: Path, qtype: str, arch: str = "llama", tensor_type: Q | None = None,
+               rope_freqs: np.ndarray | None = None) -> Path:
+    """The HF llama checkpoint ``hf_dir`` as llama.cpp writes it, 2-D tensors as ``qtype``, norms F32.
+    ``tensor_type``: a raw GGUF type written (as zero bytes) for the first 2-D tensor instead."""
+    from safetensors.numpy import load_file
+
+    c = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    template = json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0)))
+    w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7}[qtype])
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"] for t in tok["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(c["bos_token_id"])
+    w.add_eos_token_id(c["eos_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(template)
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    raw_done = False
+    for name, x in weights.items():
+        x = x.astype(np.float32)
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            x = permute(x, c["num_attention_heads"])
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            x = permute(x, c["num_key_value_heads"])
+        if x.ndim == 1 or qtype == "F32":
+            w.add_tensor(gguf_name(name), x)
+        elif tensor_type is not None and not raw_done:
+            block, size = gguf.GGML_QUANT_SIZES[tensor_type]
+            w.add_tensor(gguf_name(name), np.zeros((x.shape[0], x.shape[1] // block * size), np.uint8),
+                         raw_dtype=tensor_type)
+            raw_done = True
+        elif qtype == "F16":
+            w.add_tensor(gguf_name(name), x.astype(np.float16))
+        else:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(x, Q[qtype]), raw_dtype=Q[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def tiny_llama(directory: Path, arch: str = "llama", **config) -> Path:
+    """A tiny random Llama (or ``arch``: qwen2, qwen3) with a real (ChatML BPE) tokenizer, every tensor perturbed, saved to ``directory``."""
+    directory.mkdir()
+    vocab = save_chatml_tokenizer(directory, TEXTS)
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    cfg = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                                   attn_implementation="eager", **config)
+    torch.manual_seed(0)
+    model = model_cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """{"hf": the tiny HF Llama directory, type: its .gguf file} with the conversions cached in the module's own
+    directory."""
+    root = tmp_path_factory.mktemp("gguf")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JAXTUNE_GGUF_CACHE", str(root / "cache"))
+    hf = tiny_llama(root / "hf", rope_theta=10000.0)
+    files = {"hf": hf}
+    for t in TYPES:
+        files[t] = write_gguf(root / f"tiny-{t}.gguf", hf, t)
+    yield files
+    mp.undo()
+
+
+def hf_from_gguf(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             attn_implementation="eager").eval()
+
+
+def jax_logits(model, ids) -> np.ndarray:
+    return np.asarray(model(jnp.asarray(ids, jnp.int32)))
+
+
+def torch_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(ids, np.int64))).logits.float().numpy()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_tensors_match_transformers_and_original(tiny, qtype):
+    """Every imported tensor equals transformers' dequantization of the same file, and the original weights within
+    the type's quantization error (module docstring)."""
+    from safetensors.numpy import load_file
+
+    ours = HFCheckpoint(tiny[qtype])
+    original = load_file(str(tiny["hf"] / "model.safetensors"))
+    theirs = {k: v.float().numpy() for k, v in hf_from_gguf(tiny[qtype]).state_dict().items()}
+    assert ours.names() == set(original)
+    for name in original:
+        got = ours.get(name)
+        np.testing.assert_array_equal(got, theirs[name], err_msg=name)
+        err = np.abs(got - original[name])
+        assert (err <= BOUND[qtype](original[name]) + 1e-12).all(), (name, float(err.max()))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_0"])
+def test_logits_match_transformers(tiny, qtype):
+    """The native model loaded from the .gguf and transformers' GGUF-loaded model: rel <= 1e-5 (fp32)."""
+    ours = jax_logits(from_hf(tiny[qtype]), IDS)
+    ref = torch_logits(hf_from_gguf(tiny[qtype]), IDS)
+    assert rel(ours, ref) <= 1e-5
+    if qtype == "F32":  # and the original HF checkpoint: the permutation is undone
+        assert rel(ours, torch_logits(transformers.AutoModelForCausalLM.from_pretrained(tiny["hf"]), IDS)) <= 1e-5
+
+
+def test_llama3_rope_scaling(tmp_path, monkeypatch):
+    """A Llama 3.1+ GGUF (RoPE scaling stored as llama.cpp's rope_freqs divisors) imports with its rope_scaling:
+    logits vs the original HF checkpoint rel <= 1e-5 (the tiny model's low frequencies are scaled)."""
+    monkeypatch.setenv("JAXTUNE_GGUF_CACHE", str(tmp_path / "cache"))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    hf = tiny_llama(tmp_path / "hf", rope_theta=500000.0, rope_scaling=scaling)
+    dim, old = 16, 8192  # llama.cpp's convert_hf_to_gguf.py LlamaModel.generate_extra_tensors
+    divisors = []
+    for freq in 1.0 / 500000.0 ** (np.arange(0, dim, 2) / dim):
+        wavelen = 2 * np.pi / freq
+        smooth = (old / wavelen - 1.0) / (4.0 - 1.0)
+        divisors.append(1.0 if wavelen < old / 4 else 8.0 if wavelen > old else 1 / ((1 - smooth) / 8.0 + smooth))
+    assert 1.0 < np.mean(divisors) < 8.0  # some scaled, some not
+    model = from_hf(write_gguf(tmp_path / "llama3.gguf", hf, "F32", rope_freqs=np.array(divisors)))
+    assert model.cfg.rope.kind == "llama3" and model.cfg.rope.factor == 8.0
+    ref = torch_logits(transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager"), IDS)
+    assert rel(jax_logits(model, IDS), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen(tmp_path, monkeypatch, arch):
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms), F32, not permuted by llama.cpp: logits vs the original HF
+    checkpoint rel <= 1e-5."""
+    monkeypatch.setenv("JAXTUNE_GGUF_CACHE", str(tmp_path / "cache"))
+    hf = tiny_llama(tmp_path / "hf", arch, rope_theta=10000.0)
+    model = from_hf(write_gguf(tmp_path / f"{arch}.gguf", hf, "F32", arch=arch))
+    assert model.cfg.family == arch
+    ref = torch_logits(transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager"), IDS)
+    assert rel(jax_logits(model, IDS), ref) <= 1e-5
+
+
+def test_converted_directory_cached_with_tokenizer(tiny):
+    """The conversion is cached (same directory, not rewritten) and carries the tokenizer and chat template."""
+    d = HFCheckpoint(tiny["F16"]).dir
+    stamp = (d / "model.safetensors").stat().st_mtime_ns
+    assert HFCheckpoint(tiny["F16"]).dir == d and (d / "model.safetensors").stat().st_mtime_ns == stamp
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    ref = transformers.AutoTokenizer.from_pretrained(tiny["hf"])
+    assert tok("hello world").input_ids == ref("hello world").input_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs, tokenize=False) == ref.apply_chat_template(msgs, tokenize=False)
+    config = json.loads((d / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["tie_word_embeddings"]) == (1, 2, False)
+
+
+def test_unsupported_architecture_and_type(tiny, tmp_path):
+    """An architecture or a tensor type the import does not handle: a one-line error naming it."""
+    with pytest.raises(UnsupportedModelError, match="'rwkv6'") as e:
+        from_hf(write_gguf(tmp_path / "rwkv.gguf", tiny["hf"], "F32", arch="rwkv6"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="Q8_1") as e:
+        from_hf(write_gguf(tmp_path / "q81.gguf", tiny["hf"], "F16", tensor_type=Q.Q8_1))
+    assert "\n" not in str(e.value)
+
+
+def test_parity_command(tiny, capsys):
+    """`jaxtune parity FILE.gguf` passes."""
+    from jaxtune.cli import main
+
+    assert main(["parity", str(tiny["Q8_0"]), "--new-tokens", "8", "--seq", "16"]) == 0
+
+
+def test_generate_command(tiny, capsys):
+    """`jaxtune generate FILE.gguf --chat` runs the converted model with the GGUF's tokenizer and chat template."""
+    from jaxtune.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", str(tiny["F16"]), "--prompt", "hello", "--chat", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+# --- a real model ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip(f"SmolLM2-135M-Instruct GGUF not installed ({SMOLLM2_INSTALL})")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JAXTUNE_GGUF_CACHE", str(tmp_path_factory.mktemp("smollm2-cache")))
+    yield path
+    mp.undo()
+
+
+def test_smollm2_logits_and_greedy(smollm2):
+    """SmolLM2-135M-Instruct Q4_1: logits on a chat prompt vs transformers' GGUF loader (rel <= 3e-5; measured
+    3.0e-6), and greedy tokens equal up to and including the EOS that ends the answer."""
+    model = from_hf(smollm2)
+    tok = transformers.AutoTokenizer.from_pretrained(HFCheckpoint(smollm2).dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt).input_ids
+    ref_model = hf_from_gguf(smollm2)
+    err = rel(jax_logits(model, [ids]), torch_logits(ref_model, [ids]))
+    print(f"SmolLM2 logits rel {err:.2e}")
+    assert err <= 3e-5
+    graphdef, state = nnx.split(model, nnx.Param)
+    ours = Generator(graphdef, 64 + len(ids))(nnx.to_pure_dict(state), [ids], max_new_tokens=16,
+                                              eos_id=tok.eos_token_id, keep_stop=True)[0]
+    with torch.no_grad():  # stops at the EOS of its generation_config.json (the GGUF's eos id)
+        ref = ref_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    print("SmolLM2 says:", repr(tok.decode(ours)))
+    assert tok.eos_token_id in ref, "the reference answer should end at EOS within 16 tokens"
+    assert list(ours) == ref, tok.decode(ours)
