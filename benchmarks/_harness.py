@@ -10,6 +10,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
@@ -51,6 +52,29 @@ def cpu_seconds() -> float:
     """User + system CPU time of this process (all threads): the work a step costs, contention or not."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def cpu_flags() -> str:
+    """The CPU's vector extensions as the tables state them beside each figure."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    avx512 = sorted(f for f in flags if f.startswith("avx512"))
+    return ("AVX-512 (" + " ".join(avx512) + ")") if avx512 else ("AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
+
+
+def lscpu_model() -> str:
+    """lscpu's "Model name" (what RESULTS.md puts beside each figure)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
+                "unknown")
+
+
+def machine() -> str:
+    """This machine as RESULTS.md states it beside each figure: lscpu's model, its vector extensions, its cores."""
+    return f"{lscpu_model()} ({cpu_flags()}), {os.cpu_count()} cores"
 
 
 def cpu_model() -> str:

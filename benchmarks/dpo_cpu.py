@@ -52,11 +52,11 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
+import _harness as h
 import datasets
 import flax
 import jax
@@ -67,23 +67,6 @@ import peft
 import torch
 import transformers
 import trl
-from _harness import (
-    BOS,
-    EOS,
-    PAD,
-    add_common_args,
-    add_malloc_arg,
-    add_round_args,
-    check_rounds,
-    first_call,
-    interleave,
-    print_header,
-    run_record,
-    say_noisy,
-    start_trainers,
-    timing_row,
-    word_tokenizer,
-)
 
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
@@ -109,7 +92,8 @@ def write_hf_model(directory: str, a: argparse.Namespace) -> int:
                                    num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                                    head_dim=a.d_model // a.heads, intermediate_size=a.d_ff,
                                    max_position_embeddings=max(a.seq, 512), attention_dropout=0.0, use_cache=False,
-                                   tie_word_embeddings=False, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+                                   tie_word_embeddings=False, pad_token_id=h.PAD, bos_token_id=h.BOS,
+                                   eos_token_id=h.EOS)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     model.save_pretrained(directory, safe_serialization=True)
@@ -240,28 +224,12 @@ def compare(j: dict, t: dict, beta: float) -> dict[str, tuple[float, float, floa
 
 
 # ---------------------------------------------------------------- machine
-def cpu_flags() -> str:
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    avx512 = sorted(f for f in flags if f.startswith("avx512"))
-    return ("AVX-512 (" + " ".join(avx512) + ")") if avx512 else ("AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
-
-
-def lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                "unknown")
-
-
 # ---------------------------------------------------------------- main
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_round_args(ap, rounds=6)
-    add_common_args(ap, batch=8, seq=128, layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=2048,
-                    prompt=32, min_completion=32)
+    h.add_round_args(ap, rounds=6)
+    h.add_common_args(ap, batch=8, seq=128, layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=2048,
+                      prompt=32, min_completion=32)
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--rank", type=int, default=16)
@@ -270,12 +238,12 @@ def main(argv=None) -> dict:
                     help="transformers' attention (sdpa: its default)")
     ap.add_argument("--no-lora", action="store_true", help="skip the LoRA rows")
     ap.add_argument("--no-compile", action="store_true", help="skip the TRL torch.compile row")
-    add_malloc_arg(ap)
+    h.add_malloc_arg(ap)
     args = ap.parse_args(argv)
-    check_rounds(ap, args)
+    h.check_rounds(ap, args)
     if not (8 < args.prompt and args.prompt + 8 + args.min_completion <= args.seq):
         ap.error("need --prompt > 8 and --prompt + 8 + --min-completion <= --seq")
-    threads = start_trainers(args)
+    threads = h.start_trainers(args)
 
     n_steps = 1 + (args.warmup + args.rounds) * args.steps  # per implementation, the first step included
     rng = np.random.RandomState(0)
@@ -285,7 +253,7 @@ def main(argv=None) -> dict:
     tmp = tempfile.TemporaryDirectory()
     model_dir = os.path.join(tmp.name, "model")
     n_params = write_hf_model(model_dir, args)
-    tokenizer = word_tokenizer(args.vocab)
+    tokenizer = h.word_tokenizer(args.vocab)
     base = [f"model.from_hf={model_dir}", "objective.name=dpo", f"objective.beta={args.beta}",
             "objective.loss_type=sigmoid", "data.format=preference", "data.sources=[pairs.jsonl]",
             f"data.seq_len={args.seq}", f"train.batch_size={args.batch}", f"train.steps={n_steps}",
@@ -335,7 +303,7 @@ def main(argv=None) -> dict:
     for name, im in list(impls.items()):
         im["fn"] = lambda _, st=im["step"]: [st() for _ in range(args.steps)]
         try:
-            im["first"], im["first_step_s"] = first_call(im["step"])  # jaxtune: trace + compile; torch.compile too
+            im["first"], im["first_step_s"] = h.first_call(im["step"])  # jaxtune: trace + compile; torch.compile too
         except Exception as e:  # torch.compile is allowed to fail; it is reported, the rest still runs
             if "torch.compile" not in name:
                 raise
@@ -345,7 +313,7 @@ def main(argv=None) -> dict:
                 if names.get("TRL compile") == name:
                     del names["TRL compile"]
     notes += failed
-    run = interleave(impls, range(args.warmup + args.rounds), timed=lambda r: r >= args.warmup)
+    run = h.interleave(impls, range(args.warmup + args.rounds), timed=lambda r: r >= args.warmup)
     load0, load1 = run["load_before"], run["load_after"]
     tmp.cleanup()
 
@@ -357,7 +325,7 @@ def main(argv=None) -> dict:
         im["cpu"] = [c / args.steps for c in im["cpu"]]
         seq = [im["first"]] + [x for out in im["outputs"] for x in out]
         im["losses"] = [loss for loss, _ in seq]
-        timing = timing_row(im, tokens)
+        timing = h.timing_row(im, tokens)
         row = {"implementation": name, **timing, "first_step_s": im["first_step_s"],
                "real_tokens_per_s": real_tokens / (timing["ms_per_step"] / 1e3),
                "loss_step1": seq[0][0], "loss_step2": seq[1][0], "loss_last": seq[-1][0], "steps_run": len(seq)}
@@ -378,10 +346,10 @@ def main(argv=None) -> dict:
     omp_wait = os.environ.get("OMP_WAIT_POLICY", "unset")
     command = (("" if omp_wait == "unset" else f"OMP_WAIT_POLICY={omp_wait} ") + "PYTHONPATH=src "
                + " ".join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])]))
-    record = run_record(jax=jax, jaxlib=jaxlib, torch=torch, transformers=transformers, trl=trl, peft=peft, flax=flax,
-                        optax=optax, numpy=np)
+    record = h.run_record(jax=jax, jaxlib=jaxlib, torch=torch, transformers=transformers, trl=trl, peft=peft, flax=flax,
+                          optax=optax, numpy=np)
     versions = record["versions"]
-    machine = f"{lscpu_model()} ({cpu_flags()}), {os.cpu_count()} cores"
+    machine = h.machine()
     print(f"machine: {machine}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     print(f"command: {command}")
@@ -411,7 +379,7 @@ def main(argv=None) -> dict:
 
     head = ["setup", "reference", "jaxtune ms/step", "TRL ms/step", "ratio (TRL / jaxtune time)", "(best step)",
             "(CPU time)", "jaxtune tokens/s", "TRL tokens/s"]
-    print_header(head, 2)
+    h.print_header(head, 2)
     summary = []
     for setup, names in rows_of.items():
         j = rows[names["jaxtune"]]
@@ -429,12 +397,12 @@ def main(argv=None) -> dict:
 
     head = ["implementation", "tokens/s (median)", "real tokens/s", "ms/step (median / min)", "CPU ms/step",
             "first step (s)"]
-    print_header(head)
+    h.print_header(head)
     for r in rows.values():
         print(f"| {r['implementation']} | {r['tokens_per_s']:,.0f} | {r['real_tokens_per_s']:,.0f} | "
               f"{r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f} | {r['cpu_ms_per_step']:.0f} | "
               f"{r['first_step_s']:.1f} |")
-    say_noisy(rows.values(), load1[0])
+    h.say_noisy(rows.values(), load1[0])
     recompiled = [r["implementation"] for r in rows.values() if r.get("jax_compiles", 1) != 1]
     if recompiled:
         print(f"warning: the jitted step was traced more than once for {recompiled}")

@@ -79,6 +79,7 @@ import sys
 import tempfile
 import time
 
+import _harness as h
 import datasets
 import flax
 import jax
@@ -88,24 +89,6 @@ import optax
 import torch
 import transformers
 import trl
-from _harness import (
-    BOS,
-    EOS,
-    PAD,
-    add_common_args,
-    add_malloc_arg,
-    add_round_args,
-    check_rounds,
-    first_call,
-    interleave,
-    print_header,
-    run_record,
-    say_noisy,
-    start_trainers,
-    timing_row,
-    word_tokenizer,
-)
-from dpo_cpu import cpu_flags, lscpu_model
 
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
@@ -136,15 +119,15 @@ def write_hf_model(directory: str, a: argparse.Namespace) -> int:
                                    head_dim=a.d_model // a.heads, intermediate_size=a.d_ff,
                                    max_position_embeddings=max(a.max_prompt + a.max_completion_length, 512),
                                    attention_dropout=0.0, use_cache=True, tie_word_embeddings=False,
-                                   pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+                                   pad_token_id=h.PAD, bos_token_id=h.BOS, eos_token_id=h.EOS)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         model.model.embed_tokens.weight[:, EOS_DIM] += EOS_SHIFT
-        model.lm_head.weight[EOS] = 0.0
-        model.lm_head.weight[EOS, EOS_DIM] = EOS_WEIGHT
+        model.lm_head.weight[h.EOS] = 0.0
+        model.lm_head.weight[h.EOS, EOS_DIM] = EOS_WEIGHT
     model.save_pretrained(directory, safe_serialization=True)
-    word_tokenizer(a.vocab).save_pretrained(directory)
+    h.word_tokenizer(a.vocab).save_pretrained(directory)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -285,20 +268,20 @@ def trl_impl(directory: str, a: argparse.Namespace, beta: float, out_dir: str, p
 # ---------------------------------------------------------------- main
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_round_args(ap, rounds=4)
-    add_common_args(ap, prompts=4, num_generations=8, max_completion_length=64, min_prompt=16, max_prompt=32,
-                    layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=2048)
+    h.add_round_args(ap, rounds=4)
+    h.add_common_args(ap, prompts=4, num_generations=8, max_completion_length=64, min_prompt=16, max_prompt=32,
+                      layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=2048)
     ap.add_argument("--beta", type=float, nargs="+", default=[0.0],
                     help="KL weights, one setup each (0: no reference model)")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
                     help="transformers' attention (sdpa: its default)")
-    add_malloc_arg(ap)
+    h.add_malloc_arg(ap)
     args = ap.parse_args(argv)
-    check_rounds(ap, args)
+    h.check_rounds(ap, args)
     if not 1 <= args.min_prompt <= args.max_prompt:
         ap.error("need 1 <= --min-prompt <= --max-prompt")
-    threads = start_trainers(args)
+    threads = h.start_trainers(args)
 
     n_steps = 1 + (args.warmup + args.rounds) * args.steps  # per implementation, the first step included
     prompts = random_prompts(np.random.RandomState(0), args, n_steps * args.prompts)
@@ -332,10 +315,10 @@ def main(argv=None) -> dict:
 
     for im in impls.values():
         im["fn"] = lambda _, st=im["step"]: [st() for _ in range(args.steps)]
-        im["first"], im["first_step_s"] = first_call(im["step"])  # jaxtune: trace + compile
+        im["first"], im["first_step_s"] = h.first_call(im["step"])  # jaxtune: trace + compile
     compiles_after_first = {name: (im["compiles"](), im["sampler_compiles"]()) for name, im in impls.items()
                             if "compiles" in im}
-    run = interleave(impls, range(args.warmup + args.rounds), timed=lambda r: r >= args.warmup)
+    run = h.interleave(impls, range(args.warmup + args.rounds), timed=lambda r: r >= args.warmup)
     load0, load1 = run["load_before"], run["load_after"]
     tmp.cleanup()
 
@@ -348,7 +331,7 @@ def main(argv=None) -> dict:
         timed = [x for r, out in enumerate(im["outputs"]) if r >= args.warmup for x in out]
         gen = statistics.median(x["generation_s"] for x in timed)
         tokens = statistics.median(x["tokens"] for x in timed)
-        timing = timing_row(im, completions * args.max_completion_length)
+        timing = h.timing_row(im, completions * args.max_completion_length)
         row = {"implementation": name, **timing, "steps_per_s": 1e3 / timing["ms_per_step"],
                "first_step_s": im["first_step_s"], "generation_ms": gen * 1e3,
                "generated_tokens_per_step": tokens,
@@ -367,9 +350,9 @@ def main(argv=None) -> dict:
     omp_wait = os.environ.get("OMP_WAIT_POLICY", "unset")
     command = (("" if omp_wait == "unset" else f"OMP_WAIT_POLICY={omp_wait} ") + "PYTHONPATH=src "
                + " ".join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])]))
-    record = run_record(jax=jax, jaxlib=jaxlib, torch=torch, transformers=transformers, trl=trl, flax=flax,
-                        optax=optax, numpy=np)
-    machine = f"{lscpu_model()} ({cpu_flags()}), {os.cpu_count()} cores"
+    record = h.run_record(jax=jax, jaxlib=jaxlib, torch=torch, transformers=transformers, trl=trl, flax=flax,
+                          optax=optax, numpy=np)
+    machine = h.machine()
     print(f"machine: {machine}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()))
     print(f"command: {command}")
@@ -395,7 +378,7 @@ def main(argv=None) -> dict:
 
     head = ["setup", "reference", "jaxtune ms/step", "TRL ms/step", "ratio (jaxtune / TRL steps/s)", "(best step)",
             "(CPU time)", "jaxtune steps/s", "TRL steps/s"]
-    print_header(head, 2)
+    h.print_header(head, 2)
     summary = []
     for setup, names in setups.items():
         j, t = rows[names["jaxtune"]], rows[names["TRL"]]
@@ -409,14 +392,14 @@ def main(argv=None) -> dict:
     head = ["implementation", "steps/s", "ms/step (median / min)", "CPU ms/step", "generation ms",
             "generated tokens/step", "generation tokens/s", "scoring ms", "training ms", "rewards ms",
             "first step (s)"]
-    print_header(head)
+    h.print_header(head)
     for r in rows.values():
         print(f"| {r['implementation']} | {r['steps_per_s']:.2f} | {r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f} "
               f"| {r['cpu_ms_per_step']:.0f} | {r['generation_ms']:.0f} | {r['generated_tokens_per_step']:,.0f} | "
               f"{r['generation_tokens_per_s']:,.0f} | {r['scoring_ms']:.0f} | {r['training_ms']:.0f} | "
               f"{r['rewards_ms']:.2f} | "
               f"{r['first_step_s']:.1f} |")
-    say_noisy(rows.values(), load1[0])
+    h.say_noisy(rows.values(), load1[0])
     recompiled = [name for name, r in rows.items()
                   if "jax_compiles" in r and (r["jax_compiles"]["train_step"], r["jax_compiles"]["sampler"])
                   != r["jax_compiles"]["after_first_step"]]
