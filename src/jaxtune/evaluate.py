@@ -31,7 +31,8 @@ from jaxtune.data import (
 from jaxtune.generate import sample
 from jaxtune.models.family import check_fits
 from jaxtune.models.gguf import is_gguf
-from jaxtune.models.hf import read_config_json, resolve_hf_dir
+from jaxtune.models.hf import checkpoint_tokenizer, read_config_json, resolve_hf_dir
+from jaxtune.models.wheels import is_wheel_ref
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import StepLog, perplexity
 from jaxtune.train.objectives import make_objective
@@ -64,7 +65,7 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     directory runs on the first backend that can run it (native, else torchax), with ``data.seq_len`` capped at the
     model's context unless set. A ``.gguf`` file: the model directory it converts to (`jaxtune.models.gguf`)."""
     path = Path(target).expanduser()
-    if is_gguf(path) and path.is_file():
+    if is_wheel_ref(str(target)) or (is_gguf(path) and path.is_file()):
         path = resolve_hf_dir(path)
     hf_dir = path.is_dir() and not (path / "config.yaml").is_file() and (path / "config.json").is_file()
     if hf_dir:  # an exported (or any HuggingFace) model directory: its weights, its tokenizer, default settings
@@ -81,7 +82,7 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         cfg = load_config(target, overrides)
     run_dir = cfg.run_path
     tok_dir = run_dir / "tokenizer"
-    tokenizer = load_tokenizer_dir(tok_dir) if tok_dir.is_dir() else load_tokenizer(cfg.tokenizer, cfg.data)
+    tokenizer = load_tokenizer_dir(tok_dir) if tok_dir.is_dir() else load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data)
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
     if hf_dir and not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
@@ -111,7 +112,7 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     run = load_run(target, overrides)
     cfg, tok, spec = run.cfg, run.tokenizer, run.spec
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
-    split = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    split = {"process_index": jax.process_index(), "process_count": jax.process_count()}
     size = cfg.train.batch_size
     extra: dict[str, Any] = {}
     if cfg.objective.name == "grpo":

@@ -20,6 +20,7 @@ from jaxtune.config import Config, dump_config
 from jaxtune.data import load_tokenizer, make_training_data
 from jaxtune.evaluate import Evaluator
 from jaxtune.models.family import check_fits
+from jaxtune.models.hf import checkpoint_tokenizer
 from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import Laps, NonFiniteLossError, StepLog, prefetch_plotting, write_loss_plot, write_summary
@@ -76,7 +77,7 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
 
     # Mesh and data.
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    tokenizer = load_tokenizer(cfg.tokenizer, cfg.data)
+    tokenizer = load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data)
     data = make_training_data(cfg.data, tokenizer, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                               eval_batches=cfg.eval.batches, process_index=proc, process_count=jax.process_count(),
                               max_prompt_tokens=cfg.max_prompt_tokens)

