@@ -47,6 +47,7 @@ PEAK_FLOPS = {
     "TPU v6 lite": 918e12,  # Trillium / v6e
     "TPU v6e": 918e12,
     "NVIDIA H100 80GB HBM3": 989e12,  # SXM
+    "NVIDIA H100 PCIe": 756e12,
     "NVIDIA H100": 989e12,
     "NVIDIA H200": 989e12,
     "NVIDIA A100-SXM4-80GB": 312e12,
