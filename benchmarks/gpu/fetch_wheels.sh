@@ -6,7 +6,9 @@
 # too (e.g. `flax==0.12.8 optax==0.2.8` if the image's own flax does not work with jaxtune).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -qxF /.whl/ .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qxF /.whl/ "$exclude" 2>/dev/null || echo /.whl/ >>"$exclude"
 WANT=(
   pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
   grain==0.2.18 array-record==0.8.6 portpicker==1.6.0  # grain: jaxtune.train.step imports jaxtune.data
