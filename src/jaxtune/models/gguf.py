@@ -6,9 +6,11 @@ generation_config.json), which the HuggingFace path (`jaxtune.models.hf`) then r
 is the file's size, mtime and the sha256 of its first `HASHED_BYTES`, so an edited or replaced file is converted
 again; the directory is written beside its final name and renamed into place (`jaxtune.io.atomic_dir`).
 
-Architectures: ``llama`` (Llama 2/3.x (3.1+ RoPE scaling from ``rope_freqs``), SmolLM, Mistral), ``qwen2`` and ``qwen3``. Tensor types:
-whatever the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, ...).
-llama.cpp's converter permutes the rows of a llama model's q/k projections for its RoPE layout; they are put back.
+Architectures: ``llama`` (Llama 2/3.x (3.1+ RoPE scaling from ``rope_freqs``), SmolLM, Mistral), ``qwen2``, ``qwen3``
+and ``gemma3`` (Gemma3ForCausalLM; tested on 270M, 1B has the same layout, and the text model of the 4B+ files reads
+the same way). Tensor types: whatever the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+the K-quants, ...). llama.cpp's converter permutes the rows of a llama model's q/k projections for its RoPE layout,
+and stores Gemma's RMSNorm weights as the scale they apply, 1 + w; both are undone.
 Needs ``gguf`` (tensors) and ``transformers`` (the tokenizer): ``pip install gguf transformers``.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +34,26 @@ INSTALL = "pip install gguf transformers"
 
 # GGUF general.architecture -> (HF model_type, HF architecture class, q/k rows permuted by llama.cpp)
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM", True), "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM", False)}
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM", False), "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False)}
 
 _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Per architecture, where its block names differ from `_BLOCK`: Gemma 3 also norms each sublayer's output, and HF
+# calls the pre-MLP norm (llama.cpp's ffn_norm) pre_feedforward_layernorm.
+BLOCK_RENAMES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                            "post_ffw_norm": "post_feedforward_layernorm"}}
+# What llama.cpp's convert_hf_to_gguf.py adds to every ``*norm.weight`` (Gemma 3's RMSNorm scales by 1 + w; llama.cpp
+# stores that scale): subtracted on import.
+NORM_SHIFT = {"gemma3": 1.0}
+# What llama.cpp does not write for Gemma 3 but fixes in llama-model.cpp (see `gemma3_config`).
+GEMMA3_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# HF model_type -> its end-of-turn token, which llama.cpp also stops at (llama-vocab.cpp finds it by its text):
+# listed with the EOS in generation_config.json, as Gemma's own is, so a chat answer stops there.
+END_OF_TURN = {"gemma3_text": "<end_of_turn>"}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -112,23 +128,20 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], where: str) -> dict[
 
     n_head = int(get("attention.head_count"))
     d_model = int(get("embedding_length"))
-    head_dim = int(get("attention.key_length", d_model // n_head))
+    head_dim = int(get("attention.key_length", KeyError if arch == "gemma3" else d_model // n_head))
     rope_dim = int(get("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise UnsupportedModelError(f"{where}: partial RoPE ({arch}.rope.dimension_count={rope_dim}, head_dim="
                                     f"{head_dim}) is not supported natively; {TORCHAX_HINT}")
-    scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", "", None):
-        raise UnsupportedModelError(f"{where}: GGUF rope scaling {scaling!r} is not supported; use the original "
-                                    "HuggingFace checkpoint")
     vocab = meta.get("tokenizer.ggml.tokens") or get("vocab_size")
+    n_layer = int(get("block_count"))
     c: dict[str, Any] = {
         "architectures": [cls], "model_type": model_type, "vocab_size": int(vocab), "hidden_size": d_model,
-        "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": n_layer,
         "num_attention_heads": n_head, "num_key_value_heads": int(get("attention.head_count_kv", n_head)),
         "head_dim": head_dim, "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)), "hidden_act": "silu",
-        "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_scaling": None,
+        "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_scaling": rope_scaling(get, where),
         "tie_word_embeddings": "output.weight" not in tensor_names, "torch_dtype": "float32",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
@@ -139,17 +152,63 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], where: str) -> dict[
         c["use_sliding_window"] = False
         if model_type == "qwen3":
             c["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch == "gemma3":
+        del c["hidden_act"]  # Gemma's is hidden_activation
+        c.update(gemma3_config(get, n_layer, d_model, n_head, head_dim, where))
     return c
+
+
+def rope_scaling(get: Callable[..., Any], where: str) -> dict[str, Any] | None:
+    """config.json's ``rope_scaling`` for the GGUF's rope.scaling keys: none, or linear (position interpolation)."""
+    kind = get("rope.scaling.type", "none")
+    if kind in ("none", "", None):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    raise UnsupportedModelError(f"{where}: GGUF rope scaling {kind!r} is not supported; use the original "
+                                "HuggingFace checkpoint")
+
+
+def gemma3_config(get: Callable[..., Any], n_layer: int, d_model: int, n_head: int, head_dim: int,
+                  where: str) -> dict[str, Any]:
+    """The Gemma 3 fields of config.json. The file has the sliding window and the global layers' RoPE
+    (rope.freq_base, rope.scaling); what llama.cpp's converter does not write, llama-model.cpp fixes, and so does
+    this: one global layer in every six (unless attention.sliding_window_pattern is given), base 10000 for the
+    sliding layers' RoPE, and attention scaled by head_dim^-1/2, but by (d_model / n_head)^-1/2 in the 27B (62
+    layers)."""
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedModelError(f"{where}: gemma3.attention.value_length differs from key_length; Gemma 3 has "
+                                    "one head_dim")
+    pattern = get("attention.sliding_window_pattern", GEMMA3_PATTERN)
+    if isinstance(pattern, list):  # per layer: True where the layer slides
+        if len(pattern) != n_layer:
+            raise CheckpointError(f"{where}: gemma3.attention.sliding_window_pattern has {len(pattern)} entries "
+                                  f"for {n_layer} layers")
+        types = ["sliding_attention" if s else "full_attention" for s in pattern]
+    else:  # one global layer in every ``pattern`` (0: none, as llama.cpp reads it)
+        every = int(pattern)
+        types = ["sliding_attention" if every == 0 or (i + 1) % every else "full_attention" for i in range(n_layer)]
+    softcap = get("final_logit_softcapping", None)
+    return {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": int(get("attention.sliding_window")),
+            "layer_types": types, "rope_local_base_freq": float(get("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+            "query_pre_attn_scalar": d_model // n_head if n_layer == 62 else head_dim,
+            "final_logit_softcapping": None if softcap is None else float(softcap), "attn_logit_softcapping": None}
 
 
 # --- tensors ---
 
-def hf_name(name: str, where: str) -> str:
+def block_names(arch: str) -> dict[str, str]:
+    """GGUF block tensor stem -> HF name within ``model.layers.{i}``, for the GGUF architecture ``arch``."""
+    return {**_BLOCK, **BLOCK_RENAMES.get(arch, {})}
+
+
+def hf_name(name: str, where: str, arch: str = "llama") -> str:
     """The HF tensor name of a GGUF one (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
     stem, _, suffix = name.rpartition(".")
     parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _BLOCK:
-        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{suffix}"
+    block = block_names(arch)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in block:
+        return f"model.layers.{parts[1]}.{block[parts[2]]}.{suffix}"
     if stem in _TOP:
         return f"{_TOP[stem]}.{suffix}"
     raise UnsupportedModelError(f"{where}: GGUF tensor {name!r} has no HuggingFace counterpart natively; "
@@ -185,18 +244,21 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     meta = _fields(reader)
     names = {t.name for t in reader.tensors}
     config = hf_config(meta, names, where)
-    permuted = ARCHITECTURES[meta["general.architecture"]][2]
+    arch = meta["general.architecture"]
+    permuted, shift = ARCHITECTURES[arch][2], NORM_SHIFT.get(arch)
     tensors = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             config["rope_scaling"] = llama3_rope(dequantized(t, where), config, where)
             continue
-        name = hf_name(t.name, where)
+        name = hf_name(t.name, where, arch)
         x = dequantized(t, where)
         if permuted and t.name.endswith((".attn_q.weight", ".attn_q.bias")):
             x = unpermute(x, config["num_attention_heads"])
         elif permuted and t.name.endswith((".attn_k.weight", ".attn_k.bias")):
             x = unpermute(x, config["num_key_value_heads"])
+        elif shift and t.name.endswith("norm.weight"):
+            x = x - np.float32(shift)
         tensors[name] = x
     return config, tensors
 
@@ -225,7 +287,8 @@ def llama3_rope(divisors: np.ndarray, config: dict[str, Any], where: str) -> dic
 
 # --- the converted directory ---
 
-def _tokenizer(path: Path, out: Path) -> None:
+def _tokenizer(path: Path, out: Path) -> Any:
+    """The GGUF's tokenizer as transformers rebuilds it, saved into ``out``."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -236,14 +299,18 @@ def _tokenizer(path: Path, out: Path) -> None:
         raise CheckpointError(f"{path}: transformers could not convert its tokenizer ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
     tok.save_pretrained(str(out))
+    return tok
 
 
 def convert(path: Path, out: Path) -> None:
     """Write the HuggingFace model directory of the .gguf ``path`` into ``out``."""
     config, tensors = read_gguf(path)
-    _tokenizer(path, out)
+    tok = _tokenizer(path, out)
     write_safetensors(out / "model.safetensors", tensors)
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    eot = tok.get_vocab().get(END_OF_TURN.get(config["model_type"], ""))
+    if eot is not None and "eos_token_id" in gen and eot != gen["eos_token_id"]:
+        gen["eos_token_id"] = [gen["eos_token_id"], eot]
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "SOURCE").write_text(f"{path.resolve()}\n")
