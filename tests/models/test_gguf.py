@@ -1,8 +1,9 @@
 """GGUF import (`jaxtune.models.gguf`): a ``.gguf`` file wherever a HuggingFace model directory is taken.
 
-The tiny files are written here, offline, the way llama.cpp's convert_hf_to_gguf.py writes a Llama: its metadata
-keys, q/k rows permuted for llama.cpp's RoPE, norms kept F32, the gpt2 tokenizer keys with the chat template, from
-a tiny random transformers LlamaForCausalLM. Reference: transformers' own GGUF loader (``gguf_file=``).
+The tiny files are written here, offline, the way llama.cpp's convert_hf_to_gguf.py writes a Llama (with the
+pieces of jaxtune's GGUF export): its metadata keys, q/k rows permuted for llama.cpp's RoPE, norms kept F32, the
+gpt2 tokenizer keys with the chat template, from a tiny random transformers LlamaForCausalLM. Reference:
+transformers' own GGUF loader (``gguf_file=``).
 
 Error measure: rel(ours, ref) = max|ours - ref| / max|ref|. Tolerances:
   * imported tensors vs transformers' GGUF loader, every type:                   bitwise equal (both dequantize
@@ -25,7 +26,8 @@ from flax import nnx
 
 from jaxtune.io import CheckpointError
 from jaxtune.models.family import UnsupportedModelError
-from jaxtune.models.hf import HFCheckpoint, from_hf
+from jaxtune.models.gguf_export import add_hyperparameters, add_tokenizer, gguf_name, gguf_names, permute
+from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
 from jaxtune.models.sampling import Generator
 from tests.conftest import save_chatml_tokenizer
 from tests.models.real_models import SMOLLM2_INSTALL, smollm2_gguf
@@ -47,82 +49,39 @@ def rel(ours, ref) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
-def permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf.py ``LlamaModel.permute``."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-
-
-def gguf_name(hf: str) -> str:
-    stem, _, suffix = hf.rpartition(".")
-    if stem in GGUF_NAMES:
-        return f"{GGUF_NAMES[stem]}.{suffix}"
-    _, _, i, rest = stem.split(".", 3)
-    return f"blk.{i}.{BLOCK[rest]}.{suffix}"
-
-
 def write_gguf(path: Path, hf_dir: Path, qtype: str, arch: str = "llama", tensor_type: Q | None = None,
                rope_freqs: np.ndarray | None = None) -> Path:
-    """The HF llama checkpoint ``hf_dir`` as llama.cpp writes it, 2-D tensors as ``qtype``, norms F32.
-    ``tensor_type``: a raw GGUF type written (as zero bytes) for the first 2-D tensor instead."""
+    """The HF checkpoint ``hf_dir`` as llama.cpp writes it, with the pieces of jaxtune's GGUF export (metadata,
+    tokenizer, tensor names, q/k permutation: `jaxtune.models.gguf_export`) and the knobs an export never needs: 2-D
+    tensors as any ``qtype`` (Q4_0 too), the architecture named ``arch`` (one the import lacks, too), ``tensor_type``:
+    a raw GGUF type written (as zero bytes) for the first 2-D tensor instead, ``rope_freqs``: that tensor added."""
     from safetensors.numpy import load_file
 
-    c = json.loads((hf_dir / "config.json").read_text())
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    template = json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"]
+    _, cfg, _ = read_hf_config(hf_dir)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_rope_freq_base((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0)))
     w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7}[qtype])
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tok["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(c["bos_token_id"])
-    w.add_eos_token_id(c["eos_token_id"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(template)
-    weights = load_file(str(hf_dir / "model.safetensors"))
+    add_hyperparameters(w, cfg, str(hf_dir))
+    add_tokenizer(w, hf_dir, cfg.vocab_size)
+    names = gguf_names("llama")
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     raw_done = False
-    for name, x in weights.items():
+    for name, x in load_file(str(hf_dir / "model.safetensors")).items():
         x = x.astype(np.float32)
         if arch == "llama" and name.endswith("q_proj.weight"):
-            x = permute(x, c["num_attention_heads"])
+            x = permute(x, cfg.n_head)
         elif arch == "llama" and name.endswith("k_proj.weight"):
-            x = permute(x, c["num_key_value_heads"])
+            x = permute(x, cfg.kv_heads)
         if x.ndim == 1 or qtype == "F32":
-            w.add_tensor(gguf_name(name), x)
+            w.add_tensor(gguf_name(name, names), x)
         elif tensor_type is not None and not raw_done:
             block, size = gguf.GGML_QUANT_SIZES[tensor_type]
-            w.add_tensor(gguf_name(name), np.zeros((x.shape[0], x.shape[1] // block * size), np.uint8),
+            w.add_tensor(gguf_name(name, names), np.zeros((x.shape[0], x.shape[1] // block * size), np.uint8),
                          raw_dtype=tensor_type)
             raw_done = True
-        elif qtype == "F16":
-            w.add_tensor(gguf_name(name), x.astype(np.float16))
         else:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(x, Q[qtype]), raw_dtype=Q[qtype])
+            w.add_tensor(gguf_name(name, names), gguf.quants.quantize(x, Q[qtype]), raw_dtype=Q[qtype])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -249,7 +208,8 @@ def test_converted_directory_cached_with_tokenizer(tiny):
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs, tokenize=False) == ref.apply_chat_template(msgs, tokenize=False)
     config = json.loads((d / "config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"], config["tie_word_embeddings"]) == (1, 2, False)
+    # EOS: tokenizer_config.json's eos_token, <|endoftext|> (as llama.cpp's converter writes it)
+    assert (config["bos_token_id"], config["eos_token_id"], config["tie_word_embeddings"]) == (1, 0, False)
 
 
 def test_unsupported_architecture_and_type(tiny, tmp_path):
