@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from jaxtune.config import SHIPPED_CONFIGS, Config, ConfigError, identity_diff, load_config
 from jaxtune.models import model_config
+from jaxtune.models.wheels import installed_file, is_wheel_ref, wheel_model
 
 SHIPPED = sorted(SHIPPED_CONFIGS.glob("*.yaml"))
 
@@ -22,7 +23,8 @@ def test_configs_are_shipped():
 # the family preset with the same shapes.
 HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemma-3-1b-it": ("gemma3", "gemma3-1b"),
                "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", "qwen2.5-0.5b"),
-               "meta-llama/Llama-3.2-1B-Instruct": ("llama", "llama3.2-1b")}
+               "meta-llama/Llama-3.2-1B-Instruct": ("llama", "llama3.2-1b"),
+               "meta-llama/Meta-Llama-3-8B": ("llama", "llama3.1-8b")}
 
 
 # Recipes that start from another recipe's run, exported (`jaxtune export`): checked on that recipe's model.
@@ -49,6 +51,10 @@ def test_every_shipped_config_loads_and_builds_its_model_config(path, tmp_path):
         return
     if model.from_hf in LOCAL_STARTS:  # a recipe that starts from another recipe's exported model
         model = load_config(LOCAL_STARTS[model.from_hf]).model
+    elif is_wheel_ref(model.from_hf or ""):  # a real model shipped as wheels: its converted config.json
+        pytest.importorskip("gguf")
+        if installed_file(model.from_hf) is None:
+            pytest.skip(f"{model.from_hf} absent: {wheel_model(model.from_hf).install}")
     elif model.from_hf:
         family, preset = HUB_PRESETS[model.from_hf]
         model = model.model_copy(update={"from_hf": None, "family": family, "preset": preset})

@@ -178,7 +178,7 @@ class DataConfig(_Section):
                                    "rejected")
     roles: dict[str, str] = Field({}, description="sharegpt: speaker names -> system/user/assistant "
                                   "(default human->user, gpt->assistant)")
-    chat_template: str | None = Field(None, description="chatml, a .jinja file, or template text; default the "
+    chat_template: str | None = Field(None, description="chatml, gemma, a .jinja file, or template text; default the "
                                       "tokenizer's own")
     loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
     bad_rows: Literal["raise", "drop"] = Field("raise", description="raise: stop at the first bad row (file:line); "

@@ -16,7 +16,7 @@ import pytest
 
 from jaxtune.config import ConfigError, DataConfig, TokenizerConfig, load_config
 from jaxtune.data import DataError, load_tokenizer
-from jaxtune.data.chat import encode_prompt, end_of_turn_ids, format_sample, stop_ids
+from jaxtune.data.chat import SHIPPED_TEMPLATES, encode_prompt, end_of_turn_ids, format_sample, stop_ids
 from jaxtune.data.formats import FORMATS, REASONS, Example, detect_format, field_names, parse_row
 from jaxtune.data.pipeline import make_sequence_batches, test_sequences
 from jaxtune.data.rows import READ_REASONS
@@ -30,6 +30,7 @@ from jaxtune.data.sft import (
     load_examples,
     pack,
     prepare_sft,
+    question,
     sequences,
 )
 from jaxtune.data.tokenizer import _train_bpe
@@ -933,3 +934,46 @@ def test_test_sequences_reads_every_row(chatml, tmp_path):
     bad.write_bytes(b"not json\n")
     with pytest.raises(DataError, match=r"--data .*bad.jsonl: no usable rows \(1 read, dropped {'invalid_json': 1}\)"):
         test_sequences(data_cfg, chatml, str(bad))
+
+
+def test_shipped_gemma_template_renders_as_gemma_does():
+    """``data.chat_template=gemma`` (for a Gemma base checkpoint, which has no template) renders every conversation
+    exactly as Gemma 3's own template (the reference copy above): with and without a system message, padded
+    content, multi-turn, and with the generation prompt."""
+    jinja2 = pytest.importorskip("jinja2")
+    ours, theirs = (jinja2.Environment().from_string(t) for t in (SHIPPED_TEMPLATES["gemma"], GEMMA))
+    padded = [dict(m) for m in CONVO]
+    padded[2]["content"] = "\n  " + ASSISTANT[0] + "  \n"
+    convos = [list(CONVO), list(CONVO[1:]), padded, list(CONVO[:2]), list(CONVO[1:2])]
+    for convo in convos:
+        for gen in (False, True):
+            a, b = (t.render(messages=convo, bos_token="<bos>", add_generation_prompt=gen) for t in (ours, theirs))
+            assert a == b
+    assert ours.render(messages=list(CONVO[1:2]), bos_token="<bos>", add_generation_prompt=True) == (
+        f"<bos><start_of_turn>user\n{CONVO[1]['content']}<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_bos_of_the_checkpoint_tokenizer(tmp_path):
+    """A tokenizer whose post-processor puts <bos> before a text (Gemma, Llama 3): plain-text prompts and
+    prompt/completion rows start with it (untrained), as transformers encodes them; chat rows get it from the
+    template only; a tokenizer without one adds nothing."""
+    from tokenizers import processors
+
+    raw = _train_bpe(iter(["hello world, a plain text"] * 20), 300, ("<bos>",))
+    plain_dir, bos_dir = tmp_path / "plain", tmp_path / "bos"
+    for d in (plain_dir, bos_dir):
+        d.mkdir()
+        (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "bos_token": "<bos>"}))
+    raw.save(str(plain_dir / "tokenizer.json"))
+    bos = raw.token_to_id("<bos>")
+    raw.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    raw.save(str(bos_dir / "tokenizer.json"))
+    plain_tok, bos_tok = (load_tokenizer(TokenizerConfig(kind="hf", path=str(d)), cfg()) for d in (plain_dir, bos_dir))
+    assert plain_tok.bos_prefix == () and bos_tok.bos_prefix == (bos,)
+    assert encode_prompt(bos_tok, "hello") == [bos, *plain_tok.encode("hello")]
+    assert encode_prompt(plain_tok, "hello") == plain_tok.encode("hello")
+    row = Example(prompt="hello", completion=" world")
+    (with_bos,), (without,) = (Encoder(t, cfg(format="prompt_completion")).encode([row]) for t in (bos_tok, plain_tok))
+    assert with_bos.ids.tolist() == [bos, *without.ids.tolist()]
+    assert with_bos.mask.tolist() == [False, *without.mask.tolist()]
+    assert question(bos_tok, row)[0] == [bos, *plain_tok.encode("hello")]

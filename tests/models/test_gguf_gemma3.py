@@ -31,6 +31,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxtune.data import load_hf_tokenizer
+from jaxtune.data.chat import SHIPPED_TEMPLATES, encode_prompt
 from jaxtune.io import CheckpointError
 from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
 from jaxtune.models.registry import FAMILIES
@@ -357,3 +359,10 @@ def test_gemma3_270m_tokenizer(gemma270m):
     assert ids[:2] == [2, 105] and ids.count(106) == 1 and tok.decode(ids[1:]) == text
     generation = json.loads((gemma270m["ckpt"].dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [1, 106]
+    # jaxtune's tokenizer: a plain-text prompt starts with <bos>, as transformers encodes it (without it Gemma
+    # degenerates: "The capital of France is France. The The The ..."); a chat prompt gets it from the template.
+    ours = load_hf_tokenizer(str(gemma270m["ckpt"].dir))
+    plain = "The capital of France is"
+    assert ours.bos_prefix == (2,) and encode_prompt(ours, plain) == tok(plain).input_ids
+    ours.chat_template = SHIPPED_TEMPLATES["gemma"]
+    assert encode_prompt(ours, "What is 2 + 2?", chat=True) == ids

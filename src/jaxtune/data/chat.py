@@ -1,7 +1,7 @@
 """Chat templates: which one a run uses, and prompts, stops and samples as a chat model sees them.
 
 A tokenizer brings its own Jinja chat template (transformers' convention; rendered by
-`Tokenizer.apply_chat_template`); ``data.chat_template`` replaces it with a shipped one (``chatml``), a .jinja
+`Tokenizer.apply_chat_template`); ``data.chat_template`` replaces it with a shipped one (``chatml``, ``gemma``), a .jinja
 file or template text. Training renders conversations with it (`jaxtune.data.sft`); generation renders a prompt as
 one user turn with the assistant's generation prompt (`encode_prompt`) and stops at EOS or the template's
 end-of-turn token (`stop_ids`).
@@ -19,7 +19,18 @@ from jaxtune.data.tokenizer import Tokenizer
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
           "{% endif %}")
-SHIPPED_TEMPLATES = {"chatml": CHATML}
+# Gemma's turn format, for a Gemma base checkpoint (its GGUF carries no template): the system message opens the
+# first user turn, the assistant is "model", contents are trimmed; the same text as the instruction-tuned
+# checkpoints' own template renders.
+GEMMA = ("{{ bos_token }}"
+         "{%- set system = messages and messages[0]['role'] == 'system' -%}"
+         "{%- set head = messages[0]['content'] ~ '\\n\\n' if system else '' -%}"
+         "{%- for m in (messages[1:] if system else messages) -%}"
+         "{{ '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\\n' ~ (head if loop.first else '')"
+         " ~ (m['content'] | trim) ~ '<end_of_turn>\\n' }}"
+         "{%- endfor -%}"
+         "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
+SHIPPED_TEMPLATES = {"chatml": CHATML, "gemma": GEMMA}
 CHATML_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 
@@ -42,7 +53,7 @@ def resolve_chat_template(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:
                             ".jinja file or template text")
     if FORMATS[data_cfg.format].chat and tokenizer.chat_template is None:
         raise DataError(f"data.format={data_cfg.format} needs a chat template and the tokenizer has none; set "
-                        "data.chat_template (chatml, a .jinja file, or template text)")
+                        "data.chat_template (chatml, gemma, a .jinja file, or template text)")
 
 
 # A reply no template mangles (no surrounding whitespace, no markup) and no conversation contains: rendered in an
@@ -71,10 +82,10 @@ def end_of_turn_ids(tokenizer: Tokenizer) -> list[int]:
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool = False) -> list[int]:
-    """Prompt ids: the text as is, or (``chat``) as one user turn rendered by the chat template with the
-    assistant's generation prompt."""
+    """Prompt ids: the text after the tokenizer's BOS (if its checkpoint adds one), or (``chat``) as one user turn
+    rendered by the chat template (which writes its own BOS) with the assistant's generation prompt."""
     if not chat:
-        return tokenizer.encode(text)
+        return [*tokenizer.bos_prefix, *tokenizer.encode(text)]
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     return tokenizer.encode_chat([rendered])[0]
 

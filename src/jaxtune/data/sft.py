@@ -170,8 +170,8 @@ class Encoder:
         ids_flat = self.tok.encode_chat(flat) if chat else self.tok.encode_batch(flat)
         out, k = [], 0
         for ex, pieces in zip(examples, all_pieces):
-            ids: list[int] = []
-            mask: list[bool] = []
+            ids: list[int] = [] if ex.messages else list(self.tok.bos_prefix)  # a template writes its own BOS
+            mask: list[bool] = [False] * len(ids)
             for _, trained in pieces:
                 ids += ids_flat[k]
                 mask += [trained] * len(ids_flat[k])
@@ -208,9 +208,9 @@ def _latest_end(window: str, text: str, tail: bool) -> int:
 def question(tokenizer: Tokenizer, ex: Example) -> tuple[list[int], str]:
     """A row as (prompt ids, reference answer), as the model meets it at inference: the conversation up to its last
     assistant turn rendered by the chat template with the generation prompt, and that turn's content; for
-    prompt/completion rows, the prompt's ids and the completion."""
+    prompt/completion rows, the prompt's ids (after the tokenizer's BOS, as in training) and the completion."""
     if not ex.messages:
-        return tokenizer.encode(ex.prompt), ex.completion
+        return [*tokenizer.bos_prefix, *tokenizer.encode(ex.prompt)], ex.completion
     last = max(i for i, m in enumerate(ex.messages) if m["role"] == "assistant")
     prompt = tokenizer.apply_chat_template([dict(m) for m in ex.messages[:last]], add_generation_prompt=True)
     return tokenizer.encode_chat([prompt])[0], ex.messages[last]["content"]

