@@ -14,7 +14,10 @@ import pytest
 FAULTS = textwrap.dedent("""
     import ctypes, resource, sys, threading
     from jaxtune import runtime
-    print(runtime.tune_malloc() if sys.argv[1] == "tuned" else "default", flush=True)
+    print(runtime.tune_malloc() if sys.argv[1] != "default" else "default", flush=True)
+    if sys.argv[1] == "released":  # a large model's run: small models keep the heap, large ones give it back
+        assert not runtime.release_malloc(runtime.KEEP_HEAP_MAX_BYTES)
+        assert runtime.release_malloc(runtime.KEEP_HEAP_MAX_BYTES + 1)
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
     size = 64 << 20
@@ -46,6 +49,8 @@ def test_tune_malloc_removes_the_page_faults_of_a_reused_buffer():
     assert mode == "default" and int(default) > 19 * 10_000, default
     mode, tuned = _python(FAULTS, "tuned")
     assert mode == "tuned" and int(tuned) < 19 * 200, tuned  # a few pages per round (thread stacks), not 16k
+    mode, released = _python(FAULTS, "released")  # glibc's mmap and trim again: the memory goes back each round
+    assert mode == "tuned" and int(released) > 19 * 10_000, released
 
 
 def test_jaxtune_malloc_default_opts_out():

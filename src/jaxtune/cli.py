@@ -3,8 +3,9 @@
     jaxtune train CONFIG [key=value ...]
     jaxtune eval RUN_DIR|MODEL_DIR|CONFIG [key=value ...] [--data test.jsonl]
     jaxtune generate RUN_DIR --prompt TEXT [--prompt TEXT ...] [--chat] [--truncate left]
-    jaxtune info CONFIG [key=value ...]
+    jaxtune info CONFIG [key=value ...] [--compile-for v5e-8 [--max-batch]] [--json]
     jaxtune export RUN_DIR OUT_DIR [--dtype bfloat16] [--adapter]
+    jaxtune export RUN_DIR OUT.gguf --gguf [--gguf-type f16|bf16|q8_0|f32]
     jaxtune parity HF_DIR
 """
 
@@ -109,16 +110,40 @@ def _info(args: argparse.Namespace) -> int:
         if key.strip() not in ("data", "fsdp", "tensor") or not value:
             raise ConfigError(f"--mesh {args.mesh!r}: expected e.g. data=2,fsdp=4,tensor=1")
         mesh.append(f"mesh.{key.strip()}={value}")
-    print(format_info(info(load_config(args.config, [*args.overrides, *mesh]), devices=args.devices)))
+    if args.max_batch and not args.compile_for:
+        raise ConfigError("--max-batch searches by compiling for a TPU slice; add --compile-for SLICE (e.g. v5e-8)")
+    target, *more = args.compile_for or [None]  # key=value overrides may follow the slice name
+    if any("=" not in o for o in more):
+        raise ConfigError(f"--compile-for {' '.join(args.compile_for)}: give one slice name, then key=value overrides")
+    cfg = load_config(args.config, [*args.overrides, *more, *mesh])
+    report: dict = {}
+    if target:
+        from jaxtune.aot import format_plan, plan, tpu_slice
+
+        devices = tpu_slice(target).chips  # a bad name fails before anything is built
+        report["compiled"] = plan(cfg, target, args.search_seconds if args.max_batch else 0.0)
+    else:
+        devices = args.devices
+    report["info"] = info(cfg, devices=devices)
+    if args.json:
+        print(json.dumps(report, default=str, indent=1))  # the model's config as its repr
+    else:
+        print(format_info(report["info"]))
+        if "compiled" in report:
+            print(format_plan(report["compiled"]))
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
+    from jaxtune.config import ConfigError
     from jaxtune.export import export
 
+    if args.gguf_type and not args.gguf:
+        raise ConfigError("--gguf-type applies to a GGUF export; add --gguf")
     out = export(args.run_dir, args.out_dir, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1e9),
-                 overwrite=args.overwrite, adapter=args.adapter)
+                 overwrite=args.overwrite, adapter=args.adapter, gguf=(args.gguf_type or "f16") if args.gguf else None)
     how = ("peft.PeftModel.from_pretrained(base_model, OUT_DIR)" if args.adapter
+           else "llama.cpp, Ollama, or transformers' gguf_file=" if args.gguf
            else "transformers.AutoModelForCausalLM.from_pretrained")
     print(f"exported {args.run_dir} to {out} (load with {how})")
     return 0
@@ -171,17 +196,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--mesh", help="mesh sizes, e.g. data=2,fsdp=4,tensor=1 (one may be -1)")
     p.add_argument("--devices", type=int, help="plan for this many devices instead of this host's")
+    p.add_argument("--compile-for", nargs="+", metavar="SLICE", help="compile the real train step for a Cloud TPU slice on this "
+                   "machine (v5e-8, v5litepod-8, v5p-128, v6e-256, v4-8; needs pip install 'jaxtune[aot]'): memory "
+                   "per chip and whether it fits, FLOPs, collectives, a roofline step time and MFU")
+    p.add_argument("--max-batch", action="store_true", help="with --compile-for: also search the largest global "
+                   "batch that fits, compiling each candidate")
+    p.add_argument("--search-seconds", type=float, default=900.0, help="--max-batch's compile time budget "
+                   "(default 900)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(fn=_info)
 
-    p = sub.add_parser("export", help="write a run's latest checkpoint as a HuggingFace model directory")
+    p = sub.add_parser("export", help="write a run's latest checkpoint as a HuggingFace model directory, or as a GGUF "
+                       "file (--gguf)")
     p.add_argument("run_dir")
-    p.add_argument("out_dir")
+    p.add_argument("out_dir", help="the directory to write, or with --gguf the .gguf file")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: the params' dtype)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size, in GB")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT_DIR (refused when it "
-                   "holds other files)")
+                   "holds other files), or the .gguf file")
     p.add_argument("--adapter", action="store_true", help="LoRA runs: write a PEFT adapter instead of the merged model")
+    p.add_argument("--gguf", action="store_true", help="write one llama.cpp/Ollama GGUF file (OUT.gguf) instead: "
+                   "llama, mistral, qwen2, qwen3, gemma3 models with BPE tokenizers; a LoRA run is merged first")
+    p.add_argument("--gguf-type", choices=["f16", "bf16", "q8_0", "f32"], default=None,
+                   help="with --gguf: the matrices' type (default f16; norms and biases stay f32)")
     p.set_defaults(fn=_export)
 
     p = sub.add_parser("parity", help="compare the native model with transformers on a HuggingFace checkpoint")
@@ -197,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     runtime.tune_malloc()  # before JAX allocates: see jaxtune.runtime
+    runtime.quiet_libtpu()  # before JAX loads libtpu
     try:
         return args.fn(args)
     except user_errors() as e:

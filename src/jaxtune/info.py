@@ -23,15 +23,22 @@ def _bytes_per_device(abstract: Any) -> int:
     return total
 
 
-def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None) -> dict[str, Any]:
-    """Model size, training FLOPs per token and a per-device memory estimate for ``cfg`` on this host's
-    devices, or on ``devices`` hypothetical ones (planning a pod from a laptop). ``vocab_size`` defaults to
-    model.vocab_size, else tokenizer.vocab_size (for bpe; else the checkpoint's or the preset's). A hub checkpoint
-    whose config.json cannot be read (offline) is planned from its family preset, and ``note`` says so."""
+def planned(cfg: Config, vocab_size: int | None = None) -> tuple[Config, int | None, str | None]:
+    """(``cfg`` as it is planned, the vocabulary size, a note) without reading a tokenizer or weights: a hub
+    checkpoint whose config.json cannot be read (offline) is planned from its family preset, and the note says so;
+    the vocabulary is ``vocab_size``, else model.vocab_size, else tokenizer.vocab_size (for bpe; else None: the
+    checkpoint's or the preset's)."""
     model, note = planned_section(cfg.model)
     cfg = cfg.model_copy(update={"model": model})
     bpe_vocab = cfg.tokenizer.vocab_size if cfg.tokenizer.kind == "bpe" else None
-    vocab = vocab_size or getattr(cfg.model, "vocab_size", None) or bpe_vocab
+    return cfg, vocab_size or getattr(cfg.model, "vocab_size", None) or bpe_vocab, note
+
+
+def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None) -> dict[str, Any]:
+    """Model size, training FLOPs per token and a per-device memory estimate for ``cfg`` on this host's
+    devices, or on ``devices`` hypothetical ones (planning a pod from a laptop); the model and vocabulary as
+    `planned` decides them."""
+    cfg, vocab, note = planned(cfg, vocab_size)
     if devices is None:
         mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     else:

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from jaxtune import sharding
+from jaxtune import runtime, sharding
 from jaxtune.backends import Backend, backend_of
 from jaxtune.config import Config, dump_config
 from jaxtune.data import load_tokenizer, make_training_data
@@ -24,12 +24,11 @@ from jaxtune.models.hf import checkpoint_tokenizer
 from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import Laps, NonFiniteLossError, StepLog, prefetch_plotting, write_loss_plot, write_summary
-from jaxtune.train.objectives import make_objective
 from jaxtune.train.profile import Profiler
-from jaxtune.train.reference import precompute_reference, step_reference, with_reference
+from jaxtune.train.reference import precompute_reference, with_reference
 from jaxtune.train.rollout import make_rollout
 from jaxtune.train.run_dir import claim, writing
-from jaxtune.train.step import jit_steps
+from jaxtune.train.step import run_steps
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
 
@@ -87,9 +86,9 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     # Model, optimizer and objective: the train and eval steps, jitted once (state donated, shardings explicit).
     spec = backend.build(cfg, tokenizer.vocab_size, mesh)
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
-    precomputed = cfg.objective.uses_reference and cfg.objective.precompute_ref_logps
-    reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk, precomputed)
-    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
+    runtime.release_malloc(4 * spec.model_cfg.num_params())  # a large model: give freed memory back (runtime.py)
+    steps = run_steps(spec, cfg)
+    precomputed = cfg.objective.uses_reference and steps.reference is None  # DPO's log-probs computed once, below
     rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None
 
     # Frozen params (a LoRA base, a reference copy) are not in the checkpoint: they are read again. Reference
@@ -99,7 +98,7 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
         logps, note = precompute_reference(run_dir, spec, cfg, data, frozen)
         data = data.with_reference(logps)
         data.report.append(note)
-    frozen = with_reference(frozen, reference, spec, cfg.train.seed)
+    frozen = with_reference(frozen, steps.reference, spec, cfg.train.seed)
 
     # Restore or init.
     if start:

@@ -2,9 +2,9 @@
 
 A step is assembled from (model, objective, optimizer): `objective_loss` binds an objective to a model's forward;
 `make_train_step` adds gradients, accumulation, the optimizer and the NaN policy; `jit_steps` compiles both steps
-with the spec's shardings (state donated). Feature choices (accumulation, NaN policy, dropout) are made
-when the step is *built*, not inside it. Training, `jaxtune eval` and the benchmarks all take their steps from
-`jit_steps`.
+with the spec's shardings (state donated); `run_steps` does so for a run's config. Feature choices (accumulation,
+NaN policy, dropout) are made when the step is *built*, not inside it. Training, `jaxtune eval`, `jaxtune info
+--compile-for` and the benchmarks all take their steps from `jit_steps`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxtune import sharding
-from jaxtune.config import TrainConfig
-from jaxtune.train.objectives import Metrics, Objective
-from jaxtune.train.reference import ReferenceModel
+from jaxtune.config import Config, TrainConfig
+from jaxtune.train.objectives import Metrics, Objective, make_objective
+from jaxtune.train.reference import ReferenceModel, step_reference
 from jaxtune.train.state import Batch, Forward, ModelSpec, TrainState
 
 # (params, batch, key, frozen) -> (summed loss, (count, metric sums)): differentiable in params.
@@ -220,3 +220,12 @@ def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
                           out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
     steps.eval = jax.jit(eval_impl, in_shardings=(spec.shardings.params, batch_sh, frozen_sh))
     return steps
+
+
+def run_steps(spec: ModelSpec, cfg: Config) -> Steps:
+    """The run's steps as `train()` jits them: ``cfg``'s objective, and the reference model it compares with, if
+    the steps hold one (not when its log-probs are precomputed). `jaxtune info --compile-for` compiles this same
+    train step ahead of time."""
+    precomputed = cfg.objective.uses_reference and cfg.objective.precompute_ref_logps
+    reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk, precomputed)
+    return jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)

@@ -1,0 +1,98 @@
+"""Recipes x Cloud TPU slices, planned from this CPU machine: `jaxtune info --compile-for` for each pair (the real
+train step compiled by libtpu for the slice), as the README's "Planning a TPU run" table.
+
+    python benchmarks/tpu_plan.py [--recipes gpt2-124m ...] [--slices v5e-8 ...] [--search-seconds 600] [--json PATH]
+
+A recipe's batch is kept where the slice can split it; otherwise it is the smallest multiple of the data-parallel
+degree at or above it, with train.micro_batches lowered until each micro-batch still splits (the table says so).
+"Suggested batch" is the largest global batch the compiler accepted (doubling, then bisection, within
+``--search-seconds`` of compiling per pair), with the smallest it refused, or "+" when none was refused yet.
+Needs ``pip install 'jaxtune[aot]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import _harness as h
+import jax
+
+from jaxtune import aot, runtime
+from jaxtune.config import load_config
+
+RECIPES = ("gpt2-124m", "gemma3-1b-lora-dolly", "llama3-8b-fsdp")
+SLICES = ("v5e-8", "v5p-64", "v6e-256")
+
+
+def fitted(recipe: str, slice_name: str) -> tuple[list[str], str]:
+    """Overrides that make ``recipe``'s batch split over ``slice_name``'s data-parallel devices, and what changed."""
+    cfg = load_config(recipe)
+    chips = aot.tpu_slice(slice_name).chips
+    m = cfg.mesh
+    fixed = math.prod(s for s in (m.data, m.fsdp, m.tensor) if s != -1)
+    dp = chips // m.tensor if -1 in (m.data, m.fsdp) else m.data * m.fsdp
+    assert chips % fixed == 0, (recipe, slice_name)
+    batch = -(-cfg.train.batch_size // dp) * dp
+    micro = max(k for k in range(1, cfg.train.micro_batches + 1)
+                if cfg.train.micro_batches % k == 0 and batch % (dp * k) == 0)
+    changes = []
+    if batch != cfg.train.batch_size:
+        changes.append(f"batch {cfg.train.batch_size} -> {batch}")
+    if micro != cfg.train.micro_batches:
+        changes.append(f"micro-batches {cfg.train.micro_batches} -> {micro}")
+    return [f"train.batch_size={batch}", f"train.micro_batches={micro}"], ", ".join(changes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    ap.add_argument("--slices", nargs="+", default=list(SLICES))
+    ap.add_argument("--search-seconds", type=float, default=600.0, help="largest-batch search budget per pair "
+                    "(0: no search)")
+    ap.add_argument("--json", help="also write the rows and run details to this path")
+    args = ap.parse_args()
+    runtime.quiet_libtpu()
+    import libtpu
+
+    rows = []
+    head = ["recipe", "slice", "batch x seq", "fits", "memory / chip", "step (roofline)", "bound", "MFU",
+            "tokens/s", "suggested batch", "compile"]
+    h.print_header(head, text_columns=2)
+    for recipe in args.recipes:
+        for slice_name in args.slices:
+            overrides, changed = fitted(recipe, slice_name)
+            started = time.perf_counter()
+            d = aot.plan(load_config(recipe, overrides), slice_name, args.search_seconds)
+            d.update(recipe=recipe, adjusted=changed, seconds=time.perf_counter() - started)
+            rows.append(d)
+            print(row(d), flush=True)
+    print(f"\nmachine: {h.machine()}; jax {jax.__version__}, libtpu {libtpu.__version__}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, **h.run_record(jax=jax, libtpu=libtpu), "machine_text": h.machine()}, f,
+                      indent=1, default=str)
+
+
+def row(d: dict) -> str:
+    m, s = d["memory"], d["slice"]
+    usable = s["hbm_usable"] / aot.GiB
+    total = m["total"] / aot.GiB if m["total"] is not None else None
+    memory = f"{total:.1f} / {usable:.2f} GiB" if d["fits"] else (
+        f">= {total:.1f} / {usable:.2f} GiB" if total is not None else "refused")
+    batch = f"{d['batch_size']} x {d['seq_len']}" + (f" ({d['adjusted']})" if d["adjusted"] else "")
+    rl = d.get("roofline")
+    lb = d.get("largest_batch")
+    suggested = "-" if lb is None else str(lb["batch_size"] or "none") + (
+        f" ({lb['refused']} refused)" if lb["refused"] else "+")
+    cells = [d["recipe"], s["name"], batch, "fits" if d["fits"] else "**does not fit**", memory,
+             f"{1e3 * rl['step_seconds']:.0f} ms" if rl else "-", rl["bound"] if rl else "-",
+             f"{100 * rl['mfu']:.0f}%" if rl else "-", f"{rl['tokens_per_second']:,.0f}" if rl else "-", suggested,
+             f"{d['seconds']:.0f} s"]
+    return "| " + " | ".join(cells) + " |"
+
+
+if __name__ == "__main__":
+    main()

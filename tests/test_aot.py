@@ -1,0 +1,269 @@
+"""`jaxtune info --compile-for`: the real train step compiled by libtpu for Cloud TPU slices on this CPU machine.
+
+References: XLA's own memory analysis and cost analysis of the compiled program, the analytic model (`jaxtune.info`:
+parameter bytes, 6N + attention FLOPs), the TPU compiler's out-of-memory refusal, and the real data pipeline's
+batches. Compiles cost seconds to a minute on 2 cores, so the shapes are cut (sequence, batch) where the check
+does not need the recipe's own.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtune import aot, sharding
+from jaxtune.cli import main
+from jaxtune.config import ConfigError, load_config
+from jaxtune.data import load_tokenizer, make_training_data
+from jaxtune.info import info
+
+pytestmark = pytest.mark.skipif(aot.importlib.util.find_spec("libtpu") is None,
+                                reason="libtpu is not installed: pip install 'jaxtune[aot]'")
+
+# GPT-2 small enough to compile in seconds (d_model 64, 3 layers), for the checks that need no real size.
+SMALL = ["model.preset=tiny", "model.n_layer=3", "model.vocab_size=512", "data.seq_len=128", "model.max_seq_len=128"]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """Hub recipes plan from their family preset: no request leaves the machine."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _state_bytes(cfg, chips: int) -> int:
+    m = info(cfg, devices=chips)["memory_per_device"]
+    return m["params"] + m["optimizer"]
+
+
+# The gpt2-124m recipe (its model, AdamW, bf16 compute, micro-batches, pure data parallelism) at 16 x 256 tokens,
+# with the layers in a scan (a loop XLA's cost analysis counts once).
+GPT2 = ["train.batch_size=16", "train.micro_batches=2", "data.seq_len=256", "model.scan_layers=true"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_plan():
+    cfg = load_config("gpt2-124m", GPT2)
+    return cfg, aot.plan(cfg, "v5e-8")
+
+
+def test_gpt2_124m_compiles_for_v5e_8_with_its_state_flops_and_gradient_all_reduce(gpt2_plan):
+    """Tolerances: XLA's argument bytes are the state each chip holds (float32 params and two AdamW moments,
+    replicated) plus its batch rows and scalars: within 0.1%. FLOPs: the HLO's matmuls against 6N + 12 L D T (no
+    remat, no LoRA; both count attention's two matmuls in full): within 5%, the analytic count leaving out only
+    what is not a matmul (softmax, norms, the optimizer's elementwise update), which the HLO's matmul count also
+    leaves out."""
+    cfg, d = gpt2_plan
+    assert d["fits"] and d["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert d["slice"]["device_kind"] == "TPU v5 lite" and d["slice"]["chips"] == 8
+    state = _state_bytes(cfg, 8)
+    batch_rows = 2 * 256 * 4 * 2  # inputs and targets: 2 rows per chip, int32
+    assert d["memory"]["arguments"] == pytest.approx(state + batch_rows, rel=1e-3)
+    assert d["memory"]["aliased"] >= state  # the donated state is updated in place
+    analytic = info(cfg, devices=8)["flops_per_step"]
+    assert d["flops_per_chip"] * 8 == pytest.approx(analytic, rel=0.05)
+    assert d["loops"] >= 2 and d["loops_unknown"] == 0  # the micro-batch scan and the layer scan
+    assert d["xla_cost"]["flops"] < 0.5 * d["flops_per_chip"]  # one layer and one micro-batch of each loop
+    # Pure data parallelism: only all-reduces, over all 8 chips. Every gradient is reduced at least once in at least
+    # 16 bits; at most in float32 once per micro-batch, the tied embedding twice (its gather and the head).
+    c = d["collective_bytes"]
+    assert c["all-reduce"] > 0 and c["all-gather"] == c["reduce-scatter"] == c["all-to-all"] == 0
+    n, head = info(cfg, devices=8)["params"], 50304 * 768
+    assert 2 * n <= c["all-reduce"] <= 2 * 4 * (n + head)
+    assert d["ici_bytes"] == pytest.approx(2 * 7 / 8 * c["all-reduce"], rel=1e-6)
+    rl = d["roofline"]
+    assert rl["step_seconds"] == max(rl["seconds"].values()) and rl["bound"] in rl["seconds"]
+    assert rl["seconds"]["compute"] == pytest.approx(d["flops_per_chip"] / 197e12)
+    assert 0 < rl["mfu"] < 1 and rl["tokens_per_second"] == pytest.approx(16 * 256 / rl["step_seconds"])
+
+
+def test_remat_trades_temporaries_for_recomputed_matmuls(gpt2_plan):
+    """With every layer rematerialised (model.remat=full) the same step keeps fewer activations (its temporaries
+    shrink) and recomputes each layer's forward matmuls: the layers' 6N becomes 8N; the head and attention are not
+    recomputed in full, so the total grows by less than a third (1.15 to 1.34)."""
+    _, base = gpt2_plan
+    full = aot.plan(load_config("gpt2-124m", [*GPT2, "model.remat=full"]), "v5e-8")
+    assert full["fits"] and full["memory"]["temporaries"] < 0.8 * base["memory"]["temporaries"]
+    assert 1.15 < full["flops_per_chip"] / base["flops_per_chip"] < 1.34
+
+
+def test_llama_1b_lora_compiles_for_v5p_8():
+    """The llama-lora recipe (Llama 3.2 1B, planned from its preset offline: bf16 frozen base, rank-16 adapters on
+    every projection), layers scanned, on v5p-8: 4 chips, each a megacore device of 2 TensorCores. Its arguments
+    are the frozen base and the adapters with their AdamW moments (within 0.1%, plus the batch). FLOPs: LoRA
+    computes no gradient for the frozen weights, so the backward pass is one matmul per weight instead of two: 4N
+    of the analytic 6N, i.e. 2/3 of it (0.6 to 0.75: attention and the adapters' own matmuls add a little)."""
+    cfg = load_config("llama-lora", ["data.seq_len=128", "train.batch_size=4", "model.scan_layers=true"])
+    d = aot.plan(cfg, "v5p-8")
+    assert d["fits"] and d["slice"]["chips"] == 4 and d["mesh"]["data"] == 4
+    assert d["slice"]["device_kind"] == "TPU v5"
+    rows = 128 * (4 * 4 + 4)  # a row per chip: inputs, targets, positions, segment_ids (int32), loss_mask
+    assert d["memory"]["arguments"] == pytest.approx(_state_bytes(cfg, 4) + rows, rel=1e-3)
+    ratio = d["flops_per_chip"] * 4 / info(cfg, devices=4)["flops_per_step"]
+    assert 0.6 < ratio < 0.75, ratio
+
+
+# A vocabulary of 2^20 with unchunked logits: ~6 GiB of temporaries per 1,024-token row, so the limit on a v5e chip
+# is 2 rows and the batch search ends in a few compiles.
+WIDE = ["model.preset=tiny", "model.n_layer=1", "model.vocab_size=1048576", "data.seq_len=1024",
+        "model.max_seq_len=1024", "train.loss_chunk=1024", "train.micro_batches=1"]
+
+
+def test_memory_grows_with_the_batch_and_the_search_brackets_the_limit():
+    """The largest-batch search (doubling from the compiled batch, then bisection, every candidate compiled)
+    answers a multiple of the data-parallel degree whose next multiple the compiler refuses: from 16 (2 rows per
+    chip), 32 is refused, then 24. Memory per chip grows with the batch along the way: the logits kept for the
+    backward pass, a row more per chip each time."""
+    p = aot.program(load_config("gpt2-124m", WIDE), "v5e-8")
+    first = p.compile(16)
+    assert first["fits"] and first["memory"]["temporaries"] > 10 * aot.GiB
+    found = aot.largest_batch(p, first, budget_seconds=900)
+    assert found == {**found, "batch_size": 16, "refused": 24, "unit": 8, "exact": True, "compiles": 3}
+    (b16, _, m16), (b32, _, m32), (b24, _, m24) = found["tried"]
+    assert (b16, b32, b24) == (16, 32, 24) and m16 < m24 < m32
+    assert m32 - m16 == pytest.approx(2 * (m24 - m16), rel=0.1)  # ~linear in the rows per chip
+
+
+def test_a_batch_too_large_for_v5e_is_refused_with_the_numbers():
+    """262,144 sequences of 128 tokens on v5e-8 (16 GiB per chip): the TPU compiler refuses the program; the plan
+    says "does not fit" with what it needs (the compiler's temporaries plus the state) against the 15.75 GiB
+    the compiler allows, and by how much."""
+    d = aot.plan(load_config("gpt2-124m", [*SMALL, "train.micro_batches=1", "train.batch_size=262144"]), "v5e-8")
+    m = d["memory"]
+    assert not d["fits"] and "RESOURCE_EXHAUSTED" in d["compiler"] and "roofline" not in d
+    assert m["temporaries"] > 16 * aot.GiB and m["total"] == m["temporaries"] + m["state_and_frozen"]
+    text = aot.format_plan(d)
+    over = (m["total"] - 15.75 * aot.GiB) / aot.GiB
+    assert "does not fit" in text and f"over by {over:.2f} GiB" in text and "of 15.75 GiB usable HBM" in text
+
+
+def test_hlo_counts_are_exact_on_hand_made_programs():
+    """The HLO reading, against programs whose traffic and FLOPs are known exactly: an array sharded 8 ways wanted
+    whole on every chip is one all-gather of the whole array ((N-1)/N of it through each chip's links); a scan of 5
+    matmuls whose contracting dimension is sharded does 5 partial matmuls per chip and all-reduces each (16, 256)
+    float32 result, then gathers the sharded carry, while XLA's cost analysis counts the loop body once."""
+    mesh = Mesh(np.array(aot.slice_devices(aot.tpu_slice("v5e-8"))), ("x",))
+    split, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    f32 = lambda shape, sh: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
+
+    gathered = jax.jit(lambda a: a, out_shardings=whole).lower(f32((1024, 256), split)).compile()
+    h = aot.hlo_counts(gathered.as_text(), 8)
+    assert h.collective_bytes == {**dict.fromkeys(aot.COLLECTIVES, 0.0), "all-gather": 1024 * 256 * 4}
+    assert h.ici_bytes == 7 / 8 * 1024 * 256 * 4 and h.flops == 0
+
+    def chain(c, w):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), c, w)[0]
+
+    looped = jax.jit(chain, out_shardings=whole).lower(
+        f32((16, 256), whole), f32((5, 256, 256), NamedSharding(mesh, P(None, "x")))).compile()
+    h = aot.hlo_counts(looped.as_text(), 8)
+    assert (h.loops, h.loops_unknown) == (1, 0)
+    assert h.flops == 5 * 2 * 16 * 32 * 256  # 32 of the 256 contracted rows on each chip
+    assert looped.cost_analysis()["flops"] < 2 * (2 * 16 * 32 * 256)  # one iteration (and its elementwise ops)
+    result = 16 * 256 * 4
+    assert h.collective_bytes["all-reduce"] == 5 * result and h.collective_bytes["all-gather"] == result
+    assert h.ici_bytes == pytest.approx(5 * result * 2 * 7 / 8 + result * 7 / 8)
+
+
+def test_abstract_batch_is_what_the_data_pipeline_hands_the_step(tiny_cfg, tmp_path):
+    """Keys, shapes and dtypes of the global batch the step is compiled for equal the real pipeline's batches:
+    pretraining windows, and packed fine-tuning rows."""
+    mesh = sharding.make_mesh(-1, 1, 1)
+    sft = load_config("finetune-quickstart", [f"data.cache_dir={tmp_path}", "train.batch_size=4"])
+    for cfg in (tiny_cfg(), sft):
+        tok = load_tokenizer(cfg.tokenizer, cfg.data)
+        data = make_training_data(cfg.data, tok, batch_size=cfg.train.batch_size, seed=0, eval_batches=0)
+        real = next(data.train_iter)
+        data.close()
+        abstract = aot.abstract_batch(cfg, cfg.train.batch_size, mesh)
+        assert {k: (v.shape, np.dtype(v.dtype)) for k, v in abstract.items()} == {
+            k: (np.shape(v), np.asarray(v).dtype) for k, v in real.items()}
+
+
+@pytest.mark.parametrize("name, says", [
+    ("v5e-6", "v5e slice sizes count chips; the slices are v5e-1, v5e-4, v5e-8"),
+    ("v5p-6", "v5p slice sizes count TensorCores, 2 per chip"),
+    ("v7-8", "not a Cloud TPU slice name"),
+    ("tpu", "not a Cloud TPU slice name"),
+])
+def test_unknown_slice_names_are_errors(name, says):
+    with pytest.raises(ConfigError, match=says):
+        aot.tpu_slice(name)
+
+
+@pytest.mark.parametrize("name, chips, topology", [
+    ("v5e-8", 8, "v5e:2x4"), ("v5litepod-16", 16, "v5e:4x4"), ("v6e-256", 256, "v6e:16x16"),
+    ("v4-8", 4, "v4:2x2x1"), ("v5p-128", 64, "v5p:4x4x4"), ("v5p-8", 4, "v5p:2x2x1"),
+])
+def test_slice_names_map_to_chips_and_topologies(name, chips, topology):
+    """v4 and v5p names count TensorCores (2 per chip), v5e and v6e names count chips; libtpu makes one device per
+    chip of each."""
+    s = aot.tpu_slice(name)
+    assert (s.chips, s.topology) == (chips, topology)
+    assert len(aot.slice_devices(s)) == chips
+
+
+def test_a_mesh_that_does_not_divide_the_slice_is_an_error():
+    cfg = load_config("gpt2-124m", [*SMALL, "mesh.data=3", "mesh.fsdp=1", "mesh.tensor=1"])
+    with pytest.raises(sharding.ShardingError, match=r"--compile-for v5e-8 \(8 chips\): mesh.data"):
+        aot.plan(cfg, "v5e-8")
+
+
+def test_a_batch_that_does_not_split_over_the_slice_is_an_error():
+    cfg = load_config("gpt2-124m", [*SMALL, "train.batch_size=24", "train.micro_batches=2"])
+    with pytest.raises(sharding.ShardingError, match=r"train.batch_size=24: on v5e-8 it must be a multiple of 16"):
+        aot.plan(cfg, "v5e-8")
+
+
+def test_without_libtpu_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # what an environment without the package gives
+    with pytest.raises(ConfigError, match=r"pip install 'jaxtune\[aot\]'"):
+        aot.slice_devices(aot.tpu_slice("v5e-8"))
+
+
+def test_cli_prints_the_plan_and_json(capsys):
+    """`jaxtune info CONFIG --compile-for SLICE key=value ...`: the analytic plan for the slice's chips, then the
+    compiled one; --json gives the same numbers to scripts."""
+    small = [*SMALL, "train.batch_size=32", "train.micro_batches=1"]
+    assert main(["info", "gpt2-124m", "--compile-for", "v5e-8", *small]) == 0
+    out = capsys.readouterr().out
+    assert "over 8 device(s)" in out  # the analytic part, for the slice's chips
+    for line in ("compiled for:     v5e-8: 8 chips of TPU v5 lite (topology v5e:2x4)", "usable HBM: fits",
+                 "FLOPs / chip:", "collectives:      all-reduce", "roofline:", "MFU"):
+        assert line in out
+    assert main(["info", "gpt2-124m", "--json", "--compile-for", "v5e-8", *small]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["compiled"]["fits"] and d["info"]["devices"] == 8 and d["compiled"]["roofline"]["bound"]
+    assert main(["info", "gpt2-124m", "--compile-for", "v9-8"]) == 2
+    assert "not a Cloud TPU slice name" in capsys.readouterr().err
+    assert main(["info", "gpt2-124m", "--max-batch"]) == 2
+    assert "add --compile-for SLICE" in capsys.readouterr().err
+
+
+def test_libtpu_stays_quiet_and_shareable_on_a_cpu_host():
+    """With libtpu installed and no TPU device file, another JAX process on the host (here one that never heard of
+    jaxtune, holding libtpu's lock file as any JAX process does) does not stop a plan from creating a TPU topology,
+    and the plan's process prints none of libtpu's warnings."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE",
+                                                            "ALLOW_MULTIPLE_LIBTPU_LOAD")}
+    hold = "import jax, sys; jax.devices(); print('up', flush=True); sys.stdin.read()"
+    other = subprocess.Popen([sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert other.stdout.readline().strip() == "up"
+        topo = "from jaxtune import aot; print(len(aot.slice_devices(aot.tpu_slice('v5e-8'))))"
+        plan = subprocess.run([sys.executable, "-c", topo], capture_output=True, text=True, timeout=120, env=env,
+                              check=False)
+    finally:
+        other.communicate("", timeout=60)
+    assert plan.returncode == 0 and plan.stdout.strip() == "8", plan.stderr
+    assert "TPU_ACCELERATOR_TYPE" not in plan.stderr and "TPU_WORKER_HOSTNAMES" not in plan.stderr, plan.stderr
