@@ -12,6 +12,9 @@ Error measure: rel(ours, ref) = max|ours - ref| / max|ref|. Tolerances:
     Q4_0 |err| <= max|w| / 8 (half a step is max/16 of the block; the far end clamps at 7 steps of 8: one step)
   * logits of the native model from the .gguf vs transformers from the same .gguf, fp32:  rel <= 1e-5
   * SmolLM2-135M-Instruct Q4_1 (real, when installed): logits rel <= 3e-5, greedy tokens equal up to the EOS
+  * GPT-2 (llama.cpp's GPT2Model layout: Conv1D weights stored transposed, learned positions, LayerNorm biases):
+    the same tensor and logit bounds; an ``output.weight`` copy of the tied embedding (older converters) is dropped
+    when rms(copy - embedding) <= 0.25 rms(embedding)
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from flax import nnx
 
 from jaxtune.io import CheckpointError
 from jaxtune.models.family import UnsupportedModelError
+from jaxtune.models.gguf import CONV1D
 from jaxtune.models.gguf_export import add_hyperparameters, add_tokenizer, gguf_name, gguf_names, permute
 from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
 from jaxtune.models.sampling import Generator
@@ -50,11 +54,13 @@ def rel(ours, ref) -> float:
 
 
 def write_gguf(path: Path, hf_dir: Path, qtype: str, arch: str = "llama", tensor_type: Q | None = None,
-               rope_freqs: np.ndarray | None = None) -> Path:
+               rope_freqs: np.ndarray | None = None, output: tuple[np.ndarray, str] | None = None) -> Path:
     """The HF checkpoint ``hf_dir`` as llama.cpp writes it, with the pieces of jaxtune's GGUF export (metadata,
     tokenizer, tensor names, q/k permutation: `jaxtune.models.gguf_export`) and the knobs an export never needs: 2-D
     tensors as any ``qtype`` (Q4_0 too), the architecture named ``arch`` (one the import lacks, too), ``tensor_type``:
-    a raw GGUF type written (as zero bytes) for the first 2-D tensor instead, ``rope_freqs``: that tensor added."""
+    a raw GGUF type written (as zero bytes) for the first 2-D tensor instead, ``rope_freqs``: that tensor added,
+    ``output``: (array, type) written as output.weight (a GPT-2 head, as older converters wrote it). GPT-2's Conv1D
+    weights are transposed to (out, in), as llama.cpp's converter writes them."""
     from safetensors.numpy import load_file
 
     _, cfg, _ = read_hf_config(hf_dir)
@@ -63,12 +69,16 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str, arch: str = "llama", tensor
     w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7}[qtype])
     add_hyperparameters(w, cfg, str(hf_dir))
     add_tokenizer(w, hf_dir, cfg.vocab_size)
-    names = gguf_names("llama")
+    names = gguf_names("gpt2" if arch == "gpt2" else "llama")
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    if output is not None:
+        w.add_tensor("output.weight", gguf.quants.quantize(output[0], Q[output[1]]), raw_dtype=Q[output[1]])
     raw_done = False
     for name, x in load_file(str(hf_dir / "model.safetensors")).items():
         x = x.astype(np.float32)
+        if gguf_name(name, names).endswith(tuple(f".{s}.weight" for s in CONV1D.get(arch, ()))):
+            x = np.ascontiguousarray(x.T)
         if arch == "llama" and name.endswith("q_proj.weight"):
             x = permute(x, cfg.n_head)
         elif arch == "llama" and name.endswith("k_proj.weight"):
@@ -102,6 +112,22 @@ def tiny_llama(directory: Path, arch: str = "llama", **config) -> Path:
                                    attn_implementation="eager", **config)
     torch.manual_seed(0)
     model = model_cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(directory)
+    return directory
+
+
+def tiny_gpt2(directory: Path, n_positions: int = 1024) -> Path:
+    """A tiny random transformers GPT-2 (2 layers, d_model 64; its Conv1D weights (in, out)) with the ChatML BPE,
+    every tensor perturbed, saved to ``directory``. 1024 positions: transformers' GGUF reader maps gpt2's
+    context_length to n_ctx only, so a GPT-2 GGUF of another context fails its n_positions check."""
+    directory.mkdir()
+    cfg = transformers.GPT2Config(vocab_size=save_chatml_tokenizer(directory, TEXTS), n_positions=n_positions,
+                                  n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
@@ -195,6 +221,50 @@ def test_qwen(tmp_path, monkeypatch, arch):
     assert model.cfg.family == arch
     ref = torch_logits(transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager"), IDS)
     assert rel(jax_logits(model, IDS), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_0"])
+def test_gpt2(tmp_path, monkeypatch, qtype):
+    """A GPT-2 GGUF in llama.cpp's layout: every imported tensor (Conv1D weights back to (in, out)) equals
+    transformers' dequantization of the file and the original within the type's bound; logits vs transformers from
+    the same file rel <= 1e-5, and vs the original checkpoint (F32) rel <= 1e-5."""
+    from safetensors.numpy import load_file
+
+    monkeypatch.setenv("JAXTUNE_GGUF_CACHE", str(tmp_path / "cache"))
+    hf = tiny_gpt2(tmp_path / "hf")
+    path = write_gguf(tmp_path / f"gpt2-{qtype}.gguf", hf, qtype, arch="gpt2")
+    ours, original = HFCheckpoint(path), load_file(str(hf / "model.safetensors"))
+    theirs = hf_from_gguf(path)
+    state = {k: v.float().numpy() for k, v in theirs.state_dict().items()}
+    assert ours.names() == set(original) and ours.get("transformer.h.0.attn.c_attn.weight").shape == (64, 192)
+    for name, w in original.items():
+        got = ours.get(name)
+        np.testing.assert_array_equal(got, state[name], err_msg=name)
+        assert (np.abs(got - w) <= BOUND[qtype](w) + 1e-12).all(), name  # bounds: elementwise or the tensor's max
+    model = from_hf(path)
+    assert model.cfg.family == "gpt2" and model.cfg.max_seq_len == 1024
+    logits = jax_logits(model, IDS)
+    assert rel(logits, torch_logits(theirs, IDS)) <= 1e-5
+    if qtype == "F32":
+        ref = torch_logits(transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager"), IDS)
+        assert rel(logits, ref) <= 1e-5
+
+
+def test_gpt2_output_copy(tmp_path, monkeypatch):
+    """Older llama.cpp converters also wrote GPT-2's tied head as ``output.weight``, often as another type: a Q4_0
+    copy of the embedding is dropped (the model is the one without it), an untied head is a one-line error."""
+    from safetensors.numpy import load_file
+
+    monkeypatch.setenv("JAXTUNE_GGUF_CACHE", str(tmp_path / "cache"))
+    hf = tiny_gpt2(tmp_path / "hf")
+    wte = load_file(str(hf / "model.safetensors"))["transformer.wte.weight"].astype(np.float32)
+    plain = jax_logits(from_hf(write_gguf(tmp_path / "plain.gguf", hf, "F32", arch="gpt2")), IDS)
+    copy = from_hf(write_gguf(tmp_path / "copy.gguf", hf, "F32", arch="gpt2", output=(wte, "Q4_0")))
+    np.testing.assert_array_equal(jax_logits(copy, IDS), plain)
+    other = np.random.default_rng(0).normal(size=wte.shape).astype(np.float32)
+    with pytest.raises(UnsupportedModelError, match="output.weight is not the token embedding") as e:
+        from_hf(write_gguf(tmp_path / "untied.gguf", hf, "F32", arch="gpt2", output=(other, "F32")))
+    assert "\n" not in str(e.value)
 
 
 def test_converted_directory_cached_with_tokenizer(tiny):

@@ -6,9 +6,9 @@ generation_config.json), which the HuggingFace path (`jaxtune.models.hf`) then r
 is the file's size, mtime and the sha256 of its first `HASHED_BYTES`, so an edited or replaced file is converted
 again; the directory is written beside its final name and renamed into place (`jaxtune.io.atomic_dir`).
 
-Architectures: ``llama`` (Llama 2/3.x (3.1+ RoPE scaling from ``rope_freqs``), SmolLM, Mistral), ``qwen2``, ``qwen3``
-and ``gemma3`` (Gemma3ForCausalLM; tested on 270M, 1B has the same layout, and the text model of the 4B+ files reads
-the same way). Tensor types: whatever the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Architectures: ``llama`` (Llama 2/3.x (3.1+ RoPE scaling from ``rope_freqs``), SmolLM, Mistral), ``qwen2``, ``qwen3``,
+``gemma3`` (Gemma3ForCausalLM; tested on 270M, 1B has the same layout, and the text model of the 4B+ files reads
+the same way) and ``gpt2`` (GPT2LMHeadModel: llama.cpp stores its Conv1D weights transposed, as (out, in)). Tensor types: whatever the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 the K-quants, ...). llama.cpp's converter permutes the rows of a llama model's q/k projections for its RoPE layout,
 and stores Gemma's RMSNorm weights as the scale they apply, 1 + w; both are undone.
 Needs ``gguf`` (tensors) and ``transformers`` (the tokenizer): ``pip install gguf transformers``.
@@ -34,7 +34,8 @@ INSTALL = "pip install gguf transformers"
 
 # GGUF general.architecture -> (HF model_type, HF architecture class, q/k rows permuted by llama.cpp)
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM", True), "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM", False), "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False)}
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM", False), "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
+                 "gpt2": ("gpt2", "GPT2LMHeadModel", False)}
 
 _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -45,6 +46,13 @@ _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output
 # calls the pre-MLP norm (llama.cpp's ffn_norm) pre_feedforward_layernorm.
 BLOCK_RENAMES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                             "post_ffw_norm": "post_feedforward_layernorm"}}
+# GPT-2's own names (GPT2LMHeadModel), and the GGUF block tensors that are HF Conv1D weights: (in, out) in HF,
+# transposed to (out, in) by llama.cpp's converter like every other linear layer it writes.
+GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+              "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+GPT2_TOP = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
+            "output": "lm_head"}
+CONV1D = {"gpt2": ("attn_qkv", "attn_output", "ffn_up", "ffn_down")}
 # What llama.cpp's convert_hf_to_gguf.py adds to every ``*norm.weight`` (Gemma 3's RMSNorm scales by 1 + w; llama.cpp
 # stores that scale): subtracted on import.
 NORM_SHIFT = {"gemma3": 1.0}
@@ -126,6 +134,8 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], where: str) -> dict[
             raise CheckpointError(f"{where}: GGUF metadata lacks {arch}.{key}")
         return default
 
+    if arch == "gpt2":
+        return gpt2_config(get, meta)
     n_head = int(get("attention.head_count"))
     d_model = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", KeyError if arch == "gemma3" else d_model // n_head))
@@ -156,6 +166,20 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], where: str) -> dict[
         del c["hidden_act"]  # Gemma's is hidden_activation
         c.update(gemma3_config(get, n_layer, d_model, n_head, head_dim, where))
     return c
+
+
+def gpt2_config(get: Callable[..., Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a ``gpt2`` GGUF (llama.cpp's GPT2Model keys): GPT2LMHeadModel, its embeddings tied."""
+    d_model, d_ff, n_pos = int(get("embedding_length")), int(get("feed_forward_length")), int(get("context_length"))
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": int(meta.get("tokenizer.ggml.tokens") or get("vocab_size")), "n_positions": n_pos,
+            "n_ctx": n_pos, "n_embd": d_model, "n_layer": int(get("block_count")),
+            "n_head": int(get("attention.head_count")), "n_inner": None if d_ff == 4 * d_model else d_ff,
+            "layer_norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5)),
+            "activation_function": "gelu_new", "tie_word_embeddings": True, "torch_dtype": "float32",
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
 
 
 def rope_scaling(get: Callable[..., Any], where: str) -> dict[str, Any] | None:
@@ -197,20 +221,25 @@ def gemma3_config(get: Callable[..., Any], n_layer: int, d_model: int, n_head: i
 
 # --- tensors ---
 
-def block_names(arch: str) -> dict[str, str]:
-    """GGUF block tensor stem -> HF name within ``model.layers.{i}``, for the GGUF architecture ``arch``."""
-    return {**_BLOCK, **BLOCK_RENAMES.get(arch, {})}
+def tensor_names(arch: str) -> dict[str, str]:
+    """GGUF tensor stem -> HF tensor stem for the GGUF architecture ``arch``, blocks as ``{i}``
+    (``blk.{i}.attn_q`` -> ``model.layers.{i}.self_attn.q_proj``); the export reads it backwards."""
+    if arch == "gpt2":
+        block, top, prefix = GPT2_BLOCK, GPT2_TOP, "transformer.h.{i}."
+    else:
+        block, top, prefix = {**_BLOCK, **BLOCK_RENAMES.get(arch, {})}, _TOP, "model.layers.{i}."
+    return {**{f"blk.{{i}}.{stem}": prefix + hf for stem, hf in block.items()}, **top}
 
 
 def hf_name(name: str, where: str, arch: str = "llama") -> str:
     """The HF tensor name of a GGUF one (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
     stem, _, suffix = name.rpartition(".")
     parts = stem.split(".")
-    block = block_names(arch)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in block:
-        return f"model.layers.{parts[1]}.{block[parts[2]]}.{suffix}"
-    if stem in _TOP:
-        return f"{_TOP[stem]}.{suffix}"
+    table = tensor_names(arch)
+    if parts[0] == "blk" and len(parts) == 3 and f"blk.{{i}}.{parts[2]}" in table:
+        return f"{table[f'blk.{{i}}.{parts[2]}'].format(i=parts[1])}.{suffix}"
+    if stem in table:
+        return f"{table[stem]}.{suffix}"
     raise UnsupportedModelError(f"{where}: GGUF tensor {name!r} has no HuggingFace counterpart natively; "
                                 "use the original HuggingFace checkpoint")
 
@@ -246,6 +275,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     config = hf_config(meta, names, where)
     arch = meta["general.architecture"]
     permuted, shift = ARCHITECTURES[arch][2], NORM_SHIFT.get(arch)
+    conv1d = tuple(f".{stem}.weight" for stem in CONV1D.get(arch, ()))
     tensors = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
@@ -259,8 +289,28 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             x = unpermute(x, config["num_key_value_heads"])
         elif shift and t.name.endswith("norm.weight"):
             x = x - np.float32(shift)
+        elif t.name.endswith(conv1d):
+            x = np.ascontiguousarray(x.T)
         tensors[name] = x
+    if arch == "gpt2" and "lm_head.weight" in tensors:
+        check_tied(tensors.pop("lm_head.weight"), tensors["transformer.wte.weight"], where)
     return config, tensors
+
+
+TIED_TOLERANCE = 0.25
+
+
+def check_tied(head: np.ndarray, embedding: np.ndarray, where: str) -> None:
+    """A GPT-2 GGUF may carry ``output.weight``: older llama.cpp converters wrote a copy of the (tied) embedding,
+    often quantized to another type. GPT2LMHeadModel ties the two, so the copy is dropped when it is the embedding
+    within quantization error: rms(head - embedding) <= `TIED_TOLERANCE` rms(embedding) (Q4_0 of a Gaussian
+    matrix is ~0.1; two unrelated matrices are ~1.4)."""
+    diff = float(np.sqrt(np.mean((head - embedding) ** 2) / max(np.mean(embedding**2), 1e-30))) \
+        if head.shape == embedding.shape else np.inf
+    if diff > TIED_TOLERANCE:
+        raise UnsupportedModelError(f"{where}: its output.weight is not the token embedding (relative rms "
+                                    f"difference {diff:.2f}); GPT-2 ties them, so this is not a GPT-2 jaxtune or "
+                                    "transformers can load; use the original HuggingFace checkpoint")
 
 
 def llama3_rope(divisors: np.ndarray, config: dict[str, Any], where: str) -> dict[str, Any]:

@@ -11,7 +11,8 @@ fallback: Llama 2, Mistral, Gemma) as ``llama`` with scores, with its chat templ
 Types: f32, f16 (the default), bf16 and q8_0 (blocks of 32 values sharing one f16 scale), encoded by the ``gguf``
 package. As in llama.cpp, 1-D tensors (norms, biases) and ``rope_freqs`` stay F32, and a matrix whose rows do not
 split into whole Q8_0 blocks is written F16 (logged). Architectures: ``llama`` (Llama, SmolLM, and Mistral, which
-llama.cpp runs as a Llama), ``qwen2``, ``qwen3``, ``gemma3`` (RMSNorm scales stored as 1 + w, as llama.cpp does).
+llama.cpp runs as a Llama), ``qwen2``, ``qwen3``, ``gemma3`` (RMSNorm scales stored as 1 + w, as llama.cpp does),
+``gpt2`` (its Conv1D weights transposed to (out, in), as llama.cpp's converter writes them).
 Needs the ``gguf`` package (`INSTALL`).
 """
 
@@ -30,7 +31,14 @@ import tokenizers
 from jaxtune.config import ConfigError
 from jaxtune.io import CheckpointError, read_json
 from jaxtune.models.family import UnsupportedModelError
-from jaxtune.models.gguf import _TOP, ARCHITECTURES, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_PATTERN, NORM_SHIFT, block_names
+from jaxtune.models.gguf import (
+    ARCHITECTURES,
+    CONV1D,
+    GEMMA3_LOCAL_ROPE_BASE,
+    GEMMA3_PATTERN,
+    NORM_SHIFT,
+    tensor_names,
+)
 from jaxtune.models.hf import HFCheckpoint, read_config_json, read_hf_config
 from jaxtune.models.layers import Rope
 
@@ -39,7 +47,8 @@ log = logging.getLogger(__name__)
 TYPES = ("f32", "f16", "bf16", "q8_0")
 INSTALL = "pip install gguf"
 # HF model_type -> GGUF general.architecture (llama.cpp converts Mistral as a Llama)
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+        "gpt2": "gpt2"}
 # The regex of a byte-level BPE's Split pre-tokenizer -> the name llama.cpp knows that splitting by
 # (tokenizer.ggml.pre; llama-vocab.cpp holds the rule itself).
 SPLITS = {r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -109,8 +118,16 @@ def write_gguf(hf_dir: str | Path, out: str | Path, gguf_type: str = "f16", *, n
 # --- metadata ---
 
 def add_hyperparameters(w: Any, cfg: Any, where: str) -> None:
-    """llama.cpp's hyperparameter keys (under the writer's architecture) for ``cfg``, a `DecoderConfig`."""
+    """llama.cpp's hyperparameter keys (under the writer's architecture) for ``cfg``, a `DecoderConfig` (a
+    `GPTConfig` for ``gpt2``)."""
     gguf = _gguf()
+    if w.arch == "gpt2":  # llama.cpp's GPT2Model: learned positions, LayerNorm, no RoPE
+        for add, value in [(w.add_vocab_size, cfg.vocab_size), (w.add_context_length, cfg.max_seq_len),
+                           (w.add_embedding_length, cfg.d_model), (w.add_block_count, cfg.n_layer),
+                           (w.add_feed_forward_length, cfg.ff), (w.add_head_count, cfg.n_head),
+                           (w.add_layer_norm_eps, cfg.ln_eps)]:
+            add(value)
+        return
     if w.arch == "gemma3":
         _check_gemma3(cfg, where)
         w.add_sliding_window(cfg.sliding_window)
@@ -164,21 +181,22 @@ def rope_freqs(rope: Rope, head_dim: int) -> np.ndarray:
 # --- tensors ---
 
 def gguf_names(arch: str) -> dict[str, str]:
-    """HF tensor stem (``model.layers.{i}.self_attn.q_proj``) -> GGUF stem (``blk.{i}.attn_q``): the inverse of
-    the import's tables."""
-    names = {f"model.layers.{{i}}.{hf}": f"blk.{{i}}.{stem}" for stem, hf in block_names(arch).items()}
-    return {**names, **{hf: stem for stem, hf in _TOP.items()}}
+    """HF tensor stem (``model.layers.{i}.self_attn.q_proj``) -> GGUF stem (``blk.{i}.attn_q``): the import's
+    table (`jaxtune.models.gguf.tensor_names`) read backwards."""
+    return {hf: stem for stem, hf in tensor_names(arch).items()}
 
 
 def gguf_name(name: str, table: dict[str, str]) -> str:
-    """The GGUF name of the HF tensor ``name`` by ``table`` (`gguf_names`)."""
+    """The GGUF name of the HF tensor ``name`` by ``table`` (`gguf_names`); the layer index is the stem's first
+    all-digit part (``model.layers.3.…``, ``transformer.h.3.…``)."""
     stem, _, suffix = name.rpartition(".")
     parts = stem.split(".")
-    if parts[:2] == ["model", "layers"] and len(parts) > 3:
-        stem = ".".join(["model.layers.{i}", *parts[3:]])
+    layer = next((k for k, part in enumerate(parts) if part.isdigit()), None)
+    if layer is not None:
+        stem = ".".join([*parts[:layer], "{i}", *parts[layer + 1:]])
     if stem not in table:
         raise UnsupportedModelError(f"tensor {name!r} has no llama.cpp name; GGUF export cannot write it")
-    return f"{table[stem].format(i=parts[2] if '{i}' in stem else '')}.{suffix}"
+    return f"{table[stem].format(i=parts[layer] if layer is not None else '')}.{suffix}"
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -203,12 +221,15 @@ def _declare_tensors(w: Any, ckpt: HFCheckpoint, cfg: Any, gguf_type: str) -> li
     want = {"f32": q.F32, "f16": q.F16, "bf16": q.BF16, "q8_0": q.Q8_0}[gguf_type]
     table = gguf_names(w.arch)
     tensors: dict[str, tuple[str, Any, tuple[int, ...]]] = {}  # GGUF name -> (HF name, type, shape)
+    conv1d = tuple(f".{stem}.weight" for stem in CONV1D.get(w.arch, ()))  # HF (in, out) -> GGUF (out, in)
     for hf in ckpt.names():
-        shape = tuple(ckpt.files[ckpt.where[hf]].entries[hf]["shape"])
+        name, shape = gguf_name(hf, table), tuple(ckpt.files[ckpt.where[hf]].entries[hf]["shape"])
+        if name.endswith(conv1d):
+            shape = shape[::-1]
         qtype = q.F32 if len(shape) < 2 else want
         if qtype == q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0]:
             qtype = q.F16
-        tensors[gguf_name(hf, table)] = (hf, qtype, shape)
+        tensors[name] = (hf, qtype, shape)
     fallback = sorted((n for n, (_, t, _) in tensors.items() if t == q.F16 and want == q.Q8_0), key=_order)
     if fallback:
         log.warning("GGUF q8_0: %d tensors whose rows do not split into 32-value blocks are written as F16: %s",
@@ -223,11 +244,13 @@ def _declare_tensors(w: Any, ckpt: HFCheckpoint, cfg: Any, gguf_type: str) -> li
                 x = permute(x, heads[name.split(".")[-2]])
             elif shift and name.endswith("norm.weight"):  # Gemma: llama.cpp stores RMSNorm's scale, 1 + w
                 x = x + np.float32(shift)
+            elif name.endswith(conv1d):
+                x = x.T
             return gguf.quants.quantize(np.ascontiguousarray(x), qtype)
         return make
 
     pending = []
-    if cfg.rope.kind == "llama3":
+    if getattr(cfg, "rope", None) is not None and cfg.rope.kind == "llama3":  # GPT-2 has no RoPE
         freqs = rope_freqs(cfg.rope, cfg.hd)
         w.add_tensor_info("rope_freqs.weight", freqs.shape, freqs.dtype, freqs.nbytes, raw_dtype=q.F32)
         pending.append(lambda: freqs)
