@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jaxtune.config import DataConfig, TokenizerConfig
-from jaxtune.data import DataError, load_tokenizer, prepare_tokens, sources
+from jaxtune.data import DataError, load_hf_tokenizer, load_tokenizer, prepare_tokens, sources
 from jaxtune.data import tokens as tokens_module
 from jaxtune.data.sources import Piece, ReadStats, read_pieces
 
@@ -102,12 +102,47 @@ class _InProcess:
     def __init__(self, tok):
         self._tok = tok
         self.vocab_size, self.eos_id, self.fingerprint = tok.vocab_size, tok.eos_id, tok.fingerprint
+        self.bos_prefix = tok.bos_prefix
 
     def worker_spec(self):
         return None
 
     def encode_batch(self, texts):
         return self._tok.encode_batch(texts)
+
+
+def test_checkpoint_tokenizer_bos_starts_every_document(tmp_path, tok, tiny):
+    """A checkpoint tokenizer that puts BOS before a text (Llama 3, Gemma: its post-processor) gets it before every
+    document in the token file, as the model was pretrained, once per document however many pieces the document is
+    cut into, and the same file in-process and in worker processes; a tokenizer without one is unchanged."""
+    from tokenizers import Tokenizer, processors
+
+    spec = Tokenizer.from_str(tok._tok.to_str())
+    spec.add_special_tokens(["<bos>"])
+    bos = spec.token_to_id("<bos>")
+    spec.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    (tmp_path / "tok").mkdir()
+    spec.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": SEP}))
+    with_bos = load_hf_tokenizer(str(tmp_path / "tok"))
+    assert with_bos.bos_prefix == (bos,)
+    docs = [story(i) if i % 2 else "\n".join(story(j) for j in range(i, i + 12)) for i in range(10)]  # long: 1.1 kB
+    (tmp_path / "mixed.txt").write_text(f"\n{SEP}\n".join(docs))  # 6 kB: worker processes take > 4 kB
+    pieces = list(read_pieces(cfg(tmp_path, tmp_path / "mixed.txt"), block_bytes=256))
+    assert len(pieces) > 20 and sum(p.end for p in pieces) == 10
+    files = []
+    for n, tokenizer in [(2, with_bos), (None, _InProcess(with_bos))]:
+        data = prepare_tokens(cfg(tmp_path, tmp_path / "mixed.txt", cache=f"bos{n}", num_proc=n), tokenizer)
+        files.append(data.path.read_bytes())
+    expected, start = [], True
+    for piece in pieces:
+        expected += [bos] * start + with_bos.encode(piece.text) + [with_bos.eos_id] * piece.end
+        start = piece.end
+    np.testing.assert_array_equal(data.tokens, expected)
+    assert files[0] == files[1] and list(data.tokens).count(bos) == 10
+    plain = prepare_tokens(cfg(tmp_path, tmp_path / "mixed.txt", cache="plain", num_proc=2), tok)
+    assert tok.bos_prefix == () and plain.tokens[0] != bos and list(plain.tokens).count(tok.eos_id) == 10
+    np.testing.assert_array_equal(plain.tokens, [t for t in expected if t != bos])
 
 
 # --- resuming ---------------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""Tokenizing in worker processes: the pieces of text one task holds → their ids, each document followed by eos.
+"""Tokenizing in worker processes: the pieces of text one task holds → their ids, each document followed by eos
+(and preceded by the tokenizer's BOS, for a checkpoint tokenizer that adds one: Llama 3, Gemma).
 
 `jaxtune.data.tokens` starts ``data.num_proc`` of these as ``python -P encode_worker.py`` (a fresh interpreter
 that imports numpy and the tokenizer library only: no jax, no jaxtune, so each starts in a fraction of a second and
 holds tens of MB) and talks to each over its stdin/stdout. Every message is a frame: an 8-byte little-endian length,
-then that many bytes. The first frame is the setup (JSON: the tokenizer, the eos id, the dtype); then each task
+then that many bytes. The first frame is the setup (JSON: the tokenizer, the eos and bos ids, the dtype); then each task
 frame (`pack`) is answered by one frame of token bytes, in order. A worker exits at the end of its stdin, so it
 never outlives its parent (even one killed with -9).
 
@@ -23,6 +24,8 @@ import numpy as np
 
 Encode = Callable[[list[str]], list[list[int]]]
 _LENGTH = struct.Struct("<Q")
+# A piece's flags: it starts its document (the BOS goes before it), it ends its document (the eos goes after it).
+START, END = 2, 1
 
 
 def hf_ids(tok: Any, texts: list[str]) -> list[list[int]]:
@@ -49,34 +52,37 @@ def make_encoder(kind: str, payload: str) -> Encode:
     raise ValueError(f"unknown tokenizer kind {kind!r}")
 
 
-def encode_pieces(encode: Encode, texts: list[str], ends: list[bool], eos_id: int, dtype: str) -> np.ndarray:
-    """(tokens,) ``dtype``: the ids of every piece in order, ``eos_id`` after each piece that ends its document."""
+def encode_pieces(encode: Encode, texts: list[str], flags: list[int], eos_id: int, bos: list[int] | tuple[int, ...],
+                  dtype: str) -> np.ndarray:
+    """(tokens,) ``dtype``: the ids of every piece in order, ``bos`` before each piece that starts its document
+    (`START`) and ``eos_id`` after each piece that ends it (`END`)."""
     flat: list[int] = []
-    for ids, end in zip(encode(texts), ends, strict=True):
+    for ids, flag in zip(encode(texts), flags, strict=True):
+        if flag & START:
+            flat += bos
         flat += ids
-        if end:
+        if flag & END:
             flat.append(eos_id)
     return np.array(flat, dtype=dtype)
 
 
-def pack(texts: list[str], ends: list[bool]) -> bytes:
-    """A task frame: the piece count, each piece's UTF-8 length (negative: it ends its document), the texts."""
+def pack(texts: list[str], flags: list[int]) -> bytes:
+    """A task frame: the piece count, each piece's UTF-8 length, each piece's flags (one byte), the texts."""
     data = [t.encode("utf-8") for t in texts]
-    lengths = np.array([-len(d) - 1 if end else len(d) for d, end in zip(data, ends, strict=True)], dtype="<i8")
-    return struct.pack("<Q", len(data)) + lengths.tobytes() + b"".join(data)
+    lengths = np.array([len(d) for d in data], dtype="<i8")
+    return struct.pack("<Q", len(data)) + lengths.tobytes() + np.array(flags, dtype="u1").tobytes() + b"".join(data)
 
 
-def unpack(frame: bytes) -> tuple[list[str], list[bool]]:
+def unpack(frame: bytes) -> tuple[list[str], list[int]]:
     (n,) = struct.unpack_from("<Q", frame)
     lengths = np.frombuffer(frame, dtype="<i8", count=n, offset=8)
-    pos = 8 + 8 * n
-    texts, ends = [], []
-    for length in lengths.tolist():
-        size = -length - 1 if length < 0 else length
+    flags = np.frombuffer(frame, dtype="u1", count=n, offset=8 + 8 * n).tolist()
+    pos = 8 + 9 * n
+    texts = []
+    for size in lengths.tolist():
         texts.append(frame[pos : pos + size].decode("utf-8"))
-        ends.append(length < 0)
         pos += size
-    return texts, ends
+    return texts, flags
 
 
 def send(stream: BinaryIO, payload: bytes) -> None:
@@ -105,8 +111,8 @@ def main() -> None:
     spec = json.loads(setup)
     encode = make_encoder(spec["kind"], spec["payload"])
     while (frame := receive(stdin)) is not None:
-        texts, ends = unpack(frame)
-        send(stdout, encode_pieces(encode, texts, ends, spec["eos_id"], spec["dtype"]).tobytes())
+        texts, flags = unpack(frame)
+        send(stdout, encode_pieces(encode, texts, flags, spec["eos_id"], spec["bos"], spec["dtype"]).tobytes())
 
 
 if __name__ == "__main__":

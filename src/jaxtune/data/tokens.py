@@ -1,9 +1,10 @@
 """The corpus tokenized once into a flat, memory-mapped token file, cut into fixed-length windows.
 
-The file ``cache_dir/tokens-<key>.bin`` holds every document's ids followed by ``eos_id``, as uint16
-(vocab ≤ 65536) or uint32; ``tokens-<key>.json`` beside it records the count and dtype. The key hashes the
-sources fingerprint and the tokenizer fingerprint, so changing either re-tokenizes, and nothing else does
-(``seq_len`` and ``val_fraction`` only change how the file is cut).
+The file ``cache_dir/tokens-<key>.bin`` holds every document's ids followed by ``eos_id`` (and preceded by the
+tokenizer's ``bos_prefix`` when it has one: a Llama 3 or Gemma checkpoint's tokenizer puts BOS before every text,
+and the model was trained so), as uint16 (vocab ≤ 65536) or uint32; ``tokens-<key>.json`` beside it records the
+count and dtype. The key hashes the sources fingerprint and the tokenizer fingerprint (with its BOS), so changing
+either re-tokenizes, and nothing else does (``seq_len`` and ``val_fraction`` only change how the file is cut).
 
 Windows have ``seq_len + 1`` tokens with stride ``seq_len``: inputs are ``window[:-1]``, targets
 ``window[1:]``. Sources are read in a fixed order (the stdlib in path order), so a validation split taken
@@ -147,8 +148,10 @@ def prepare_tokens(data_cfg: DataConfig, tokenizer: Tokenizer) -> TokenData:
     memory."""
     cache = Path(data_cfg.cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
+    bos = list(tokenizer.bos_prefix) if not is_pretokenized(data_cfg) else []
     key_src = json.dumps([sources_fingerprint(data_cfg), tokenizer.fingerprint, _FORMAT, sources.BLOCK_BYTES,
-                          *(["tokens", data_cfg.token_eos_id] if is_pretokenized(data_cfg) else [])])
+                          *(["tokens", data_cfg.token_eos_id] if is_pretokenized(data_cfg) else []),
+                          *(["bos", bos] if bos else [])])  # no BOS: the key of caches made before BOS was added
     path = cache / f"tokens-{hashlib.sha256(key_src.encode()).hexdigest()[:20]}.bin"
     meta = _read_meta(path)
     if meta is None:
@@ -292,24 +295,27 @@ def _num_proc(data_cfg: DataConfig) -> int:
 
 
 def _shard_tasks(pieces: Iterable[sources.Piece], manifest: _Manifest) -> Iterator[tuple[int, Any]]:
-    """(shard, (texts, ends)) tasks of about `TASK_BYTES` of text, each shard about `SHARD_BYTES` of text, for the
-    shards the manifest lacks. A pure function of the piece stream, so a resumed run cuts the same shards."""
-    shard, shard_bytes, texts, ends, size = 0, 0, [], [], 0
+    """(shard, (texts, flags)) tasks of about `TASK_BYTES` of text, each shard about `SHARD_BYTES` of text, for the
+    shards the manifest lacks; a piece's flags say whether it starts and ends its document
+    (`encode_worker.START`, `END`). A pure function of the piece stream, so a resumed run cuts the same shards."""
+    shard, shard_bytes, texts, flags, size = 0, 0, [], [], 0
     opened = False  # the current shard has a task
+    starts = True  # the next piece starts a document
     for piece in pieces:
         texts.append(piece.text)
-        ends.append(piece.end)
+        flags.append(encode_worker.START * starts | encode_worker.END * piece.end)
+        starts = piece.end
         size += len(piece.text)
         if size >= TASK_BYTES:
             if shard not in manifest.shards:
-                yield shard, (texts, ends)
+                yield shard, (texts, flags)
             shard_bytes, opened = shard_bytes + size, True
-            texts, ends, size = [], [], 0
+            texts, flags, size = [], [], 0
             if shard_bytes >= SHARD_BYTES:
                 shard, shard_bytes, opened = shard + 1, 0, False
     if texts:
         if shard not in manifest.shards:
-            yield shard, (texts, ends)
+            yield shard, (texts, flags)
         opened = True
     manifest.seen_shards = shard + opened
 
@@ -334,7 +340,7 @@ def _encoder(tokenizer: Tokenizer, dtype: np.dtype, workers: int) -> Iterator[An
         def encode(tasks: Iterable[tuple[int, Any]]) -> Iterator[tuple[int, np.ndarray]]:
             for tag, task in tasks:
                 yield tag, task if isinstance(task, np.ndarray) else encode_pieces(
-                    tokenizer.encode_batch, *task, tokenizer.eos_id, dtype.str)
+                    tokenizer.encode_batch, *task, tokenizer.eos_id, tokenizer.bos_prefix, dtype.str)
 
         yield encode
         return
@@ -358,17 +364,18 @@ class _Workers:
         self.dtype = dtype
         self.procs = [subprocess.Popen([sys.executable, "-P", encode_worker.__file__], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=env, start_new_session=True) for _ in range(n)]
-        setup = json.dumps({"kind": kind, "payload": payload, "eos_id": tokenizer.eos_id, "dtype": dtype.str})
+        setup = json.dumps({"kind": kind, "payload": payload, "eos_id": tokenizer.eos_id,
+                            "bos": list(tokenizer.bos_prefix), "dtype": dtype.str})
         for proc in self.procs:
             encode_worker.send(proc.stdin, setup.encode())
 
     def map(self, tasks: Iterable[tuple[int, Any]]) -> Iterator[tuple[int, np.ndarray]]:
         in_flight: collections.deque[tuple[subprocess.Popen, int]] = collections.deque()
-        for i, (tag, (texts, ends)) in enumerate(tasks):
+        for i, (tag, (texts, flags)) in enumerate(tasks):
             if len(in_flight) == len(self.procs):
                 yield self._result(*in_flight.popleft())
             proc = self.procs[i % len(self.procs)]
-            encode_worker.send(proc.stdin, encode_worker.pack(texts, ends))
+            encode_worker.send(proc.stdin, encode_worker.pack(texts, flags))
             in_flight.append((proc, tag))
         while in_flight:
             yield self._result(*in_flight.popleft())
