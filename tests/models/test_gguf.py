@@ -20,7 +20,9 @@ Error measure: rel(ours, ref) = max|ours - ref| / max|ref|. Tolerances:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,18 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str, arch: str = "llama", tensor
     return path
 
 
+def save_perturbed(make: Callable[[], Any], directory: Path) -> Path:
+    """``make()``'s transformers model (seeded), every tensor perturbed by N(0, 0.2^2) so that no weight keeps its
+    structured init (norms at 1, biases at 0) and a misplaced tensor shows, saved to ``directory``."""
+    torch.manual_seed(0)
+    model = make()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(directory)
+    return directory
+
+
 def tiny_llama(directory: Path, arch: str = "llama", **config) -> Path:
     """A tiny random Llama (or ``arch``: qwen2, qwen3) with a real (ChatML BPE) tokenizer, every tensor perturbed, saved to ``directory``."""
     directory.mkdir()
@@ -110,13 +124,7 @@ def tiny_llama(directory: Path, arch: str = "llama", **config) -> Path:
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
                                    attn_implementation="eager", **config)
-    torch.manual_seed(0)
-    model = model_cls(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(directory)
-    return directory
+    return save_perturbed(lambda: model_cls(cfg), directory)
 
 
 def tiny_gpt2(directory: Path, n_positions: int = 1024) -> Path:
@@ -126,13 +134,7 @@ def tiny_gpt2(directory: Path, n_positions: int = 1024) -> Path:
     directory.mkdir()
     cfg = transformers.GPT2Config(vocab_size=save_chatml_tokenizer(directory, TEXTS), n_positions=n_positions,
                                   n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(directory)
-    return directory
+    return save_perturbed(lambda: transformers.GPT2LMHeadModel(cfg), directory)
 
 
 @pytest.fixture(scope="module")

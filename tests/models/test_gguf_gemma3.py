@@ -38,6 +38,7 @@ from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
 from jaxtune.models.registry import FAMILIES
 from jaxtune.models.sampling import Generator
 from tests.models.real_models import GEMMA3_270M_INSTALL, gemma3_270m_gguf
+from tests.models.test_gguf import save_perturbed
 
 gguf = pytest.importorskip("gguf", reason="GGUF import needs the gguf package: pip install gguf==0.19.0")
 torch = pytest.importorskip("torch")
@@ -93,13 +94,7 @@ def tiny_gemma(directory: Path, **config) -> Path:
         num_key_value_heads=2, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=8,
         max_position_embeddings=128, rope_theta=1e6, pad_token_id=0, eos_token_id=1, bos_token_id=2,
         attn_implementation="eager", **config)
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(directory)
-    return directory
+    return save_perturbed(lambda: transformers.Gemma3ForCausalLM(cfg), directory)
 
 
 def write_gemma_gguf(path: Path, hf_dir: Path, qtype: str, drop: str | None = None,
