@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                    "holds other files), or the .gguf file")
     p.add_argument("--adapter", action="store_true", help="LoRA runs: write a PEFT adapter instead of the merged model")
     p.add_argument("--gguf", action="store_true", help="write one llama.cpp/Ollama GGUF file (OUT.gguf) instead: "
-                   "llama, mistral, qwen2, qwen3, gemma3 models with BPE tokenizers; a LoRA run is merged first")
+                   "gpt2, llama, mistral, qwen2, qwen3, gemma3 models with BPE tokenizers; a LoRA run is merged first")
     p.add_argument("--gguf-type", choices=["f16", "bf16", "q8_0", "f32"], default=None,
                    help="with --gguf: the matrices' type (default f16; norms and biases stay f32)")
     p.set_defaults(fn=_export)
