@@ -360,6 +360,13 @@ def print_table(head: list[str], lines: Iterable[list[str]]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def print_rows(head: list[str], rows: dict[str, dict[str, Any]], labels: dict[str, str],
+               cells: Callable[[dict[str, Any]], list[str]]) -> None:
+    """`print_table` of one line per side: ``cells(row)`` for a side with numbers, else its label and `status`."""
+    print_table(head, [cells(r) if not status(r) else [labels[name], status(r)] + [""] * (len(head) - 2)
+                       for name, r in rows.items()])
+
+
 def status(row: dict[str, Any]) -> str | None:
     """Why a row has no numbers (skipped, out of memory, failed), else None."""
     if row.get("skipped"):

@@ -253,19 +253,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(result["mfu_note"])
     head = ["implementation", "tokens/s", "ms/step (median / min)", "MFU", "vs PyTorch", "first step (s)",
             "compile (s)", "compiles (first step / after)", "peak memory (GB)", "loss first / last"]
-    lines = []
-    for name, r in rows.items():
-        if g.status(r):
-            lines.append([LABELS[name], g.status(r)] + [""] * (len(head) - 2))
-            continue
-        lines.append([r["implementation"], g.fmt(r["tokens_per_s"]),
-                      f"{r['ms_per_step']:.1f} / {r['ms_per_step_min']:.1f}",
-                      g.fmt(r["mfu"] and 100 * r["mfu"], ".1f") + ("%" if r["mfu"] else ""),
-                      g.fmt(torch_tps and r["tokens_per_s"] / torch_tps, ".2f") + ("x" if torch_tps else ""),
-                      f"{r['first_step_s']:.1f}", f"{r['compile_s']:.1f}",
-                      f"{r['compiles_first_step']} / {r['compiles_after_first_step']}", f"{r['peak_mem_gb']:.2f}",
-                      f"{r['loss_first']:.4f} / {r['loss_last']:.4f}"])
-    g.print_table(head, lines)
+    g.print_rows(head, rows, LABELS, lambda r: [
+        r["implementation"], g.fmt(r["tokens_per_s"]), f"{r['ms_per_step']:.1f} / {r['ms_per_step_min']:.1f}",
+        g.fmt(r["mfu"] and 100 * r["mfu"], ".1f") + ("%" if r["mfu"] else ""),
+        g.fmt(torch_tps and r["tokens_per_s"] / torch_tps, ".2f") + ("x" if torch_tps else ""),
+        f"{r['first_step_s']:.1f}", f"{r['compile_s']:.1f}",
+        f"{r['compiles_first_step']} / {r['compiles_after_first_step']}", f"{r['peak_mem_gb']:.2f}",
+        f"{r['loss_first']:.4f} / {r['loss_last']:.4f}"])
     print("compiles: jaxtune = XLA compilations (jax.monitoring), PyTorch = graphs Dynamo compiled; compile (s) = "
           "first step - median step. peak memory: " + ", ".join(
               f"{r['implementation']}: {r['peak_mem_source']}" for r in rows.values() if not g.status(r)))
