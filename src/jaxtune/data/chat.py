@@ -31,7 +31,6 @@ GEMMA = ("{{ bos_token }}"
          "{%- endfor -%}"
          "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
 SHIPPED_TEMPLATES = {"chatml": CHATML, "gemma": GEMMA}
-CHATML_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 
 def resolve_chat_template(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:

@@ -113,10 +113,9 @@ class Piece:
 
 @dataclass
 class ReadStats:
-    """What a `read_pieces` pass has read so far: ``done_bytes`` of the sources' ``total_bytes`` (None when
-    unknown: a HuggingFace dataset), documents, and the documents skipped under ``data.bad_rows=drop`` by reason."""
+    """What a `read_pieces` pass has read so far: ``done_bytes`` (of `source_bytes`), documents, and the documents
+    skipped under ``data.bad_rows=drop`` by reason."""
 
-    total_bytes: int | None = None
     done_bytes: int = 0
     documents: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
@@ -163,7 +162,6 @@ def read_pieces(data_cfg: DataConfig, stats: ReadStats | None = None,
     block = block_bytes or BLOCK_BYTES
     stats = stats if stats is not None else ReadStats()
     sources = resolve_sources(data_cfg)
-    stats.total_bytes = source_bytes(sources, data_cfg)
     pieces = (p for source in sources for p in _pieces(source, data_cfg, block, stats))
     if data_cfg.max_bytes is not None:
         pieces = take_bytes(pieces, data_cfg.max_bytes)

@@ -20,10 +20,6 @@ from jaxtune.sharding import constrain
 Axes = tuple[str | None, ...]
 
 
-def dtype_of(name: str) -> jnp.dtype:
-    return jnp.dtype(name)
-
-
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
     """Low-rank adapters on the projections named in ``targets`` (PEFT's LoRA): ``y = W x + s B A drop(x)``
