@@ -6,6 +6,7 @@ Scripts run as ``python benchmarks/NAME.py``, so this module imports as ``_harne
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import resource
@@ -157,14 +158,29 @@ def check_rounds(ap: Any, args: Any) -> None:
 
 def add_malloc_arg(ap: Any) -> None:
     ap.add_argument("--malloc-arena", action="store_true",
-                    help="glibc malloc: one arena, no mmap, no trim (cpu_step.tune_malloc); both frameworks")
+                    help="glibc malloc: one arena, no mmap, no trim (tune_malloc); affects both frameworks; "
+                         "RSS can grow")
+
+
+def tune_malloc() -> None:
+    """Keep freed memory in one glibc heap instead of returning it to the OS (``--malloc-arena``; an experiment, not
+    advice).
+
+    XLA:CPU allocates the step's whole temp buffer (~420 MB in cpu_step.py) per execution; glibc serves that with a
+    fresh mmap each step, so every step pays ~100k page faults (kernel zeroing pages). PyTorch's large
+    tensors pay the same way, less often. One arena + no mmap + no trim makes both reuse warm pages, but the
+    heap fragments: RSS was seen to grow by a temp buffer at a time (1.0 -> 2.3 GB over 25 steps).
+    """
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
+    ok = libc.mallopt(m_arena_max, 1) and libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)
+    if not ok:
+        raise RuntimeError("mallopt failed")
 
 
 def start_trainers(args: Any) -> int:
     """What the benchmarks beside TRL do before building anything: pin ``--threads``, apply ``--malloc-arena``
-    (`cpu_step.tune_malloc`) and silence the trainers' chatter; the thread count."""
-    from cpu_step import tune_malloc
-
+    (`tune_malloc`) and silence the trainers' chatter; the thread count."""
     threads = pin_threads(args.threads)
     if args.malloc_arena:
         tune_malloc()

@@ -16,7 +16,6 @@ blocks on its result, and the table reports medians. Usage:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -28,7 +27,16 @@ import numpy as np
 import optax
 import torch
 import torch.nn.functional as F
-from _harness import add_common_args, first_call, interleave, pin_threads, run_record, timing_row
+from _harness import (
+    add_common_args,
+    add_malloc_arg,
+    first_call,
+    interleave,
+    pin_threads,
+    run_record,
+    timing_row,
+    tune_malloc,
+)
 from torch import nn
 
 from jaxtune import sharding
@@ -125,21 +133,6 @@ def make_torch_step(model: nn.Module, opt: torch.optim.Optimizer, grad_clip: flo
     return step
 
 
-def tune_malloc() -> None:
-    """Keep freed memory in one glibc heap instead of returning it to the OS (an experiment, not advice).
-
-    XLA:CPU allocates the step's whole temp buffer (~420 MB here) per execution; glibc serves that with a
-    fresh mmap each step, so every step pays ~100k page faults (kernel zeroing pages). PyTorch's large
-    tensors pay the same way, less often. One arena + no mmap + no trim makes both reuse warm pages, but the
-    heap fragments: RSS was seen to grow by a temp buffer at a time (1.0 -> 2.3 GB over 25 steps).
-    """
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
-    ok = libc.mallopt(m_arena_max, 1) and libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)
-    if not ok:
-        raise RuntimeError("mallopt failed")
-
-
 # ---------------------------------------------------------------- main
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -147,9 +140,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per implementation (>= 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation after compiling")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
-    ap.add_argument("--malloc-arena", action="store_true",
-                    help="glibc malloc: one arena, no mmap, no trim (see tune_malloc); affects both frameworks; "
-                         "RSS can grow")
+    add_malloc_arg(ap)
     args = ap.parse_args(argv)
     if args.steps < 10 or args.warmup < 3:
         ap.error("use at least 3 warm-up and 10 timed steps")
