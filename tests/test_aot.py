@@ -8,6 +8,7 @@ does not need the recipe's own.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -24,7 +25,7 @@ from jaxtune.config import ConfigError, load_config
 from jaxtune.data import load_tokenizer, make_training_data
 from jaxtune.info import info
 
-pytestmark = pytest.mark.skipif(aot.importlib.util.find_spec("libtpu") is None,
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="libtpu is not installed: pip install 'jaxtune[aot]'")
 
 # GPT-2 small enough to compile in seconds (d_model 64, 3 layers), for the checks that need no real size.

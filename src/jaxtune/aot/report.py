@@ -1,0 +1,143 @@
+"""A run's plan on a TPU slice from its compiled step (`jaxtune.aot.step`): the roofline step time, MFU and tokens/s
+(`roofline`), the largest global batch the compiler accepts (`largest_batch`), the plan's numbers (`plan`) and its
+text (`format_plan`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtune import sharding
+from jaxtune.aot.catalog import GiB
+from jaxtune.aot.step import Program, program
+from jaxtune.config import Config
+
+
+def roofline(p: Program, compiled: dict[str, Any]) -> dict[str, Any]:
+    """Step time as the slowest of compute, HBM traffic and ICI traffic at the chip's peak rates (no overlap
+    modelled beyond taking the maximum), MFU against the analytic model FLOPs, tokens/s."""
+    chip, hlo, b = p.slice.chip, compiled["hlo"], compiled["batch_size"]
+    times = {"compute": hlo.flops / chip.peak_flops, "HBM": hlo.bytes / chip.hbm_bw,
+             "ICI": hlo.ici_bytes / chip.ici_axis_bw}
+    bound = max(times, key=times.get)
+    step = times[bound]
+    tokens = b * p.cfg.data.seq_len
+    model_flops = p.steps.spec.model_cfg.flops_per_token(p.cfg.data.seq_len) * tokens
+    return {"seconds": times, "step_seconds": step, "bound": bound, "model_flops": model_flops,
+            "mfu": model_flops / (p.slice.chips * step * chip.peak_flops) if step else None,
+            "tokens_per_second": tokens / step if step else None}
+
+
+def largest_batch(p: Program, first: dict[str, Any], budget_seconds: float) -> dict[str, Any]:
+    """The largest global batch (a multiple of `Program.batch_unit`) the compiler accepts within the slice's HBM:
+    doubling from the compiled ``first`` batch until one is refused (halving if ``first`` was), then bisection,
+    compiling each candidate, until ``budget_seconds`` of compiling is spent. ``exact``: the neighbours were
+    settled (the next multiple was refused); ``tried``: (batch, fits, bytes per chip) of each compile, in order
+    (a refused one's bytes are at least what the compiler asked for)."""
+    unit, spent = p.batch_unit, first["compile_seconds"]
+    k = first["batch_size"] // unit
+    lo, hi = (k, None) if first["fits"] else (0, k)
+    tried = [(first["batch_size"], first["fits"], first["memory"]["total"])]
+
+    def fits(k: int) -> bool:
+        nonlocal spent
+        r = p.compile(k * unit)
+        spent += r["compile_seconds"]
+        tried.append((k * unit, r["fits"], r["memory"]["total"]))
+        return r["fits"]
+
+    while spent < budget_seconds and (hi is None or (lo == 0 and hi > 1)):
+        k = lo * 2 if hi is None else hi // 2
+        if fits(k):
+            lo = k
+        else:
+            hi = k
+    while spent < budget_seconds and hi is not None and hi - lo > 1:
+        k = (lo + hi) // 2
+        lo, hi = (k, hi) if fits(k) else (lo, k)
+    return {"batch_size": lo * unit or None, "refused": hi * unit if hi else None, "unit": unit,
+            "exact": hi is not None and hi - lo == 1, "compiles": len(tried), "compile_seconds": spent,
+            "tried": tried}
+
+
+def plan(cfg: Config, target: str, search_seconds: float = 0.0) -> dict[str, Any]:
+    """``cfg``'s train step compiled for the slice ``target`` at train.batch_size: memory per chip and whether it
+    fits, FLOPs, HBM and collective bytes per chip and step, the roofline (when it compiled), and with
+    ``search_seconds`` > 0 the largest batch that fits (`largest_batch`)."""
+    p = program(cfg, target)
+    b, unit = p.cfg.train.batch_size, p.batch_unit
+    if b % unit:
+        raise sharding.ShardingError(
+            f"train.batch_size={b}: on {p.slice.name} it must be a multiple of {unit} (the data-parallel degree "
+            f"{p.data_parallel} x train.micro_batches {p.cfg.train.micro_batches}), e.g. {max(b // unit, 1) * unit}")
+    r = p.compile(b)
+    chip = p.slice.chip
+    out: dict[str, Any] = {
+        "slice": {"name": p.slice.name, "chips": p.slice.chips, "topology": p.slice.topology,
+                  "device_kind": p.mesh.devices.flat[0].device_kind, "peak_flops": chip.peak_flops, "hbm": chip.hbm,
+                  "hbm_usable": chip.hbm_usable, "hbm_bw": chip.hbm_bw, "ici_bw": chip.ici_bw,
+                  "ici_axis_bw": chip.ici_axis_bw, "source": chip.source},
+        "mesh": dict(p.mesh.shape), "batch_size": b, "seq_len": p.cfg.data.seq_len,
+        "micro_batches": p.cfg.train.micro_batches, "fits": r["fits"], "memory": r["memory"],
+        "compile_seconds": r["compile_seconds"], "note": p.note,
+    }
+    total = r["memory"]["total"]
+    if total is not None:
+        out["headroom"] = chip.hbm_usable - total
+    if "compiler" in r:
+        out["compiler"] = r["compiler"]
+    if "hlo" in r:
+        hlo = r["hlo"]
+        out.update(flops_per_chip=hlo.flops, hbm_bytes_per_chip=hlo.bytes, collective_bytes=hlo.collective_bytes,
+                   ici_bytes=hlo.ici_bytes, loops=hlo.loops, loops_unknown=hlo.loops_unknown, xla_cost=r["xla_cost"],
+                   roofline=roofline(p, r))
+    if search_seconds > 0:
+        out["largest_batch"] = largest_batch(p, r, search_seconds)
+    return out
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:.2f} GiB"
+
+
+def format_plan(d: dict[str, Any]) -> str:
+    s, m = d["slice"], d["memory"]
+    usable = s["hbm_usable"]
+    micro = f" in {d['micro_batches']} micro-batches" if d["micro_batches"] > 1 else ""
+    head = (f"compiled for:     {s['name']}: {s['chips']} chips of {s['device_kind']} (topology {s['topology']}), "
+            f"mesh {d['mesh']}, batch {d['batch_size']} x {d['seq_len']} tokens{micro}; compiled in "
+            f"{d['compile_seconds']:.0f} s")
+    lines = [head]
+    if d["fits"]:
+        lines.append(f"memory / chip:    arguments {_gib(m['arguments'])}, outputs {_gib(m['outputs'])} "
+                     f"({_gib(m['aliased'])} of them in donated arguments), temporaries {_gib(m['temporaries'])}, "
+                     f"code {_gib(m['code'])}: {_gib(m['total'])} of {_gib(usable)} usable HBM: fits, "
+                     f"{_gib(d['headroom'])} ({100 * d['headroom'] / usable:.1f}%) free")
+    elif m["total"] is not None:
+        over = m["total"] - usable
+        lines.append(f"memory / chip:    does not fit: at least {_gib(m['total'])} (the compiler's "
+                     f"{_gib(m['temporaries'])} of temporaries + {_gib(m['state_and_frozen'])} of state and frozen "
+                     f"weights) of {_gib(usable)} usable HBM: over by {_gib(over)} ({100 * over / usable:.0f}%)")
+    else:
+        lines.append(f"memory / chip:    does not fit: {d['compiler']}")
+    if "roofline" in d:
+        rl, t = d["roofline"], d["roofline"]["seconds"]
+        moved = ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in d["collective_bytes"].items() if v) or "none"
+        unknown = (f"; {d['loops_unknown']} of {d['loops']} loops have no readable trip count and count once"
+                   if d["loops_unknown"] else "")
+        lines.append(f"FLOPs / chip:     {d['flops_per_chip']:.3e} per step (the HLO's matmuls, loop bodies x trip "
+                     f"count; XLA's cost analysis, which counts a loop body once: {d['xla_cost']['flops'] or 0:.3e})")
+        lines.append(f"HBM bytes / chip: {d['hbm_bytes_per_chip']:.3e} per step (read and written by top-level ops)")
+        lines.append(f"collectives:      {moved} per chip and step; {d['ici_bytes'] / 1e6:,.1f} MB through each "
+                     f"chip's ICI links in ring algorithms{unknown}")
+        lines.append(f"roofline:         compute {1e3 * t['compute']:.1f} ms, HBM {1e3 * t['HBM']:.1f} ms, ICI "
+                     f"{1e3 * t['ICI']:.1f} ms: {1e3 * rl['step_seconds']:.1f} ms per step ({rl['bound']}-bound); "
+                     f"MFU {100 * rl['mfu']:.1f}% (model FLOPs {rl['model_flops']:.3e}), "
+                     f"{rl['tokens_per_second']:,.0f} tokens/s")
+    if "largest_batch" in d:
+        lb = d["largest_batch"]
+        found = f"{lb['batch_size']} fits" if lb["batch_size"] else f"none fits (not even {lb['unit']})"
+        refused = f", {lb['refused']} does not" if lb["refused"] else ", no refusal found yet"
+        budget = "" if lb["exact"] else "; stopped by the time budget"
+        lines.append(f"largest batch:    {found}{refused} (multiples of {lb['unit']}; {lb['compiles']} compiles, "
+                     f"{lb['compile_seconds']:.0f} s{budget})")
+    return "\n".join(lines)
