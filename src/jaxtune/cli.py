@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from jaxtune import runtime
+from jaxtune.config.kinds import FAMILY_NAMES, GGUF_TYPES
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -64,7 +65,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from jaxtune.config import ConfigError
-    from jaxtune.evaluate import load_run
+    from jaxtune.run import load_run
     from jaxtune.generate import sample
 
     run = load_run(args.run_dir)
@@ -217,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                    "holds other files), or the .gguf file")
     p.add_argument("--adapter", action="store_true", help="LoRA runs: write a PEFT adapter instead of the merged model")
     p.add_argument("--gguf", action="store_true", help="write one llama.cpp/Ollama GGUF file (OUT.gguf) instead: "
-                   "gpt2, llama, mistral, qwen2, qwen3, gemma3 models with BPE tokenizers; a LoRA run is merged first")
-    p.add_argument("--gguf-type", choices=["f16", "bf16", "q8_0", "f32"], default=None,
+                   f"{', '.join(FAMILY_NAMES)} models with BPE tokenizers; a LoRA run is merged first")
+    p.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
                    help="with --gguf: the matrices' type (default f16; norms and biases stay f32)")
     p.set_defaults(fn=_export)
 

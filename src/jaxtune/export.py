@@ -4,6 +4,8 @@ llama.cpp GGUF file."""
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +13,31 @@ import jax
 from flax import nnx
 
 from jaxtune.backends import BACKENDS
-from jaxtune.config import ConfigError
-from jaxtune.evaluate import load_run
+from jaxtune.config import GGUF_TYPES, ConfigError
 from jaxtune.io import check_out_dir
-from jaxtune.models.gguf_export import TYPES as GGUF_TYPES
 from jaxtune.models.gguf_export import check_out_file, write_gguf
 from jaxtune.models.hf import write_model
+from jaxtune.run import load_run
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One thing ``jaxtune export`` writes: ``write(source, out, options)`` -> the path written. ``flag``: the CLI
+    flag that picks it (none: the default)."""
+
+    name: str
+    flag: str | None
+    description: str
+    write: Callable[[Any, Path, ExportOptions], Path]
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    tokenizer: Any = None
+    dtype: str | None = None
+    max_shard_bytes: int = 5_000_000_000
+    overwrite: bool = False
+    gguf_type: str = "f16"
 
 
 def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: str | None = None,
@@ -35,31 +56,51 @@ def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: st
     A LoRA run exports merged (``W + scale A B``: an ordinary checkpoint), or with ``adapter`` as a PEFT adapter
     directory for ``peft.PeftModel.from_pretrained(base, out_dir)``.
 
-    ``gguf`` (f32, f16, bf16, q8_0): ``out_dir`` is instead one ``*.gguf`` file for llama.cpp and Ollama
-    (`jaxtune.models.gguf_export`), converted from the HuggingFace directory this writes in float32 to a temporary
-    directory beside it (so a LoRA run is merged first); an existing file is replaced only with ``overwrite``.
+    ``gguf`` (`jaxtune.config.GGUF_TYPES`: f16, bf16, q8_0, f32): ``out_dir`` is instead one ``*.gguf`` file for
+    llama.cpp and Ollama (`jaxtune.models.gguf_export`), converted from the HuggingFace directory this writes in
+    float32 to a temporary directory beside it (so a LoRA run is merged first); an existing file is replaced only with
+    ``overwrite``. Each of the three is an `ExportFormat` in `EXPORT_FORMATS`.
     """
-    out = Path(out_dir).expanduser()
-    if gguf is not None:
-        if gguf not in GGUF_TYPES:
-            raise ConfigError(f"--gguf-type {gguf}: supported: {', '.join(GGUF_TYPES)}")
-        if adapter or dtype is not None:
-            raise ConfigError(f"--gguf writes the whole model as --gguf-type {gguf}; drop "
-                              f"{'--adapter' if adapter else '--dtype'}")
-        check_out_file(out, overwrite)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.hf-") as tmp:
-            hf_dir = export(source, Path(tmp) / "model", tokenizer=tokenizer, dtype="float32")
-            return write_gguf(hf_dir, out, gguf) if jax.process_index() == 0 else out
+    if gguf is not None and (adapter or dtype is not None):
+        raise ConfigError(f"--gguf writes the whole model as --gguf-type {gguf}; drop "
+                          f"{'--adapter' if adapter else '--dtype'}")
+    name = "gguf" if gguf is not None else "peft" if adapter else "hf"
+    options = ExportOptions(tokenizer, dtype, max_shard_bytes, overwrite, gguf or "f16")
+    return EXPORT_FORMATS[name].write(source, Path(out_dir).expanduser(), options)
+
+
+def _write_gguf(source: Any, out: Path, o: ExportOptions) -> Path:
+    if o.gguf_type not in GGUF_TYPES:
+        raise ConfigError(f"--gguf-type {o.gguf_type}: supported: {', '.join(GGUF_TYPES)}")
+    check_out_file(out, o.overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.hf-") as tmp:
+        hf_dir = _write_hf(source, Path(tmp) / "model", ExportOptions(o.tokenizer, "float32", o.max_shard_bytes))
+        return write_gguf(hf_dir, out, o.gguf_type) if jax.process_index() == 0 else out
+
+
+def _write_peft(source: Any, out: Path, o: ExportOptions) -> Path:
+    return _write_hf(source, out, o, adapter=True)
+
+
+def _write_hf(source: Any, out: Path, o: ExportOptions, adapter: bool = False) -> Path:
     if out.suffix.lower() == ".gguf":
         raise ConfigError(f"{out}: a .gguf name for a HuggingFace directory; pass --gguf to write a GGUF file")
-    check_out_dir(out, overwrite)
+    check_out_dir(out, o.overwrite)
     if isinstance(source, (str, Path)):
         run = load_run(source)
-        return BACKENDS[run.cfg.model.backend].export(run, out, tokenizer=tokenizer or run.tokenizer, dtype=dtype,
-                                                      adapter=adapter, max_shard_bytes=max_shard_bytes,
-                                                      overwrite=overwrite)
+        return BACKENDS[run.cfg.model.backend].export(run, out, tokenizer=o.tokenizer or run.tokenizer, dtype=o.dtype,
+                                                      adapter=adapter, max_shard_bytes=o.max_shard_bytes,
+                                                      overwrite=o.overwrite)
     if adapter:
         raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full model")
     params = nnx.to_pure_dict(nnx.state(source, nnx.Param))
-    return write_model(source.cfg, params, out, tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    return write_model(source.cfg, params, out, tokenizer=o.tokenizer, dtype=o.dtype,
+                       max_shard_bytes=o.max_shard_bytes)
+
+
+EXPORT_FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
+    ExportFormat("hf", None, "a HuggingFace model directory (a LoRA run merged)", _write_hf),
+    ExportFormat("peft", "--adapter", "a PEFT adapter directory (LoRA runs)", _write_peft),
+    ExportFormat("gguf", "--gguf", "one llama.cpp/Ollama GGUF file", _write_gguf),
+)}

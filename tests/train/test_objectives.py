@@ -30,6 +30,14 @@ class CrossEntropyWithAccuracy:
     name: str = "ce_accuracy"
     metric_names: tuple[str, ...] = ("accuracy",)
     uses_reference: bool = False
+    passes: int = 1
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls()
+
+    def prepare(self, forward, weights, batch):
+        return batch
 
     def __call__(self, forward, weights, batch, key, reference=None):
         logits = forward.logits(weights, batch, key)

@@ -20,7 +20,6 @@ from jaxtune.aot.catalog import TpuSlice, slice_devices, tpu_slice
 from jaxtune.aot.hlo import hlo_counts
 from jaxtune.backends import make_state_spec
 from jaxtune.config import Config
-from jaxtune.data.pipeline import PRETRAINING_FORMATS
 from jaxtune.info import planned
 from jaxtune.models.family import check_fits
 from jaxtune.train.step import Steps, run_steps
@@ -28,26 +27,13 @@ from jaxtune.train.step import Steps, run_steps
 
 def abstract_batch(cfg: Config, batch_size: int, mesh: Any) -> dict[str, jax.ShapeDtypeStruct]:
     """The global batch the train step takes, as the loop hands it over (`jaxtune.data.make_training_data`; GRPO:
-    `jaxtune.train.rollout.training_rows`), sharded over the data-parallel axes. Pretraining windows: ``inputs`` and
-    ``targets``; fine-tuning rows also ``positions``, ``segment_ids`` and ``loss_mask``; preference pairs are
-    (B, 2, T), with ``ref_logps`` (B, 2) when precomputed; GRPO trains on B x num_generations completions with
-    their ``advantages``."""
-    t, fmt, obj = cfg.data.seq_len, cfg.data.format, cfg.objective
-    rows: tuple[int, ...] = (batch_size,)
-    extra: dict[str, tuple[tuple[int, ...], Any]] = {}
-    if fmt == "preference":
-        rows = (batch_size, 2)
-        if obj.uses_reference and obj.precompute_ref_logps:
-            extra["ref_logps"] = ((batch_size, 2), jnp.float32)
-    elif fmt == "prompts":
-        rows = (batch_size * obj.num_generations,)
-        extra["advantages"] = (rows, jnp.float32)
-    keys = ("inputs", "targets") if fmt in PRETRAINING_FORMATS else ("inputs", "targets", "positions", "segment_ids")
-    shapes = {k: ((*rows, t), jnp.int32) for k in keys}
-    if fmt not in PRETRAINING_FORMATS:
-        shapes["loss_mask"] = ((*rows, t), jnp.float32)
+    `jaxtune.train.rollout.training_rows`), sharded over the data-parallel axes: the arrays its batch kind declares
+    (`jaxtune.config.kinds.BatchKind.step_arrays`). Pretraining windows: ``inputs`` and ``targets``; fine-tuning rows
+    also ``positions``, ``segment_ids`` and ``loss_mask``; preference pairs are (B, 2, T), with ``ref_logps`` (B, 2)
+    when precomputed; GRPO trains on B x num_generations completions with their ``advantages``."""
+    arrays = cfg.data.kind.step_arrays(batch_size, cfg.data.seq_len, cfg.objective)
     sh = sharding.batch_sharding(mesh)
-    return {k: jax.ShapeDtypeStruct(shape, dt, sharding=sh) for k, (shape, dt) in {**shapes, **extra}.items()}
+    return {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=sh) for k, (shape, dt) in arrays.items()}
 
 
 @dataclass

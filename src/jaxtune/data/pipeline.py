@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import grain
 import numpy as np
 
-from jaxtune.config import DataConfig
+from jaxtune.config import PAIRS, PROMPTS, ROWS, WINDOWS, BatchKind, DataConfig
 from jaxtune.data.chat import resolve_chat_template
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import Example
@@ -36,8 +37,13 @@ from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
 
 Batch = dict[str, np.ndarray]  # {"inputs": int32 (B, T), "targets": int32 (B, T)}
-# Cut into windows of one token stream: text tokenized here, or token ids made elsewhere (`jaxtune.data.pretokenized`).
-PRETRAINING_FORMATS = ("text", "tokens")
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """A training iterator with worker processes to stop (Grain's with ``data.num_workers`` > 0)."""
+
+    def close(self) -> None: ...
 
 
 class TextWindows:
@@ -151,7 +157,7 @@ class TrainingData:
     report: list[str]
     eval_examples: list[Example] = field(default_factory=list)
     pairs: PreferenceData | None = None
-    batching: dict[str, Any] = field(default_factory=dict)  # how the pairs were batched (`_pair_batches`' keys)
+    batching: Batching | None = None  # how the pairs were batched (to batch them again with reference log-probs)
     prompts: PromptData | None = None
 
     @property
@@ -167,56 +173,77 @@ class TrainingData:
         self.close()
         train = self.pairs.train.with_reference(logps["train"])
         val = self.pairs.val.with_reference(logps["val"]) if self.pairs.val is not None else None
-        it, val_batches = _pair_batches(train, val, **self.batching)
-        return replace(self, train_iter=it, eval_batches=val_batches, pairs=replace(self.pairs, train=train, val=val))
+        assert self.batching is not None
+        return replace(self, train_iter=self.batching.train(train), eval_batches=self.batching.held_out(val),
+                       pairs=replace(self.pairs, train=train, val=val))
 
     def close(self) -> None:
         """Stop Grain's worker processes (``data.num_workers`` > 0)."""
-        if hasattr(self.train_iter, "close"):
+        if isinstance(self.train_iter, Closable):
             self.train_iter.close()
 
 
 def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int, eval_batches: int,
                        process_index: int = 0, process_count: int = 1,
                        max_prompt_tokens: int | None = None) -> TrainingData:
-    """Pretraining windows (``data.format=text`` or ``tokens``), packed fine-tuning sequences, preference pairs
-    (``data.format=preference``: arrays (batch_size, 2, seq_len)) or prompts (``data.format=prompts``: arrays
-    (batch_size, max_prompt_tokens), which it needs: ``data.seq_len - objective.max_completion_length``), as batches
-    of ``batch_size``."""
-    split = {"process_index": process_index, "process_count": process_count}
-    if data_cfg.format in PRETRAINING_FORMATS:
-        tokens = prepare_tokens(data_cfg, tokenizer)
-        it = make_train_iterator(tokens, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers, **split)
-        val = (make_eval_batches(tokens, batch_size=batch_size, num_batches=eval_batches, **split)
-               if tokens.val_windows else [])
-        return TrainingData(it, val, tokens.report())
-    if data_cfg.format == "preference":
-        pairs = prepare_preference(data_cfg, tokenizer)
-        batching = dict(batch_size=batch_size, seed=seed, eval_batches=eval_batches, num_workers=data_cfg.num_workers,
-                        **split)
-        it, val = _pair_batches(pairs.train, pairs.val, **batching)
-        return TrainingData(it, val, pairs.stats.lines(), pairs.held_out, pairs, batching)
-    if data_cfg.format == "prompts":
-        if max_prompt_tokens is None:
-            raise ValueError("data.format=prompts needs max_prompt_tokens (data.seq_len - "
-                             "objective.max_completion_length)")
-        prompts = prepare_prompts(data_cfg, tokenizer, max_prompt_tokens)
-        it = make_train_iterator(prompts.train, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers,
-                                 **split)
-        return TrainingData(it, [], prompts.stats.lines(), prompts=prompts)
+    """The batches of ``data.format``'s batch kind (`jaxtune.config.kinds`), ``batch_size`` items each: pretraining
+    windows, packed fine-tuning sequences, preference pairs (arrays (batch_size, 2, seq_len)) or prompts (arrays
+    (batch_size, max_prompt_tokens), which it needs: ``data.seq_len - objective.max_completion_length``)."""
+    batching = Batching(batch_size=batch_size, seed=seed, eval_batches=eval_batches, num_workers=data_cfg.num_workers,
+                        process_index=process_index, process_count=process_count)
+    return PIPELINES[data_cfg.kind].train(data_cfg, tokenizer, batching, max_prompt_tokens)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a kind's items are batched: the global batch, the shuffle seed, how many held-out batches, Grain's worker
+    processes and this process's share."""
+
+    batch_size: int
+    seed: int
+    eval_batches: int
+    num_workers: int
+    process_index: int
+    process_count: int
+
+    @property
+    def split(self) -> dict[str, int]:
+        return {"process_index": self.process_index, "process_count": self.process_count}
+
+    def train(self, source: Any) -> grain.DatasetIterator:
+        return make_train_iterator(source, global_batch=self.batch_size, seed=self.seed, num_workers=self.num_workers,
+                                   **self.split)
+
+    def held_out(self, source: Any | None) -> list[Batch]:
+        return (make_sequence_batches(source, batch_size=self.batch_size, num_batches=self.eval_batches, **self.split)
+                if source is not None else [])
+
+
+def _windows(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: int | None) -> TrainingData:
+    tokens = prepare_tokens(data_cfg, tokenizer)
+    val = (make_eval_batches(tokens, batch_size=batching.batch_size, num_batches=batching.eval_batches,
+                             **batching.split) if tokens.val_windows else [])
+    return TrainingData(batching.train(tokens), val, tokens.report())
+
+
+def _rows(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: int | None) -> TrainingData:
     sft = prepare_sft(data_cfg, tokenizer)
-    it = make_train_iterator(sft.train, global_batch=batch_size, seed=seed, num_workers=data_cfg.num_workers, **split)
-    val = (make_sequence_batches(sft.val, batch_size=batch_size, num_batches=eval_batches, **split)
-           if sft.val is not None else [])
-    return TrainingData(it, val, sft.stats.lines(), sft.held_out)
+    return TrainingData(batching.train(sft.train), batching.held_out(sft.val), sft.stats.lines(), sft.held_out)
 
 
-def _pair_batches(train: PairRows, val: PairRows | None, *, batch_size: int, seed: int, eval_batches: int,
-                  num_workers: int, process_index: int, process_count: int) -> tuple[Any, list[Batch]]:
-    split = {"process_index": process_index, "process_count": process_count}
-    it = make_train_iterator(train, global_batch=batch_size, seed=seed, num_workers=num_workers, **split)
-    return it, (make_sequence_batches(val, batch_size=batch_size, num_batches=eval_batches, **split)
-                if val is not None else [])
+def _pairs(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: int | None) -> TrainingData:
+    pairs = prepare_preference(data_cfg, tokenizer)
+    return TrainingData(batching.train(pairs.train), batching.held_out(pairs.val), pairs.stats.lines(),
+                        pairs.held_out, pairs, batching)
+
+
+def _prompts(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching,
+             max_prompt_tokens: int | None) -> TrainingData:
+    if max_prompt_tokens is None:
+        raise ValueError(f"data.format={data_cfg.format} needs max_prompt_tokens (data.seq_len - "
+                         "objective.max_completion_length)")
+    prompts = prepare_prompts(data_cfg, tokenizer, max_prompt_tokens)
+    return TrainingData(batching.train(prompts.train), [], prompts.stats.lines(), prompts=prompts)
 
 
 def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
@@ -224,22 +251,24 @@ def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tup
     random-access source for `make_sequence_batches`, and what was read: pretraining windows (all of them, no
     held-out split), fine-tuning rows packed as for training, or preference pairs. Not prompts: their completions
     are generated, so there is no fixed sequence to score."""
-    if data_cfg.format == "prompts":
-        raise DataError(f"--data {data}: held-out loss does not apply to data.format=prompts (the completions are "
-                        "generated: there is no text to score); give rows with completions and their format, e.g. "
-                        "data.format=messages")
-    test_cfg = data_cfg.model_copy(update={"sources": [data], "val_sources": [], "val_fraction": 0.0})
-    if data_cfg.format in PRETRAINING_FORMATS:
-        tokens = prepare_tokens(test_cfg, tokenizer)
-        return TextWindows(tokens, "train"), {"sequences": tokens.train_windows}
-    if data_cfg.format == "preference":
-        completion_settings(test_cfg, tokenizer)
-        stats = PreferenceStats()
-        pairs = load_pairs(test_cfg.sources, test_cfg, tokenizer, stats)
-        if not pairs:
-            raise DataError(f"--data {data}: no usable pairs ({stats.rows} read, dropped {dict(stats.dropped)})")
-        return PairRows.of(pairs, test_cfg.seq_len), {"rows": stats.rows, "pairs": len(pairs),
-                                                       "dropped": dict(stats.dropped)}
+    test = PIPELINES[data_cfg.kind].test
+    if test is None:
+        raise DataError(f"--data {data}: held-out loss does not apply to data.format={data_cfg.format} (the "
+                        "completions are generated: there is no text to score); give rows with completions and their "
+                        "format, e.g. data.format=messages")
+    return test(data_cfg.model_copy(update={"sources": [data], "val_sources": [], "val_fraction": 0.0}), tokenizer,
+                data)
+
+
+test_sequences.__test__ = False  # not a test, though pytest would collect it by its name where a test imports it
+
+
+def _test_windows(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
+    tokens = prepare_tokens(test_cfg, tokenizer)
+    return TextWindows(tokens, "train"), {"sequences": tokens.train_windows}
+
+
+def _test_rows(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
     resolve_chat_template(test_cfg, tokenizer)
     stats = SFTStats()
     rows = load_examples(test_cfg.sources, test_cfg, tokenizer, stats)
@@ -248,7 +277,32 @@ def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tup
     return sequences(rows, test_cfg), {"rows": stats.rows, "examples": len(rows), "dropped": dict(stats.dropped)}
 
 
-test_sequences.__test__ = False  # not a test, though pytest would collect it by its name where a test imports it
+def _test_pairs(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
+    completion_settings(test_cfg, tokenizer)
+    stats = PreferenceStats()
+    pairs = load_pairs(test_cfg.sources, test_cfg, tokenizer, stats)
+    if not pairs:
+        raise DataError(f"--data {data}: no usable pairs ({stats.rows} read, dropped {dict(stats.dropped)})")
+    return PairRows.of(pairs, test_cfg.seq_len), {"rows": stats.rows, "pairs": len(pairs),
+                                                   "dropped": dict(stats.dropped)}
+
+
+@dataclass(frozen=True)
+class KindPipeline:
+    """A batch kind's data: its training data (``train(data_cfg, tokenizer, batching, max_prompt_tokens)``) and the
+    sequences of a test file (``test(test_cfg, tokenizer, data)``; None: the kind has no fixed text to score)."""
+
+    train: Callable[[DataConfig, Tokenizer, Batching, int | None], TrainingData]
+    test: Callable[[DataConfig, Tokenizer, str], tuple[Any, dict[str, Any]]] | None
+
+
+# Each batch kind of `jaxtune.config.kinds` and how its data is made (a test holds that every kind has one).
+PIPELINES: dict[BatchKind, KindPipeline] = {
+    WINDOWS: KindPipeline(_windows, _test_windows),
+    ROWS: KindPipeline(_rows, _test_rows),
+    PAIRS: KindPipeline(_pairs, _test_pairs),
+    PROMPTS: KindPipeline(_prompts, None),
+}
 
 
 def _local_batch(global_batch: int, process_index: int, process_count: int, key: str) -> int:

@@ -332,7 +332,7 @@ def _file_pieces(path: Path, data_cfg: DataConfig, block: int, stats: ReadStats)
 
 def is_token_file(path: Path, data_cfg: DataConfig) -> bool:
     """Whether ``path`` holds token ids: a ``.bin``/``.npy`` file, or any file under ``data.format: tokens``."""
-    return data_cfg.format == "tokens" or path.suffix.lower() in TOKEN_SUFFIXES
+    return data_cfg.pretokenized or path.suffix.lower() in TOKEN_SUFFIXES
 
 
 def _text_pieces(path: Path, block: int, bad_bytes: str, stats: ReadStats) -> Iterator[Piece]:

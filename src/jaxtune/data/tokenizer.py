@@ -25,7 +25,7 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxtune.config import DataConfig, TokenizerConfig, local_or_hub
+from jaxtune.config import WINDOWS, DataConfig, TokenizerConfig, local_or_hub
 from jaxtune.data.encode_worker import hf_ids
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import iter_turn_texts
@@ -227,10 +227,10 @@ def _corpus(data_cfg: DataConfig, train_bytes: int, progress: Progress) -> Itera
     """What a BPE learns from, up to ``train_bytes`` bytes: the documents (as the tokenizer reads them: pieces of at
     most a block, `jaxtune.data.sources.read_pieces`, so memory stays bounded), or for chat/instruction data the
     text of every turn."""
-    if data_cfg.format == "tokens":
+    if data_cfg.pretokenized:
         raise DataError("data.format=tokens: the sources are token ids already; set tokenizer.kind (hf or tiktoken) "
                         "and tokenizer.path to the tokenizer they were made with, not bpe")
-    if data_cfg.format == "text":
+    if data_cfg.kind is WINDOWS:
         pieces = take_bytes(read_pieces(data_cfg, ReadStats()), train_bytes)
     else:
         pieces = take_bytes((Piece(t, end=True) for t in iter_turn_texts(data_cfg)), train_bytes)

@@ -284,7 +284,7 @@ def _tokenize(data_cfg: DataConfig, tokenizer: Tokenizer, dtype: np.dtype, path:
 
 def is_pretokenized(data_cfg: DataConfig) -> bool:
     """Whether ``data.sources`` are token ids (``data.format: tokens``, or ``.bin``/``.npy`` files)."""
-    return data_cfg.format == "tokens" or any(
+    return data_cfg.pretokenized or any(
         isinstance(s, sources.LocalFiles) and all(sources.is_token_file(p, data_cfg) for p in s.paths)
         for s in sources.resolve_sources(data_cfg))
 

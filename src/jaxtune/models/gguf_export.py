@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from jaxtune.config import ConfigError
+from jaxtune.config import GGUF_TYPES, ConfigError
 from jaxtune.io import CheckpointError, read_json
 from jaxtune.models.family import UnsupportedModelError
 from jaxtune.models.gguf import (
@@ -44,7 +44,6 @@ from jaxtune.models.layers import Rope
 
 log = logging.getLogger(__name__)
 
-TYPES = ("f32", "f16", "bf16", "q8_0")
 INSTALL = "pip install gguf"
 # HF model_type -> GGUF general.architecture (llama.cpp converts Mistral as a Llama)
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
@@ -80,12 +79,12 @@ def check_out_file(out: Path, overwrite: bool) -> None:
 
 def write_gguf(hf_dir: str | Path, out: str | Path, gguf_type: str = "f16", *, name: str | None = None) -> Path:
     """Write the HuggingFace model directory ``hf_dir`` (config.json, safetensors, tokenizer.json) as the GGUF file
-    ``out``, its matrices as ``gguf_type`` (`TYPES`). Written beside ``out`` and renamed into place; an existing
+    ``out``, its matrices as ``gguf_type`` (`GGUF_TYPES`). Written beside ``out`` and renamed into place; an existing
     ``out`` is replaced (`check_out_file` is the caller's guard). ``name``: general.name, default ``out``'s stem."""
     gguf = _gguf()
     hf_dir, out = Path(hf_dir), Path(out)
-    if gguf_type not in TYPES:
-        raise ValueError(f"GGUF type {gguf_type!r}; supported: {', '.join(TYPES)}")
+    if gguf_type not in GGUF_TYPES:
+        raise ValueError(f"GGUF type {gguf_type!r}; supported: {', '.join(GGUF_TYPES)}")
     model_type = read_config_json(hf_dir).get("model_type")
     if model_type not in ARCH:
         raise UnsupportedModelError(f"{hf_dir}: GGUF export of a {model_type!r} model is not supported (supported: "

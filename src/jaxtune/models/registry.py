@@ -9,12 +9,17 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtune import sharding
+from jaxtune.config import FAMILY_NAMES
 from jaxtune.models import gemma3, gpt2, llama, mistral, qwen
 from jaxtune.models.family import Family
 from jaxtune.models.layers import LoRAParam
 
+# The implementation of each family `jaxtune.config.kinds.FAMILY_NAMES` declares (``model.family``'s values).
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen.QWEN2, qwen.QWEN3, mistral.FAMILY,
                                                    gemma3.FAMILY)}
+if set(FAMILIES) != set(FAMILY_NAMES):  # declared without an implementation, or implemented without its name
+    raise ImportError(f"model families declared in jaxtune.config.kinds {sorted(FAMILY_NAMES)} != implemented "
+                      f"{sorted(FAMILIES)}")
 
 
 def build_model(cfg: Any, seed: int) -> nnx.Module:

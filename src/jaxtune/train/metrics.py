@@ -181,7 +181,8 @@ class StepLog:
         self.cfg, self.ckpt = cfg, checkpointer
         self.writer = MetricsWriter(run_dir, cfg.logging, cfg.train.steps, start, cfg.to_dict())
         seq, batch = cfg.data.seq_len, cfg.train.batch_size
-        self.tokens_per_step = batch * seq * (2 if cfg.objective.preference else 1)  # a pair is two sequences
+        # Sequences per item: a pair is two, a GRPO prompt its num_generations completions.
+        self.tokens_per_step = batch * seq * cfg.data.kind.sequences_per_item(cfg.objective)
         self.flops_per_step = model_cfg.flops_per_token(seq) * self.tokens_per_step
         self.peak = peak_flops(jax.devices()[0])
         self.losses: dict[int, float] = {}  # step -> train loss, for the steps run here

@@ -138,7 +138,7 @@ def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer) -> Rollo
     if jax.process_count() > 1:
         raise ConfigError("objective.name=grpo runs in one process for now (its rollouts sample each process's prompts "
                           "apart); run it on one host, over all of its devices")
-    chat = cfg.data.format == "prompts" and tokenizer.chat_template is not None
+    chat = tokenizer.chat_template is not None
     return Rollout(cfg, generator, tokenizer, make_rewards(cfg.objective), chat)
 
 

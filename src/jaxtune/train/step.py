@@ -149,9 +149,9 @@ def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
     (`jaxtune.train.reference`) the objective compares with, if any."""
     forward = spec.forward(train.loss_chunk)
     loss = objective_loss(objective, forward, spec.weights, reference)
-    passes = getattr(objective, "passes", 1)
+    passes = objective.passes
     prepare = None
-    if passes > 1 and hasattr(objective, "prepare"):
+    if passes > 1:
         def prepare(params, batch, frozen):
             model_frozen = frozen if reference is None else reference.model_frozen(frozen)
             return objective.prepare(forward, spec.weights(params, model_frozen), batch)

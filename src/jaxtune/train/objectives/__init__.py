@@ -1,31 +1,27 @@
-"""Training objectives by name (``objective.name``). Adding one: a module here with a class that meets
-`base.Objective`, and its entry in `make_objective` (plus its keys in `jaxtune.config.ObjectiveConfig`)."""
+"""Training objectives by name (``objective.name``). Each is declared once in `jaxtune.config.kinds.OBJECTIVES` (its
+batch kind, keys, loss types, defaults) and implemented here by a class meeting `base.Objective` whose
+``from_config`` reads its keys; adding one is its record there, its module here and its class in `CLASSES`."""
 
 from __future__ import annotations
 
+from jaxtune.config import OBJECTIVES as DECLARED
 from jaxtune.config import ObjectiveConfig
 from jaxtune.train.objectives.base import Metrics, Objective, Reference
 from jaxtune.train.objectives.cross_entropy import CrossEntropy
 from jaxtune.train.objectives.grpo import GRPO
-from jaxtune.train.objectives.preference import DPO, ORPO, PREFERENCE, SimPO
+from jaxtune.train.objectives.preference import DPO, ORPO, SimPO
 
-OBJECTIVES: dict[str, type] = {"cross_entropy": CrossEntropy, **PREFERENCE, "grpo": GRPO}
+CLASSES = (CrossEntropy, DPO, SimPO, ORPO, GRPO)
+OBJECTIVES: dict[str, type] = {c.name: c for c in CLASSES}
+if set(OBJECTIVES) != set(DECLARED):  # a declared objective without its class, or a class without its record
+    raise ImportError(f"objectives declared in jaxtune.config.kinds {sorted(DECLARED)} != implemented "
+                      f"{sorted(OBJECTIVES)}")
 
 
 def make_objective(cfg: ObjectiveConfig) -> Objective:
     """The objective ``objective.name`` names, with its keys."""
-    if cfg.name == "dpo":
-        return DPO(beta=cfg.beta_value, loss_type=cfg.loss_type_value, label_smoothing=cfg.label_smoothing)
-    if cfg.name == "simpo":
-        return SimPO(beta=cfg.beta_value, gamma=cfg.gamma, label_smoothing=cfg.label_smoothing)
-    if cfg.name == "orpo":
-        return ORPO(beta=cfg.beta_value)
-    if cfg.name == "grpo":
-        return GRPO(beta=cfg.beta_value, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                    loss_type=cfg.loss_type_value, temperature=cfg.temperature,
-                    max_completion_length=cfg.max_completion_length, passes=cfg.num_iterations)
-    return OBJECTIVES[cfg.name]()
+    return OBJECTIVES[cfg.name].from_config(cfg)
 
 
-__all__ = ["DPO", "GRPO", "OBJECTIVES", "ORPO", "CrossEntropy", "Metrics", "Objective", "Reference", "SimPO",
-           "make_objective"]
+__all__ = ["CLASSES", "DPO", "GRPO", "OBJECTIVES", "ORPO", "CrossEntropy", "Metrics", "Objective", "Reference",
+           "SimPO", "make_objective"]

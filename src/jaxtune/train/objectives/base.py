@@ -6,8 +6,9 @@ sequence pairs for a preference loss), how many units counted, and extra scalars
 divides each sum by its count accumulated over the whole batch (micro-batches included), so a logged metric is a mean
 per unit, at train and eval alike; the loop logs every metric an objective returns.
 
-An objective that trains several passes on one batch (``passes`` > 1: GRPO's ``num_iterations``) may have a
-``prepare(forward, weights, batch) -> batch``, called once before the first pass with the weights as they were.
+An objective that trains several passes on one batch (``passes`` > 1: GRPO's ``num_iterations``) has its
+``prepare(forward, weights, batch) -> batch`` called once before the first pass with the weights as they were (the
+others return the batch as it is).
 
 An objective that compares the policy with a frozen reference model (``uses_reference``: DPO's KL anchor, GRPO's
 KL penalty) is handed a `Reference`: the reference's per-token log-probs of a batch of (N, T) rows. Which model that
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 import jax
 
+from jaxtune.config import ObjectiveConfig
 from jaxtune.train.state import Batch, Forward
 
 Metrics = dict[str, jax.Array | tuple[jax.Array, jax.Array]]  # a sum (over the loss's count), or (sum, its count)
@@ -33,6 +35,16 @@ class Objective(Protocol):
     name: str
     metric_names: tuple[str, ...]  # the keys of the metrics it returns (logged as they are)
     uses_reference: bool  # reads a reference model's log-probs (a `Reference`, or ``ref_logps`` in the batch)
+    passes: int  # optimizer updates on each batch
+
+    @classmethod
+    def from_config(cls, cfg: ObjectiveConfig) -> Objective:
+        """The objective with the ``objective`` section's keys."""
+        ...
+
+    def prepare(self, forward: Forward, weights: Any, batch: Batch) -> Batch:
+        """Before the first of several passes: what the later passes need of the weights as they were."""
+        ...
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]: ...

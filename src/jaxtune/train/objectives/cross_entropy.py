@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxtune.config import ObjectiveConfig
 from jaxtune.train.objectives.base import Metrics, Reference
 from jaxtune.train.state import Batch, Forward
 
@@ -20,6 +21,14 @@ class CrossEntropy:
     name: str = "cross_entropy"
     metric_names: tuple[str, ...] = ()
     uses_reference: bool = False
+    passes: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: ObjectiveConfig) -> CrossEntropy:
+        return cls()
+
+    def prepare(self, forward: Forward, weights: Any, batch: Batch) -> Batch:
+        return batch
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:

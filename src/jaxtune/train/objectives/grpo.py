@@ -32,10 +32,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxtune.config import OBJECTIVES, ObjectiveConfig
 from jaxtune.train.objectives.base import Metrics, Reference
 from jaxtune.train.state import Batch, Forward
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_TYPES = OBJECTIVES["grpo"].loss_types
 ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 
@@ -50,6 +51,12 @@ class GRPO:
     max_completion_length: int = 128
     passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
     metric_names: tuple[str, ...] = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+    @classmethod
+    def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
+        return cls(beta=cfg.beta_value, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                   loss_type=cfg.loss_type_value, temperature=cfg.temperature,
+                   max_completion_length=cfg.max_completion_length, passes=cfg.passes)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:

@@ -26,13 +26,13 @@ Metrics (means per pair): ``rewards/chosen``, ``rewards/rejected`` (β(c - c_ref
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxtune.config import ObjectiveConfig
 from jaxtune.train.objectives.base import Metrics, Reference
 from jaxtune.train.state import Batch, Forward
 
@@ -69,6 +69,14 @@ class PreferenceObjective:
     name: str = ""
     metric_names: tuple[str, ...] = REWARD_METRICS
     uses_reference: bool = False
+    passes: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: ObjectiveConfig) -> PreferenceObjective:
+        return cls(beta=cfg.beta_value)
+
+    def prepare(self, forward: Forward, weights: Any, batch: Batch) -> Batch:
+        return batch
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
@@ -107,6 +115,10 @@ class DPO(PreferenceObjective):
     label_smoothing: float = 0.0
     uses_reference: bool = True
 
+    @classmethod
+    def from_config(cls, cfg: ObjectiveConfig) -> DPO:
+        return cls(beta=cfg.beta_value, loss_type=cfg.loss_type_value, label_smoothing=cfg.label_smoothing)
+
     def pair_losses(self, logps, counts, ref):
         ratios = logps - ref  # (B, 2): log π/π_ref of chosen, rejected
         delta = ratios[:, 0] - ratios[:, 1]
@@ -128,6 +140,10 @@ class SimPO(PreferenceObjective):
     name: str = "simpo"
     gamma: float = 0.5
     label_smoothing: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: ObjectiveConfig) -> SimPO:
+        return cls(beta=cfg.beta_value, gamma=cfg.gamma, label_smoothing=cfg.label_smoothing)
 
     def pair_losses(self, logps, counts, ref):
         mean = logps / counts
@@ -163,5 +179,3 @@ def _per_pair(rewards: jax.Array, logps: jax.Array) -> dict[str, jax.Array]:
             "rewards/accuracies": (chosen > rejected).astype(jnp.float32), "rewards/margins": chosen - rejected,
             "logps/chosen": logps[:, 0], "logps/rejected": logps[:, 1]}
 
-
-PREFERENCE: dict[str, Callable[..., PreferenceObjective]] = {"dpo": DPO, "simpo": SimPO, "orpo": ORPO}

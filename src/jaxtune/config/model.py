@@ -1,0 +1,125 @@
+"""The ``model`` section: one class per backend (``model.backend`` picks it), LoRA, and the keys a checkpoint decides."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+
+from jaxtune.config.base import Section
+from jaxtune.config.kinds import FAMILY_NAMES
+
+# LoRA target names: the native decoder's module names, and the HuggingFace/PEFT names users know them by.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_HF_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+                 "down_proj": "down"}
+LORA_OUR_TO_HF = {ours: hf for hf, ours in LORA_HF_NAMES.items()}
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA, as PEFT defines it): ``W x + (alpha / rank) B A dropout(x)`` on the target
+    projections, base weights frozen. ``rank: 0`` is full fine-tuning. With LoRA, ``model.param_dtype`` is the
+    frozen base's dtype (bfloat16 halves its memory); the adapters are always float32."""
+
+    rank: int = Field(0, ge=0, description="0: no adapters (every parameter trains)")
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    targets: list[str] = Field(list(LORA_TARGETS), description="q k v o gate up down (or q_proj ... down_proj), "
+                               "or 'all'")
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        names = [v] if isinstance(v, str) else list(v)
+        if names in (["all"], ["all-linear"]):
+            return list(LORA_TARGETS)
+        out = []
+        for n in names:
+            ours = LORA_HF_NAMES.get(n, n)
+            if not isinstance(ours, str) or not ours.replace("_", "").isalnum():
+                raise ValueError(f"LoRA target {n!r} is not a module name; choose from {list(LORA_TARGETS)} "
+                                 f"(or {list(LORA_HF_NAMES)}, or 'all')")
+            if ours not in out:  # other names are modules of a torchax model (qkv_proj...): checked when built
+                out.append(ours)
+        if not out:
+            raise ValueError("needs at least one target module")
+        return out
+
+
+# The model keys that are a checkpoint's shapes: with model.from_hf, its config.json decides them (setting one is an
+# error, `jaxtune.models.resolve`).
+STRUCTURAL = ("n_layer", "n_head", "n_kv_head", "head_dim", "d_model", "d_ff", "vocab_size")
+# What a recipe's model section yields when model.from_hf is given on the command line: the checkpoint decides the
+# family, the shapes and the context length (`load_config`).
+CHECKPOINT_DECIDES = ("family", "preset", *STRUCTURAL, "max_seq_len", "hf_config")
+
+
+class ModelSection(Section):
+    """Keys every backend reads. ``backend`` picks the section's class (`ModelConfig`): each backend accepts only
+    its own keys, so a key of another backend is an error that says which backend it belongs to. ``HINT``: what a
+    key of another backend's section should be done with instead (said in that key's error)."""
+
+    HINT: ClassVar[str] = ""
+
+    from_hf: str | None = Field(None, description="start from a HuggingFace checkpoint directory (config.json + "
+                                "safetensors) or hub name; it decides the family and shapes")
+    max_seq_len: int | None = Field(None, ge=1)
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    lora: LoraConfig = LoraConfig()
+
+
+class NativeModelConfig(ModelSection):
+    """``backend: native``: jaxtune's Flax model of the family. ``preset`` picks a family preset; any other key set
+    here overrides it."""
+
+    backend: Literal["native"] = "native"
+    family: Literal[FAMILY_NAMES] | None = Field(
+        None, description="default gpt2; with from_hf, the checkpoint's")
+    preset: str = "tiny"
+    n_layer: int | None = Field(None, ge=1)
+    n_head: int | None = Field(None, ge=1)
+    n_kv_head: int | None = Field(None, ge=1, description="key/value heads (grouped-query attention)")
+    head_dim: int | None = Field(None, ge=1)
+    d_model: int | None = Field(None, ge=1)
+    d_ff: int | None = Field(None, ge=1)
+    vocab_size: int | None = Field(None, ge=2, description="default: the tokenizer's vocabulary size")
+    dropout: float | None = Field(None, ge=0.0, lt=1.0)
+    scan_layers: bool = False
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+
+
+class TorchaxModelConfig(ModelSection):
+    """``backend: torchax``: the HuggingFace PyTorch model itself, run through JAX. The transformers config decides
+    the architecture."""
+
+    HINT: ClassVar[str] = "the transformers config decides the architecture; edit its config.json instead"
+
+    backend: Literal["torchax"] = "torchax"
+    hf_config: str | None = Field(None, description="a transformers config.json (or its directory) to build a "
+                                  "randomly initialised model instead of from_hf")
+    trust_remote_code: bool = Field(False, description="allow model code shipped with the checkpoint")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TorchaxModelConfig:
+        if bool(self.from_hf) == bool(self.hf_config):
+            raise ValueError("model.backend=torchax needs exactly one of model.from_hf (a checkpoint) or "
+                             "model.hf_config (a config.json, random init)")
+        return self
+
+
+# The model section's class per backend (a backend is `jaxtune.backends.BACKENDS`' entry plus its section here).
+MODEL_SECTIONS: dict[str, type[ModelSection]] = {"native": NativeModelConfig, "torchax": TorchaxModelConfig}
+
+
+def backend_of(v: Any) -> str:
+    """The backend a raw or validated model section names (``native`` when it names none)."""
+    return (v.get("backend") if isinstance(v, dict) else v.backend if isinstance(v, ModelSection) else None) or "native"
+
+
+ModelConfig = Annotated[
+    Annotated[NativeModelConfig, Tag("native")] | Annotated[TorchaxModelConfig, Tag("torchax")],
+    Discriminator(backend_of, custom_error_type="backend",
+                  custom_error_message=f"model.backend must be one of {list(MODEL_SECTIONS)}"),
+]

@@ -1,0 +1,83 @@
+"""The whole run's config (`Config`): every section, and the checks that span sections (the objective against the
+data's batch kind, a checkpoint's own tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import model_validator
+
+from jaxtune.config.base import Section
+from jaxtune.config.data import DataConfig, TokenizerConfig
+from jaxtune.config.kinds import objectives_for
+from jaxtune.config.model import ModelConfig, NativeModelConfig
+from jaxtune.config.objective import ObjectiveConfig
+from jaxtune.config.run import (
+    CheckpointConfig,
+    DistributedConfig,
+    EvalConfig,
+    LoggingConfig,
+    MeshConfig,
+    OptimConfig,
+    TrainConfig,
+)
+
+class Config(Section):
+    name: str = "run"
+    run_dir: str = "runs/${name}"
+    model: ModelConfig = NativeModelConfig()
+    data: DataConfig = DataConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    optim: OptimConfig = OptimConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _checkpoint_tokenizer(self) -> Config:
+        """Starting from a HuggingFace checkpoint, the tokenizer is the checkpoint's unless one is configured."""
+        if self.model.from_hf and "tokenizer" not in self.model_fields_set:
+            return self.model_copy(update={"tokenizer": TokenizerConfig.of_checkpoint(self.model.from_hf)})
+        return self
+
+    @model_validator(mode="after")
+    def _objective_matches_data(self) -> Config:
+        """The objective trains on the batch kind ``data.format`` makes (`jaxtune.config.kinds`)."""
+        kind, obj = self.data.kind, self.objective
+        if kind not in obj.kinds:
+            formats = ", ".join(f for k in obj.kinds for f in k.formats)
+            takers = objectives_for(kind)
+            raise ValueError(
+                f"objective.name={obj.name} trains on {' or '.join(k.name for k in obj.kinds)} "
+                f"(data.format {formats}), but data.format={self.data.format} makes {kind.name} ({kind.description}); "
+                f"set data.format to one of {formats}, or objective.name to "
+                + (f"one of {', '.join(takers)}" if len(takers) > 1 else takers[0]))
+        if obj.generates and obj.max_completion_length >= self.data.seq_len:
+            raise ValueError(f"objective.max_completion_length={obj.max_completion_length} leaves no room "
+                             f"for a prompt in data.seq_len={self.data.seq_len} (prompt and completion together); "
+                             "raise data.seq_len or lower max_completion_length")
+        return self
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """Objectives that generate (GRPO): the longest prompt in tokens, what ``data.seq_len`` leaves after
+        ``max_completion_length``."""
+        return self.data.seq_len - self.objective.max_completion_length if self.objective.generates else None
+
+    @property
+    def optimizer_updates(self) -> int:
+        """Optimizer updates in the whole run (what ``optim``'s schedule counts): ``train.steps``, times the
+        objective's passes per step (GRPO's ``num_iterations``)."""
+        return self.train.steps * self.objective.passes
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir.replace("${name}", self.name)).expanduser()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")

@@ -1,0 +1,106 @@
+"""How the run runs: the ``optim``, ``train``, ``eval``, ``checkpoint``, ``mesh``, ``distributed`` and ``logging``
+sections."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from jaxtune.config.base import Section
+
+class OptimConfig(Section):
+    name: Literal["adamw", "adafactor", "sgd"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd only")
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    decay_steps: int | None = Field(None, ge=1, description="in optimizer updates; default: train.steps (times "
+                                    "objective.num_iterations for grpo)")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class TrainConfig(Section):
+    seed: int = 0
+    steps: int = Field(1000, ge=1)
+    batch_size: int = Field(8, ge=1, description="global batch, in sequences")
+    micro_batches: int = Field(1, ge=1, description="gradient accumulation: micro-batches per step")
+    on_nan: Literal["abort", "skip"] = "abort"
+    max_nan_skips: int = Field(5, ge=1, description="skip: abort after this many non-finite steps in a row")
+    compile_cache_dir: str | None = Field("~/.cache/jaxtune/xla", description="JAX's persistent compilation cache "
+                                          "(null: off); entries are keyed by program, flags, device and versions")
+    loss_chunk: int = Field(0, ge=0, description="sequence positions per cross-entropy chunk (large vocabularies); "
+                            "0: auto, chunking only when the batch's float32 logits would exceed 1 GiB")
+    profile_steps: tuple[int, int] | None = Field(None, description="[START, END]: a jax.profiler trace of steps "
+                                                  "START..END (1-based, inclusive) under run_dir/profile/")
+
+    @model_validator(mode="after")
+    def _divides(self) -> TrainConfig:
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} is not divisible by train.micro_batches={self.micro_batches}"
+            )
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            if not 1 <= first <= last <= self.steps:
+                raise ValueError(f"train.profile_steps={list(self.profile_steps)}: want [START, END] with 1 <= START "
+                                 f"<= END <= train.steps ({self.steps}), e.g. [10, 15] (after the first step's "
+                                 "compile)")
+        return self
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0, description="0: only at the end")
+    batches: int = Field(8, ge=1)
+    prompts: list[str] = []
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.8, ge=0)
+    top_k: int | None = Field(None, ge=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    exact_match: int = Field(0, ge=0, description="fine-tuning: the first N held-out rows answered greedily (up to "
+                             "max_new_tokens) and compared with their reference reply; 0: off")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(500, ge=1)
+    keep: int = Field(3, ge=1)
+    keep_every: int | None = Field(None, ge=1, description="also keep every K-th step forever")
+    async_save: bool = True
+
+
+class MeshConfig(Section):
+    """Device mesh axis sizes; one axis may be -1 ("the rest of the devices")."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    @model_validator(mode="after")
+    def _one_rest(self) -> MeshConfig:
+        sizes = [self.data, self.fsdp, self.tensor]
+        if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
+            raise ValueError("mesh axes are positive sizes, with at most one -1")
+        return self
+
+
+class DistributedConfig(Section):
+    """Multi-host runs (`jax.distributed.initialize`); see jaxtune.train.distributed. Leave everything unset on
+    TPU VMs, SLURM and Open MPI: JAX reads the cluster from the environment."""
+
+    initialize: Literal["auto", "always", "never"] = "auto"
+    coordinator_address: str | None = Field(None, description="host:port of process 0 (or JAX_COORDINATOR_ADDRESS)")
+    num_processes: int | None = Field(None, ge=1)
+    process_id: int | None = Field(None, ge=0)
+
+
+class LoggingConfig(Section):
+    every: int = Field(10, ge=1)
+    progress: bool = True
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb_project: str | None = None
