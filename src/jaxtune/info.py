@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
-from jaxtune.config import Config
+from jaxtune.config import Config, NativeModelConfig
 from jaxtune.models.resolve import planned_section
 
 
@@ -31,7 +31,8 @@ def planned(cfg: Config, vocab_size: int | None = None) -> tuple[Config, int | N
     model, note = planned_section(cfg.model)
     cfg = cfg.model_copy(update={"model": model})
     bpe_vocab = cfg.tokenizer.vocab_size if cfg.tokenizer.kind == "bpe" else None
-    return cfg, vocab_size or getattr(cfg.model, "vocab_size", None) or bpe_vocab, note
+    model_vocab = cfg.model.vocab_size if isinstance(cfg.model, NativeModelConfig) else None
+    return cfg, vocab_size or model_vocab or bpe_vocab, note
 
 
 def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None) -> dict[str, Any]:
@@ -45,7 +46,7 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
         mesh = sharding.abstract_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
     spec = make_state_spec(cfg, vocab, mesh)
     mcfg = spec.model_cfg  # a native family's config, or a torchax model's ModelInfo
-    compute_dtype = getattr(mcfg, "compute_dtype", cfg.model.compute_dtype)
+    compute_dtype = mcfg.compute_dtype
     trained_b = _bytes_per_device(spec.abstract.params)  # a LoRA run trains only its adapters
     params_b = trained_b + _bytes_per_device(spec.frozen_abstract)
     opt_b = _bytes_per_device(spec.abstract.opt_state)
@@ -56,7 +57,7 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
     # Saved activations per layer ~ (34 D + 5 N T) bytes/token at 2 bytes (Korthikanti et al. 2022), scaled to
     # the compute dtype; full remat keeps only each layer's input.
     per_token_layer = (34 * mcfg.d_model + 5 * mcfg.n_head * seq) * act_item / 2
-    if getattr(mcfg, "remat", cfg.model.remat) == "full":
+    if mcfg.remat == "full":
         per_token_layer = mcfg.d_model * act_item
     act_b = int(rows * seq * (mcfg.n_layer * per_token_layer + 4 * mcfg.vocab_size) / mesh.shape["tensor"])
     return {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the key or file and says what to do."""
 

@@ -10,6 +10,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from jaxtune.config.base import Section
 from jaxtune.config.kinds import BATCH_KINDS, FORMATS, KIND_OF_FORMAT, PRETOKENIZED_FORMAT, BatchKind
 
+
 class DataConfig(Section):
     """Training data. ``sources`` entries: ``python-stdlib`` (the running interpreter's own standard
     library source, present on every machine), a local file, glob or directory (.txt/.jsonl/.parquet), or
@@ -17,8 +18,8 @@ class DataConfig(Section):
 
     ``format: text`` is pretraining text cut into windows (``tokens``: pretraining token ids already made, nanoGPT or
     llm.c ``.bin``, ``.npy``, or ``input_ids`` rows; `jaxtune.data.pretokenized`); the other formats are supervised
-    fine-tuning rows (see `jaxtune.data.formats`): ``messages`` (OpenAI chat), ``sharegpt`` (``conversations`` of ``from``/``value``),
-    ``alpaca`` (``instruction``/``input``/``output``) and ``prompt_completion``, rendered by the tokenizer's chat
+    fine-tuning rows (see `jaxtune.data.formats`): ``messages`` (OpenAI chat), ``sharegpt`` (``conversations`` of
+    ``from``/``value``), ``alpaca`` (``instruction``/``input``/``output``) and ``prompt_completion``, rendered by the tokenizer's chat
     template (or ``chat_template``), loss on the tokens ``loss_on`` names, packed into ``seq_len`` rows; and
     ``preference``: pairs of completions, ``prompt``/``chosen``/``rejected`` in TRL's forms (text, or messages with an
     explicit or implicit prompt; `jaxtune.data.preference`), one pair per item (never packed), loss on each

@@ -1,4 +1,5 @@
-"""The ``model`` section: one class per backend (``model.backend`` picks it), LoRA, and the keys a checkpoint decides."""
+"""The ``model`` section: one class per backend (``model.backend`` picks it), LoRA, and the keys a checkpoint
+decides."""
 
 from __future__ import annotations
 

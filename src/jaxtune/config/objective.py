@@ -102,8 +102,10 @@ class ObjectiveConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _legacy_loss_type(cls, data: Any) -> Any:
-        # Configs written before grpo set loss_type: sigmoid for every objective; it only ever meant dpo's.
-        if isinstance(data, dict) and data.get("loss_type") == "sigmoid" and data.get("name", "cross_entropy") != "dpo":
+        # Configs written before grpo set loss_type: sigmoid for every objective; it only ever meant dpo's. Objectives
+        # with loss types of their own (grpo) came later: sigmoid there is the user's, and an error.
+        spec = OBJECTIVES.get(data.get("name", "cross_entropy")) if isinstance(data, dict) else None
+        if spec is not None and data.get("loss_type") == "sigmoid" and not spec.loss_types:
             data = {k: v for k, v in data.items() if k != "loss_type"}
         return data
 

@@ -23,6 +23,7 @@ from jaxtune.config.run import (
     TrainConfig,
 )
 
+
 class Config(Section):
     name: str = "run"
     run_dir: str = "runs/${name}"

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from jaxtune.config.base import Section
 
+
 class OptimConfig(Section):
     name: Literal["adamw", "adafactor", "sgd"] = "adamw"
     lr: float = Field(3e-4, gt=0)

@@ -30,6 +30,7 @@ import tokenizers
 
 from jaxtune.config import GGUF_TYPES, ConfigError
 from jaxtune.io import CheckpointError, read_json
+from jaxtune.models.decoder import DecoderConfig
 from jaxtune.models.family import UnsupportedModelError
 from jaxtune.models.gguf import (
     ARCHITECTURES,
@@ -249,7 +250,7 @@ def _declare_tensors(w: Any, ckpt: HFCheckpoint, cfg: Any, gguf_type: str) -> li
         return make
 
     pending = []
-    if getattr(cfg, "rope", None) is not None and cfg.rope.kind == "llama3":  # GPT-2 has no RoPE
+    if isinstance(cfg, DecoderConfig) and cfg.rope.kind == "llama3":  # GPT-2 (GPTConfig) has no RoPE
         freqs = rope_freqs(cfg.rope, cfg.hd)
         w.add_tensor_info("rope_freqs.weight", freqs.shape, freqs.dtype, freqs.nbytes, raw_dtype=q.F32)
         pending.append(lambda: freqs)

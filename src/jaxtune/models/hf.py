@@ -11,7 +11,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import ml_dtypes
@@ -270,8 +270,17 @@ def write_hf_weights(directory: Path, tensors: dict[str, np.ndarray], max_shard_
     return files + [INDEX]
 
 
-def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: Any = None, dtype: str | None = None,
-                max_shard_bytes: int = 5_000_000_000) -> Path:
+class SavedTokenizer(Protocol):
+    """What a model directory's writer needs of a tokenizer (`jaxtune.data.Tokenizer` meets it)."""
+
+    vocab_size: int
+    eos_id: int
+
+    def save(self, directory: Path) -> None: ...
+
+
+def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer | None = None,
+                dtype: str | None = None, max_shard_bytes: int = 5_000_000_000) -> Path:
     """Write a native model (its family config ``cfg`` and ``params``, without LoRA) as a HuggingFace model
     directory that `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json, generation_config.json,
     safetensors (sharded with an index past ``max_shard_bytes``) and the tokenizer files. ``dtype``:
@@ -280,7 +289,7 @@ def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: Any = None, dtyp
     fam = FAMILIES[cfg.family]
     if tokenizer is not None:
         check_fits(cfg.vocab_size, cfg.max_seq_len, tokenizer_vocab=tokenizer.vocab_size)
-    eos = getattr(tokenizer, "eos_id", None)
+    eos = tokenizer.eos_id if tokenizer is not None else None
     if cfg.eos_id is None and eos is not None:
         cfg = cfg.replace(eos_id=eos, bos_id=cfg.bos_id if cfg.bos_id is not None else eos)
     dtype = dtype or str(jax.tree.leaves(params)[0].dtype)

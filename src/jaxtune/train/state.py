@@ -68,6 +68,8 @@ class ModelInfo(Protocol):
     d_model: int
     n_head: int
     needs_key: bool  # training draws random numbers (dropout): the step passes a key
+    compute_dtype: str  # the activations' dtype
+    remat: str  # what the backward pass recomputes (model.remat)
 
     def num_params(self, non_embedding: bool = False) -> int: ...
 

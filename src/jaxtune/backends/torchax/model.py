@@ -148,6 +148,8 @@ class ModelInfo:
     n_params: int  # unique parameters (tied ones once), adapters included
     n_embed: int  # embedding parameters
     needs_key: bool  # dropout somewhere: the step passes a key
+    compute_dtype: str = "float32"
+    remat: str = "none"
 
     def num_params(self, non_embedding: bool = False) -> int:
         return self.n_params - (self.n_embed if non_embedding else 0)
@@ -192,7 +194,8 @@ class TorchaxModel:
             max_seq_len=getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 0),
             n_layer=len(_layer_stack(module)), d_model=getattr(hf, "hidden_size", None) or hf.n_embd,
             n_head=getattr(hf, "num_attention_heads", None) or hf.n_head,
-            n_params=total, n_embed=embed, needs_key=bool(dropout or lora_dropout))
+            n_params=total, n_embed=embed, needs_key=bool(dropout or lora_dropout), compute_dtype=compute_dtype,
+            remat=remat)
         self._layers = _layer_stack(module)
         self._wrapped = False
 

@@ -1,0 +1,122 @@
+"""Each kind is declared once (`jaxtune.config.kinds`) and every room that implements kinds covers exactly the
+declared ones; the batch a kind's pipeline makes is the batch its record says the train step takes."""
+
+from __future__ import annotations
+
+import typing
+
+import numpy as np
+import pytest
+
+from jaxtune.config import (
+    BATCH_KINDS,
+    FAMILY_NAMES,
+    FORMATS,
+    GGUF_TYPES,
+    OBJECTIVES,
+    PAIRS,
+    PROMPTS,
+    ROWS,
+    WINDOWS,
+    ConfigError,
+    DataConfig,
+    NativeModelConfig,
+    ObjectiveConfig,
+    load_config,
+)
+from jaxtune.config.kinds import KIND_OF_FORMAT, LOSS_TYPES, objectives_for
+from jaxtune.data.formats import FORMATS as ROW_FORMATS
+from jaxtune.data.pipeline import PIPELINES, make_training_data
+from jaxtune.export import EXPORT_FORMATS
+from jaxtune.models.gguf_export import GGUF_TYPES as WRITTEN_GGUF_TYPES
+from jaxtune.models.registry import FAMILIES
+from jaxtune.train.objectives import OBJECTIVES as IMPLEMENTED
+from jaxtune.train.objectives import make_objective
+from jaxtune.train.objectives.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
+from jaxtune.train.rollout import training_rows
+from tests.helpers.rows import build_chat_tokenizers, chatml_cfg, fresh
+
+
+def test_every_kind_has_its_implementation_and_no_more():
+    assert set(PIPELINES) == set(BATCH_KINDS.values())
+    assert set(IMPLEMENTED) == set(OBJECTIVES)
+    assert set(FAMILIES) == set(FAMILY_NAMES)
+    # Row formats are parsed by data/formats.py; windows are read as text or token ids.
+    assert set(ROW_FORMATS) == {f for k in (ROWS, PAIRS, PROMPTS) for f in k.formats}
+    assert set(WINDOWS.formats) == {"text", "tokens"}
+    assert WRITTEN_GGUF_TYPES is GGUF_TYPES
+    assert set(EXPORT_FORMATS) == {"hf", "peft", "gguf"}
+    assert GRPO_LOSS_TYPES == OBJECTIVES["grpo"].loss_types
+
+
+def test_config_literals_come_from_the_records():
+    assert typing.get_args(DataConfig.model_fields["format"].annotation) == FORMATS
+    name = ObjectiveConfig.model_fields["name"].annotation
+    assert typing.get_args(name) == tuple(OBJECTIVES)
+    loss = typing.get_args(ObjectiveConfig.model_fields["loss_type"].annotation)[0]
+    assert typing.get_args(loss) == LOSS_TYPES
+    family = typing.get_args(NativeModelConfig.model_fields["family"].annotation)[0]
+    assert typing.get_args(family) == FAMILY_NAMES
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_each_objective_builds_from_its_record(name):
+    spec = OBJECTIVES[name]
+    rewards = [{"name": "exact_number"}] if any(k.generates for k in spec.kinds) else []
+    obj = make_objective(ObjectiveConfig(name=name, rewards=rewards))
+    assert obj.name == name and obj.passes == 1
+    assert obj.uses_reference == (spec.reference == "always")
+    for loss_type in spec.loss_types:
+        assert make_objective(ObjectiveConfig(name=name, loss_type=loss_type, rewards=rewards)).loss_type == loss_type
+    # (sigmoid on an objective without loss types is what configs written before GRPO hold: read as unset.)
+    for other in sorted(set(LOSS_TYPES) - set(spec.loss_types) - (set() if spec.loss_types else {"sigmoid"})):
+        with pytest.raises(ValueError, match=rf"objective.loss_type(={other})? does not apply to objective.name={name}"):
+            ObjectiveConfig(name=name, loss_type=other, rewards=rewards)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_objective_on_another_kind_of_data_says_which_formats_and_objectives_fit(fmt):
+    kind = KIND_OF_FORMAT[fmt]
+    for name, spec in OBJECTIVES.items():
+        if kind in spec.kinds:
+            continue
+        extra = ["objective.rewards=[{name: exact_number}]"] if any(k.generates for k in spec.kinds) else []
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"data.format={fmt}", f"objective.name={name}", *extra])
+        msg = str(e.value)
+        assert f"objective.name={name} trains on" in msg and f"data.format={fmt} makes {kind.name}" in msg
+        assert all(o in msg for o in objectives_for(kind))
+        assert "{" not in msg  # names the keys, not the whole config
+
+
+@pytest.fixture(scope="module")
+def tok_dirs(tmp_path_factory):
+    return build_chat_tokenizers(tmp_path_factory.mktemp("tokenizers"))
+
+
+def _shapes(batch) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {k: (tuple(np.shape(v)), str(np.asarray(v).dtype)) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("kind", [WINDOWS, ROWS, PAIRS], ids=lambda k: k.name)
+def test_the_pipeline_makes_the_batch_the_record_declares(kind, tok_dirs, tmp_path):
+    """The batch `make_training_data` yields is what `BatchKind.step_arrays` says the step takes (and what the TPU
+    plan compiles for): the same keys, shapes and dtypes."""
+    source = {WINDOWS: "python-stdlib", ROWS: "synthetic:arithmetic", PAIRS: "synthetic:arithmetic-preferences"}[kind]
+    data_cfg = chatml_cfg(kind.formats[0], sources=[source], seq_len=48, max_bytes=200_000,
+                          cache_dir=str(tmp_path / "cache"))
+    objective = ObjectiveConfig(name=objectives_for(kind)[0])
+    data = make_training_data(data_cfg, fresh(tok_dirs), batch_size=4, seed=0, eval_batches=1)
+    try:
+        batch = next(data.train_iter)
+    finally:
+        data.close()
+    assert _shapes(batch) == kind.step_arrays(4, 48, objective)
+
+
+def test_grpo_rows_are_the_batch_the_prompts_record_declares():
+    """GRPO's step batch: the rollout's rows of B x G completions plus the advantages the loop adds."""
+    objective = ObjectiveConfig(name="grpo", num_generations=2, rewards=[{"name": "exact_number"}])
+    rows = training_rows([[1, 2, 3], [4, 5]] * 2, [[6, 7], [8], [9, 9, 9], [1]], 16)
+    batch = {**rows, "advantages": np.zeros(4, np.float32)}
+    assert _shapes(batch) == PROMPTS.step_arrays(2, 16, objective)
