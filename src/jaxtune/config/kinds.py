@@ -1,6 +1,6 @@
-"""Every kind jaxtune knows, each declared once: batch kinds (what rows a data format makes, what the train step takes,
-what an evaluation reports), objectives (which batch kind they train on, their keys, loss types and defaults), the
-native model families and the export formats. The config's ``Literal`` types are made from these records, and the
+"""Kinds jaxtune knows, each declared once: batch kinds (what rows a data format makes, what the train step takes,
+what an evaluation reports), the native model families and the GGUF export types (the objectives' records stand beside
+their keys, in `jaxtune.config.objective`). The config's ``Literal`` types are made from these records, and the
 pipeline (`jaxtune.data.pipeline`), the TPU plan (`jaxtune.aot`), evaluation and the step's metrics ask a record
 instead of comparing names. Nothing here imports JAX: the CLI reads it before JAX starts.
 
@@ -82,53 +82,6 @@ KIND_OF_FORMAT: dict[str, BatchKind] = {f: k for k in BATCH_KINDS.values() for f
 FORMATS = tuple(KIND_OF_FORMAT)  # data.format's values
 PRETOKENIZED_FORMAT = "tokens"  # the WINDOWS format whose sources are token ids already
 
-
-@dataclass(frozen=True)
-class ObjectiveKind:
-    """One objective. ``kinds``: the batch kinds it trains on. ``keys``: the ``objective.*`` keys that apply to it
-    (besides ``name``). ``loss_types``: its ``objective.loss_type`` values, the default first (empty: it has none).
-    ``default_beta``: ``objective.beta`` when unset. ``reference``: whether it compares with a reference model,
-    ``always`` or ``when_beta`` (> 0). ``passes_key``: the key counting optimisation passes per batch, if any."""
-
-    name: str
-    kinds: tuple[BatchKind, ...]
-    description: str
-    keys: frozenset[str] = frozenset()
-    loss_types: tuple[str, ...] = ()
-    default_beta: float | None = None
-    reference: Literal["never", "always", "when_beta"] = "never"
-    passes_key: str | None = None
-
-    @property
-    def default_loss_type(self) -> str | None:
-        return self.loss_types[0] if self.loss_types else None
-
-
-_GRPO_KEYS = frozenset({"beta", "loss_type", "num_generations", "max_completion_length", "temperature", "top_p",
-                        "top_k", "epsilon", "epsilon_high", "scale_rewards", "num_iterations", "rewards",
-                        "reward_errors"})
-OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
-    ObjectiveKind("cross_entropy", (WINDOWS, ROWS), "next-token cross-entropy on the tokens with loss (pretraining "
-                  "text, fine-tuning rows)"),
-    ObjectiveKind("dpo", (PAIRS,), "direct preference optimisation against a frozen reference model",
-                  frozenset({"beta", "loss_type", "label_smoothing", "precompute_ref_logps"}),
-                  loss_types=("sigmoid", "ipo", "hinge"), default_beta=0.1, reference="always"),
-    ObjectiveKind("simpo", (PAIRS,), "SimPO: length-normalised, reference-free, with a target margin",
-                  frozenset({"beta", "gamma", "label_smoothing"}), default_beta=2.0),
-    ObjectiveKind("orpo", (PAIRS,), "ORPO: the chosen reply's NLL plus an odds-ratio term, reference-free",
-                  frozenset({"beta"}), default_beta=0.1),
-    ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
-                  _GRPO_KEYS, loss_types=("dapo", "grpo", "dr_grpo"), default_beta=0.0, reference="when_beta",
-                  passes_key="num_iterations"),
-)}
-
-
-def objectives_for(kind: BatchKind) -> list[str]:
-    """The objectives that train on batches of ``kind``."""
-    return [o.name for o in OBJECTIVES.values() if kind in o.kinds]
-
-
-LOSS_TYPES = tuple(dict.fromkeys(t for o in OBJECTIVES.values() for t in o.loss_types))
 
 # The native model families (`jaxtune.models.registry.FAMILIES` holds each one's implementation, keyed by these).
 FAMILY_NAMES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma3")
