@@ -11,7 +11,7 @@ import pytest
 
 from jaxtune.config import DataConfig, TokenizerConfig
 from jaxtune.data import DataError, load_hf_tokenizer, load_tokenizer, prepare_tokens, sources
-from jaxtune.data import tokens as tokens_module
+from jaxtune.data import shards as shards_module
 from jaxtune.data.sources import Piece, ReadStats, read_pieces
 
 SEP = "<|endoftext|>"
@@ -33,8 +33,8 @@ def tok(tmp_path_factory):
 def tiny(monkeypatch):
     """Blocks of 256 bytes, tasks of 1 kB, shards of 4 kB: a 40 kB corpus is ~10 shards of ~4 tasks."""
     monkeypatch.setattr(sources, "BLOCK_BYTES", 256)
-    monkeypatch.setattr(tokens_module, "TASK_BYTES", 1024)
-    monkeypatch.setattr(tokens_module, "SHARD_BYTES", 4096)
+    monkeypatch.setattr(shards_module, "TASK_BYTES", 1024)
+    monkeypatch.setattr(shards_module, "SHARD_BYTES", 4096)
 
 
 def corpus(path, n=400):
@@ -157,7 +157,7 @@ def interrupted(tmp_path, tok, monkeypatch, shards: int, num_proc: int):
     ``shards`` shards were recorded; the writer works again afterwards."""
     src = corpus(tmp_path / "stories.txt")
     whole = prepare_tokens(cfg(tmp_path, src, cache="whole", num_proc=num_proc), tok).path.read_bytes()
-    real = tokens_module._Manifest.add
+    real = shards_module.Manifest.add
 
     def add(self, index, record):
         if len(self.shards) >= shards:
@@ -165,7 +165,7 @@ def interrupted(tmp_path, tok, monkeypatch, shards: int, num_proc: int):
         real(self, index, record)
 
     with monkeypatch.context() as patch:
-        patch.setattr(tokens_module._Manifest, "add", add)
+        patch.setattr(shards_module.Manifest, "add", add)
         with pytest.raises(Killed):
             prepare_tokens(cfg(tmp_path, src, num_proc=num_proc), tok)
     return src, whole
@@ -177,8 +177,8 @@ def test_interrupted_tokenizing_resumes_with_identical_tokens(tmp_path, tok, tin
     assert sorted(json.loads((shard_dir / "manifest.json").read_text())["shards"]) == ["0", "1", "2"]
     (shard_dir / "00007.bin.tmp-999").write_bytes(b"xx")  # a killed writer's temp file
     encoded = []
-    real_encode = tokens_module.encode_pieces
-    monkeypatch.setattr(tokens_module, "encode_pieces", lambda *a: encoded.append(1) or real_encode(*a))
+    real_encode = shards_module.encode_pieces
+    monkeypatch.setattr(shards_module, "encode_pieces", lambda *a: encoded.append(1) or real_encode(*a))
     capsys.readouterr()
     resumed = prepare_tokens(cfg(tmp_path, src, num_proc=1), _InProcess(tok))  # in-process: its tasks counted
     assert "3 finished shard(s) kept" in capsys.readouterr().err
@@ -192,14 +192,14 @@ KILL_AFTER_SHARDS = """
 import os, signal, sys
 from jaxtune.config import DataConfig
 from jaxtune.data import load_tokenizer_dir, prepare_tokens, sources
-from jaxtune.data import tokens as tokens_module
-sources.BLOCK_BYTES, tokens_module.TASK_BYTES, tokens_module.SHARD_BYTES = 256, 1024, 4096  # the `tiny` sizes
-real = tokens_module._Manifest.add
+from jaxtune.data import shards as shards_module
+sources.BLOCK_BYTES, shards_module.TASK_BYTES, shards_module.SHARD_BYTES = 256, 1024, 4096  # the `tiny` sizes
+real = shards_module.Manifest.add
 def add(self, index, record):
     real(self, index, record)
     if len(self.shards) == 3:
         os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no finally: workers and temp files left as they are
-tokens_module._Manifest.add = add
+shards_module.Manifest.add = add
 src, cache, tok = sys.argv[1:]
 prepare_tokens(DataConfig(sources=[src], seq_len=16, val_fraction=0.1, cache_dir=cache, num_proc=2),
                load_tokenizer_dir(tok))

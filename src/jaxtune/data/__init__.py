@@ -7,8 +7,9 @@ How the training loop uses it::
     data = make_training_data(cfg.data, tokenizer, batch_size=..., seed=..., eval_batches=...)
     batch = next(data.train_iter)
 
-Inside, modules import only downward: ``errors``, ``synthetic`` → ``sources`` → ``rows`` → ``formats`` →
-``tokenizer`` → ``chat``, ``tokens`` → ``sft`` → ``preference``, ``prompts`` → ``pipeline``.
+Inside, modules import only downward: ``errors``, ``synthetic`` → ``documents`` → ``sources`` → ``rows`` →
+``formats`` → ``tokenizer`` → ``chat``, ``shards`` → ``tokens`` → ``sft`` → ``preference``, ``prompts`` →
+``pipeline``.
 """
 
 from jaxtune.data.chat import encode_prompt, end_of_turn_ids, format_sample, resolve_chat_template, stop_ids
