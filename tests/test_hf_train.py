@@ -18,10 +18,10 @@ from jaxtune.backends.native import NativeForward
 from jaxtune.cli import main
 from jaxtune.config import load_config
 from jaxtune.data import load_tokenizer
-from jaxtune.evaluate import load_run
 from jaxtune.loop import train
 from jaxtune.models import build_model, from_hf
 from jaxtune.models.gemma3 import PRESETS as GEMMA3
+from jaxtune.run import load_run
 from jaxtune.train.logprobs import chunked_token_logps, loss_chunk_size
 from jaxtune.train.objectives import CrossEntropy
 

@@ -25,7 +25,7 @@ from jaxtune.config import ConfigError, load_config
 from jaxtune.data import load_tokenizer, make_training_data, question
 from jaxtune.data.sft import Encoder, prepare_sft
 from jaxtune.data.synthetic import CHAT_SMALL, GENERATORS
-from jaxtune.evaluate import EMPTY_ANSWER, Evaluator, exact_match, shown
+from jaxtune.evaluator import EMPTY_ANSWER, Evaluator, exact_match, shown
 from jaxtune.loop import train
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import StepLog

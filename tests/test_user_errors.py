@@ -17,10 +17,10 @@ from jaxtune.cli import main
 from jaxtune.config import load_config
 from jaxtune.data import load_tokenizer_dir, stop_ids
 from jaxtune.data.tokens import prepare_tokens
-from jaxtune.evaluate import load_run
 from jaxtune.generate import sample
 from jaxtune.io import check_out_dir
 from jaxtune.loop import train
+from jaxtune.run import load_run
 
 CONTEXT = 64  # model.max_seq_len in TINY
 LONG_PROMPT = "import os\nimport sys\n" * 30

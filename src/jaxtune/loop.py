@@ -18,7 +18,7 @@ from jaxtune import runtime, sharding
 from jaxtune.backends import Backend, backend_of
 from jaxtune.config import Config, dump_config
 from jaxtune.data import load_tokenizer, make_training_data
-from jaxtune.evaluate import Evaluator
+from jaxtune.evaluator import Evaluator
 from jaxtune.models.family import check_fits
 from jaxtune.models.hf import checkpoint_tokenizer
 from jaxtune.train import distributed

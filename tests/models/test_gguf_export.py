@@ -41,7 +41,6 @@ from flax import nnx
 from jaxtune.cli import main
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import load_hf_tokenizer
-from jaxtune.evaluate import load_run
 from jaxtune.export import export
 from jaxtune.io import CheckpointError
 from jaxtune.loop import train
@@ -55,6 +54,7 @@ from jaxtune.models.layers import Rope
 from jaxtune.models.llama import PRESETS as LLAMA
 from jaxtune.models.mistral import PRESETS as MISTRAL
 from jaxtune.models.registry import FAMILIES, merge
+from jaxtune.run import load_run
 from tests.conftest import save_chatml_tokenizer
 from tests.models.real_models import SMOLLM2_INSTALL, smollm2_gguf
 from tests.models.test_gguf import IDS, TEXTS, hf_from_gguf, jax_logits, rel, tiny_gpt2, tiny_llama, torch_logits

@@ -19,13 +19,13 @@ from conftest import SHARED_DATA
 from real_models import smollm2_gguf
 
 from jaxtune.config import ConfigError, load_config
-from jaxtune.evaluate import load_run
 from jaxtune.export import export
 from jaxtune.io import CheckpointError
 from jaxtune.loop import train
 from jaxtune.models import wheels
 from jaxtune.models.hf import resolve_hf_dir
 from jaxtune.models.registry import merge
+from jaxtune.run import load_run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

