@@ -71,8 +71,8 @@ import trl
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
 from jaxtune.config import load_config
+from jaxtune.data.encoded import Encoded
 from jaxtune.data.preference import PairRows
-from jaxtune.data.sft import Encoded
 from jaxtune.models.lora import peft_tensors
 from jaxtune.models.registry import FAMILIES
 from jaxtune.train.objectives import make_objective

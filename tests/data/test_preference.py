@@ -21,8 +21,9 @@ from jaxtune.data import DataError
 from jaxtune.data.formats import FORMATS, REASONS, Example, Pair, detect_format, field_names, parse_row, renders_chat
 from jaxtune.data.pipeline import make_sequence_batches, make_training_data, test_sequences
 from jaxtune.data.preference import PairRows, PreferenceStats, load_pairs, prepare_preference
+from jaxtune.data.row_policy import DROP_REASONS, completion_settings
 from jaxtune.data.rows import BadRow, read_rows
-from jaxtune.data.sft import DROP_REASONS, completion_settings, question
+from jaxtune.data.sft import question
 from jaxtune.data.synthetic import arithmetic, arithmetic_preferences, worked_sum
 
 IM_END = "<|im_end|>"

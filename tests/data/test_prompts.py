@@ -22,8 +22,8 @@ from jaxtune.data import DataError, PromptData, PromptRows, prepare_prompts
 from jaxtune.data.formats import FORMATS, REASONS, Prompt, detect_format, field_names, renders_chat
 from jaxtune.data.pipeline import make_training_data, test_sequences
 from jaxtune.data.prompts import PromptStats, encode_prompts, load_prompts
+from jaxtune.data.row_policy import DROP_REASONS, completion_settings
 from jaxtune.data.rows import BadRow, read_rows
-from jaxtune.data.sft import DROP_REASONS, completion_settings
 from jaxtune.data.synthetic import arithmetic, arithmetic_prompts
 
 LIMIT = "data.seq_len - objective.max_completion_length"

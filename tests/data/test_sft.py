@@ -17,22 +17,12 @@ import pytest
 from jaxtune.config import ConfigError, DataConfig, TokenizerConfig, load_config
 from jaxtune.data import DataError, load_tokenizer
 from jaxtune.data.chat import SHIPPED_TEMPLATES, encode_prompt, end_of_turn_ids, format_sample, stop_ids
+from jaxtune.data.encoded import Encoded, Examples, PackedRows
 from jaxtune.data.formats import FORMATS, REASONS, Example, detect_format, field_names, parse_row
 from jaxtune.data.pipeline import make_sequence_batches, test_sequences
+from jaxtune.data.row_policy import DROP_REASONS
 from jaxtune.data.rows import READ_REASONS
-from jaxtune.data.sft import (
-    DROP_REASONS,
-    Encoded,
-    Encoder,
-    Examples,
-    PackedRows,
-    SFTStats,
-    load_examples,
-    pack,
-    prepare_sft,
-    question,
-    sequences,
-)
+from jaxtune.data.sft import Encoder, SFTStats, load_examples, pack, prepare_sft, question, sequences
 from jaxtune.data.tokenizer import _train_bpe
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"

@@ -32,7 +32,7 @@ from jaxtune.backends.native import NativeForward, NativeSpec
 from jaxtune.cli import main
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import load_tokenizer
-from jaxtune.data.sft import Encoded, Examples, PackedRows
+from jaxtune.data.encoded import Encoded, Examples, PackedRows
 from jaxtune.io import SafetensorsFile
 from jaxtune.loop import train
 from jaxtune.models import model_config

@@ -52,8 +52,8 @@ from trl_reference import BOS, GRAD_PARAMS, MESH, TOL, TRL_VERSION, Native, Ours
 
 from jaxtune import sharding
 from jaxtune.config import ObjectiveConfig
+from jaxtune.data.encoded import Encoded
 from jaxtune.data.preference import PairRows
-from jaxtune.data.sft import Encoded
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.objectives.preference import flat_pairs
 from jaxtune.train.reference import step_reference, with_reference

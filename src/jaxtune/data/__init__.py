@@ -8,8 +8,8 @@ How the training loop uses it::
     batch = next(data.train_iter)
 
 Inside, modules import only downward: ``errors``, ``synthetic`` → ``documents`` → ``sources`` → ``rows`` →
-``formats`` → ``tokenizer`` → ``chat``, ``shards`` → ``tokens`` → ``sft`` → ``preference``, ``prompts`` →
-``pipeline``.
+``formats`` → ``tokenizer`` → ``chat``, ``shards`` → ``tokens``, ``encoded``, ``row_policy`` → ``sft`` →
+``preference``, ``prompts`` → ``pipeline``.
 """
 
 from jaxtune.data.chat import encode_prompt, end_of_turn_ids, format_sample, resolve_chat_template, stop_ids

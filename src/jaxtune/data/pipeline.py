@@ -32,7 +32,8 @@ from jaxtune.data.preference import (
     prepare_preference,
 )
 from jaxtune.data.prompts import PromptData, prepare_prompts
-from jaxtune.data.sft import SFTStats, completion_settings, load_examples, prepare_sft, sequences
+from jaxtune.data.row_policy import completion_settings
+from jaxtune.data.sft import SFTStats, load_examples, prepare_sft, sequences
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
 

@@ -35,19 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxtune.config import DataConfig
+from jaxtune.data.encoded import Encoded, Examples, PackedRows
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import Example, Pair
-from jaxtune.data.sft import (
-    Encoded,
-    Encoder,
-    Examples,
-    PackedRows,
-    RowStats,
-    completion_settings,
-    overlong_error,
-    parsed_rows,
-    split_rows,
-)
+from jaxtune.data.row_policy import RowStats, completion_settings, overlong_error, parsed_rows, split_rows
+from jaxtune.data.sft import Encoder
 from jaxtune.data.tokenizer import Tokenizer
 
 EncodedPair = tuple[Encoded, Encoded]  # (chosen, rejected), each the prompt then its completion

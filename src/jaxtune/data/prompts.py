@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from jaxtune.config import DataConfig
+from jaxtune.data.encoded import Encoded, Examples
 from jaxtune.data.formats import Prompt
-from jaxtune.data.sft import Encoded, Examples, RowStats, completion_settings, overlong_error, parsed_rows, split_rows
+from jaxtune.data.row_policy import RowStats, completion_settings, overlong_error, parsed_rows, split_rows
 from jaxtune.data.tokenizer import Tokenizer
 
 # What sets a prompt's length limit, and how else to make room, as data.overlong=raise says.

@@ -49,34 +49,20 @@ it should give, which the training loop's evaluations score by exact match (``ev
 from __future__ import annotations
 
 import bisect
-import hashlib
-from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 
 from jaxtune.config import DataConfig
 from jaxtune.data.chat import REPLY_PLACEHOLDER, end_of_turn, resolve_chat_template
+from jaxtune.data.encoded import Encoded, Examples, PackedRows
 from jaxtune.data.errors import DataError
-from jaxtune.data.formats import REASONS, Example, Pair, Prompt, field_names, parse_row
-from jaxtune.data.rows import BadRow, read_rows
+from jaxtune.data.formats import Example
+from jaxtune.data.row_policy import RowStats, overlong_error, parsed_rows, split_rows
 from jaxtune.data.tokenizer import Tokenizer
-
-T = TypeVar("T")
-# Why a row was dropped: bad rows (data.bad_rows) first, then length (data.overlong) and empty-loss rows.
-DROP_REASONS = (*REASONS, "overlong", "no_trainable_tokens")
 
 
 # --- conversations -> token ids + loss mask ---
-
-@dataclass
-class Encoded:
-    ids: np.ndarray  # int32 (n,)
-    mask: np.ndarray  # bool (n,): token j is a trained target
-    example: Example | None = None  # the row it encodes; None once truncated (its reply is cut)
-
 
 class Encoder:
     """Conversations -> (ids, mask) with the tokenizer's chat template, as the module docstring describes."""
@@ -216,35 +202,7 @@ def question(tokenizer: Tokenizer, ex: Example) -> tuple[list[int], str]:
     return tokenizer.encode_chat([prompt])[0], ex.messages[last]["content"]
 
 
-# --- examples, packing, batches ---
-
-@dataclass
-class Examples:
-    """Encoded rows, concatenated: row ``i`` is ``tokens[offsets[i]:offsets[i + 1]]`` (and ``mask``)."""
-
-    tokens: np.ndarray
-    mask: np.ndarray
-    offsets: np.ndarray
-
-    @classmethod
-    def of(cls, rows: list[Encoded]) -> Examples:
-        lengths = np.array([len(r.ids) for r in rows], np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        cat = (lambda xs, dt: np.concatenate(xs).astype(dt)) if rows else (lambda xs, dt: np.zeros(0, dt))
-        return cls(cat([r.ids for r in rows], np.int32), cat([r.mask for r in rows], bool), offsets)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        a, b = self.offsets[i], self.offsets[i + 1]
-        return self.tokens[a:b], self.mask[a:b]
-
-    @property
-    def positions_used(self) -> np.ndarray:
-        """Sequence positions each row fills: its length minus one."""
-        return np.diff(self.offsets) - 1
-
+# --- packing, the prepared data ---
 
 def pack(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     """Best-fit decreasing: rows of ``sizes`` (each ≤ capacity) into as few bins of ``capacity`` as it finds.
@@ -263,51 +221,6 @@ def pack(sizes: np.ndarray, capacity: int) -> list[list[int]]:
             bins[b].append(i)
             bisect.insort(free, (space - need, b))
     return [sorted(b) for b in bins]
-
-
-class PackedRows:
-    """Grain random-access source: sequence ``[r]`` is {"inputs", "targets", "positions", "segment_ids"}: int32
-    (T,) and "loss_mask": float32 (T,), the rows of bin ``r`` one after another, then padding (segment 0)."""
-
-    def __init__(self, examples: Examples, bins: list[list[int]], seq_len: int):
-        self.examples, self.bins, self.seq_len = examples, bins, seq_len
-
-    def __len__(self) -> int:
-        return len(self.bins)
-
-    def __getitem__(self, r: int) -> dict[str, np.ndarray]:
-        t = self.seq_len
-        out = {k: np.zeros(t, np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
-        out["loss_mask"] = np.zeros(t, np.float32)
-        pos = 0
-        for seg, i in enumerate(self.bins[r], 1):
-            ids, mask = self.examples.row(i)
-            n = len(ids) - 1
-            out["inputs"][pos:pos + n] = ids[:-1]
-            out["targets"][pos:pos + n] = ids[1:]
-            out["loss_mask"][pos:pos + n] = mask[1:]
-            out["positions"][pos:pos + n] = np.arange(n)
-            out["segment_ids"][pos:pos + n] = seg
-            pos += n
-        return out
-
-
-@dataclass
-class RowStats:
-    """What reading the rows found: how many were read, dropped (per reason) and truncated (data.overlong)."""
-
-    rows: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    truncated: int = 0
-
-    def drop_lines(self, unit: str) -> list[str]:
-        """Report lines: the rows dropped per reason (in `DROP_REASONS` order), the ``unit`` truncated, if any."""
-        out = []
-        if self.dropped:
-            out.append("dropped rows: " + ", ".join(f"{r} {self.dropped[r]}" for r in DROP_REASONS if self.dropped[r]))
-        if self.truncated:
-            out.append(f"truncated {unit} (data.overlong=truncate): {self.truncated}")
-        return out
 
 
 @dataclass
@@ -333,47 +246,6 @@ class SFTData:
     held_out: list[Example] = field(default_factory=list)  # the held-out rows not truncated, in order (`question`)
 
 
-def parsed_rows(sources: list[str], data_cfg: DataConfig, stats: RowStats,
-                chunk: int = 1024) -> Iterator[list[tuple[str, Example | Pair | Prompt]]]:
-    """The good rows of ``sources`` as (where, parsed row), in chunks of up to ``chunk``, counting every row read
-    (``stats.rows``) and the bad ones dropped (``stats.dropped``). A bad row under ``data.bad_rows=raise`` raises
-    only once the chunk before it is consumed, so an earlier row's error (its length) comes first."""
-    fields = field_names(data_cfg)
-    pending: list[tuple[str, Example | Pair | Prompt]] = []
-    for where, record in read_rows(sources, data_cfg):
-        stats.rows += 1
-        try:
-            pending.append((where, parse_row(record, data_cfg, fields)))
-        except BadRow as bad:
-            if data_cfg.bad_rows == "raise":
-                yield pending
-                raise DataError(f"{where}: {bad.detail}; fix the row or set data.bad_rows=drop") from None
-            stats.dropped[bad.reason] += 1
-        if len(pending) >= chunk:
-            yield pending
-            pending = []
-    yield pending
-
-
-def completion_settings(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:
-    """For formats trained on completions (preference pairs, GRPO's prompts): refuses another ``data.loss_on``, and
-    sets the chat template (``data.chat_template``) when one is given: text rows need
-    none, so its absence is an error only at the first conversational row."""
-    if data_cfg.loss_on != "assistant":
-        raise DataError(f"data.loss_on={data_cfg.loss_on} does not apply to data.format={data_cfg.format}: the loss is "
-                        "on the completions' tokens; leave data.loss_on at assistant")
-    if data_cfg.chat_template is not None:
-        resolve_chat_template(data_cfg, tokenizer)
-
-
-def overlong_error(where: str, tokens: int, limit: int, limit_name: str = "data.seq_len + 1",
-                   remedy: str = "raise data.seq_len") -> DataError:
-    """``data.overlong=raise``: the row at ``where`` has more than ``limit`` tokens (``limit_name``: what sets the
-    limit; ``remedy``: how else to make room)."""
-    return DataError(f"{where}: {tokens} tokens, more than {limit_name} = {limit}; set data.overlong=truncate or "
-                     f"drop, or {remedy}")
-
-
 def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, stats: SFTStats,
                   chunk: int = 1024) -> list[Encoded]:
     """Every good row of ``sources`` encoded, length-checked (``data.overlong``), with drops counted in ``stats``."""
@@ -396,25 +268,6 @@ def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer
                 continue
             out.append(enc)
     return out
-
-
-def split_rows(data_cfg: DataConfig, load: Callable[[list[str]], list[T]], tokens: Callable[[T], bytes],
-               stats: RowStats, unit: str = "rows") -> tuple[list[T], list[T]]:
-    """(training, held-out) rows, in order: those ``load`` gives of ``data.sources``, and of ``data.val_sources``
-    when set, else ``data.val_fraction`` of the former by a hash of their ``tokens`` (so identical rows always
-    land in the same split). No training row is an error, which says what was dropped (``stats``)."""
-    rows = load(data_cfg.sources)
-    if data_cfg.val_sources:
-        train, val = rows, load(data_cfg.val_sources)
-    else:
-        hashes = (hashlib.sha256(tokens(r)).digest()[:8] for r in rows)
-        split = [int.from_bytes(h, "little") / 2**64 < data_cfg.val_fraction for h in hashes]
-        train = [r for r, v in zip(rows, split) if not v]
-        val = [r for r, v in zip(rows, split) if v]
-    if not train:
-        raise DataError(f"data.sources hold no usable training {unit} ({stats.rows} read; dropped: "
-                        f"{dict(stats.dropped) or 'none'}); check data.format and data.fields")
-    return train, val
 
 
 def prepare_sft(data_cfg: DataConfig, tokenizer: Tokenizer) -> SFTData:
