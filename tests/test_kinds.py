@@ -24,8 +24,7 @@ from jaxtune.config import (
     ObjectiveConfig,
     load_config,
 )
-from jaxtune.config.kinds import KIND_OF_FORMAT
-from jaxtune.config.objective import LOSS_TYPES, objectives_for
+from jaxtune.config.kinds import KIND_OF_FORMAT, LOSS_TYPES, objectives_for
 from jaxtune.data.formats import FORMATS as ROW_FORMATS
 from jaxtune.data.pipeline import PIPELINES, make_training_data
 from jaxtune.export import EXPORT_FORMATS

@@ -5,8 +5,9 @@ logging), each a pydantic model that forbids unknown keys. Errors name the key (
 suggest the nearest valid one. Components receive only their own section (a model gets ``ModelConfig``, never
 ``Config``).
 
-One idea a file: ``kinds`` (every batch kind, family and GGUF type, declared once), ``base`` (the
-section base and `ConfigError`), the sections (``model``, ``data``, ``objective`` with the objectives' records, ``run``; ``root``: `Config`
+One idea a file: ``kinds`` (every batch kind, objective with its section's keys, family and GGUF type, declared
+once), ``base`` (the
+section base and `ConfigError`), the other sections (``model``, ``data``, ``rewards``, ``run``; ``root``: `Config`
 itself and its cross-section checks), ``identity`` (what a checkpoint is: resume keys), ``load`` (YAML, overrides,
 errors), ``hub`` (HuggingFace hub names). The reference of every key, `docs/config.md`, is generated from these
 classes (``python -m jaxtune.config.reference``).
@@ -21,11 +22,14 @@ from jaxtune.config.kinds import (
     FAMILY_NAMES,
     FORMATS,
     GGUF_TYPES,
+    OBJECTIVES,
     PAIRS,
     PROMPTS,
     ROWS,
     WINDOWS,
     BatchKind,
+    ObjectiveConfig,
+    ObjectiveKind,
 )
 from jaxtune.config.load import (
     SHIPPED_CONFIGS,
@@ -47,7 +51,7 @@ from jaxtune.config.model import (
     NativeModelConfig,
     TorchaxModelConfig,
 )
-from jaxtune.config.objective import BUILTIN_REWARDS, OBJECTIVES, ObjectiveConfig, ObjectiveKind, RewardConfig
+from jaxtune.config.rewards import BUILTIN_REWARDS, RewardConfig
 from jaxtune.config.root import Config
 from jaxtune.config.run import (
     CheckpointConfig,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxtune.config.kinds import OBJECTIVES
 from jaxtune.config.model import STRUCTURAL
-from jaxtune.config.objective import OBJECTIVES
 from jaxtune.config.root import Config
 
 # What a checkpoint *is*: resuming with one of these keys changed is refused (`identity_diff`). Each changes the math of

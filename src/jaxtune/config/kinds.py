@@ -1,11 +1,12 @@
-"""Kinds jaxtune knows, each declared once: batch kinds (what rows a data format makes, what the train step takes,
-what an evaluation reports), the native model families and the GGUF export types (the objectives' records stand beside
-their keys, in `jaxtune.config.objective`). The config's ``Literal`` types are made from these records, and the
-pipeline (`jaxtune.data.pipeline`), the TPU plan (`jaxtune.aot`), evaluation and the step's metrics ask a record
-instead of comparing names. Nothing here imports JAX: the CLI reads it before JAX starts.
+"""Every kind jaxtune knows, each declared once: batch kinds (what rows a data format makes, what the train step
+takes, what an evaluation reports), objectives (the batch kinds they train on, their keys, loss types and defaults)
+with the ``objective`` section whose keys they own, the native model families and the GGUF export types. The config's
+``Literal`` types are made from these records, and the pipeline (`jaxtune.data.pipeline`), the TPU plan
+(`jaxtune.aot`), evaluation and the step's metrics ask a record instead of comparing names. Nothing here imports JAX:
+the CLI reads it before JAX starts.
 
-Adding a kind is one record here plus its implementation in the room that owns it (`docs/architecture.md`, "Where
-to touch").
+Adding a kind is one record here (an objective's keys too) plus its implementation in the room that owns it
+(`docs/architecture.md`, "Where to touch").
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from jaxtune.config.base import Section
+from jaxtune.config.rewards import RewardConfig
 
 # The arrays of a training row, each (..., T): token ids and next-token targets; fine-tuning rows add the positions
 # (restarting per packed example), the segment ids that keep packed examples apart, and the loss mask.
@@ -81,6 +87,167 @@ BATCH_KINDS: dict[str, BatchKind] = {k.name: k for k in (WINDOWS, ROWS, PAIRS, P
 KIND_OF_FORMAT: dict[str, BatchKind] = {f: k for k in BATCH_KINDS.values() for f in k.formats}
 FORMATS = tuple(KIND_OF_FORMAT)  # data.format's values
 PRETOKENIZED_FORMAT = "tokens"  # the WINDOWS format whose sources are token ids already
+
+
+@dataclass(frozen=True)
+class ObjectiveKind:
+    """One objective. ``kinds``: the batch kinds it trains on. ``keys``: the ``objective.*`` keys that apply to it
+    (besides ``name``). ``loss_types``: its ``objective.loss_type`` values, the default first (empty: it has none).
+    ``default_beta``: ``objective.beta`` when unset. ``reference``: whether it compares with a reference model,
+    ``always`` or ``when_beta`` (> 0). ``passes_key``: the key counting optimisation passes per batch, if any."""
+
+    name: str
+    kinds: tuple[BatchKind, ...]
+    description: str
+    keys: frozenset[str] = frozenset()
+    loss_types: tuple[str, ...] = ()
+    default_beta: float | None = None
+    reference: Literal["never", "always", "when_beta"] = "never"
+    passes_key: str | None = None
+
+    @property
+    def default_loss_type(self) -> str | None:
+        return self.loss_types[0] if self.loss_types else None
+
+
+_GRPO_KEYS = frozenset({"beta", "loss_type", "num_generations", "max_completion_length", "temperature", "top_p",
+                        "top_k", "epsilon", "epsilon_high", "scale_rewards", "num_iterations", "rewards",
+                        "reward_errors"})
+OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
+    ObjectiveKind("cross_entropy", (WINDOWS, ROWS), "next-token cross-entropy on the tokens with loss (pretraining "
+                  "text, fine-tuning rows)"),
+    ObjectiveKind("dpo", (PAIRS,), "direct preference optimisation against a frozen reference model",
+                  frozenset({"beta", "loss_type", "label_smoothing", "precompute_ref_logps"}),
+                  loss_types=("sigmoid", "ipo", "hinge"), default_beta=0.1, reference="always"),
+    ObjectiveKind("simpo", (PAIRS,), "SimPO: length-normalised, reference-free, with a target margin",
+                  frozenset({"beta", "gamma", "label_smoothing"}), default_beta=2.0),
+    ObjectiveKind("orpo", (PAIRS,), "ORPO: the chosen reply's NLL plus an odds-ratio term, reference-free",
+                  frozenset({"beta"}), default_beta=0.1),
+    ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
+                  _GRPO_KEYS, loss_types=("dapo", "grpo", "dr_grpo"), default_beta=0.0, reference="when_beta",
+                  passes_key="num_iterations"),
+)}
+
+
+def objectives_for(kind: BatchKind) -> list[str]:
+    """The objectives that train on batches of ``kind``."""
+    return [o.name for o in OBJECTIVES.values() if kind in o.kinds]
+
+
+LOSS_TYPES = tuple(dict.fromkeys(t for o in OBJECTIVES.values() for t in o.loss_types))
+
+
+
+class ObjectiveConfig(Section):
+    """What the training minimises (`jaxtune.train.objectives`).
+
+    ``cross_entropy``: next-token cross-entropy on the tokens with loss (pretraining text, SFT's assistant turns).
+    Preference pairs (``data.format: preference``): ``dpo`` (against a frozen reference model: LoRA's base with the
+    adapters off, else a frozen copy of the initial weights, or its log-probs computed once before training with
+    ``precompute_ref_logps``), and the reference-free ``simpo`` and ``orpo``. Prompts (``data.format: prompts``):
+    ``grpo``, RL with verifiable rewards: ``num_generations`` completions sampled per prompt inside the loop, scored by
+    ``rewards``, the clipped policy-gradient surrogate on group-normalised advantages, and with ``beta`` > 0 a KL
+    penalty to the reference model. Their keys follow TRL's."""
+
+    name: Literal[tuple(OBJECTIVES)] = Field("cross_entropy", description="; ".join(
+        f"{o.name}: {o.description}" for o in OBJECTIVES.values()))
+    beta: float | None = Field(None, ge=0, description="dpo: the KL weight (default 0.1); simpo: the reward scale "
+                               "(default 2.0); orpo: the odds-ratio term's weight lambda (TRL's beta, default 0.1); "
+                               "grpo: the KL penalty's weight (default 0: no reference model)")
+    loss_type: Literal[LOSS_TYPES] | None = Field(
+        None, description="dpo: sigmoid (the DPO paper, default), ipo (squared, per-token log-ratios) or hinge; grpo: "
+        "how the per-token losses are averaged: grpo (per sequence, then over sequences), dr_grpo (summed, over "
+        "sequences x max_completion_length), dapo (over the whole batch's completion tokens, default)")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="dpo (sigmoid) and simpo: the assumed share of "
+                                   "flipped labels (conservative DPO)")
+    gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (TRL's simpo_gamma)")
+    precompute_ref_logps: bool = Field(False, description="dpo: compute the reference log-probs of every pair once "
+                                       "before training (stored in the run directory), so no reference model is "
+                                       "held while training")
+    # grpo
+    num_generations: int = Field(8, ge=2, description="grpo: completions sampled per prompt (the group)")
+    max_completion_length: int = Field(128, ge=1, description="grpo: new tokens per completion at most")
+    temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature (the log-probs are of the same "
+                               "tempered distribution, as TRL's)")
+    top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling")
+    top_k: int | None = Field(None, ge=1, description="grpo: sample among the k likeliest tokens")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: the ratio's lower clip, 1 - epsilon")
+    epsilon_high: float | None = Field(None, gt=0, description="grpo: the ratio's upper clip, 1 + epsilon_high "
+                                       "(default epsilon)")
+    scale_rewards: bool = Field(True, description="grpo: divide each group's advantages by its reward std "
+                                "(false: Dr. GRPO's unscaled advantages)")
+    num_iterations: int = Field(1, ge=1, description="grpo: optimisation passes over each batch of completions "
+                                "(TRL's mu)")
+    rewards: list[RewardConfig] = Field([], description="grpo: reward functions, summed with their weights")
+    reward_errors: Literal["raise", "zero"] = Field("raise", description="grpo: a reward function that raises or "
+                                                    "returns NaN stops training (raise, naming it and the row) or "
+                                                    "scores that completion 0, counted (zero)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_loss_type(cls, data: Any) -> Any:
+        # Configs written before grpo set loss_type: sigmoid for every objective; it only ever meant dpo's. Objectives
+        # with loss types of their own (grpo) came later: sigmoid there is the user's, and an error.
+        spec = OBJECTIVES.get(data.get("name", "cross_entropy")) if isinstance(data, dict) else None
+        if spec is not None and data.get("loss_type") == "sigmoid" and not spec.loss_types:
+            data = {k: v for k, v in data.items() if k != "loss_type"}
+        return data
+
+    @property
+    def spec(self) -> ObjectiveKind:
+        """This objective's record (`jaxtune.config.kinds.OBJECTIVES`)."""
+        return OBJECTIVES[self.name]
+
+    @property
+    def kinds(self) -> tuple[BatchKind, ...]:
+        """The batch kinds it trains on."""
+        return self.spec.kinds
+
+    @property
+    def generates(self) -> bool:
+        """Whether it trains on completions the loop samples (GRPO)."""
+        return any(k.generates for k in self.spec.kinds)
+
+    @property
+    def passes(self) -> int:
+        """Optimiser updates per batch (GRPO's ``num_iterations``; 1 for the others)."""
+        return getattr(self, self.spec.passes_key) if self.spec.passes_key else 1
+
+    @property
+    def uses_reference(self) -> bool:
+        ref = self.spec.reference
+        return ref == "always" or (ref == "when_beta" and self.beta_value > 0)
+
+    @property
+    def beta_value(self) -> float:
+        default = self.spec.default_beta
+        return self.beta if self.beta is not None else (default if default is not None else 0.0)
+
+    @property
+    def loss_type_value(self) -> str | None:
+        return self.loss_type if self.loss_type is not None else self.spec.default_loss_type
+
+    @model_validator(mode="after")
+    def _keys_apply(self) -> ObjectiveConfig:
+        # Keys away from their defaults (a dumped config sets every key, at its default where unused).
+        given = {k for k, f in type(self).model_fields.items() if k != "name" and getattr(self, k) != f.default}
+        spec = self.spec
+        applies = spec.keys
+        extra = sorted(given - applies)
+        if extra:
+            raise ValueError(f"objective.{extra[0]} does not apply to objective.name={self.name}"
+                             + (f"; its keys: {', '.join(sorted(applies))}" if applies else ""))
+        if self.loss_type is not None and self.loss_type not in spec.loss_types:
+            raise ValueError(f"objective.loss_type={self.loss_type} does not apply to objective.name={self.name}; "
+                             f"choose one of {', '.join(spec.loss_types)}")
+        if self.label_smoothing and self.loss_type_value not in (None, "sigmoid"):
+            raise ValueError("objective.label_smoothing applies to loss_type=sigmoid only")
+        if self.beta == 0 and spec.reference != "when_beta":
+            raise ValueError(f"objective.beta must be > 0 for objective.name={self.name}")
+        if self.generates and not self.rewards:
+            raise ValueError(f"objective.name={self.name} needs at least one reward function in objective.rewards, "
+                             "e.g. [{name: exact_number, field: answer}]")
+        return self
 
 
 # The native model families (`jaxtune.models.registry.FAMILIES` holds each one's implementation, keyed by these).

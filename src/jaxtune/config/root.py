@@ -10,8 +10,8 @@ from pydantic import model_validator
 
 from jaxtune.config.base import Section
 from jaxtune.config.data import DataConfig, TokenizerConfig
+from jaxtune.config.kinds import ObjectiveConfig, objectives_for
 from jaxtune.config.model import ModelConfig, NativeModelConfig
-from jaxtune.config.objective import ObjectiveConfig, objectives_for
 from jaxtune.config.run import (
     CheckpointConfig,
     DistributedConfig,

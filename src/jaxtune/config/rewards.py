@@ -1,0 +1,51 @@
+"""GRPO's reward functions as the config names them (``objective.rewards``): the built-in ones and their keys."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, model_validator
+
+from jaxtune.config.base import Section
+
+# The reward functions built in (`jaxtune.train.rewards`); any other name is a user function, ``module:function``.
+BUILTIN_REWARDS = ("exact_number", "regex", "format", "length")
+
+
+class RewardConfig(Section):
+    """One reward function of ``grpo`` (`jaxtune.train.rewards`), weighted into the total reward.
+
+    Built in: ``exact_number`` (1 when the completion's last number equals the row's ``field``, numerically, else 0),
+    ``regex`` (1 when ``pattern``'s first group, searched in the completion, equals the row's ``field``, stripped),
+    ``format`` (1 when ``pattern`` matches the whole completion, stripped), ``length`` (DAPO's soft overlong penalty:
+    0 up to ``max_tokens - buffer`` completion tokens, then down linearly to -1 at ``max_tokens`` and beyond). Any
+    other ``name`` is a user function ``module:function`` called as ``f(prompts, completions, rows)`` (lists of the
+    prompt texts, completion texts and the rows' fields) that returns one float per completion."""
+
+    name: str
+    weight: float = 1.0
+    field: str = Field("answer", description="exact_number, regex: the row field holding the right answer")
+    pattern: str | None = Field(None, description="regex: the pattern whose first group is the answer; format: the "
+                                "pattern the whole completion must match")
+    max_tokens: int | None = Field(None, ge=1, description="length: the longest completion (default "
+                                   "objective.max_completion_length)")
+    buffer: int | None = Field(None, ge=1, description="length: the tokens before max_tokens over which the penalty "
+                               "grows (default max_tokens / 4)")
+
+    @property
+    def builtin(self) -> bool:
+        return ":" not in self.name
+
+    @model_validator(mode="after")
+    def _known(self) -> RewardConfig:
+        if self.builtin and self.name not in BUILTIN_REWARDS:
+            raise ValueError(f"reward {self.name!r} is not built in ({', '.join(BUILTIN_REWARDS)}); a function of "
+                             "your own is named module:function")
+        if self.name in ("regex", "format") and not self.pattern:
+            raise ValueError(f"reward {self.name} needs a pattern")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"reward {self.name}: pattern {self.pattern!r} is not a valid regex: {e}") from None
+        return self
