@@ -16,15 +16,16 @@ class DataConfig(Section):
     library source, present on every machine), a local file, glob or directory (.txt/.jsonl/.parquet), or
     ``hf:NAME`` for a HuggingFace dataset (``hf:roneneldan/TinyStories``).
 
-    ``format: text`` is pretraining text cut into windows (``tokens``: pretraining token ids already made, nanoGPT or
-    llm.c ``.bin``, ``.npy``, or ``input_ids`` rows; `jaxtune.data.pretokenized`); the other formats are supervised
-    fine-tuning rows (see `jaxtune.data.formats`): ``messages`` (OpenAI chat), ``sharegpt`` (``conversations`` of
-    ``from``/``value``), ``alpaca`` (``instruction``/``input``/``output``) and ``prompt_completion``, rendered by the
-    tokenizer's chat template (or ``chat_template``), loss on the tokens ``loss_on`` names, packed into ``seq_len``
-    rows; and ``preference``: pairs of completions, ``prompt``/``chosen``/``rejected`` in TRL's forms (text, or
-    messages with an explicit or implicit prompt; `jaxtune.data.preference`), one pair per item (never packed), loss
-    on each completion; ``prompts``: prompts alone (``prompt`` text or messages, or ``messages`` ending with a user turn) with
-    their answer fields, for objectives that generate their completions (``grpo``; `jaxtune.data.prompts`)."""
+    ``format: text`` is pretraining text cut into windows (``tokens``: pretraining token ids already made, nanoGPT
+    or llm.c ``.bin``, ``.npy``, or ``input_ids`` rows; `jaxtune.data.pretokenized`); the other formats are
+    supervised fine-tuning rows (see `jaxtune.data.formats`): ``messages`` (OpenAI chat), ``sharegpt``
+    (``conversations`` of ``from``/``value``), ``alpaca`` (``instruction``/``input``/``output``) and
+    ``prompt_completion``, rendered by the tokenizer's chat template (or ``chat_template``), loss on the tokens
+    ``loss_on`` names, packed into ``seq_len`` rows; and ``preference``: pairs of completions,
+    ``prompt``/``chosen``/``rejected`` in TRL's forms (text, or messages with an explicit or implicit prompt;
+    `jaxtune.data.preference`), one pair per item (never packed), loss on each completion; ``prompts``: prompts
+    alone (``prompt`` text or messages, or ``messages`` ending with a user turn) with their answer fields, for
+    objectives that generate their completions (``grpo``; `jaxtune.data.prompts`)."""
 
     sources: list[str] = ["python-stdlib"]
     format: Literal[FORMATS] = Field("text", description="what the rows are; it decides the batch kind: "
