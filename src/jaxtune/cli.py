@@ -26,8 +26,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from jaxtune.config import ConfigError
     from jaxtune.data import DataError
     from jaxtune.io import CheckpointError
-    from jaxtune.models.family import UnsupportedModelError
     from jaxtune.models.sampling import PromptError
+    from jaxtune.models.unsupported import UnsupportedModelError
     from jaxtune.sharding import ShardingError
     from jaxtune.train.rewards import RewardError
     from jaxtune.train.run_dir import RunDirError

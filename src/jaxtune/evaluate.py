@@ -12,7 +12,7 @@ import jax
 from jaxtune import sharding
 from jaxtune.config import ConfigError
 from jaxtune.data import make_sequence_batches, make_training_data, test_sequences
-from jaxtune.models.family import check_fits
+from jaxtune.models.fits import check_fits
 from jaxtune.run import LoadedRun, load_run
 from jaxtune.train.metrics import perplexity
 from jaxtune.train.objectives import make_objective

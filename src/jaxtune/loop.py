@@ -19,7 +19,7 @@ from jaxtune.backends import Backend, backend_of
 from jaxtune.config import Config, dump_config
 from jaxtune.data import load_tokenizer, make_training_data
 from jaxtune.evaluator import Evaluator
-from jaxtune.models.family import check_fits
+from jaxtune.models.fits import check_fits
 from jaxtune.models.hf import checkpoint_tokenizer
 from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer

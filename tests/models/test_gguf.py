@@ -30,11 +30,11 @@ import pytest
 from flax import nnx
 
 from jaxtune.io import CheckpointError
-from jaxtune.models.family import UnsupportedModelError
 from jaxtune.models.gguf import CONV1D
 from jaxtune.models.gguf_export import add_hyperparameters, add_tokenizer, gguf_name, gguf_names, permute
 from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
 from jaxtune.models.sampling import Generator
+from jaxtune.models.unsupported import UnsupportedModelError
 from tests.conftest import save_chatml_tokenizer
 from tests.models.real_models import SMOLLM2_INSTALL, smollm2_gguf
 

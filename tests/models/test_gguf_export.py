@@ -45,7 +45,6 @@ from jaxtune.export import export
 from jaxtune.io import CheckpointError
 from jaxtune.loop import train
 from jaxtune.models import build_model, from_hf
-from jaxtune.models.family import UnsupportedModelError
 from jaxtune.models.gemma3 import PRESETS as GEMMA3
 from jaxtune.models.gguf_export import pre_tokenizer_name, write_gguf
 from jaxtune.models.gpt2 import PRESETS as GPT2
@@ -54,6 +53,7 @@ from jaxtune.models.layers import Rope
 from jaxtune.models.llama import PRESETS as LLAMA
 from jaxtune.models.mistral import PRESETS as MISTRAL
 from jaxtune.models.registry import FAMILIES, merge
+from jaxtune.models.unsupported import UnsupportedModelError
 from jaxtune.run import load_run
 from tests.conftest import save_chatml_tokenizer
 from tests.models.real_models import SMOLLM2_INSTALL, smollm2_gguf

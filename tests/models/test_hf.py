@@ -36,9 +36,9 @@ from flax import nnx
 
 from jaxtune.export import export
 from jaxtune.io import CheckpointError, write_safetensors
-from jaxtune.models.family import UnsupportedModelError
 from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
 from jaxtune.models.sampling import Generator
+from jaxtune.models.unsupported import UnsupportedModelError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

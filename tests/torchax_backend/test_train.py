@@ -81,8 +81,8 @@ def phi3_dir(tmp_path):
 
 def test_phi3_lora_exports_a_peft_adapter_peft_reloads(phi3_dir, tiny_overrides, tmp_path):
     from jaxtune.export import export
-    from jaxtune.models.family import UnsupportedModelError
     from jaxtune.models.hf import read_hf_config
+    from jaxtune.models.unsupported import UnsupportedModelError
     from jaxtune.run import load_run
 
     with pytest.raises(UnsupportedModelError):

@@ -21,7 +21,7 @@ from jaxtune.aot.hlo import hlo_counts
 from jaxtune.backends import make_state_spec
 from jaxtune.config import Config
 from jaxtune.info import planned
-from jaxtune.models.family import check_fits
+from jaxtune.models.fits import check_fits
 from jaxtune.train.step import Steps, run_steps
 
 

@@ -11,17 +11,11 @@ from functools import partial
 from typing import Any
 
 from jaxtune.models.decoder import Decoder, DecoderConfig
-from jaxtune.models.family import (
-    TORCHAX_HINT,
-    Family,
-    UnsupportedModelError,
-    decoder_from_hf,
-    decoder_hf_map,
-    decoder_to_hf,
-    require,
-    rope_from_hf,
-)
+from jaxtune.models.decoder_hf import decoder_from_hf, decoder_hf_map, decoder_to_hf
+from jaxtune.models.family import Family
+from jaxtune.models.hf_fields import rope_from_hf
 from jaxtune.models.layers import Rope
+from jaxtune.models.unsupported import TORCHAX_HINT, UnsupportedModelError, require
 
 _GEMMA3 = partial(DecoderConfig, family="gemma3", norm_eps=1e-6, norm_offset=1.0, qk_norm=True, sandwich_norm=True,
                   mlp_act="gelu_tanh", embed_scale=True, rope=Rope(theta=1e6), local_rope=Rope(theta=10000.0),

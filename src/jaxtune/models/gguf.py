@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxtune.io import CheckpointError, atomic_dir, write_safetensors
-from jaxtune.models.family import TORCHAX_HINT, UnsupportedModelError
+from jaxtune.models.unsupported import TORCHAX_HINT, UnsupportedModelError
 
 CONVERTER_VERSION = 1  # part of the cache key: bump when the converted directory changes
 HASHED_BYTES = 16 << 20

@@ -31,7 +31,6 @@ import tokenizers
 from jaxtune.config import GGUF_TYPES, ConfigError
 from jaxtune.io import CheckpointError, read_json
 from jaxtune.models.decoder import DecoderConfig
-from jaxtune.models.family import UnsupportedModelError
 from jaxtune.models.gguf import (
     ARCHITECTURES,
     CONV1D,
@@ -42,6 +41,7 @@ from jaxtune.models.gguf import (
 )
 from jaxtune.models.hf import HFCheckpoint, read_config_json, read_hf_config
 from jaxtune.models.layers import Rope
+from jaxtune.models.unsupported import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 

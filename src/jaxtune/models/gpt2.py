@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtune.models.family import Family, Map, RuntimeConfig, require
+from jaxtune.models.family import Family, Map, RuntimeConfig
 from jaxtune.models.layers import (
     Dense,
     Embed,
@@ -29,6 +29,7 @@ from jaxtune.models.layers import (
     stack_layers,
     update_cache,
 )
+from jaxtune.models.unsupported import require
 
 
 @dataclass(frozen=True)

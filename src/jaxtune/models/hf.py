@@ -21,9 +21,12 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxtune.config import TokenizerConfig, local_or_hub
 from jaxtune.io import CheckpointError, SafetensorsFile, atomic_dir, host, read_json, write_safetensors
-from jaxtune.models.family import TORCHAX_HINT, Family, Map, UnsupportedModelError, check_fits, dtype_from_hf
+from jaxtune.models.family import Family, Map
+from jaxtune.models.fits import check_fits
 from jaxtune.models.gguf import gguf_to_hf_dir, is_gguf
+from jaxtune.models.hf_fields import dtype_from_hf
 from jaxtune.models.registry import FAMILIES, model_layout
+from jaxtune.models.unsupported import TORCHAX_HINT, UnsupportedModelError
 from jaxtune.models.wheels import is_wheel_ref, wheel_file
 
 INDEX = "model.safetensors.index.json"

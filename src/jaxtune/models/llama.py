@@ -7,8 +7,10 @@ from functools import partial
 from typing import Any
 
 from jaxtune.models.decoder import Decoder, DecoderConfig
-from jaxtune.models.family import Family, decoder_from_hf, decoder_hf_map, decoder_to_hf, require
+from jaxtune.models.decoder_hf import decoder_from_hf, decoder_hf_map, decoder_to_hf
+from jaxtune.models.family import Family
 from jaxtune.models.layers import Rope
+from jaxtune.models.unsupported import require
 
 _LLAMA3_ROPE = dict(theta=500000.0, kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=8192)
 

@@ -7,8 +7,10 @@ from functools import partial
 from typing import Any
 
 from jaxtune.models.decoder import Decoder, DecoderConfig
-from jaxtune.models.family import Family, decoder_from_hf, decoder_hf_map, decoder_to_hf, require
+from jaxtune.models.decoder_hf import decoder_from_hf, decoder_hf_map, decoder_to_hf
+from jaxtune.models.family import Family
 from jaxtune.models.layers import Rope
+from jaxtune.models.unsupported import require
 
 PRESETS = {
     "tiny": partial(DecoderConfig, family="mistral", vocab_size=512, max_seq_len=128, n_layer=2, n_head=4,

@@ -7,8 +7,10 @@ from functools import partial
 from typing import Any
 
 from jaxtune.models.decoder import Decoder, DecoderConfig
-from jaxtune.models.family import Family, decoder_from_hf, decoder_hf_map, decoder_to_hf, require
+from jaxtune.models.decoder_hf import decoder_from_hf, decoder_hf_map, decoder_to_hf
+from jaxtune.models.family import Family
 from jaxtune.models.layers import Rope
+from jaxtune.models.unsupported import require
 
 # What every released checkpoint of a generation shares; a preset adds its sizes.
 _Q25 = partial(DecoderConfig, family="qwen2", qkv_bias=True, norm_eps=1e-6, rope=Rope(theta=1e6), vocab_size=151936,

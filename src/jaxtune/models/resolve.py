@@ -8,7 +8,7 @@ from typing import Any
 
 from jaxtune.config import LORA_TARGETS, STRUCTURAL, ConfigError, HubError, NativeModelConfig
 from jaxtune.io import CheckpointError
-from jaxtune.models.family import check_fits
+from jaxtune.models.fits import check_fits
 from jaxtune.models.hf import read_hf_config
 from jaxtune.models.layers import LoraSpec
 from jaxtune.models.registry import FAMILIES

@@ -15,11 +15,11 @@ from jaxtune import sharding
 from jaxtune.backends.base import ParityModel
 from jaxtune.config import Config, ConfigError
 from jaxtune.models import FAMILIES, model_config
-from jaxtune.models.family import UnsupportedModelError
 from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
 from jaxtune.models.lora import merge_adapters, write_adapter
 from jaxtune.models.registry import init_params, merge, model_layout
 from jaxtune.models.sampling import Generator
+from jaxtune.models.unsupported import UnsupportedModelError
 from jaxtune.train.logprobs import chunked_token_logps, loss_chunk_size, tempered, token_logps
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout

@@ -28,7 +28,7 @@ from jaxtune.backends.torchax.model import (
 )
 from jaxtune.config import Config, ConfigError, TorchaxModelConfig
 from jaxtune.io import atomic_dir
-from jaxtune.models.family import check_fits
+from jaxtune.models.fits import check_fits
 from jaxtune.models.sampling import bucket, check_prompts, collect, sample_logits
 from jaxtune.train.logprobs import tempered, token_logps
 from jaxtune.train.optim import make_optimizer, schedule
