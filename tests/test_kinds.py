@@ -4,6 +4,7 @@ declared ones; the batch a kind's pipeline makes is the batch its record says th
 from __future__ import annotations
 
 import typing
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -120,3 +121,31 @@ def test_grpo_rows_are_the_batch_the_prompts_record_declares():
     rows = training_rows([[1, 2, 3], [4, 5]] * 2, [[6, 7], [8], [9, 9, 9], [1]], 16)
     batch = {**rows, "advantages": np.zeros(4, np.float32)}
     assert _shapes(batch) == PROMPTS.step_arrays(2, 16, objective)
+
+
+def test_a_batch_kinds_data_module_registers_its_row_format(tmp_path):
+    """A new batch kind's data module adds its row format with `register_format` (no edit of data/formats.py):
+    detected after the built-in keys it does not hold (before the detect-last ones), parsed by its own parser, and
+    its own bad-row reasons reported after the built-in ones; a second registration of a name is refused."""
+    from jaxtune.data.formats import FORMATS, Format, detect_format, register_format
+    from jaxtune.data.row_policy import RowStats
+    from jaxtune.data.rows import BadRow
+
+    def parse(record, fields, data_cfg):
+        if record[fields["label"]] not in (True, False):
+            raise BadRow("bad_label", "label must be true or false")
+        return record
+
+    fmt = Format("labelled_test", {"prompt": "prompt", "completion": "completion", "label": "label"}, "label", parse,
+                 ("bad_label",), chat=False)
+    register_format(fmt)
+    try:
+        with pytest.raises(ValueError, match="registered twice"):
+            register_format(fmt)
+        rows = tmp_path / "rows.jsonl"
+        rows.write_text('{"prompt": "p", "label": true}\n')
+        assert detect_format(str(rows)) == "labelled_test"  # ahead of prompts, whose key the row holds too
+        stats = RowStats(dropped=Counter({"bad_label": 2, "missing_field": 1}))
+        assert stats.drop_lines("rows") == ["dropped rows: missing_field 1, bad_label 2"]
+    finally:
+        del FORMATS["labelled_test"]

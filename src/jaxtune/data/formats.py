@@ -24,9 +24,11 @@ UTF-8, not JSON, lacks a field, names an unknown role, breaks the order or has a
 completions, or an implicit prompt that is not one) is *bad*: ``data.bad_rows=raise`` stops with its file:line,
 ``drop`` skips it and counts it per reason (`REASONS`).
 
-A new format is one `Format` in `FORMATS` (its fields, the key that detects it, its parser, its bad-row reasons)
-and, when its `Example` is not a conversation or a prompt/completion, an encoder for it (`jaxtune.data.sft`,
-`jaxtune.data.preference`, `jaxtune.data.prompts`).
+A new format is one `Format` (its fields, the key that detects it, its parser, its bad-row reasons), registered in
+`FORMATS` with `register_format`: the formats of the batch kinds here are registered below; a new batch kind's data
+module registers its own (and its name is one of its kind's formats, `jaxtune.config.kinds`). When its `Example` is
+not a conversation or a prompt/completion it needs an encoder (`jaxtune.data.sft`, `jaxtune.data.preference`,
+`jaxtune.data.prompts`).
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class Format:
     holding this key is taken to be of this format (`detect_format`, in `FORMATS` order); ``parse(record, fields,
     data_cfg)``: a row (a dict) as an `Example` (a `Pair` for preference rows, a `Prompt` for prompts), or `BadRow`;
     ``reasons``: the `BadRow` reasons ``parse`` gives; ``chat``: rendered with the chat template (else raw text;
-    preference and prompts rows are either, by their form)."""
+    preference and prompts rows are either, by their form); ``detect_last``: detected only when no other format's key
+    is in the row (a key that other formats' rows hold too, such as ``prompt``)."""
 
     name: str
     fields: dict[str, str]
@@ -103,6 +106,7 @@ class Format:
     parse: Callable[[dict, dict[str, str], DataConfig], Example | Pair | Prompt]
     reasons: tuple[str, ...]
     chat: bool = True
+    detect_last: bool = False
 
 
 def _string(record: dict, key: str, name: str, required: bool = True) -> str:
@@ -281,8 +285,19 @@ def _prompt_turns(prompt: Any, fields: dict[str, str], roles: dict[str, str], ex
 _CONVERSATION_REASONS = ("missing_field", "bad_type", "unknown_role", "role_order", "empty_content")
 _FIELD_REASONS = ("missing_field", "bad_type", "empty_content")
 
-# In detection order: the first format whose detect_key a row holds is the row's.
-FORMATS = {f.name: f for f in (
+FORMATS: dict[str, Format] = {}  # by name, in registration order
+
+
+def register_format(fmt: Format) -> Format:
+    """Make ``fmt`` readable as ``data.format: <its name>``; a batch kind's data module calls it for its formats."""
+    if fmt.name in FORMATS:
+        raise ValueError(f"row format {fmt.name!r} is registered twice")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+# Detection tries these in this order (then the detect_last ones): the first whose detect_key a row holds is its.
+for _format in (
     Format("messages", {"messages": "messages", "role": "role", "content": "content"}, "messages", _messages,
            _CONVERSATION_REASONS),
     Format("sharegpt", {"messages": "conversations", "role": "from", "content": "value"}, "conversations", _sharegpt,
@@ -297,8 +312,9 @@ FORMATS = {f.name: f for f in (
     # Last: a preference or a prompt/completion row holds a prompt too (a prompts row given as messages ending with
     # a user turn is detected as messages).
     Format("prompts", {"prompt": "prompt", "messages": "messages", "role": "role", "content": "content"}, "prompt",
-           _prompts, _CONVERSATION_REASONS),
-)}
+           _prompts, _CONVERSATION_REASONS, detect_last=True),
+):
+    register_format(_format)
 # Why a row was bad (data.bad_rows): unreadable first, then each format's reasons, in this order in reports.
 REASONS = tuple(dict.fromkeys([*READ_REASONS, *(r for f in FORMATS.values() for r in f.reasons)]))
 
@@ -337,7 +353,7 @@ def detect_format(path: str) -> str:
     """The fine-tuning format a JSONL/JSON file's first row looks like (``text`` when it looks like none)."""
     for _, record in file_rows(Path(path).expanduser()):
         if isinstance(record, dict):
-            for fmt in FORMATS.values():
+            for fmt in sorted(FORMATS.values(), key=lambda f: f.detect_last):  # stable: registration order
                 if fmt.detect_key in record:
                     return fmt.name
         return "text"

@@ -34,10 +34,12 @@ class RowStats:
     truncated: int = 0
 
     def drop_lines(self, unit: str) -> list[str]:
-        """Report lines: the rows dropped per reason (in `DROP_REASONS` order), the ``unit`` truncated, if any."""
+        """Report lines: the rows dropped per reason (in `DROP_REASONS` order, then a registered format's own
+        reasons), the ``unit`` truncated, if any."""
         out = []
         if self.dropped:
-            out.append("dropped rows: " + ", ".join(f"{r} {self.dropped[r]}" for r in DROP_REASONS if self.dropped[r]))
+            order = [*DROP_REASONS, *(r for r in self.dropped if r not in DROP_REASONS)]
+            out.append("dropped rows: " + ", ".join(f"{r} {self.dropped[r]}" for r in order if self.dropped[r]))
         if self.truncated:
             out.append(f"truncated {unit} (data.overlong=truncate): {self.truncated}")
         return out
