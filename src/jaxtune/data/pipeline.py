@@ -273,19 +273,21 @@ def _test_rows(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[A
     resolve_chat_template(test_cfg, tokenizer)
     stats = SFTStats()
     rows = load_examples(test_cfg.sources, test_cfg, tokenizer, stats)
-    if not rows:
-        raise DataError(f"--data {data}: no usable rows ({stats.rows} read, dropped {dict(stats.dropped)})")
-    return sequences(rows, test_cfg), {"rows": stats.rows, "examples": len(rows), "dropped": dict(stats.dropped)}
+    return sequences(rows, test_cfg), _what_was_read(data, "rows", "examples", len(rows), stats)
 
 
 def _test_pairs(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
     completion_settings(test_cfg, tokenizer)
     stats = PreferenceStats()
     pairs = load_pairs(test_cfg.sources, test_cfg, tokenizer, stats)
-    if not pairs:
-        raise DataError(f"--data {data}: no usable pairs ({stats.rows} read, dropped {dict(stats.dropped)})")
-    return PairRows.of(pairs, test_cfg.seq_len), {"rows": stats.rows, "pairs": len(pairs),
-                                                   "dropped": dict(stats.dropped)}
+    return PairRows.of(pairs, test_cfg.seq_len), _what_was_read(data, "pairs", "pairs", len(pairs), stats)
+
+
+def _what_was_read(data: str, unit: str, key: str, count: int, stats: Any) -> dict[str, Any]:
+    """What `test_sequences` read (rows, ``key``: the ``count`` usable, dropped per reason); an error without any."""
+    if not count:
+        raise DataError(f"--data {data}: no usable {unit} ({stats.rows} read, dropped {dict(stats.dropped)})")
+    return {"rows": stats.rows, key: count, "dropped": dict(stats.dropped)}
 
 
 @dataclass(frozen=True)
