@@ -71,7 +71,8 @@ def test_each_objective_builds_from_its_record(name):
         assert make_objective(ObjectiveConfig(name=name, loss_type=loss_type, rewards=rewards)).loss_type == loss_type
     # (sigmoid on an objective without loss types is what configs written before GRPO hold: read as unset.)
     for other in sorted(set(LOSS_TYPES) - set(spec.loss_types) - (set() if spec.loss_types else {"sigmoid"})):
-        with pytest.raises(ValueError, match=rf"objective.loss_type(={other})? does not apply to objective.name={name}"):
+        refused = rf"objective.loss_type(={other})? does not apply to objective.name={name}"
+        with pytest.raises(ValueError, match=refused):
             ObjectiveConfig(name=name, loss_type=other, rewards=rewards)
 
 

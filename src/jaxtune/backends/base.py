@@ -44,7 +44,7 @@ class Backend(Protocol):
 
     def export(self, run: Any, out: Path, *, tokenizer: Any, dtype: str | None, adapter: bool,
                max_shard_bytes: int, overwrite: bool) -> Path:
-        """Write a loaded run (`jaxtune.evaluate.LoadedRun`) as a HuggingFace model directory (or, ``adapter``, a
+        """Write a loaded run (`jaxtune.run.LoadedRun`) as a HuggingFace model directory (or, ``adapter``, a
         PEFT adapter directory) at ``out``."""
         ...
 

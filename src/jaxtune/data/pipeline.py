@@ -75,7 +75,7 @@ def make_train_iterator(
     num_workers: int = 0,
 ) -> grain.DatasetIterator:
     """An endless iterator of this process's training batches: {"inputs", "targets"}: int32 (global_batch //
-    process_count, seq_len) (and the SFT keys, for `jaxtune.data.sft.PackedRows`; (..., 2, seq_len) pairs for
+    process_count, seq_len) (and the SFT keys, for `jaxtune.data.encoded.PackedRows`; (..., 2, seq_len) pairs for
     `jaxtune.data.preference.PairRows`; {"prompt": (..., max_prompt_tokens), "prompt_len", "row": (...,)} for
     `jaxtune.data.prompts.PromptRows`). ``data``: pretraining `TokenData` (its training windows) or any random-access
     source of equal-shaped examples. ``get_state()`` is a JSON-serialisable dict; ``set_state`` on a fresh iterator

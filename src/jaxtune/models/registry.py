@@ -11,8 +11,9 @@ from jax.sharding import Mesh
 from jaxtune import sharding
 from jaxtune.config import FAMILY_NAMES
 from jaxtune.models import gemma3, gpt2, llama, mistral, qwen
+from jaxtune.models.decoder import DecoderConfig
 from jaxtune.models.family import Family
-from jaxtune.models.layers import LoRAParam
+from jaxtune.models.layers import LoRAParam, LoraSpec
 
 # The implementation of each family `jaxtune.config.kinds.FAMILY_NAMES` declares (``model.family``'s values).
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen.QWEN2, qwen.QWEN3, mistral.FAMILY,
@@ -28,7 +29,12 @@ def build_model(cfg: Any, seed: int) -> nnx.Module:
 
 def param_groups(cfg: Any) -> tuple:
     """How a model's parameters split: (trainable, frozen) filters with LoRA, else all of them train."""
-    return (LoRAParam, nnx.Param) if getattr(cfg, "lora", None) else (nnx.Param,)
+    return (LoRAParam, nnx.Param) if adapters(cfg) is not None else (nnx.Param,)
+
+
+def adapters(cfg: Any) -> LoraSpec | None:
+    """A family config's LoRA adapters: the decoder families' ``lora`` (GPT-2 has none)."""
+    return cfg.lora if isinstance(cfg, DecoderConfig) else None
 
 
 def model_layout(cfg: Any, mesh: Mesh | None, seed: int = 0) -> tuple[nnx.GraphDef, list[Any], list[Any] | None]:

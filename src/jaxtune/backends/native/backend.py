@@ -17,7 +17,7 @@ from jaxtune.config import Config, ConfigError
 from jaxtune.models import FAMILIES, model_config
 from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
 from jaxtune.models.lora import merge_adapters, write_adapter
-from jaxtune.models.registry import init_params, merge, model_layout
+from jaxtune.models.registry import adapters, init_params, merge, model_layout
 from jaxtune.models.sampling import Generator
 from jaxtune.models.unsupported import UnsupportedModelError
 from jaxtune.train.logprobs import chunked_token_logps, loss_chunk_size, tempered, token_logps
@@ -103,7 +103,7 @@ class NativeSpec:
 
     def base_model(self, loss_chunk: int = 0) -> tuple[NativeForward, Any] | None:
         """The base without LoRA: the family's graph with ``lora=None``, whose params are exactly the frozen group."""
-        if getattr(self.model_cfg, "lora", None) is None:
+        if adapters(self.model_cfg) is None:
             return None
         graphdef = model_layout(self.model_cfg.replace(lora=None), None)[0]
         return NativeForward(graphdef, self.model_cfg.vocab_size, loss_chunk), lambda frozen: frozen[0]
@@ -142,7 +142,7 @@ class NativeBackend:
                max_shard_bytes: int, overwrite: bool) -> Path:
         """Merged (``W + scale A B``: an ordinary checkpoint), or with ``adapter`` a PEFT adapter directory."""
         cfg, params = run.spec.model_cfg, run.params
-        lora = getattr(cfg, "lora", None)
+        lora = adapters(cfg)
         if adapter:
             if lora is None:
                 raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full "
