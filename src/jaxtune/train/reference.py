@@ -2,8 +2,11 @@
 
 Which model it is follows from the run, as TRL does:
 
-* **LoRA**: the frozen base with the adapters off (`ModelSpec.base_model`). No second copy of the weights: the base
-  is already on the mesh as the LoRA model's frozen group.
+* **LoRA**: the frozen base with the adapters off: the policy's own forward with its adapters zeroed (`zeroed`), so
+  no second copy of the weights (the base is already on the mesh as the LoRA model's frozen group) and, while the
+  trained B matrices are still 0, the very program of the policy: at step 0 the reference's log-probs are bitwise the
+  policy's wherever both are computed without gradients (the evaluations, the precomputed log-probs), and every
+  reward is exactly 0.
 * **Full fine-tuning**: a frozen copy of the initial weights (the checkpoint's, or the seed's), held on the mesh
   beside the train state as one more frozen group: the step's ``frozen`` is the model's groups, then the copy.
 * **``objective.precompute_ref_logps``**: either of the above, used once before training (`precompute`) over every
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtune import sharding
@@ -58,12 +62,18 @@ class ReferenceModel:
 
 
 def reference_model(spec: ModelSpec, loss_chunk: int = 0) -> ReferenceModel:
-    """LoRA's base with the adapters off where the model has adapters, else a frozen copy."""
-    base = spec.base_model(loss_chunk)
-    if base is not None:
-        forward, weights = base
-        return ReferenceModel(forward, weights)
-    return ReferenceModel(spec.forward(loss_chunk), lambda frozen: frozen[-1], copy=True)
+    """LoRA's base (the adapters zeroed) where the model has adapters (a frozen base group), else a frozen copy."""
+    forward = spec.forward(loss_chunk)
+    if spec.frozen_abstract:
+        return ReferenceModel(forward, lambda frozen: spec.weights(zeroed(spec.abstract.params), frozen))
+    return ReferenceModel(forward, lambda frozen: frozen[-1], copy=True)
+
+
+def zeroed(abstract: Any) -> Any:
+    """Zeros shaped and placed like ``abstract``'s leaves (the trained adapters), behind an optimization barrier so
+    that XLA cannot fold them away and compile the reference as a program other than the policy's."""
+    return jax.tree.map(lambda a: jax.lax.optimization_barrier(
+        jax.lax.with_sharding_constraint(jnp.zeros(a.shape, a.dtype), a.sharding)), abstract)
 
 
 def step_reference(spec: ModelSpec, objective: ObjectiveConfig, loss_chunk: int = 0,

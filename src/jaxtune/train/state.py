@@ -138,9 +138,4 @@ class ModelSpec(Protocol):
         """The model's functions; ``loss_chunk``: sequence positions per log-prob chunk (0: auto)."""
         ...
 
-    def base_model(self, loss_chunk: int = 0) -> tuple[Forward, Any] | None:
-        """A LoRA model's frozen base with the adapters off, as (forward, frozen groups -> its weights): the
-        reference model of preference objectives, without a second copy of the weights. None without LoRA."""
-        ...
-
     def generator(self) -> Sampler: ...

@@ -101,13 +101,6 @@ class NativeSpec:
     def forward(self, loss_chunk: int = 0) -> NativeForward:
         return NativeForward(self.graphdef, self.model_cfg.vocab_size, loss_chunk)
 
-    def base_model(self, loss_chunk: int = 0) -> tuple[NativeForward, Any] | None:
-        """The base without LoRA: the family's graph with ``lora=None``, whose params are exactly the frozen group."""
-        if adapters(self.model_cfg) is None:
-            return None
-        graphdef = model_layout(self.model_cfg.replace(lora=None), None)[0]
-        return NativeForward(graphdef, self.model_cfg.vocab_size, loss_chunk), lambda frozen: frozen[0]
-
     def generator(self) -> Generator:
         """The KV-cache sampler for eval prompts and `jaxtune generate`."""
         return Generator(self.graphdef, self.model_cfg.max_seq_len)

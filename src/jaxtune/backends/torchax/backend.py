@@ -40,15 +40,12 @@ class TorchaxForward:
     """A torchax model as functions of its merged weights (`merge_weights`)."""
 
     model: TorchaxModel
-    adapters_off: bool = False  # PEFT's adapters disabled: the base model alone (its weights: the frozen group)
 
     def logits(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
-        return self.model.logits(weights, batch["inputs"], batch.get("positions"), key,
-                                 adapters_off=self.adapters_off)
+        return self.model.logits(weights, batch["inputs"], batch.get("positions"), key)
 
     def hidden(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
-        return self.model.hidden(weights, batch["inputs"], batch.get("positions"), key,
-                                 adapters_off=self.adapters_off)
+        return self.model.hidden(weights, batch["inputs"], batch.get("positions"), key)
 
     def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None,
                     temperature: float = 1.0) -> jax.Array:
@@ -86,12 +83,6 @@ class TorchaxSpec:
     def forward(self, loss_chunk: int = 0) -> TorchaxForward:
         """The HF model computes the full (B, T, V) logits (``train.loss_chunk`` applies to native models only)."""
         return TorchaxForward(self.model)
-
-    def base_model(self, loss_chunk: int = 0) -> tuple[TorchaxForward, Any] | None:
-        """PEFT's base with the adapters disabled, on the frozen group's weights alone."""
-        if self.host_frozen is None:
-            return None
-        return TorchaxForward(self.model, adapters_off=True), lambda frozen: frozen[0]
 
     def generator(self) -> TorchaxGenerator:
         return TorchaxGenerator(self.model, self.model_cfg.max_seq_len)

@@ -221,19 +221,18 @@ class TorchaxModel:
     # --- the function ---
 
     def logits(self, weights: dict[str, Any], tokens: jax.Array, positions: jax.Array | None = None,
-               key: jax.Array | None = None, adapters_off: bool = False) -> jax.Array:
+               key: jax.Array | None = None) -> jax.Array:
         """weights: the nested trainable and frozen params merged (`merge_weights`); tokens (B, T) int32,
-        positions (B, T) (restarting at 0 for each packed row; None: 0..T-1) -> (B, T, V) float32 logits.
-        ``adapters_off``: PEFT's adapters disabled (weights: the base's alone)."""
-        return self._call(weights, tokens, positions, key, adapters_off=adapters_off).astype(jnp.float32)
+        positions (B, T) (restarting at 0 for each packed row; None: 0..T-1) -> (B, T, V) float32 logits."""
+        return self._call(weights, tokens, positions, key).astype(jnp.float32)
 
     def hidden(self, weights: dict[str, Any], tokens: jax.Array, positions: jax.Array | None = None,
-               key: jax.Array | None = None, adapters_off: bool = False) -> jax.Array:
+               key: jax.Array | None = None) -> jax.Array:
         """(B, T, D): what the output layer reads (the final normalised hidden states), in the compute dtype."""
-        return self._call(weights, tokens, positions, key, hidden=True, adapters_off=adapters_off)
+        return self._call(weights, tokens, positions, key, hidden=True)
 
     def _call(self, weights: dict[str, Any], tokens: jax.Array, positions: jax.Array | None, key: jax.Array | None,
-              hidden: bool = False, adapters_off: bool = False) -> jax.Array:
+              hidden: bool = False) -> jax.Array:
         """The module's logits, or (``hidden``) the input its output embedding received, caught by a hook."""
         import torch
         from torchax import interop
@@ -253,9 +252,8 @@ class TorchaxModel:
         seen: list[Any] = []
         hook = (self.module.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
                 if hidden else None)
-        adapters = self.module.disable_adapter() if adapters_off else contextlib.nullcontext()
         try:
-            with self.env, self.env.override_property(**prop), _naming_failures(self.module), adapters:
+            with self.env, self.env.override_property(**prop), _naming_failures(self.module):
                 out = torch.func.functional_call(self.module, tflat, args=(), kwargs=tkwargs, tie_weights=True,
                                                  strict=False)
         finally:
