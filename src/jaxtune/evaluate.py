@@ -18,6 +18,7 @@ from jaxtune.train.metrics import perplexity
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import step_reference, with_reference
 from jaxtune.train.rollout import make_rollout
+from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import jit_steps
 
 
@@ -50,10 +51,14 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk)
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
     frozen = with_reference(run.frozen, reference, spec, cfg.train.seed)
+    shapes = BatchShapes.of(cfg)
+    eval_batches = [shapes.fit(b)[0] for b in eval_batches]  # each at its length bucket
     with sharding.use_mesh(spec.mesh):
         result = steps.evaluate(run.params, frozen, eval_batches)
-    return {"step": run.step, "loss": result.loss, "perplexity": perplexity(result.loss), "tokens": result.count,
-            **result.metrics, **extra}
+    kind = cfg.data.kind
+    # A perplexity is exp of a per-token language-model loss; a preference loss has none.
+    ppl = {"perplexity": perplexity(result.loss)} if kind.held_out == "loss" else {}
+    return {"step": run.step, "loss": result.loss, **ppl, kind.unit: result.count, **result.metrics, **extra}
 
 
 def _evaluate_prompts(run: LoadedRun, data: str | None) -> dict[str, Any]:

@@ -87,7 +87,7 @@ class Evaluator:
         if self.batches:
             result = self.steps.evaluate(params, frozen, self.batches)
             record["loss"] = loss = result.loss
-            if REWARD_ACCURACY in result.metrics:  # preference objectives: held-out pairs ranked right
+            if self.cfg.data.kind.held_out == "pairs":  # preference objectives: held-out pairs ranked right
                 record["reward_accuracy"] = result.metrics[REWARD_ACCURACY]
                 scalars = {"loss": loss, **result.metrics}
                 said.append(f"validation loss {loss:.4f}, reward accuracy {record['reward_accuracy']:.1%}, margin "

@@ -28,6 +28,7 @@ from jaxtune.train.profile import Profiler
 from jaxtune.train.reference import precompute_reference, with_reference
 from jaxtune.train.rollout import make_rollout
 from jaxtune.train.run_dir import claim, writing
+from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import run_steps
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
@@ -109,7 +110,9 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
 
     # Components that report.
     log = StepLog(run_dir, cfg, start, spec.model_cfg, ckpt)
-    evaluator = Evaluator(cfg, steps, tokenizer, data.eval_batches, run_dir, log, data.eval_examples, rollout,
+    shapes = BatchShapes.of(cfg)
+    eval_batches = [shapes.fit(b)[0] for b in data.eval_batches]  # each held-out batch at its own bucket
+    evaluator = Evaluator(cfg, steps, tokenizer, eval_batches, run_dir, log, data.eval_examples, rollout,
                           data.prompts.val if data.prompts is not None else None)
     for line in ckpt.notes(start, total) + data.report:
         log.message(line)
@@ -136,12 +139,14 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
             batch, sampled = next(data.train_iter), {}
             if rollout is not None:  # GRPO: the batch's completions, sampled by the policy as it is now
                 batch, sampled = rollout.batch(steps.weights(state.params, frozen), data.prompts.train, batch, step)
-            state, metrics = steps.train(state, sharding.global_batch(mesh, batch), frozen)
+            batch, shape = shapes.fit(batch)  # cut to its length bucket (fine-tuning rows, pairs, completions)
+            state, metrics = shapes.step(lambda: steps.train(state, sharding.global_batch(mesh, batch), frozen),
+                                         shape, step + 1, log.message)
             if step == start:
                 laps.lap("compile")  # the first dispatch compiled the step (or loaded it from the cache)
             step += 1
             profiler.after(step, state)
-            log.push(step, {**metrics, **sampled})
+            log.push(step, {**metrics, **sampled}, shape)
             if evaluator.due(step):
                 log.drain()
                 laps.lap("steps")

@@ -51,6 +51,10 @@ class DataConfig(Section):
     max_bytes: int | None = Field(None, ge=1, description="stop reading sources after this many bytes of text")
     seq_len: int = Field(256, ge=2)
     val_fraction: float = Field(0.05, ge=0.0, le=0.5)
+    length_buckets: int = Field(4, ge=0, description="fine-tuning rows, pairs and GRPO completions: each batch is "
+                                "padded only to the shortest of this many lengths per doubling (4: 64, 80, 96, 112, "
+                                "128, 160, ...) that holds its longest row, one compiled program per length used; "
+                                "0: every batch padded to seq_len")
     cache_dir: str = "~/.cache/jaxtune"
     num_workers: int = Field(0, ge=0, description="grain worker processes; 0 reads in the main process")
     num_proc: int | None = Field(None, ge=1, description="processes tokenizing the corpus; default all cores (the "

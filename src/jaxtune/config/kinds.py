@@ -41,7 +41,9 @@ class BatchKind:
     evaluation reports: ``loss`` (held-out loss and perplexity), ``pairs`` (the objective's loss and reward metrics
     on held-out pairs, against a reference: never a perplexity) or ``answers`` (held-out prompts answered and scored
     by the reward functions; there is no fixed text to score). ``generates``: the loop samples the completions
-    itself before each step, from prompts of at most ``data.seq_len - max_completion_length`` tokens."""
+    itself before each step, from prompts of at most ``data.seq_len - max_completion_length`` tokens. ``buckets``:
+    its rows are right-padded, so each batch is cut to a length bucket that holds its longest row
+    (`jaxtune.data.buckets`, ``data.length_buckets``); pretraining windows are all real tokens."""
 
     name: str
     formats: tuple[str, ...]
@@ -52,6 +54,8 @@ class BatchKind:
     extra_keys: Callable[[Any], tuple[str, ...]] = field(default=lambda objective: ())
     held_out: HeldOut = "loss"
     generates: bool = False
+    buckets: bool = True
+    unit: str = "tokens"  # what a held-out loss averages over (tokens with loss, pairs)
 
     def sequences_per_item(self, objective: Any) -> int:
         return objective.num_generations if self.sequences is None else self.sequences
@@ -71,17 +75,17 @@ class BatchKind:
 
 WINDOWS = BatchKind(
     "windows", ("text", "tokens"), "pretraining text cut into windows of one token stream (text tokenized here, or "
-    "token ids made elsewhere)", row_keys=WINDOW_KEYS)
+    "token ids made elsewhere)", row_keys=WINDOW_KEYS, buckets=False)
 ROWS = BatchKind(
     "rows", ("messages", "sharegpt", "alpaca", "prompt_completion"), "fine-tuning rows (chat or instruction), "
     "packed into sequences, loss on the tokens data.loss_on names")
 PAIRS = BatchKind(
     "pairs", ("preference",), "preference pairs: a prompt with a chosen and a rejected completion, one pair per "
-    "item (never packed)", sequences=2, item_axis=True, held_out="pairs",
+    "item (never packed)", sequences=2, item_axis=True, held_out="pairs", unit="pairs",
     extra_keys=lambda obj: ("ref_logps",) if obj.uses_reference and obj.precompute_ref_logps else ())
 PROMPTS = BatchKind(
     "prompts", ("prompts",), "prompts with their answer fields; the loop samples num_generations completions of each",
-    sequences=None, held_out="answers", generates=True, extra_keys=lambda obj: ("advantages",))
+    sequences=None, held_out="answers", generates=True, extra_keys=lambda obj: ("advantages",), unit="prompts")
 
 BATCH_KINDS: dict[str, BatchKind] = {k.name: k for k in (WINDOWS, ROWS, PAIRS, PROMPTS)}
 KIND_OF_FORMAT: dict[str, BatchKind] = {f: k for k in BATCH_KINDS.values() for f in k.formats}

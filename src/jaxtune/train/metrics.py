@@ -24,9 +24,10 @@ import jax
 from jaxtune.config import Config, LoggingConfig
 from jaxtune.io import write_text_atomically
 from jaxtune.train.run_dir import writing
+from jaxtune.train.shapes import Shape
 
 # Step metrics the loop handles itself; every other key of the step's metrics (the objective's) is logged as is.
-_STEP_KEYS = ("loss", "grad_norm", "lr", "tokens", "finite", "nan_streak")
+_STEP_KEYS = ("loss", "grad_norm", "lr", "count", "finite", "nan_streak")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -174,56 +175,63 @@ class StepLog:
     """The train steps' metrics, read one step late (so dispatch stays asynchronous): the NaN policy
     (``train.on_nan``), means over each logging window, throughput and MFU, written every ``logging.every`` steps.
 
-    ``push(step, metrics)`` after each step reads the previous step's metrics (the only host sync per step);
-    ``drain()`` reads everything pending (before a checkpoint or an evaluation)."""
+    ``push(step, metrics, shape)`` after each step reads the previous step's metrics (the only host sync per step);
+    ``drain()`` reads everything pending (before a checkpoint or an evaluation).
+
+    Throughput counts real tokens: ``tokens`` is the step's tokens that are not padding, ``tok_s`` the window's real
+    tokens per second, ``pad_fraction`` the share of the positions stepped that were padding, and MFU the model FLOPs
+    of the real tokens (at the length they were stepped at) per second over the devices' peak. The objective's own
+    count (tokens with loss, pairs, completion tokens) is ``count``."""
 
     def __init__(self, run_dir: Path, cfg: Config, start: int, model_cfg: Any, checkpointer: Any):
-        self.cfg, self.ckpt = cfg, checkpointer
+        self.cfg, self.ckpt, self.model_cfg = cfg, checkpointer, model_cfg
         self.writer = MetricsWriter(run_dir, cfg.logging, cfg.train.steps, start, cfg.to_dict())
-        seq, batch = cfg.data.seq_len, cfg.train.batch_size
-        # Sequences per item: a pair is two, a GRPO prompt its num_generations completions.
-        self.tokens_per_step = batch * seq * cfg.data.kind.sequences_per_item(cfg.objective)
-        self.flops_per_step = model_cfg.flops_per_token(seq) * self.tokens_per_step
         self.peak = peak_flops(jax.devices()[0])
         self.losses: dict[int, float] = {}  # step -> train loss, for the steps run here
         self.nan_skipped = 0
-        self.pending: list[tuple[int, dict[str, Any]]] = []
+        self.pending: list[tuple[int, dict[str, Any], Shape]] = []
         self._window(time.perf_counter())
 
     def _window(self, t0: float) -> None:
         self.t0, self.steps, self.loss_sum, self.finite = t0, 0, 0.0, 0
+        self.tokens, self.positions, self.flops = 0, 0, 0.0
 
     def message(self, text: str) -> None:
         self.writer.message(text)
 
-    def push(self, step: int, metrics: dict[str, Any]) -> None:
+    def push(self, step: int, metrics: dict[str, Any], shape: Shape) -> None:
         self.drain()
-        self.pending.append((step, metrics))
+        self.pending.append((step, metrics, shape))
         self.writer.advance()
 
     def drain(self) -> None:
         while self.pending:
-            step, m = self.pending.pop(0)
-            self._read(step, {k: float(v) for k, v in jax.device_get(m).items()})
+            step, m, shape = self.pending.pop(0)
+            self._read(step, {k: float(v) for k, v in jax.device_get(m).items()}, shape)
 
-    def _read(self, s: int, m: dict[str, float]) -> None:
+    def _read(self, s: int, m: dict[str, float], shape: Shape) -> None:
         self.losses[s] = m["loss"]
         if not m["finite"]:
             self._non_finite(s, m)
         self.steps += 1
+        self.tokens += shape.tokens
+        self.positions += shape.positions
+        self.flops += self.model_cfg.flops_per_token(shape.length) * shape.tokens
         if m["finite"]:
             self.loss_sum += m["loss"]
             self.finite += 1
         if s % self.cfg.logging.every and s != self.cfg.train.steps:
             return
-        step_time = (time.perf_counter() - self.t0) / max(self.steps, 1)
+        elapsed = time.perf_counter() - self.t0
+        step_time = elapsed / max(self.steps, 1)
         # loss: mean over the steps since the last line (steady curves); step_loss: this step's
         scalars = {"loss": self.loss_sum / self.finite if self.finite else m["loss"], "step_loss": m["loss"],
-                   "lr": m["lr"], "grad_norm": m["grad_norm"], "tokens": m["tokens"],
+                   "lr": m["lr"], "grad_norm": m["grad_norm"], "tokens": shape.tokens, "count": m["count"],
                    **{k: v for k, v in m.items() if k not in _STEP_KEYS},
-                   "step_time": step_time, "tok_s": self.tokens_per_step / step_time}
+                   "step_time": step_time, "tok_s": self.tokens / elapsed,
+                   "pad_fraction": 1.0 - self.tokens / max(self.positions, 1)}
         if self.peak:
-            scalars["mfu"] = self.flops_per_step / step_time / (self.peak * jax.device_count())
+            scalars["mfu"] = self.flops / elapsed / (self.peak * jax.device_count())
         self.writer.write(s, scalars)
         self._window(time.perf_counter())
 

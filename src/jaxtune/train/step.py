@@ -126,7 +126,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
             nan_streak=jnp.where(finite, 0, state.nan_streak + 1),
             nan_skipped=state.nan_skipped + jnp.where(finite, 0, 1),
         )
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step * passes), "tokens": count,
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step * passes), "count": count,
                    "finite": finite, "nan_streak": new_state.nan_streak, **extra}
         return new_state, metrics
 

@@ -1,0 +1,75 @@
+"""The shape each batch is stepped at (`BatchShapes`): its length bucket (`jaxtune.data.buckets`) agreed by every
+process, the real tokens in it, and a line when a length is met for the first time (its train step compiles then).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxtune.config import Config
+from jaxtune.data.buckets import bucket_length, cut, longest_row, real_tokens
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A global batch as stepped: its ``length`` (positions per row), its ``tokens`` that are not padding and its
+    ``positions`` (rows x length): the step's real and padded work."""
+
+    length: int
+    tokens: int
+    positions: int
+
+    @property
+    def pad_fraction(self) -> float:
+        return 1.0 - self.tokens / max(self.positions, 1)
+
+
+@dataclass
+class BatchShapes:
+    """Cuts the batches of a kind with buckets (fine-tuning rows, pairs, GRPO's completions) to their length
+    bucket, ``data.length_buckets`` per doubling up to ``data.seq_len``; pretraining windows keep theirs. With
+    several processes each holds some rows of the global batch, so the longest row and the token counts are
+    gathered from all of them (one small exchange per batch) and every process cuts to the same length."""
+
+    cap: int
+    per_octave: int
+    row_keys: tuple[str, ...]
+    lengths: set[int] = field(default_factory=set)  # lengths the train step has met
+
+    @classmethod
+    def of(cls, cfg: Config) -> BatchShapes:
+        kind = cfg.data.kind
+        return cls(cfg.data.seq_len, cfg.data.length_buckets if kind.buckets else 0, kind.row_keys)
+
+    def fit(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], Shape]:
+        """This process's rows cut to the global batch's bucket, and the global batch's `Shape`."""
+        rows = int(np.prod(np.shape(batch["inputs"])[:-1]))
+        local = np.array([longest_row(batch) if self.per_octave else self.cap, real_tokens(batch), rows], np.int64)
+        if jax.process_count() > 1 and (self.per_octave or "segment_ids" in batch):  # windows: all real, all alike
+            every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
+            local = np.array([every[:, 0].max(), every[:, 1].sum(), every[:, 2].sum()])
+        else:
+            local = local * np.array([1, jax.process_count(), jax.process_count()])
+        longest, tokens, rows = (int(x) for x in local)
+        length = bucket_length(longest, self.cap, self.per_octave)
+        return (cut(batch, length, self.row_keys) if length < self.cap else batch), Shape(length, tokens,
+                                                                                          rows * length)
+
+    def step(self, train: Callable[[], Any], shape: Shape, step: int, say: Callable[[str], None]) -> Any:
+        """``train()`` (the step's dispatch), saying so when ``shape``'s length is new: its program compiles (or is
+        read from the compilation cache) before the dispatch returns."""
+        if shape.length in self.lengths:
+            return train()
+        self.lengths.add(shape.length)
+        say(f"step {step}: compiling the train step for batches of {shape.length} positions ...")
+        started = time.perf_counter()
+        out = train()
+        say(f"step {step}: compiled in {time.perf_counter() - started:.1f} s")
+        return out
