@@ -1,60 +1,23 @@
-"""Shared fixtures: a tiny, fast training config over real text (the stdlib source), CPU-sized."""
+"""Shared fixtures: a tiny, fast training config over real text (the stdlib source), CPU-sized. What tests share
+besides fixtures (constants, functions) is in tests/helpers/, which test modules import; not this file."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.tiny_config import QUICK, TINY, TORCHAX_LLAMA
 
 from jaxtune.config import Config, load_config
-
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-TINY = [
-    "model.preset=tiny",
-    "model.n_layer=2",
-    "model.n_head=4",
-    "model.d_model=64",
-    "model.max_seq_len=64",
-    "data.sources=[python-stdlib]",
-    "data.max_bytes=300000",
-    "data.seq_len=32",
-    "data.val_fraction=0.05",
-    "tokenizer.kind=bpe",
-    "tokenizer.vocab_size=512",
-    "tokenizer.train_bytes=300000",
-    "optim.lr=3e-3",
-    "optim.warmup_steps=2",
-    "train.steps=20",
-    "train.batch_size=8",
-    "eval.batches=2",
-    "checkpoint.every=5",
-    "checkpoint.keep=10",
-    "logging.every=1",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-]
 
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
     """One tokenizer/token cache for the session: tests share the tokenized corpus, not run state."""
     return tmp_path_factory.mktemp("jaxtune-cache")
-
-
-def without_starting(stdout: str) -> str:
-    """``stdout`` of `jaxtune train` without the line the CLI prints at once, before its imports
-    (``jaxtune train CONFIG: starting``): what the run itself said."""
-    return "".join(line for line in stdout.splitlines(keepends=True)
-                   if not (line.startswith("jaxtune train ") and line.rstrip("\n").endswith(": starting")))
-
-
-QUICK = ["eval.exact_match=0", "eval.prompts=[]", "logging.progress=false", "logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="session")
@@ -131,11 +94,6 @@ def hf_gpt2_to_params():
     return _hf_gpt2_to_params
 
 
-TORCHAX_LLAMA = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-                 "tie_word_embeddings": True}
-
-
 @pytest.fixture
 def torchax_overrides(tiny_overrides, tmp_path) -> list[str]:
     """`tiny_overrides` for model.backend=torchax: a tiny random transformers Llama (its config.json) of the same
@@ -145,46 +103,3 @@ def torchax_overrides(tiny_overrides, tmp_path) -> list[str]:
     transformers.LlamaConfig(**TORCHAX_LLAMA).save_pretrained(directory)
     return [o for o in tiny_overrides if not o.startswith("model.")] + ["model.backend=torchax",
                                                                        f"model.hf_config={directory}"]
-
-
-CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def save_chatml_tokenizer(directory: Path, texts: list[str]) -> int:
-    """A 300-id byte-level BPE trained on ``texts`` with the ChatML specials (ids 0, 1, 2), saved as a transformers
-    tokenizer directory with the ChatML chat template; returns its vocabulary size."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from jaxtune.data.chat import CHATML
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=CHAT_SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": CHATML}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    assert [tok.token_to_id(s) for s in CHAT_SPECIALS] == [0, 1, 2]
-    return tok.get_vocab_size()
-
-
-def beside(proc: subprocess.Popen, work):
-    """(work(), the JSON ``proc`` prints after "RESULT"), ``work`` running in this process while ``proc`` (a test's
-    run on simulated devices, in its own process) runs: on two cores each compile is single-threaded, so the two
-    overlap. ``proc`` is killed if ``work`` fails."""
-    try:
-        value = work()
-    except BaseException:
-        proc.kill()
-        proc.communicate()
-        raise
-    try:
-        out, err = proc.communicate(timeout=900)
-    finally:
-        proc.kill()  # a no-op once it has exited
-    assert proc.returncode == 0, err[-3000:]
-    return value, json.loads(out.split("RESULT", 1)[1])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import save_chatml_tokenizer
+from helpers.tiny_hf import save_chatml_tokenizer
 
 from jaxtune.cli import main
 from jaxtune.config import (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY
+from helpers.tiny_config import TINY
 
 from jaxtune.cli import main
 from jaxtune.config import load_config

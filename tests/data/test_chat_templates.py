@@ -2,15 +2,15 @@
 text (jaxtune.data.sft, "Loss mask without template markers"): Qwen 3, Mistral with a system message.
 
 The templates are the real ones, written out here since hubs are unreachable from the tests; the tokenizers are
-test_sft's tiny BPE with each template's special tokens. Every check decodes each trained run of tokens on its own
-and compares it with the reply as the template renders it plus the end-of-turn.
+`helpers.chat_templates`' tiny BPE with each template's special tokens. Every check decodes each trained run of
+tokens on its own and compares it with the reply as the template renders it plus the end-of-turn.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_sft import CONVO, FAMILIES, MISTRAL, SYSTEM, build_tokenizer, cfg
+from helpers.chat_templates import CONVO, FAMILIES, MISTRAL, SYSTEM, build_tokenizer, messages_cfg
 
 from jaxtune.config import DataConfig, TokenizerConfig
 from jaxtune.data import load_tokenizer
@@ -161,7 +161,7 @@ def toks(tmp_path_factory):
 
 def trained_runs(tok, messages, data_cfg=None, prompt_turns=0) -> list[str]:
     """Each contiguous run of trained tokens, decoded on its own; checks the ids decode to the whole rendering."""
-    (enc,) = Encoder(tok, data_cfg or cfg()).encode([Example(messages=tuple(messages))], [prompt_turns])
+    (enc,) = Encoder(tok, data_cfg or messages_cfg()).encode([Example(messages=tuple(messages))], [prompt_turns])
     assert tok.decode(enc.ids.tolist()) == tok.apply_chat_template([dict(m) for m in messages])
     edges = np.flatnonzero(np.diff(np.concatenate([[0], enc.mask.astype(np.int8), [0]])))
     return [tok.decode(enc.ids[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2])]
@@ -170,7 +170,7 @@ def trained_runs(tok, messages, data_cfg=None, prompt_turns=0) -> list[str]:
 def fast_path_refuses(tok, messages) -> bool:
     msgs = [dict(m) for m in messages]
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-    return Encoder(tok, cfg()).prefix_spans(msgs, tok.apply_chat_template(msgs), turns) is None
+    return Encoder(tok, messages_cfg()).prefix_spans(msgs, tok.apply_chat_template(msgs), turns) is None
 
 
 # --- Qwen 3 ---
@@ -184,7 +184,7 @@ def test_qwen3_multi_turn(toks):
     assert trained_runs(tok, THREE_TURNS) == [A0 + "<|im_end|>", A1 + "<|im_end|>",
                                               "<think>\n\n</think>\n\nHi 🙂<|im_end|>"]
     # The prompt before the first reply is exactly what inference feeds the model.
-    (enc,) = Encoder(tok, cfg()).encode([Example(messages=CONVO)])
+    (enc,) = Encoder(tok, messages_cfg()).encode([Example(messages=CONVO)])
     prompt = tok.apply_chat_template([dict(m) for m in CONVO[:2]], add_generation_prompt=True)
     assert enc.ids[:int(np.argmax(enc.mask))].tolist() == tok.encode_chat([prompt])[0]
     assert SYSTEM in tok.decode(enc.ids[~enc.mask].tolist())
@@ -212,7 +212,7 @@ def test_qwen3_reasoning(toks):
 def test_qwen3_last_assistant_and_preference_prompt(toks):
     tok = toks["qwen3"]
     last = "<think>\n\n</think>\n\nHi 🙂<|im_end|>"
-    assert trained_runs(tok, THREE_TURNS, cfg(loss_on="last_assistant")) == [last]
+    assert trained_runs(tok, THREE_TURNS, messages_cfg(loss_on="last_assistant")) == [last]
     # A preference pair's prompt (its first 5 messages here) is not trained, however the template renders it.
     assert trained_runs(tok, THREE_TURNS, prompt_turns=5) == [last]
     assert trained_runs(tok, THREE_TURNS, prompt_turns=3) == [A1 + "<|im_end|>", last]
@@ -264,7 +264,7 @@ def test_mistral_v03_with_system(toks):
 def test_located_spans_match_the_fast_way(toks, name):
     """Where the fast way applies, locating the replies finds the very same spans, for every template."""
     tok = toks[name]
-    enc = Encoder(tok, cfg())
+    enc = Encoder(tok, messages_cfg())
     checked = 0
     for messages in (CONVO, CONVO[1:], CONVO[:3], THREE_TURNS, THREE_TURNS[1:]):
         msgs = [dict(m) for m in messages]

@@ -1,8 +1,9 @@
 """Preference pairs (jaxtune.data.preference, data.format: preference): TRL's three row forms -> a chosen and a
 rejected sequence after the same prompt -> (2, T) items and (B, 2, T) batches.
 
-The tokenizers are test_sft's: a tiny byte-level BPE trained offline, here with ChatML's special tokens and no
-template of its own (data.chat_template: chatml sets it), and a plain one for raw-text pairs."""
+The tokenizers are `helpers.chat_templates.build_tokenizer`'s: a tiny byte-level BPE trained offline, here with
+ChatML's special tokens and no template of its own (data.chat_template: chatml sets it), and a plain one for raw-text
+pairs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,21 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import rows_helpers
-from rows_helpers import A, S, U, bad_rows_file, fresh, m, parsed
-from test_sft import write_jsonl
+from helpers.rows import (
+    A,
+    S,
+    U,
+    assert_bad_row_message,
+    assert_first_bad_line_named,
+    bad_rows_file,
+    build_chat_tokenizers,
+    chatml_cfg,
+    fresh,
+    m,
+    parsed,
+    phrases,
+    write_jsonl,
+)
 
 from jaxtune.config import DataConfig
 from jaxtune.data import DataError
@@ -31,7 +44,7 @@ IM_END = "<|im_end|>"
 
 @pytest.fixture(scope="module")
 def tok_dirs(tmp_path_factory):
-    return rows_helpers.build_chat_tokenizers(tmp_path_factory.mktemp("tokenizers"))
+    return build_chat_tokenizers(tmp_path_factory.mktemp("tokenizers"))
 
 
 @pytest.fixture
@@ -40,7 +53,7 @@ def tok(tok_dirs):
 
 
 def cfg(**kw) -> DataConfig:
-    return rows_helpers.chatml_cfg("preference", **kw)
+    return chatml_cfg("preference", **kw)
 
 
 def load(tok, data_cfg: DataConfig, stats: PreferenceStats | None = None):
@@ -259,13 +272,13 @@ def read_pairs(tok):
 
 
 def test_bad_rows_raise_names_the_first_bad_line(tok, tmp_path):
-    rows_helpers.assert_first_bad_line_named(read_pairs(tok), bad_rows_file(tmp_path / "mixed.jsonl", GOOD_ROWS, BAD))
+    assert_first_bad_line_named(read_pairs(tok), bad_rows_file(tmp_path / "mixed.jsonl", GOOD_ROWS, BAD))
 
 
 @pytest.mark.parametrize("k", range(len(BAD)), ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(BAD)])
 def test_bad_row_raise_message(tok, tmp_path, k):
     _, line, message = BAD[k]
-    rows_helpers.assert_bad_row_message(read_pairs(tok), tmp_path / "one.jsonl", GOOD_ROWS, line, message)
+    assert_bad_row_message(read_pairs(tok), tmp_path / "one.jsonl", GOOD_ROWS, line, message)
 
 
 # --- 3. length ---
@@ -334,7 +347,7 @@ def test_overlong_raise(tok, overlong):
 # --- 4. held out, reference log-probs, batches ---
 
 def many_pairs(n: int, salt: str = "") -> list[dict]:
-    say = rows_helpers.phrases(n, salt)
+    say = phrases(n, salt)
     out = []
     for i in range(n):
         prompt, good, bad = f"{salt}q{i} {say()}", f"yes {say()}", f"no {say()}"

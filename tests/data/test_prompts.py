@@ -1,9 +1,9 @@
 """Prompts (jaxtune.data.prompts, data.format: prompts): TRL's GRPO prompt forms -> prompt ids, at most
 max_prompt_tokens (left-truncated) -> (P,) items and (B, P) batches whose row index finds the row's other fields.
 
-The tokenizers are test_sft's: a tiny byte-level BPE trained offline, here with ChatML's special tokens and no
-template of its own (data.chat_template: chatml sets it), Llama 3's (its template renders a BOS), and a plain one
-for text prompts."""
+The tokenizers are `helpers.chat_templates.build_tokenizer`'s: a tiny byte-level BPE trained offline, here with
+ChatML's special tokens and no template of its own (data.chat_template: chatml sets it), Llama 3's (its template
+renders a BOS), and a plain one for text prompts."""
 
 from __future__ import annotations
 
@@ -13,9 +13,22 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import rows_helpers
-from rows_helpers import A, S, U, bad_rows_file, fresh, m, parsed
-from test_sft import FAMILIES, build_tokenizer, write_jsonl
+from helpers.chat_templates import FAMILIES, build_tokenizer
+from helpers.rows import (
+    A,
+    S,
+    U,
+    assert_bad_row_message,
+    assert_first_bad_line_named,
+    bad_rows_file,
+    build_chat_tokenizers,
+    chatml_cfg,
+    fresh,
+    m,
+    parsed,
+    phrases,
+    write_jsonl,
+)
 
 from jaxtune.config import DataConfig
 from jaxtune.data import DataError, PromptData, PromptRows, prepare_prompts
@@ -31,7 +44,7 @@ LIMIT = "data.seq_len - objective.max_completion_length"
 
 @pytest.fixture(scope="module")
 def tok_dirs(tmp_path_factory):
-    root = rows_helpers.build_chat_tokenizers(tmp_path_factory.mktemp("tokenizers"))
+    root = build_chat_tokenizers(tmp_path_factory.mktemp("tokenizers"))
     template, specials, eos, bos, _ = FAMILIES["llama3"]
     build_tokenizer(root / "llama3", template, specials, eos, bos)
     return root
@@ -43,7 +56,7 @@ def tok(tok_dirs):
 
 
 def cfg(**kw) -> DataConfig:
-    return rows_helpers.chatml_cfg("prompts", **kw)
+    return chatml_cfg("prompts", **kw)
 
 
 def load(tok, data_cfg: DataConfig, max_prompt_tokens: int = 256, stats: PromptStats | None = None):
@@ -220,14 +233,14 @@ def test_bad_rows_drop_counts_each_reason(tok, tmp_path):
 
 def test_bad_rows_raise_names_the_first_bad_line(tok, tmp_path):
     read = lambda path: prepare_prompts(cfg(sources=[str(path)]), tok, max_prompt_tokens=64)
-    rows_helpers.assert_first_bad_line_named(read, bad_rows_file(tmp_path / "mixed.jsonl", GOOD_ROWS, BAD))
+    assert_first_bad_line_named(read, bad_rows_file(tmp_path / "mixed.jsonl", GOOD_ROWS, BAD))
 
 
 @pytest.mark.parametrize("k", range(len(BAD)), ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(BAD)])
 def test_bad_row_raise_message(tok, tmp_path, k):
     _, line, message = BAD[k]
     read = lambda path: load(tok, cfg(sources=[str(path)]))
-    rows_helpers.assert_bad_row_message(read, tmp_path / "one.jsonl", GOOD_ROWS, line, message)
+    assert_bad_row_message(read, tmp_path / "one.jsonl", GOOD_ROWS, line, message)
 
 
 # --- 3. length ---
@@ -289,7 +302,7 @@ def test_overlong_raise(tok, overlong):
 # --- 4. held out, batches ---
 
 def many_prompts(n: int, salt: str = "") -> list[dict]:
-    say = rows_helpers.phrases(n, salt)
+    say = phrases(n, salt)
     out = []
     for i in range(n):
         question = f"{salt}q{i} {say()}"

@@ -13,6 +13,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.chat_templates import (
+    ASSISTANT,
+    CHATML_GENERATION,
+    CONVO,
+    FAMILIES,
+    GEMMA,
+    LLAMA3,
+    MISTRAL,
+    SYSTEM,
+    build_tokenizer,
+    messages_cfg,
+)
+from helpers.rows import parsed, write_jsonl
+from helpers.shared_data import SHARED_DATA
 
 from jaxtune.config import ConfigError, DataConfig, TokenizerConfig, load_config
 from jaxtune.data import DataError, load_tokenizer
@@ -24,108 +38,6 @@ from jaxtune.data.row_policy import DROP_REASONS
 from jaxtune.data.rows import READ_REASONS
 from jaxtune.data.sft import Encoder, SFTStats, load_examples, pack, prepare_sft, question, sequences
 from jaxtune.data.tokenizer import _train_bpe
-
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
-# --- chat templates, as the model families ship them (trimmed to text-only) ---
-
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>'"
-    " + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-# Meta-Llama-3-8B-Instruct's template, verbatim.
-LLAMA3 = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
-    "message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-)
-# Gemma 3's template (text part): the system message is prepended to the first user turn; assistant is "model".
-GEMMA = (
-    "{{ bos_token }}\n"
-    "{%- if messages[0]['role'] == 'system' -%}\n"
-    "    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
-    "    {%- set loop_messages = messages[1:] -%}\n"
-    "{%- else -%}\n"
-    "    {%- set first_user_prefix = \"\" -%}\n"
-    "    {%- set loop_messages = messages -%}\n"
-    "{%- endif -%}\n"
-    "{%- for message in loop_messages -%}\n"
-    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
-    "    {%- endif -%}\n"
-    "    {%- if (message['role'] == 'assistant') -%}\n"
-    "        {%- set role = \"model\" -%}\n"
-    "    {%- else -%}\n"
-    "        {%- set role = message['role'] -%}\n"
-    "    {%- endif -%}\n"
-    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
-    "    {{- message['content'] | trim -}}\n"
-    "    {{ '<end_of_turn>\\n' }}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}\n"
-    "    {{'<start_of_turn>model\\n'}}\n"
-    "{%- endif -%}\n"
-)
-# ChatML with transformers' assistant-mask markers (as in SmolLM / TRL's assistant_only_loss templates).
-CHATML_GENERATION = (
-    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-# Mistral-7B-Instruct-v0.3's template without the tool branches: no generation prompt, the reply is " content</s>".
-MISTRAL = (
-    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
-    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
-    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
-    "{%- if loop.last and system_message is defined %}"
-    "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
-    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
-    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"
-)
-
-# name: (template, special tokens, eos, bos, end-of-turn token)
-FAMILIES = {
-    "chatml": (CHATML, ["<|im_start|>", "<|im_end|>"], "<|im_end|>", None, "<|im_end|>"),
-    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                        "<|eot_id|>"], "<|end_of_text|>", "<|begin_of_text|>", "<|eot_id|>"),
-    "gemma": (GEMMA, ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<eos>", "<bos>", "<end_of_turn>"),
-    "generation": (CHATML_GENERATION, ["<|im_start|>", "<|im_end|>"], "<|im_end|>", None, "<|im_end|>"),
-}
-
-SYSTEM = "You are a terse assistant. Réponds en français si besoin."
-CONVO = (
-    {"role": "system", "content": SYSTEM},
-    {"role": "user", "content": "Write a Python function that squares x."},
-    {"role": "assistant", "content": "```python\ndef square(x):\n    return x ** 2\n```"},
-    {"role": "user", "content": "Now greet me in Japanese, with an emoji: naïve café."},
-    {"role": "assistant", "content": "こんにちは 🙂 — naïve café, «déjà vu»."},
-)
-ASSISTANT = [m["content"] for m in CONVO if m["role"] == "assistant"]
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. " * 4,
-    "def square(x):\n    return x ** 2\n\nfor i in range(10):\n    print(square(i))\n",
-    "Hello! How can I help you today? I am a helpful assistant and I answer questions briefly.\n",
-    "naïve café — 日本語 🙂 こんにちは «déjà vu» Réponds en français si besoin.\n",
-    "user assistant system model what is the answer question write a function that returns a value\n",
-] * 6
-
-
-def build_tokenizer(directory: Path, template: str | None, specials: list[str], eos: str, bos: str | None = None,
-                    vocab_size: int = 400):
-    """A checkpoint-style tokenizer directory (tokenizer.json + tokenizer_config.json), loaded as kind=hf."""
-    directory.mkdir(parents=True, exist_ok=True)
-    _train_bpe(iter(CORPUS), vocab_size, tuple(specials)).save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
-    if bos is not None:
-        config["bos_token"] = bos
-    if template is not None:
-        config["chat_template"] = template
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return load_tokenizer(TokenizerConfig(kind="hf", path=str(directory)), DataConfig())
-
 
 @pytest.fixture(scope="module")
 def tok_dirs(tmp_path_factory):
@@ -152,11 +64,6 @@ def chatml(tok_dirs):
     return fresh(tok_dirs, "chatml")
 
 
-def cfg(**kw) -> DataConfig:
-    kw.setdefault("format", "messages")
-    return DataConfig(**kw)
-
-
 def masked_text(tok, enc: Encoded) -> str:
     return tok.decode(enc.ids[enc.mask].tolist())
 
@@ -165,11 +72,6 @@ def mask_runs(mask: np.ndarray) -> int:
     """Number of contiguous True runs."""
     m = np.concatenate([[False], mask, [False]]).astype(np.int8)
     return int((np.diff(m) == 1).sum())
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def conv(*turns: str, system: str | None = None) -> dict:
@@ -196,7 +98,7 @@ def test_assistant_mask_per_template(tok_dirs, family):
         assert tok.encode_chat([s]) == [[sid]]
         assert tok.encode(s) != [sid]
 
-    data_cfg = cfg()
+    data_cfg = messages_cfg()
     ex = parse_row({"messages": list(CONVO)}, data_cfg, field_names(data_cfg))
     assert ex.messages == CONVO
     full = tok.apply_chat_template(list(CONVO))
@@ -217,12 +119,12 @@ def test_assistant_mask_per_template(tok_dirs, family):
     assert enc.ids[:first].tolist() == tok.encode_chat([prompt])[0]
     assert tok.decode(enc.ids[first:first + 1].tolist()) != ""
 
-    (last,) = Encoder(tok, cfg(loss_on="last_assistant")).encode([ex])
+    (last,) = Encoder(tok, messages_cfg(loss_on="last_assistant")).encode([ex])
     assert last.ids.tolist() == enc.ids.tolist()
     assert masked_text(tok, last) == ASSISTANT[-1] + eot
     assert mask_runs(last.mask) == 1
 
-    (everything,) = Encoder(tok, cfg(loss_on="all")).encode([ex])
+    (everything,) = Encoder(tok, messages_cfg(loss_on="all")).encode([ex])
     assert everything.mask.all()
     assert tok.decode(everything.ids.tolist()) == full
 
@@ -241,7 +143,7 @@ def test_template_specific_renderings(tok_dirs):
     # Gemma trims content: surrounding whitespace of a reply is not trained on (nor rendered).
     padded = [dict(m) for m in CONVO]
     padded[2]["content"] = "\n  " + ASSISTANT[0] + "  \n"
-    (enc,) = Encoder(gemma, cfg()).encode([Example(messages=tuple(padded))])
+    (enc,) = Encoder(gemma, messages_cfg()).encode([Example(messages=tuple(padded))])
     assert masked_text(gemma, enc) == "".join(a + "<end_of_turn>" for a in ASSISTANT)
 
     llama = fresh(tok_dirs, "llama3")
@@ -256,7 +158,7 @@ def test_mistral_template_without_system(tok_dirs):
     included) and ends with the EOS that closes the turn."""
     tok = fresh(tok_dirs, "mistral")
     ex = Example(messages=CONVO[1:])
-    (enc,) = Encoder(tok, cfg()).encode([ex])
+    (enc,) = Encoder(tok, messages_cfg()).encode([ex])
     assert tok.decode(enc.ids.tolist()) == (f"<s>[INST] {CONVO[1]['content']}[/INST] {ASSISTANT[0]}</s>"
                                             f"[INST] {CONVO[3]['content']}[/INST] {ASSISTANT[1]}</s>")
     assert masked_text(tok, enc) == "".join(f" {a}</s>" for a in ASSISTANT)
@@ -270,7 +172,7 @@ def test_generation_markers_render_and_mask_like_plain_chatml(tok_dirs, chatml):
         assert marked.apply_chat_template(list(CONVO), gen) == chatml.apply_chat_template(list(CONVO), gen)
     # The same vocabulary, template given as data.chat_template text: identical ids and mask.
     same_vocab = fresh(tok_dirs, "chatml")
-    data_cfg = cfg(chat_template=CHATML_GENERATION)
+    data_cfg = messages_cfg(chat_template=CHATML_GENERATION)
     from jaxtune.data.chat import resolve_chat_template
 
     resolve_chat_template(data_cfg, same_vocab)
@@ -287,17 +189,17 @@ def test_chat_template_setting(tok_dirs, tmp_path):
     plain = fresh(tok_dirs, "plain")
     assert plain.chat_template is None
     with pytest.raises(DataError, match="data.format=messages needs a chat template"):
-        resolve_chat_template(cfg(), plain)
-    resolve_chat_template(cfg(format="prompt_completion"), plain)  # raw text needs none
-    resolve_chat_template(cfg(chat_template="chatml"), plain)
+        resolve_chat_template(messages_cfg(), plain)
+    resolve_chat_template(messages_cfg(format="prompt_completion"), plain)  # raw text needs none
+    resolve_chat_template(messages_cfg(chat_template="chatml"), plain)
     assert plain.chat_template == SHIPPED
     (tmp_path / "t.jinja").write_text(LLAMA3)
-    resolve_chat_template(cfg(chat_template=str(tmp_path / "t.jinja")), plain)
+    resolve_chat_template(messages_cfg(chat_template=str(tmp_path / "t.jinja")), plain)
     assert plain.chat_template == LLAMA3
     with pytest.raises(DataError, match="no such file"):
-        resolve_chat_template(cfg(chat_template=str(tmp_path / "missing.jinja")), plain)
+        resolve_chat_template(messages_cfg(chat_template=str(tmp_path / "missing.jinja")), plain)
     with pytest.raises(DataError, match="not a shipped template"):
-        resolve_chat_template(cfg(chat_template="vicuna"), plain)
+        resolve_chat_template(messages_cfg(chat_template="vicuna"), plain)
     # The shipped chatml template renders what the hand-written one does.
     chatml = fresh(tok_dirs, "chatml")
     expected = chatml.apply_chat_template(list(CONVO), add_generation_prompt=True)
@@ -343,11 +245,11 @@ def test_template_that_is_not_prefix_stable_is_located(tok_dirs, template, repli
     tok.chat_template = template
     ex = Example(messages=TWO_EXCHANGES)
     msgs = [dict(m) for m in TWO_EXCHANGES]
-    assert Encoder(tok, cfg()).prefix_spans(msgs, tok.apply_chat_template(msgs), [1, 3]) is None
-    (enc,) = Encoder(tok, cfg()).encode([ex])
+    assert Encoder(tok, messages_cfg()).prefix_spans(msgs, tok.apply_chat_template(msgs), [1, 3]) is None
+    (enc,) = Encoder(tok, messages_cfg()).encode([ex])
     assert tok.decode(enc.ids.tolist()) == tok.apply_chat_template(msgs)
     assert mask_runs(enc.mask) == 2 and masked_text(tok, enc) == "".join(replies)
-    (last,) = Encoder(tok, cfg(loss_on="last_assistant")).encode([ex])
+    (last,) = Encoder(tok, messages_cfg(loss_on="last_assistant")).encode([ex])
     assert masked_text(tok, last) == replies[-1] and mask_runs(last.mask) == 1
 
 
@@ -357,22 +259,18 @@ def test_template_whose_replies_cannot_be_located_is_an_error(tok_dirs, template
     tok.chat_template = template
     ex = Example(messages=TWO_EXCHANGES)
     with pytest.raises(DataError, match="does not render an assistant turn's content where it can be found") as err:
-        Encoder(tok, cfg()).encode([ex])
+        Encoder(tok, messages_cfg()).encode([ex])
     assert "set data.chat_template" in str(err.value) and "data.loss_on=all" in str(err.value)
     # Training on every token needs no reply boundaries.
-    (enc,) = Encoder(tok, cfg(loss_on="all")).encode([ex])
+    (enc,) = Encoder(tok, messages_cfg(loss_on="all")).encode([ex])
     assert enc.mask.all() and tok.decode(enc.ids.tolist()) == tok.apply_chat_template(list(ex.messages))
 
 
 # --- 3. row formats ---
 
 
-def parsed(record, data_cfg):
-    return parse_row(record, data_cfg, field_names(data_cfg))
-
-
 def test_sharegpt_rows():
-    data_cfg = cfg(format="sharegpt")
+    data_cfg = messages_cfg(format="sharegpt")
     row = {"conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"},
                              {"from": "gpt", "value": "Hello"}, {"from": "user", "value": "Bye"},
                              {"from": "assistant", "value": "Ciao"}]}
@@ -385,14 +283,14 @@ def test_sharegpt_rows():
     with pytest.raises(Exception) as err:
         parsed(custom, data_cfg)
     assert err.value.reason == "unknown_role" and "data.roles" in err.value.detail
-    mapped = cfg(format="sharegpt", roles={"customer": "user", "agent": "assistant"})
+    mapped = messages_cfg(format="sharegpt", roles={"customer": "user", "agent": "assistant"})
     assert parsed(custom, mapped).messages == ({"role": "user", "content": "Where is my order?"},
                                                {"role": "assistant", "content": "On its way."})
     assert parsed(row, mapped).messages[1] == {"role": "user", "content": "Hi"}  # defaults still apply
 
 
 def test_alpaca_rows(chatml):
-    data_cfg = cfg(format="alpaca")
+    data_cfg = messages_cfg(format="alpaca")
     assert parsed({"instruction": "Translate.", "input": "chat", "output": "cat"}, data_cfg).messages == (
         {"role": "user", "content": "Translate.\n\nchat"}, {"role": "assistant", "content": "cat"})
     assert parsed({"instruction": "Say hi.", "output": "hi"}, data_cfg).messages == (
@@ -416,7 +314,7 @@ def test_alpaca_rows(chatml):
 
 def test_prompt_completion_masks_completion_and_eos(tok_dirs, tmp_path):
     plain = fresh(tok_dirs, "plain")  # no chat template: raw text needs none
-    data_cfg = cfg(format="prompt_completion", val_fraction=0.0, seq_len=128)
+    data_cfg = messages_cfg(format="prompt_completion", val_fraction=0.0, seq_len=128)
     ex = parsed({"prompt": "Q: 2+2? <|endoftext|>\nA:", "completion": " 4, naïve 🙂"}, data_cfg)
     assert ex == Example(prompt="Q: 2+2? <|endoftext|>\nA:", completion=" 4, naïve 🙂")
     (enc,) = Encoder(plain, data_cfg).encode([ex])
@@ -425,7 +323,7 @@ def test_prompt_completion_masks_completion_and_eos(tok_dirs, tmp_path):
     assert enc.mask.tolist() == [False] * len(prompt_ids) + [True] * (len(completion_ids) + 1)
     assert masked_text(plain, enc) == " 4, naïve 🙂<|endoftext|>"
     assert enc.ids.tolist().count(plain.eos_id) == 1  # the literal in the prompt stays text
-    (everything,) = Encoder(plain, cfg(format="prompt_completion", loss_on="all")).encode([ex])
+    (everything,) = Encoder(plain, messages_cfg(format="prompt_completion", loss_on="all")).encode([ex])
     assert everything.mask.all()
 
     path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "", "completion": "c"}])
@@ -434,7 +332,7 @@ def test_prompt_completion_masks_completion_and_eos(tok_dirs, tmp_path):
 
 
 def test_renamed_fields(chatml, tmp_path):
-    data_cfg = cfg(fields={"messages": "dialogue", "role": "speaker", "content": "text"})
+    data_cfg = messages_cfg(fields={"messages": "dialogue", "role": "speaker", "content": "text"})
     row = {"dialogue": [{"speaker": "user", "text": "Hi"}, {"speaker": "assistant", "text": "Yo"}]}
     assert parsed(row, data_cfg).messages == ({"role": "user", "content": "Hi"},
                                               {"role": "assistant", "content": "Yo"})
@@ -442,21 +340,21 @@ def test_renamed_fields(chatml, tmp_path):
         parsed({"messages": row["dialogue"]}, data_cfg)
     assert err.value.reason == "missing_field" and "'dialogue'" in err.value.detail
 
-    alpaca = cfg(format="alpaca", fields={"instruction": "question", "output": "answer"})
+    alpaca = messages_cfg(format="alpaca", fields={"instruction": "question", "output": "answer"})
     assert parsed({"question": "Why?", "answer": "Because."}, alpaca).messages == (
         {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."})
     with pytest.raises(Exception) as err:
         parsed({"instruction": "Why?", "answer": "Because."}, alpaca)
     assert err.value.reason == "missing_field" and "'question'" in err.value.detail
 
-    pc = cfg(format="prompt_completion", fields={"prompt": "input", "completion": "target"})
+    pc = messages_cfg(format="prompt_completion", fields={"prompt": "input", "completion": "target"})
     assert parsed({"input": "a", "target": "b"}, pc) == Example(prompt="a", completion="b")
 
     path = write_jsonl(tmp_path / "rows.jsonl", [row])
-    wrong = cfg(fields={"messages": "dialogue", "instructions": "x"}, sources=[str(path)])
+    wrong = messages_cfg(fields={"messages": "dialogue", "instructions": "x"}, sources=[str(path)])
     with pytest.raises(DataError, match=r"data.fields.instructions does not apply to data.format=messages"):
         load_examples(wrong.sources, wrong, chatml, SFTStats())
-    wrong_fmt = cfg(format="alpaca", fields={"messages": "dialogue"}, sources=[str(path)])
+    wrong_fmt = messages_cfg(format="alpaca", fields={"messages": "dialogue"}, sources=[str(path)])
     with pytest.raises(DataError, match=r"data.fields.messages does not apply to data.format=alpaca"):
         load_examples(wrong_fmt.sources, wrong_fmt, chatml, SFTStats())
 
@@ -521,7 +419,7 @@ def bad_rows_file(path: Path) -> Path:
 
 def test_bad_rows_drop_counts_each_reason(chatml, tmp_path):
     path = bad_rows_file(tmp_path / "mixed.jsonl")
-    data_cfg = cfg(bad_rows="drop", sources=[str(path)], seq_len=256)
+    data_cfg = messages_cfg(bad_rows="drop", sources=[str(path)], seq_len=256)
     stats = SFTStats()
     rows = load_examples(data_cfg.sources, data_cfg, chatml, stats)
     expected = Encoder(chatml, data_cfg).encode([parsed(g, data_cfg) for g in GOOD])
@@ -547,7 +445,7 @@ def test_bad_rows_drop_counts_each_reason(chatml, tmp_path):
 
 def test_bad_rows_raise_names_the_first_bad_line(chatml, tmp_path):
     path = bad_rows_file(tmp_path / "mixed.jsonl")
-    data_cfg = cfg(sources=[str(path)])
+    data_cfg = messages_cfg(sources=[str(path)])
     assert data_cfg.bad_rows == "raise"  # the default
     with pytest.raises(DataError) as err:
         load_examples(data_cfg.sources, data_cfg, chatml, SFTStats())
@@ -560,7 +458,7 @@ def test_bad_row_raise_message(chatml, tmp_path, k):
     _, raw, message = BAD[k]
     path = tmp_path / "one.jsonl"
     path.write_bytes(json.dumps(GOOD[0]).encode() + b"\n\n" + raw + b"\n" + json.dumps(GOOD[2]).encode())
-    data_cfg = cfg(sources=[str(path)])
+    data_cfg = messages_cfg(sources=[str(path)])
     with pytest.raises(DataError) as err:
         load_examples(data_cfg.sources, data_cfg, chatml, SFTStats())
     assert str(err.value).startswith(f"{path}:3: ")
@@ -585,7 +483,7 @@ def test_unknown_bad_rows_policy_is_a_config_error():
 def test_json_array_file(chatml, tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([GOOD[0], {"messages": "x"}, GOOD[2]]))
-    data_cfg = cfg(sources=[str(path)])
+    data_cfg = messages_cfg(sources=[str(path)])
     with pytest.raises(DataError, match=rf"{path}\[1\]: 'messages' must be a non-empty list"):
         load_examples(data_cfg.sources, data_cfg, chatml, SFTStats())
     stats = SFTStats()
@@ -602,7 +500,7 @@ def overlong_rows(chatml, tmp_path):
     short = conv("Hi", "Hello there.")
     long_answer = conv("Tell me a story.", " ".join(f"word{i}" for i in range(60)))
     long_prompt = conv(" ".join(f"question{i}" for i in range(60)), "ok")
-    data_cfg = cfg()
+    data_cfg = messages_cfg()
     full = Encoder(chatml, data_cfg).encode([parsed(r, data_cfg) for r in (short, long_answer, long_prompt)])
     first_trained = int(np.argmax(full[1].mask))
     seq_len = max(len(full[0].ids), first_trained + 4)
@@ -615,7 +513,7 @@ def overlong_rows(chatml, tmp_path):
 def test_overlong_truncate(chatml, overlong_rows):
     path, seq_len, full = overlong_rows
     path.write_text("".join(path.read_text().splitlines(keepends=True)[:2]))  # short, long answer
-    data_cfg = cfg(sources=[str(path)], seq_len=seq_len)
+    data_cfg = messages_cfg(sources=[str(path)], seq_len=seq_len)
     assert data_cfg.overlong == "truncate"  # the default
     stats = SFTStats()
     rows = load_examples(data_cfg.sources, data_cfg, chatml, stats)
@@ -632,7 +530,7 @@ def test_overlong_truncate(chatml, overlong_rows):
 
 def test_overlong_drop(chatml, overlong_rows):
     path, seq_len, full = overlong_rows
-    data_cfg = cfg(sources=[str(path)], seq_len=seq_len, overlong="drop")
+    data_cfg = messages_cfg(sources=[str(path)], seq_len=seq_len, overlong="drop")
     stats = SFTStats()
     rows = load_examples(data_cfg.sources, data_cfg, chatml, stats)
     assert [r.ids.tolist() for r in rows] == [full[0].ids.tolist()]
@@ -641,7 +539,7 @@ def test_overlong_drop(chatml, overlong_rows):
 
 def test_overlong_raise(chatml, overlong_rows):
     path, seq_len, full = overlong_rows
-    data_cfg = cfg(sources=[str(path)], seq_len=seq_len, overlong="raise")
+    data_cfg = messages_cfg(sources=[str(path)], seq_len=seq_len, overlong="raise")
     with pytest.raises(DataError) as err:
         load_examples(data_cfg.sources, data_cfg, chatml, SFTStats())
     assert str(err.value).startswith(f"{path}:2: {len(full[1].ids)} tokens, more than data.seq_len + 1 = "
@@ -652,7 +550,7 @@ def test_row_truncated_to_no_trained_token_is_dropped(chatml, overlong_rows):
     path, seq_len, full = overlong_rows
     lines = path.read_text().splitlines(keepends=True)
     path.write_text(lines[0] + lines[2])  # short, long prompt
-    data_cfg = cfg(sources=[str(path)], seq_len=seq_len)
+    data_cfg = messages_cfg(sources=[str(path)], seq_len=seq_len)
     stats = SFTStats()
     rows = load_examples(data_cfg.sources, data_cfg, chatml, stats)
     assert [r.ids.tolist() for r in rows] == [full[0].ids.tolist()]
@@ -743,7 +641,7 @@ def many_rows(n: int, salt: str = "") -> list[dict]:
 def test_sequences_packed_and_unpacked(chatml, tmp_path):
     path = write_jsonl(tmp_path / "rows.jsonl", many_rows(40))
     seq_len = 96
-    data_cfg = cfg(sources=[str(path)], seq_len=seq_len, val_fraction=0.0)
+    data_cfg = messages_cfg(sources=[str(path)], seq_len=seq_len, val_fraction=0.0)
     rows = load_examples(data_cfg.sources, data_cfg, chatml, SFTStats())
     assert len(rows) == 40
 
@@ -775,7 +673,7 @@ def test_sequences_packed_and_unpacked(chatml, tmp_path):
 def test_validation_split(chatml, tmp_path):
     distinct = many_rows(60)
     path = write_jsonl(tmp_path / "rows.jsonl", distinct + distinct[:30] + distinct[:10])  # duplicates
-    data_cfg = cfg(sources=[str(path)], seq_len=128, val_fraction=0.3)
+    data_cfg = messages_cfg(sources=[str(path)], seq_len=128, val_fraction=0.3)
     sft = prepare_sft(data_cfg, chatml)
     ex = sft.train.examples
     train = [tuple(ex.row(i)[0].tolist()) for i in range(len(ex))]
@@ -801,7 +699,7 @@ def test_validation_split(chatml, tmp_path):
 def test_no_usable_rows(chatml, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b"not json\n" + msgs((U, "x")) + b"\n")
-    data_cfg = cfg(sources=[str(path)], bad_rows="drop")
+    data_cfg = messages_cfg(sources=[str(path)], bad_rows="drop")
     with pytest.raises(DataError, match=r"no usable training rows \(2 read; dropped: .*invalid_json"):
         prepare_sft(data_cfg, chatml)
 
@@ -843,8 +741,8 @@ def test_chat_en_corpus(tmp_path):
     path = SHARED_DATA / "chat-en.jsonl"
     if not path.is_file():
         pytest.skip(f"real-data fixture {path} is absent (outside this workplace)")
-    data_cfg = cfg(sources=[str(path)], chat_template="chatml", seq_len=2048, val_fraction=0.0, overlong="raise",
-                   cache_dir=str(tmp_path / "cache"))
+    data_cfg = messages_cfg(sources=[str(path)], chat_template="chatml", seq_len=2048, val_fraction=0.0,
+                            overlong="raise", cache_dir=str(tmp_path / "cache"))
     tok = load_tokenizer(TokenizerConfig(kind="bpe", vocab_size=400, train_bytes=60_000,
                                          special_tokens=["<|im_start|>", "<|im_end|>"]), data_cfg)
     assert tok.chat_template is None
@@ -915,7 +813,7 @@ def test_prompts_stops_and_samples_for_generation(chatml):
 
 def test_test_sequences_reads_every_row(chatml, tmp_path):
     path = write_jsonl(tmp_path / "test.jsonl", many_rows(12))
-    data_cfg = cfg(sources=["unused.jsonl"], seq_len=96, val_fraction=0.3, bad_rows="drop")
+    data_cfg = messages_cfg(sources=["unused.jsonl"], seq_len=96, val_fraction=0.3, bad_rows="drop")
     source, info = test_sequences(data_cfg, chatml, str(path))
     rows = load_examples([str(path)], data_cfg, chatml, SFTStats())
     assert info == {"rows": 12, "examples": 12, "dropped": {}}
@@ -958,12 +856,14 @@ def test_bos_of_the_checkpoint_tokenizer(tmp_path):
     bos = raw.token_to_id("<bos>")
     raw.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
     raw.save(str(bos_dir / "tokenizer.json"))
-    plain_tok, bos_tok = (load_tokenizer(TokenizerConfig(kind="hf", path=str(d)), cfg()) for d in (plain_dir, bos_dir))
+    plain_tok, bos_tok = (load_tokenizer(TokenizerConfig(kind="hf", path=str(d)), messages_cfg())
+                          for d in (plain_dir, bos_dir))
     assert plain_tok.bos_prefix == () and bos_tok.bos_prefix == (bos,)
     assert encode_prompt(bos_tok, "hello") == [bos, *plain_tok.encode("hello")]
     assert encode_prompt(plain_tok, "hello") == plain_tok.encode("hello")
     row = Example(prompt="hello", completion=" world")
-    (with_bos,), (without,) = (Encoder(t, cfg(format="prompt_completion")).encode([row]) for t in (bos_tok, plain_tok))
+    (with_bos,), (without,) = (Encoder(t, messages_cfg(format="prompt_completion")).encode([row])
+                               for t in (bos_tok, plain_tok))
     assert with_bos.ids.tolist() == [bos, *without.ids.tolist()]
     assert with_bos.mask.tolist() == [False, *without.mask.tolist()]
     assert question(bos_tok, row)[0] == [bos, *plain_tok.encode("hello")]

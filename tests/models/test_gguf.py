@@ -20,14 +20,14 @@ Error measure: rel(ours, ref) = max|ours - ref| / max|ref|. Tolerances:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.compare import hf_from_gguf, jax_logits, rel, torch_logits
+from helpers.real_models import SMOLLM2_INSTALL, smollm2_gguf
+from helpers.tiny_hf import IDS, tiny_gpt2, tiny_llama
 
 from jaxtune.io import CheckpointError
 from jaxtune.models.gguf import CONV1D
@@ -35,8 +35,6 @@ from jaxtune.models.gguf_export import add_hyperparameters, add_tokenizer, gguf_
 from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
 from jaxtune.models.sampling import Generator
 from jaxtune.models.unsupported import UnsupportedModelError
-from tests.conftest import save_chatml_tokenizer
-from tests.models.real_models import SMOLLM2_INSTALL, smollm2_gguf
 
 gguf = pytest.importorskip("gguf", reason="GGUF import needs the gguf package: pip install gguf==0.19.0")
 torch = pytest.importorskip("torch")
@@ -46,13 +44,6 @@ Q = gguf.GGMLQuantizationType
 TYPES = ["F32", "F16", "Q8_0", "Q4_0"]
 BOUND = {"F32": lambda w: 0.0, "F16": lambda w: np.maximum(np.abs(w) * 2.0**-11, 2.0**-25), "Q8_0": lambda w: np.abs(w).max() / 127,
          "Q4_0": lambda w: np.abs(w).max() / 8}
-IDS = np.random.default_rng(0).integers(0, 300, (2, 24))
-TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?", "<|im_start|>user"] * 20
-
-
-def rel(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def write_gguf(path: Path, hf_dir: Path, qtype: str, arch: str = "llama", tensor_type: Q | None = None,
@@ -101,42 +92,6 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str, arch: str = "llama", tensor
     return path
 
 
-def save_perturbed(make: Callable[[], Any], directory: Path) -> Path:
-    """``make()``'s transformers model (seeded), every tensor perturbed by N(0, 0.2^2) so that no weight keeps its
-    structured init (norms at 1, biases at 0) and a misplaced tensor shows, saved to ``directory``."""
-    torch.manual_seed(0)
-    model = make()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(directory)
-    return directory
-
-
-def tiny_llama(directory: Path, arch: str = "llama", **config) -> Path:
-    """A tiny random Llama (or ``arch``: qwen2, qwen3) with a real (ChatML BPE) tokenizer, every tensor perturbed, saved to ``directory``."""
-    directory.mkdir()
-    vocab = save_chatml_tokenizer(directory, TEXTS)
-    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    cfg = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                                   attn_implementation="eager", **config)
-    return save_perturbed(lambda: model_cls(cfg), directory)
-
-
-def tiny_gpt2(directory: Path, n_positions: int = 1024) -> Path:
-    """A tiny random transformers GPT-2 (2 layers, d_model 64; its Conv1D weights (in, out)) with the ChatML BPE,
-    every tensor perturbed, saved to ``directory``. 1024 positions: transformers' GGUF reader maps gpt2's
-    context_length to n_ctx only, so a GPT-2 GGUF of another context fails its n_positions check."""
-    directory.mkdir()
-    cfg = transformers.GPT2Config(vocab_size=save_chatml_tokenizer(directory, TEXTS), n_positions=n_positions,
-                                  n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2)
-    return save_perturbed(lambda: transformers.GPT2LMHeadModel(cfg), directory)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict:
     """{"hf": the tiny HF Llama directory, type: its .gguf file} with the conversions cached in the module's own
@@ -150,20 +105,6 @@ def tiny(tmp_path_factory) -> dict:
         files[t] = write_gguf(root / f"tiny-{t}.gguf", hf, t)
     yield files
     mp.undo()
-
-
-def hf_from_gguf(path: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             attn_implementation="eager").eval()
-
-
-def jax_logits(model, ids) -> np.ndarray:
-    return np.asarray(model(jnp.asarray(ids, jnp.int32)))
-
-
-def torch_logits(model, ids) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(ids, np.int64))).logits.float().numpy()
 
 
 @pytest.mark.parametrize("qtype", TYPES)

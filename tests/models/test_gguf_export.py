@@ -1,11 +1,12 @@
 """GGUF export (`jaxtune.models.gguf_export`, `jaxtune export RUN OUT.gguf --gguf`): files written here load back in
 transformers (``gguf_file=``), in jaxtune's own GGUF import, and in llama.cpp (llama-cpp-python, when installed).
 
-Models (`tiny`): tiny random transformers checkpoints (`test_gguf.tiny_llama`: 2 layers, d_model 64, every tensor
-perturbed, a ChatML byte-level BPE) loaded natively; a native tied Llama with Llama 3.1 RoPE scaling; Gemma 3
-(`test_gguf_gemma3.tiny_gemma`) and a native Mistral with SentencePiece-style tokenizers; a transformers GPT-2
-(`test_gguf.tiny_gpt2`) and a native one with its own context; a LoRA run; SmolLM2-135M-Instruct. Qwen 3 uses head_dim 128, Qwen3Config's default: transformers' GGUF loader ignores
-``qwen3.attention.key_length`` (jaxtune's import and llama.cpp read it).
+Models (`tiny`): tiny random transformers checkpoints (`helpers.tiny_hf.tiny_llama`: 2 layers, d_model 64, every
+tensor perturbed, a ChatML byte-level BPE) loaded natively; a native tied Llama with Llama 3.1 RoPE scaling; Gemma 3
+(`helpers.tiny_gemma3.tiny_gemma`) and a native Mistral with SentencePiece-style tokenizers; a transformers GPT-2
+(`helpers.tiny_hf.tiny_gpt2`) and a native one with its own context; a LoRA run; SmolLM2-135M-Instruct. Qwen 3 uses
+head_dim 128, Qwen3Config's default: transformers' GGUF loader ignores ``qwen3.attention.key_length`` (jaxtune's
+import and llama.cpp read it).
 
 Error measure: rel(ours, ref) = max|ours - ref| / max|ref|. Tolerances:
   * tensors transformers reads from the file vs the weights exported: F32 bitwise; F16 |err| <= 2^-11 |w| (half an
@@ -37,6 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import tiny_gemma3
+from helpers.compare import hf_from_gguf, jax_logits, rel, torch_logits
+from helpers.real_models import SMOLLM2_INSTALL, smollm2_gguf
+from helpers.tiny_hf import IDS, TEXTS, save_chatml_tokenizer, tiny_gpt2, tiny_llama
 
 from jaxtune.cli import main
 from jaxtune.config import ConfigError, load_config
@@ -55,9 +60,6 @@ from jaxtune.models.mistral import PRESETS as MISTRAL
 from jaxtune.models.registry import FAMILIES, merge
 from jaxtune.models.unsupported import UnsupportedModelError
 from jaxtune.run import load_run
-from tests.conftest import save_chatml_tokenizer
-from tests.models.real_models import SMOLLM2_INSTALL, smollm2_gguf
-from tests.models.test_gguf import IDS, TEXTS, hf_from_gguf, jax_logits, rel, tiny_gpt2, tiny_llama, torch_logits
 
 gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package: pip install gguf==0.19.0")
 torch = pytest.importorskip("torch")
@@ -92,14 +94,12 @@ def tensor_bound(qtype: str, w: np.ndarray) -> np.ndarray:
 
 
 def sentencepiece_style(directory: Path, prefix_space: bool) -> int:
-    """`test_gguf_gemma3.tiny_tokenizer`'s ▁-joined BPE saved in ``directory`` as a SentencePiece-style
+    """`tiny_gemma3.tiny_tokenizer`'s ▁-joined BPE saved in ``directory`` as a SentencePiece-style
     tokenizer.json (byte fallback, BOS added; with ``prefix_space`` a ▁ before the text, as Llama 2's and Mistral's,
     else none, as Gemma's) with a chat template; returns its vocabulary size."""
     from tokenizers import normalizers, processors
 
-    from tests.models.test_gguf_gemma3 import TEMPLATE, tiny_tokenizer
-
-    sp = tiny_tokenizer()
+    sp = tiny_gemma3.tiny_tokenizer()
     if prefix_space:
         sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     sp.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
@@ -109,7 +109,7 @@ def sentencepiece_style(directory: Path, prefix_space: bool) -> int:
     (directory / "tokenizer.json").write_text(json.dumps(spec))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>",
-        "pad_token": "<pad>", "chat_template": TEMPLATE}))
+        "pad_token": "<pad>", "chat_template": tiny_gemma3.TEMPLATE}))
     return sp.get_vocab_size()
 
 
@@ -127,12 +127,9 @@ def root(tmp_path_factory):
 def tiny(root):
     """tiny(name) -> its `Source`, made once: "llama", "qwen2", "qwen3" (`tiny_llama` checkpoints), "tied" (a
     native Llama: tied embeddings, Llama 3.1 RoPE scaling, 20 more embeddings than tokens, 80-wide MLP rows), "gemma3"
-    (`test_gguf_gemma3.tiny_gemma`: 7 layers, one global, window 8, head_dim 32; Gemma's SentencePiece-style
+    (`tiny_gemma3.tiny_gemma`: 7 layers, one global, window 8, head_dim 32; Gemma's SentencePiece-style
     tokenizer), "mistral" (a native one, no sliding window, with a prefix-space SentencePiece-style tokenizer),
-    "gpt2" (`test_gguf.tiny_gpt2`, a transformers GPT-2)."""
-    from tests.models.test_gguf_gemma3 import IDS as GEMMA_IDS
-    from tests.models.test_gguf_gemma3 import tiny_gemma
-
+    "gpt2" (`tiny_gpt2`, a transformers GPT-2)."""
     made = {}
 
     def make(name: str) -> Source:
@@ -145,14 +142,14 @@ def tiny(root):
             n_tok = save_chatml_tokenizer(d, TEXTS)
             model = build_model(LLAMA["tiny"](vocab_size=n_tok + 20, d_ff=80, rope=LLAMA3_ROPE, bos_id=1, eos_id=2), 0)
         elif name == "gemma3":
-            d, ids = tiny_gemma(root / "hf-gemma3"), GEMMA_IDS
+            d, ids = tiny_gemma3.tiny_gemma(root / "hf-gemma3"), tiny_gemma3.IDS
             sentencepiece_style(d, prefix_space=False)
             model = from_hf(d)
         elif name == "gpt2":
             d = tiny_gpt2(root / "hf-gpt2")
             model = from_hf(d)
         elif name == "mistral":
-            d, ids = root / "tok-mistral", GEMMA_IDS
+            d, ids = root / "tok-mistral", tiny_gemma3.IDS
             n_tok = sentencepiece_style(d, prefix_space=True)
             model = build_model(MISTRAL["tiny"](vocab_size=n_tok, sliding_window=None, bos_id=2, eos_id=1), 0)
         else:
@@ -277,8 +274,6 @@ def test_gemma3_sentencepiece(tiny, root):
     24 positions (3 windows) equal ours (rel <= 1e-5; told query_pre_attn_scalar, which its GGUF reader leaves at 256
     where llama.cpp uses head_dim, 32), its tokenizer from the file encodes as the checkpoint's, and jaxtune's
     import gives the model back."""
-    from tests.models.test_gguf_gemma3 import HEAD_DIM, TEMPLATE
-
     src = tiny("gemma3")
     out = export(src.model, root / "gemma3.gguf", tokenizer=src.tokenizer, gguf="f32")
     reader = gguf.GGUFReader(out)
@@ -292,14 +287,14 @@ def test_gemma3_sentencepiece(tiny, root):
     np.testing.assert_array_equal(np.asarray(norm.data), HFCheckpoint(src.directory).get(
         "model.layers.0.input_layernorm.weight") + np.float32(1))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        str(root), gguf_file=out.name, attn_implementation="eager", query_pre_attn_scalar=HEAD_DIM).eval()
+        str(root), gguf_file=out.name, attn_implementation="eager", query_pre_attn_scalar=tiny_gemma3.HEAD_DIM).eval()
     assert rel(torch_logits(theirs, src.ids), src.logits) <= 1e-5
     assert rel(jax_logits(from_hf(out), src.ids), src.logits) <= 1e-5
     tok = transformers.AutoTokenizer.from_pretrained(str(root), gguf_file=out.name)
     reference = transformers.AutoTokenizer.from_pretrained(src.directory)
     for text in GEMMA_SAMPLES:
         assert tok(text).input_ids == reference(text).input_ids, text
-    assert tok.chat_template == TEMPLATE
+    assert tok.chat_template == tiny_gemma3.TEMPLATE
 
 
 @pytest.fixture(scope="module")

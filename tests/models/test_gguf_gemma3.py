@@ -26,10 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.compare import hf_from_gguf, jax_logits, rel, torch_logits
+from helpers.real_models import GEMMA3_270M_INSTALL, gemma3_270m_gguf
+from helpers.tiny_gemma3 import HEAD_DIM, IDS, SPECIALS, TEMPLATE, tiny_gemma, tiny_tokenizer
 
 from jaxtune.data import load_hf_tokenizer
 from jaxtune.data.chat import SHIPPED_TEMPLATES, encode_prompt
@@ -37,21 +39,12 @@ from jaxtune.io import CheckpointError
 from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
 from jaxtune.models.registry import FAMILIES
 from jaxtune.models.sampling import Generator
-from tests.models.real_models import GEMMA3_270M_INSTALL, gemma3_270m_gguf
-from tests.models.test_gguf import save_perturbed
 
 gguf = pytest.importorskip("gguf", reason="GGUF import needs the gguf package: pip install gguf==0.19.0")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 Q = gguf.GGMLQuantizationType
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]  # Gemma's ids 0..3, then turns
-TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?", "user\nmodel\n"] * 20
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else "
-            "m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}"
-            "<start_of_turn>model\n{% endif %}")
-IDS = np.random.default_rng(0).integers(0, 90, (2, 24))  # 24 positions: three windows of 8
-HEAD_DIM = 32
 GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
 BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
@@ -60,41 +53,12 @@ BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_atten
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def rel(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
-
-
 def gguf_name(hf: str) -> str:
     stem, _, suffix = hf.rpartition(".")
     if stem in GGUF_NAMES:
         return f"{GGUF_NAMES[stem]}.{suffix}"
     _, _, i, rest = stem.split(".", 3)
     return f"blk.{i}.{BLOCK[rest]}.{suffix}"
-
-
-def tiny_tokenizer():
-    """A BPE over ▁-joined words (SentencePiece's spelling, no prefix space, as Gemma's), Gemma's special ids."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.normalizer = normalizers.Replace(" ", "▁")
-    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
-    tok.decoder = decoders.Replace("▁", " ")
-    tok.train_from_iterator(TEXTS, trainer=trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIALS,
-                                                               show_progress=False))
-    return tok
-
-
-def tiny_gemma(directory: Path, **config) -> Path:
-    """A tiny random Gemma 3 (every tensor perturbed; Gemma's norms start at 0) saved to ``directory``."""
-    vocab = tiny_tokenizer().get_vocab_size()
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=8,
-        max_position_embeddings=128, rope_theta=1e6, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-        attn_implementation="eager", **config)
-    return save_perturbed(lambda: transformers.Gemma3ForCausalLM(cfg), directory)
 
 
 def write_gemma_gguf(path: Path, hf_dir: Path, qtype: str, drop: str | None = None,
@@ -173,20 +137,6 @@ def tiny(tiny_files, monkeypatch) -> dict:
     cache (set per test, so the real model below keeps the default cache)."""
     monkeypatch.setenv("JAXTUNE_GGUF_CACHE", str(tiny_files["cache"]))
     return tiny_files
-
-
-def hf_from_gguf(path: Path, **config):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             attn_implementation="eager", **config).eval()
-
-
-def jax_logits(model, ids) -> np.ndarray:
-    return np.asarray(model(jnp.asarray(ids, jnp.int32)))
-
-
-def torch_logits(model, ids) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(ids, np.int64))).logits.float().numpy()
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])

@@ -12,16 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.compare import rel
 
 from jaxtune.models.gpt2 import GPT, PRESETS, GPTConfig
 
 B, T = 2, 16
-
-
-def rel(a, b) -> float:
-    """max|a - b| / max|b|: the error relative to the reference's scale."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def tokens(seed: int = 0, shape=(B, T), vocab: int = 512) -> jax.Array:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.compare import rel
 
 from jaxtune.export import export
 from jaxtune.io import CheckpointError, write_safetensors
@@ -175,12 +176,6 @@ def zoo(tmp_path_factory) -> Zoo:
 
 
 # --- helpers --------------------------------------------------------------------------------------------------------
-
-
-def rel(ours, ref) -> float:
-    """max|ours - ref| / max|ref|."""
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -15,8 +15,9 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SHARED_DATA
-from real_models import smollm2_gguf
+from helpers.compare import rel
+from helpers.real_models import smollm2_gguf
+from helpers.shared_data import SHARED_DATA
 
 from jaxtune.config import ConfigError, load_config
 from jaxtune.export import export
@@ -34,11 +35,6 @@ pytest.importorskip("gguf")
 INSTRUCTIONS = SHARED_DATA / "instructions.jsonl"
 SMOLLM2 = wheels.WHEEL_MODELS["smollm2-135m-instruct"]
 needs_smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason=f"SmolLM2 wheel absent: {SMOLLM2.install}")
-
-
-def rel(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import save_chatml_tokenizer
+from helpers.compare import rel
+from helpers.tiny_hf import save_chatml_tokenizer
 
 from jaxtune.config import TorchaxModelConfig, load_config
 
@@ -42,12 +43,6 @@ from jaxtune.backends.torchax.model import (
 from jaxtune.train.logprobs import token_logps
 from jaxtune.train.objectives import CrossEntropy
 from jaxtune.train.step import objective_loss
-
-
-def rel(ours, ref) -> float:
-    """max|ours - ref| / max|ref|."""
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def _configs(vocab: int, **extra) -> dict:

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import beside
+from helpers.compare import rel
+from helpers.processes import beside
 
 from jaxtune.config import ConfigError, load_config
 from jaxtune.loop import train
@@ -25,11 +26,6 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
 TOL = 1e-5  # relative: max|a - b| / max|b|
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def _torchax_logits(run, tokens):

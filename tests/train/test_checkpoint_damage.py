@@ -11,8 +11,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import TINY
-from test_loop import _final_params
+from helpers.run_outputs import final_params
+from helpers.tiny_config import TINY
 
 from jaxtune.backends import make_state_spec
 from jaxtune.config import load_config
@@ -94,8 +94,8 @@ def test_resume_past_a_damaged_step_is_bitwise_the_uninterrupted_run(finished, t
     result = train(cfg)
     assert result.step == 8 and sorted(result.losses) == [5, 6, 7, 8]
     assert any(p.name.startswith("6.unreadable-") for p in ckpts.iterdir())
-    got, data_got = _final_params(cfg, 8)
-    want, data_want = _final_params(finished, 8)
+    got, data_got = final_params(cfg, 8)
+    want, data_want = final_params(finished, 8)
     jax.tree.map(np.testing.assert_array_equal, got, want)
     assert data_got == data_want
 

@@ -26,7 +26,10 @@ import numpy as np
 import optax
 import pytest
 import yaml
-from conftest import save_chatml_tokenizer
+from helpers.compare import rel
+from helpers.rows import write_jsonl
+from helpers.shared_data import SHARED_DATA
+from helpers.tiny_hf import save_chatml_tokenizer
 
 from jaxtune.backends.native import NativeForward, NativeSpec
 from jaxtune.cli import main
@@ -48,7 +51,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-CHAT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "chat-en.jsonl"
+CHAT_DATA = SHARED_DATA / "chat-en.jsonl"
 HF_VOCAB = 320  # the checkpoints' vocabulary; the BPE below has 300 ids
 # Our module paths -> the HF module names PEFT uses, per decoder layer.
 HF_MODULES = {("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_proj", ("attn", "v"): "self_attn.v_proj",
@@ -57,12 +60,6 @@ HF_MODULES = {("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_pro
 # The LoRA run targets these (HF and native spellings mixed); k_proj and up_proj stay untouched.
 TARGETS = "[q_proj,v,o,gate,down_proj]"
 TARGETED = ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
-
-
-def rel(ours, ref) -> float:
-    """max|ours - ref| / max|ref|."""
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 # --- packing: a packed row computes what its rows compute alone ------------------------------------------------------
@@ -198,11 +195,6 @@ def _chat_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def _save_hf_model(directory: Path, config, seed: int, noise: float) -> None:
     """A random transformers model, every tensor perturbed (norm weights are constants otherwise)."""
     torch.manual_seed(seed)
@@ -219,8 +211,8 @@ def chat(tmp_path_factory):
     the BPE tokenizer (ChatML template) saved beside it."""
     root = tmp_path_factory.mktemp("finetune")
     rows = _chat_rows(48, seed=0)
-    train_file = _write_jsonl(root / "train.jsonl", rows[:40])
-    test_file = _write_jsonl(root / "test.jsonl", rows[40:])
+    train_file = write_jsonl(root / "train.jsonl", rows[:40])
+    test_file = write_jsonl(root / "test.jsonl", rows[40:])
     texts = [m["content"] for r in rows for m in r["messages"]]
     common = {"vocab_size": HF_VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,

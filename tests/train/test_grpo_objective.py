@@ -58,8 +58,9 @@ import jax
 import numpy as np
 import optax
 import pytest
-import trl_reference
-from trl_reference import BOS, EOS, MESH, PAD, TOL, TRL_VERSION, Native, Ours, TRLResult, hf_model, rel
+from helpers import trl_reference
+from helpers.compare import rel
+from helpers.trl_reference import BOS, EOS, MESH, PAD, TOL, TRL_VERSION, Native, Ours, TRLResult, hf_model
 
 from jaxtune import sharding
 from jaxtune.config import ObjectiveConfig, TrainConfig

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_runs import assert_kill9_resume_is_bitwise, metric_rows, run_overrides, torchax_lora_config, write_rows
+from helpers.rows import write_jsonl
+from helpers.run_outputs import metric_rows
+from helpers.tiny_runs import assert_kill9_resume_is_bitwise, run_overrides, torchax_lora_config
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
@@ -43,7 +45,8 @@ OBJECTIVE_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> Path:
-    return write_rows(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", itertools.islice(arithmetic_prompts(), 200))
+    return write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl",
+                       itertools.islice(arithmetic_prompts(), 200))
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY, without_starting
+from helpers.tiny_config import TINY
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from jaxtune.cli import main
@@ -34,6 +34,14 @@ from jaxtune.train.run_dir import LOCK_NAME, RunLock
 
 HOST = socket.gethostname()
 SAVED = r"(SIGINT|SIGTERM): saved step (\d+), exiting; re-run the same command to resume"
+
+
+def without_starting(stdout: str) -> str:
+    """``stdout`` of `jaxtune train` without the line the CLI prints at once, before its imports
+    (``jaxtune train CONFIG: starting``): what the run itself said."""
+    return "".join(line for line in stdout.splitlines(keepends=True)
+                   if not (line.startswith("jaxtune train ") and line.rstrip("\n").endswith(": starting")))
+
 
 # `jaxtune train` (the CLI's main), which acts once the train row of step AT is written: "sigint" (Ctrl-C),
 # "sigint2" (Ctrl-C twice), "kill" (kill -9), "pause" (until the file $GO exists, after touching $PAUSED) or "none".

@@ -4,44 +4,19 @@ NaN policies and bad inputs. Tiny model, real stdlib text, CPU."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import signal
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers.processes import run_driver, start_driver, wait
+from helpers.run_outputs import final_params, losses
 
 from jaxtune import loop as loop_mod
-from jaxtune.backends import make_state_spec
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import DataError, load_tokenizer, prepare_tokens
 from jaxtune.loop import NonFiniteLossError, train
-from jaxtune.sharding import make_mesh
 from jaxtune.train.checkpoint import Checkpointer
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    """step -> train loss from metrics.jsonl; a resumed run's later lines win."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row["kind"] == "train":
-            out[row["step"]] = row["step_loss"]
-    return out
-
-
-def _final_params(cfg, step: int):
-    spec = make_state_spec(cfg, 512, make_mesh(1, 1, 1, jax.devices()[:1]))
-    ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
-    got, state, data_state = ckpt.restore(step, spec.abstract)
-    assert got == step, f"step {step} did not restore (step {got} did)"
-    ckpt.close()
-    return jax.tree.map(np.asarray, state.params), data_state
 
 
 def test_train_end_to_end_compiles_once_and_resumes(tiny_cfg):
@@ -69,68 +44,6 @@ def test_resume_with_changed_config_is_refused(tiny_cfg):
     assert "train.seed" in str(e.value)
 
 
-DRIVER = textwrap.dedent(
-    """
-    import os, signal, sys
-    from jaxtune.config import load_config
-    from jaxtune.train import metrics, checkpoint
-    from jaxtune.loop import train
-
-    mode, at, commit = sys.argv[1], int(sys.argv[2]), int(os.environ.get("DRIVER_COMMIT", "10"))
-    cfg = load_config(None, sys.argv[3:])
-    if mode != "plain":
-        write, save = metrics.MetricsWriter.write, checkpoint.Checkpointer.save
-        committed = []
-
-        def save_and_note(self, step, *a, **k):
-            save(self, step, *a, **k)
-            if step == commit:
-                self.wait()  # that step is committed before we pull the plug
-                committed.append(step)
-
-        def write_then_signal(self, step, scalars, kind="train"):
-            write(self, step, scalars, kind)
-            if kind == "train" and step == at:
-                if mode == "kill":
-                    assert committed, f"checkpoint {commit} must be committed first"
-                    os.kill(os.getpid(), signal.SIGKILL)
-                else:
-                    os.kill(os.getpid(), signal.SIGTERM)
-
-        checkpoint.Checkpointer.save = save_and_note
-        metrics.MetricsWriter.write = write_then_signal
-    train(cfg)
-    """
-)
-
-
-def _start_driver(tmp_path: Path, mode: str, at: int, overrides: list[str], commit: int = 10,
-                  compile_cache: Path | None = None) -> subprocess.Popen:
-    """`DRIVER` in a process of its own: "kill" (kill -9 once the train row of step ``at`` is written, checkpoint
-    ``commit`` committed before), "term" (SIGTERM there) or "plain". ``compile_cache``: a persistent XLA compilation
-    cache for it (a process that runs the programs of an earlier one loads them instead of compiling)."""
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", DRIVER_COMMIT=str(commit))
-    if compile_cache is not None:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
-    return subprocess.Popen([sys.executable, str(script), mode, str(at), *overrides], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-
-
-def _wait(proc: subprocess.Popen) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=600)
-    finally:
-        proc.kill()  # a no-op once it has exited
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _run_driver(tmp_path: Path, mode: str, at: int, overrides: list[str], commit: int = 10,
-                compile_cache: Path | None = None) -> subprocess.CompletedProcess:
-    return _wait(_start_driver(tmp_path, mode, at, overrides, commit, compile_cache))
-
-
 @pytest.mark.parametrize("backend", ["native", "torchax"])
 def test_kill9_and_resume_is_bit_exact(tmp_path, backend, request):
     """kill -9 after step 6 (checkpoint 5 committed), then the same command again: steps 6-8 and the final params
@@ -141,30 +54,30 @@ def test_kill9_and_resume_is_bit_exact(tmp_path, backend, request):
     prepare_tokens(ref_cfg.data, load_tokenizer(ref_cfg.tokenizer, ref_cfg.data))  # before two processes read it
     over = tiny_overrides + ["train.steps=8", f"run_dir={tmp_path / 'killed'}"]
     cache = tmp_path / "xla-cache"  # the resumed process loads what the killed one compiled
-    killing = _start_driver(tmp_path, "kill", 6, over, commit=5, compile_cache=cache)
+    killing = start_driver(tmp_path, "kill", 6, over, commit=5, compile_cache=cache)
     try:
         ref = train(ref_cfg)  # the uninterrupted run, in this process while the other one runs
-        ref_params, _ = _final_params(ref_cfg, 8)
+        ref_params, _ = final_params(ref_cfg, 8)
     finally:
-        killed = _wait(killing)
+        killed = wait(killing)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     cfg = load_config(None, over)
     assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 5
-    assert max(_losses(cfg.run_path)) == 6  # step 6 ran but was never checkpointed
+    assert max(losses(cfg.run_path)) == 6  # step 6 ran but was never checkpointed
 
-    resumed = _run_driver(tmp_path, "plain", 0, over, compile_cache=cache)  # the same command again
+    resumed = run_driver(tmp_path, "plain", 0, over, compile_cache=cache)  # the same command again
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
-    losses = _losses(cfg.run_path)
+    resumed_losses = losses(cfg.run_path)
     for s in range(6, 9):
-        assert losses[s] == ref.losses[s], (s, losses[s], ref.losses[s])  # bitwise, not approximately
-    params, _ = _final_params(cfg, 8)
+        assert resumed_losses[s] == ref.losses[s], (s, resumed_losses[s], ref.losses[s])  # bitwise, not approximately
+    params, _ = final_params(cfg, 8)
     jax.tree.map(np.testing.assert_array_equal, params, ref_params)
 
 
 def test_sigterm_saves_at_the_step_boundary_and_exits_cleanly(tmp_path, tiny_overrides):
     over = tiny_overrides + [f"run_dir={tmp_path / 'pre'}", "checkpoint.every=100"]
-    proc = _run_driver(tmp_path, "term", 7, over)
+    proc = run_driver(tmp_path, "term", 7, over)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "SIGTERM: saved step" in proc.stdout + proc.stderr
     cfg = load_config(None, over)

@@ -47,8 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import trl_reference
-from trl_reference import BOS, GRAD_PARAMS, MESH, TOL, TRL_VERSION, Native, Ours, TRLResult, hf_grads, hf_model, rel
+from helpers import trl_reference
+from helpers.compare import rel
+from helpers.trl_reference import BOS, GRAD_PARAMS, MESH, TOL, TRL_VERSION, Native, Ours, TRLResult, hf_grads, hf_model
 
 from jaxtune import sharding
 from jaxtune.config import ObjectiveConfig

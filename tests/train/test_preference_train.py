@@ -18,8 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import QUICK
-from tiny_runs import assert_kill9_resume_is_bitwise, metric_rows, run_overrides, torchax_lora_config, write_rows
+from helpers.rows import write_jsonl
+from helpers.run_outputs import metric_rows
+from helpers.tiny_config import QUICK
+from helpers.tiny_runs import assert_kill9_resume_is_bitwise, run_overrides, torchax_lora_config
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
@@ -38,7 +40,8 @@ REST = ["data.format=preference", "data.chat_template=chatml", "data.seq_len=64"
 
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory) -> Path:
-    return write_rows(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", itertools.islice(arithmetic_preferences(), 240))
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl",
+                       itertools.islice(arithmetic_preferences(), 240))
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import textwrap
 
 import jax
 import pytest
-from conftest import beside
+from helpers.processes import beside
 
 from jaxtune.config import load_config
 from jaxtune.data import load_tokenizer, prepare_tokens

@@ -1,23 +1,30 @@
-"""What the tests of the formats trained on completions share (test_preference.py, test_prompts.py): their
-tokenizers (test_sft's tiny BPE, with ChatML's special tokens and without) and data config, messages, raw JSONL lines,
-generated phrases, and a file of bad rows among good ones with the checks of what reading it raises
-(data.bad_rows=raise)."""
+"""Rows of data files as the data tests write and parse them: a JSONL file of rows, a row parsed under a data config,
+and what the tests of the formats trained on completions share (test_preference.py, test_prompts.py): their
+tokenizers (`chat_templates.build_tokenizer`'s tiny BPE, with ChatML's special tokens and without) and data config,
+messages, raw JSONL lines, generated phrases, and a file of bad rows among good ones with the checks of what reading
+it raises (data.bad_rows=raise)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_sft import build_tokenizer
+from helpers.chat_templates import build_tokenizer
 
 from jaxtune.config import DataConfig, TokenizerConfig
 from jaxtune.data import DataError, load_tokenizer
 from jaxtune.data.formats import Example, Pair, Prompt, field_names, parse_row
 
 U, A, S = "user", "assistant", "system"
+
+
+def write_jsonl(path: Path, rows: Iterable) -> Path:
+    """``rows`` as JSON lines (non-ASCII kept, UTF-8) in ``path``; ``path``."""
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
 
 
 def build_chat_tokenizers(root: Path) -> Path:

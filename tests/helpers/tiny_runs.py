@@ -1,19 +1,19 @@
 """What the end-to-end tests of the objectives trained on completions share (test_preference_train.py,
-test_grpo_train.py): the tiny Llama they train, a JSONL of generated rows, a maker of a run's overrides, the rows of a
-run's metrics.jsonl, the same run on the torchax backend, and the check that a killed run resumes bitwise."""
+test_grpo_train.py): the tiny Llama they train, a maker of a run's overrides, the same run on the torchax backend,
+and the check that a killed run resumes bitwise."""
 
 from __future__ import annotations
 
-import json
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from conftest import TORCHAX_LLAMA
-from test_loop import _final_params, _losses, _run_driver, _start_driver, _wait
+from helpers.processes import run_driver, start_driver, wait
+from helpers.run_outputs import final_params, losses
+from helpers.tiny_config import TORCHAX_LLAMA
 
 from jaxtune.config import Config, load_config
 from jaxtune.data import load_tokenizer
@@ -22,11 +22,6 @@ from jaxtune.train.checkpoint import Checkpointer
 
 MODEL = ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
          "model.n_kv_head=2", "model.d_ff=128", "model.max_seq_len=64"]
-
-
-def write_rows(path: Path, rows: Iterable[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def run_overrides(rest: list[str], source: Path, tmp_path: Path, data_cache: Path) -> Callable[..., list[str]]:
@@ -40,14 +35,8 @@ def run_overrides(rest: list[str], source: Path, tmp_path: Path, data_cache: Pat
     return make
 
 
-def metric_rows(run_dir: Path, kind: str) -> list[dict]:
-    """The rows of ``kind`` ("train", "eval") in the run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("kind") == kind]
-
-
 def torchax_lora_config(overrides: list[str], tmp_path: Path) -> Config:
-    """The run of ``overrides`` on the torchax backend: a LlamaForCausalLM of conftest's TORCHAX_LLAMA shape (the
+    """The run of ``overrides`` on the torchax backend: a LlamaForCausalLM of `TORCHAX_LLAMA`'s shape (the
     BPE's 300 ids), LoRA rank 4, instead of the native model."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")  # torchax itself is imported through jaxtune's compatibility shim
@@ -68,20 +57,20 @@ def assert_kill9_resume_is_bitwise(tmp_path: Path, make: Callable[..., list[str]
     load_tokenizer(ref_cfg.tokenizer, ref_cfg.data)  # trained and cached once, before two processes want it
     over = make(*overrides, run="killed")
     cache = tmp_path / "xla-cache"
-    killing = _start_driver(tmp_path, "kill", kill_at, over, commit=commit, compile_cache=cache)
+    killing = start_driver(tmp_path, "kill", kill_at, over, commit=commit, compile_cache=cache)
     try:
         ref = train(ref_cfg)
-        ref_params, _ = _final_params(ref_cfg, steps)
+        ref_params, _ = final_params(ref_cfg, steps)
     finally:
-        killed = _wait(killing)
+        killed = wait(killing)
     assert ref.step_compiles == 1
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     cfg = load_config(None, over)
     assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == commit
-    resumed = _run_driver(tmp_path, "plain", 0, over, compile_cache=cache)
+    resumed = run_driver(tmp_path, "plain", 0, over, compile_cache=cache)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    losses = _losses(cfg.run_path)
+    resumed_losses = losses(cfg.run_path)
     for s in range(commit + 1, steps + 1):
-        assert losses[s] == ref.losses[s], (s, losses[s], ref.losses[s])
-    params, _ = _final_params(cfg, steps)
+        assert resumed_losses[s] == ref.losses[s], (s, resumed_losses[s], ref.losses[s])
+    params, _ = final_params(cfg, steps)
     jax.tree.map(np.testing.assert_array_equal, params, ref_params)

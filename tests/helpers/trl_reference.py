@@ -1,10 +1,10 @@
 """What the comparisons with TRL's code share (test_preference_objectives.py, test_grpo_objective.py): a tiny random
 fp32 `LlamaForCausalLM` saved with ``save_pretrained`` and perturbed copies of it, a word-level tokenizer for TRL's
-trainers, the gradients compared and the error measure, and jaxtune's side: a spec read from those checkpoints
+trainers, the gradients compared (by `helpers.compare.rel`), and jaxtune's side: a spec read from those checkpoints
 (``model.from_hf``) on a one-device mesh, an objective's loss and gradients formed as the train step forms them.
 
-Both modules import what they use by name (``from trl_reference import rel, ...``) and make `one_torch_thread`
-their autouse fixture.
+Both modules import what they use by name (``from helpers.trl_reference import MESH, ...``) and make
+`one_torch_thread` their autouse fixture.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from helpers.compare import rel
 
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
@@ -41,12 +42,6 @@ GRAD_PARAMS = {
 MESH = sharding.make_mesh(1, 1, 1, jax.devices()[:1])
 # XLA's CPU compiles dominate these tests: without LLVM's optimisations, the same operations in a third of the time.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def rel(a, b) -> float:
-    """max|a - b| / max|b|, in float64."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints

@@ -1,0 +1,35 @@
+"""What a run leaves in its run directory, read back: the rows of metrics.jsonl, the train loss per step, and the
+parameters (and data state) of a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxtune.backends import make_state_spec
+from jaxtune.sharding import make_mesh
+from jaxtune.train.checkpoint import Checkpointer
+
+
+def metric_rows(run_dir: Path, kind: str) -> list[dict]:
+    """The rows of ``kind`` ("train", "eval") in the run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == kind]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> train loss from metrics.jsonl; a resumed run's later lines win."""
+    return {row["step"]: row["step_loss"] for row in metric_rows(run_dir, "train")}
+
+
+def final_params(cfg, step: int):
+    """(params as numpy arrays, data state) of ``cfg``'s run restored from checkpoint ``step``, on one device."""
+    spec = make_state_spec(cfg, 512, make_mesh(1, 1, 1, jax.devices()[:1]))
+    ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
+    got, state, data_state = ckpt.restore(step, spec.abstract)
+    assert got == step, f"step {step} did not restore (step {got} did)"
+    ckpt.close()
+    return jax.tree.map(np.asarray, state.params), data_state
