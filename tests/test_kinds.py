@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from helpers.rows import build_chat_tokenizers, chatml_cfg, fresh
 
 from jaxtune.config import (
     BATCH_KINDS,
@@ -35,7 +36,6 @@ from jaxtune.train.objectives import OBJECTIVES as IMPLEMENTED
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.objectives.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
 from jaxtune.train.rollout import training_rows
-from tests.helpers.rows import build_chat_tokenizers, chatml_cfg, fresh
 
 
 def test_every_kind_has_its_implementation_and_no_more():
