@@ -1,5 +1,5 @@
 """Recipes x Cloud TPU slices, planned from this CPU machine: `jaxtune info --compile-for` for each pair (the real
-train step compiled by libtpu for the slice), as the README's "Planning a TPU run" table.
+train step compiled by libtpu for the slice), as the "Planning a TPU run" table of docs/scale-out.md.
 
     python benchmarks/tpu_plan.py [--recipes gpt2-124m ...] [--slices v5e-8 ...] [--search-seconds 600] [--json PATH]
 

@@ -1,4 +1,4 @@
-"""The package's imports run one way (README "Architecture"): foundation → models | data → train → backends →
+"""The package's imports run one way (docs/architecture.md): foundation → models | data → train → backends →
 run-level verbs → cli. Walks src/jaxtune with ast, counting imports inside functions too."""
 
 from __future__ import annotations

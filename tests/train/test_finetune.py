@@ -173,7 +173,7 @@ def test_batch_without_trained_tokens():
     batch["loss_mask"] = jnp.zeros_like(batch["loss_mask"])
     state, m = step(init_state(params, tx, 0), batch, (frozen,))
     m = {k: float(v) for k, v in jax.device_get(m).items()}
-    assert m["loss"] == 0.0 and m["tokens"] == 0.0 and m["grad_norm"] == 0.0 and m["finite"] == 1.0, m
+    assert m["loss"] == 0.0 and m["count"] == 0.0 and m["grad_norm"] == 0.0 and m["finite"] == 1.0, m
     for a in jax.tree.leaves(state):
         assert np.isfinite(np.asarray(a, np.float64)).all()
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), jax.device_get(params))

@@ -69,7 +69,8 @@ def test_grpo_trains_with_a_reference_and_reports(grpo):
         assert set(ROLLOUT_METRICS + OBJECTIVE_METRICS) <= set(row), sorted(row)
         assert np.isfinite([row[k] for k in ROLLOUT_METRICS + OBJECTIVE_METRICS]).all(), row
         assert 1 <= row["completions/mean_length"] <= row["completions/max_length"] <= 16
-        assert row["tokens"] == pytest.approx(row["completions/mean_length"] * 16)  # dapo counts completion tokens
+        assert row["count"] == pytest.approx(row["completions/mean_length"] * 16)  # dapo counts completion tokens
+        assert row["tokens"] > row["count"] and 0.0 <= row["pad_fraction"] < 1.0  # prompts too; real tokens only
     assert train_rows[0]["kl"] == 0.0 and train_rows[-1]["kl"] > 0  # the policy leaves its reference
     assert any(r["reward_std"] > 0 for r in train_rows)
     assert [r["step"] for r in eval_rows] == [0, 2, 4]

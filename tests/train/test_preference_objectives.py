@@ -413,6 +413,6 @@ def test_dpo_train_step_compiles_once(checkpoints, lora_native, lora):
             losses.append(float(m["loss"]))
             if len(losses) == 1:
                 assert abs(losses[0] - math.log(2)) <= 1e-6 and float(m["rewards/margins"]) == 0.0
-                assert float(m["tokens"]) == len(PAIRS)
+                assert float(m["count"]) == len(PAIRS)
     assert steps.compiles == 1
     assert losses[-1] < losses[0] - 1e-3, losses

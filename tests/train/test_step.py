@@ -71,7 +71,7 @@ def test_grad_accumulation_equals_large_batch(mask, plain):
     (g1, m1), (g4, m4) = results[1], results[4]
     assert _rel(m4["loss"], m1["loss"]) <= 1e-6
     assert _rel(m4["grad_norm"], m1["grad_norm"]) <= 1e-6
-    assert float(m4["tokens"]) == float(m1["tokens"])
+    assert float(m4["count"]) == float(m1["count"])
     worst = max(jax.tree.leaves(jax.tree.map(_rel, g4, g1)))  # per leaf: max|g4 - g1| / max|g1|
     assert worst <= 1e-6, worst
 
