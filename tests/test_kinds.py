@@ -12,6 +12,7 @@ from helpers.rows import build_chat_tokenizers, chatml_cfg, fresh
 
 from jaxtune.config import (
     BATCH_KINDS,
+    BUILTIN_REWARDS,
     FAMILY_NAMES,
     FORMATS,
     GGUF_TYPES,
@@ -35,6 +36,7 @@ from jaxtune.models.registry import FAMILIES
 from jaxtune.train.objectives import OBJECTIVES as IMPLEMENTED
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.objectives.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
+from jaxtune.train.rewards import BUILTINS as REWARD_IMPLEMENTATIONS
 from jaxtune.train.rollout import training_rows
 
 
@@ -48,6 +50,7 @@ def test_every_kind_has_its_implementation_and_no_more():
     assert WRITTEN_GGUF_TYPES is GGUF_TYPES
     assert set(EXPORT_FORMATS) == {"hf", "peft", "gguf"}
     assert GRPO_LOSS_TYPES == OBJECTIVES["grpo"].loss_types
+    assert set(REWARD_IMPLEMENTATIONS) == set(BUILTIN_REWARDS)
 
 
 def test_config_literals_come_from_the_records():

@@ -33,14 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxtune.config import ConfigError, ObjectiveConfig, RewardConfig
+from jaxtune.config import BUILTIN_REWARDS, ConfigError, ObjectiveConfig, RewardConfig
 
 # A number as written in a completion: integer or decimal, negative, with thousands separators ("1,234.5"). The
 # minus counts only where it cannot be a binary one ("5-3" is 5 and 3); a number never starts inside a digit run.
 _NUMBER = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
 _NUMBER_IN_TEXT = re.compile(rf"(?:(?<![\w)\]])-)?(?<!\d){_NUMBER}")
 _NUMBER_ALONE = re.compile(rf"-?{_NUMBER}")
-_ANSWER_CHECKS = ("exact_number", "regex")  # the built-ins that judge the answer: held-out accuracy reports them
 _FIX = "fix the function, or set objective.reward_errors: zero to score such completions 0 (counted)"
 
 
@@ -139,10 +138,10 @@ def make_rewards(cfg: ObjectiveConfig) -> Rewards:
             label, n = f"{base}_{n}", n + 1
         taken.add(label)
         if r.builtin:
-            functions.append(_Function(label, _builtin(r, cfg, key, label), None))
+            functions.append(_Function(label, BUILTINS[r.name].make(r, cfg, key, label), None))
         else:
             functions.append(_Function(label, None, _import(r.name, f"{key}.name")))
-    accuracy = next((i for i, r in enumerate(cfg.rewards) if r.name in _ANSWER_CHECKS), None)
+    accuracy = next((i for i, r in enumerate(cfg.rewards) if r.builtin and BUILTINS[r.name].judges_answer), None)
     return Rewards(functions, [r.weight for r in cfg.rewards], accuracy, cfg.reward_errors)
 
 
@@ -162,24 +161,47 @@ def group_advantages(total: np.ndarray, group: int, scale: bool) -> np.ndarray:
     return advantages.reshape(-1).astype(np.float32)
 
 
-def _builtin(r: RewardConfig, cfg: ObjectiveConfig, key: str, label: str) -> _OneScore:
-    if r.name == "exact_number":
-        return _exact_number(r.field, key, label)
-    if r.name == "regex":
-        pattern = re.compile(r.pattern)
-        if pattern.groups < 1:
-            raise ConfigError(f"{key}.pattern={r.pattern!r} has no group: put the answer's part in parentheses, "
-                              r"e.g. 'answer is (\S+)'")
-        return _regex(pattern, r.field, key, label)
-    if r.name == "format":
-        pattern = re.compile(r.pattern, re.DOTALL)
-        return lambda completion, row, length, where: float(pattern.fullmatch(completion.strip()) is not None)
+def _exact_number_of(r: RewardConfig, cfg: ObjectiveConfig, key: str, label: str) -> _OneScore:
+    return _exact_number(r.field, key, label)
+
+
+def _regex_of(r: RewardConfig, cfg: ObjectiveConfig, key: str, label: str) -> _OneScore:
+    pattern = re.compile(r.pattern)
+    if pattern.groups < 1:
+        raise ConfigError(f"{key}.pattern={r.pattern!r} has no group: put the answer's part in parentheses, "
+                          r"e.g. 'answer is (\S+)'")
+    return _regex(pattern, r.field, key, label)
+
+
+def _format_of(r: RewardConfig, cfg: ObjectiveConfig, key: str, label: str) -> _OneScore:
+    pattern = re.compile(r.pattern, re.DOTALL)
+    return lambda completion, row, length, where: float(pattern.fullmatch(completion.strip()) is not None)
+
+
+def _length_of(r: RewardConfig, cfg: ObjectiveConfig, key: str, label: str) -> _OneScore:
     max_tokens = r.max_tokens or cfg.max_completion_length
     buffer = r.buffer or max(1, max_tokens // 4)
     if buffer > max_tokens:
         raise ConfigError(f"{key}.buffer={buffer} is more than its max_tokens={max_tokens}; the penalty grows over "
                           "the last `buffer` tokens before max_tokens")
     return lambda completion, row, length, where: _overlong(length, max_tokens, buffer)
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in reward: ``make(reward section, objective section, its config key, its label)`` -> the scorer of
+    one completion; ``judges_answer``: it checks the answer, so held-out accuracy reports it."""
+
+    make: Callable[[RewardConfig, ObjectiveConfig, str, str], _OneScore]
+    judges_answer: bool = False
+
+
+# The implementation of each reward `jaxtune.config.BUILTIN_REWARDS` names.
+BUILTINS: dict[str, Builtin] = {"exact_number": Builtin(_exact_number_of, judges_answer=True),
+                                "regex": Builtin(_regex_of, judges_answer=True), "format": Builtin(_format_of),
+                                "length": Builtin(_length_of)}
+if set(BUILTINS) != set(BUILTIN_REWARDS):
+    raise ImportError(f"built-in rewards declared {sorted(BUILTIN_REWARDS)} != implemented {sorted(BUILTINS)}")
 
 
 def _exact_number(field: str, key: str, label: str) -> _OneScore:
