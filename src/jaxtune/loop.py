@@ -132,7 +132,8 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
             profiler:
         step = start
         if start == 0 and evaluator.active:
-            evaluator.run(0, state.params, frozen)  # the baseline the run report compares against
+            log.message("step 0: evaluating the starting model (the baseline report.md compares against) ...")
+            evaluator.run(0, state.params, frozen)
             laps.lap("eval")
         while step < total:
             profiler.before(step + 1)  # the trace holds the whole step: its batch, GRPO's sampling, the update
