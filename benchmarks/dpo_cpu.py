@@ -34,6 +34,33 @@ loss and ``rewards/margins`` (after one AdamW update: gradients, clipping and op
 Tokens/s counts the padded positions, ``B * 2 * T`` per step on both sides; "real tokens/s" counts the non-padding
 ones (the sum of TRL's attention mask: prompt + completion, chosen and rejected).
 
+**``--lengths real``** (the default, ``--lengths fixed``, is all of the above: every batch padded to T on both sides,
+so it cannot show what padding costs). The pairs' lengths are drawn as in chat preference data, prompts longer than
+completions: a seeded lognormal prompt length with median ``--prompt-median`` x T and log-sd ``--length-sigma``, and a
+chosen and a rejected completion drawn independently, median ``--completion-median`` x T (defaults 0.3, 0.13, 0.5),
+the prompt clipped to [1, T - 1] and each completion to [1, T - prompt] (nothing is ever truncated by the sides). The
+lengths are synthetic, not read from a corpus: ``../shared/data`` holds chat turns of a few words (ChatterBot) and 175
+instruction rows, no preference pairs. The defaults keep the ratio of the issue's example (prompt 0.45, completions
+0.2 x T) but scale it so T sits in the data's tail, as when seq_len is chosen to hold the data: ~2% of completions
+are clipped (at 0.45 / 0.2, ~15% are, and nearly every batch of 8 pairs reaches T: no bucket below T is met). Every
+step takes a new batch (``1 + (--warmup + --rounds) * --steps`` batches), the same ones on every side in the same order.
+
+- jaxtune: each batch laid out at T as above and cut by ``BatchShapes.of(cfg).fit(batch)``, as ``loop.py`` does
+  before every step (``data.length_buckets=--length-buckets``, default 4 per doubling), ahead of the timing as TRL's
+  collation is (the script reports what ``fit`` costs per batch). Before the first step, the jitted step runs once
+  per bucket length the batches will meet, on a throwaway copy of the state: compile time and the number of programs
+  (``steps.compiles``) are reported apart and no timed step compiles. With ``--length-buckets`` > 0 a second
+  jaxtune row per setup, built with ``data.length_buckets=0`` (every batch at T), shows what the buckets alone gain.
+- TRL: ``pad_to_multiple_of=None``, ``max_length=T``: its collator pads each batch to its longest sequence, which is
+  what a ``DPOTrainer`` run does. No torch.compile row: each new length would recompile inside the timed rounds.
+- Reported per implementation: median ms/step, real tokens/s (the real tokens of the timed steps, prompt +
+  completion of chosen and rejected as TRL's attention mask counts them, the same figure on every side, over the
+  timed steps' wall time), positions stepped per step (2B x the batch's length) and the pad share of them,
+  ``pad_fraction`` (jaxtune: as metrics.jsonl logs it; its rows are the inputs ``ids[:-1]``, one position per
+  sequence fewer than TRL's, which computes logits for the last token too). The
+  step-1 check is on the first batch (jaxtune cut to its bucket, TRL padded to its longest row), and the bucketed
+  jaxtune row is also checked against the one at T: cutting changes no log-prob beyond float rounding.
+
 Timing as in ``lora_sft_cpu.py``: after the first step (jaxtune: trace + compile; torch.compile: its compile) and
 ``--warmup`` rounds, the implementations are interleaved round by round in one process (order rotated every round),
 each round running ``--steps`` steps of each; the tables report medians per step, and beside the ratio of medians
@@ -44,6 +71,14 @@ threads. On a loaded machine set ``OMP_WAIT_POLICY=PASSIVE`` (see ``torchax_cpu.
     [OMP_WAIT_POLICY=PASSIVE] PYTHONPATH=src python benchmarks/dpo_cpu.py [--rounds 6 --steps 2 --batch 8 --seq 128]
         [--layers 4 --d-model 256 --heads 4 --kv-heads 2 --d-ff 688 --vocab 2048] [--rank 16 --alpha 32]
         [--no-lora] [--no-compile] [--attn sdpa|eager] [--malloc-arena] [--threads N] [--json out.json]
+        [--lengths fixed|real] [--length-buckets 4] [--prompt-median 0.3 --completion-median 0.13 --length-sigma 0.5]
+
+e.g. real lengths at the default shape and at SmolLM2-135M's (30 layers, hidden 576, 9 heads / 3 kv, 1536, vocab
+49152; minutes per round on a few cores):
+
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=src python benchmarks/dpo_cpu.py --lengths real --seq 512 --rounds 6 --steps 4
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=src python benchmarks/dpo_cpu.py --lengths real --seq 512 --rounds 3 --steps 4 \
+        --layers 30 --d-model 576 --heads 9 --kv-heads 3 --d-ff 1536 --vocab 49152 --batch 4 --no-compile
 """
 
 from __future__ import annotations
@@ -77,6 +112,7 @@ from jaxtune.models.lora import peft_tensors
 from jaxtune.models.registry import FAMILIES
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import step_reference, with_reference
+from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import jit_steps
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -112,6 +148,23 @@ def random_pairs(rng: np.random.RandomState, a: argparse.Namespace) -> list[tupl
     return out
 
 
+def real_pairs(rng: np.random.RandomState, a: argparse.Namespace) -> list[tuple[list[int], list[int], list[int]]]:
+    """``--batch`` (prompt, chosen, rejected) token-id lists of chat-like lengths (``--lengths real``): lognormal
+    prompt and completion lengths, medians ``--prompt-median`` and ``--completion-median`` x T, log-sd
+    ``--length-sigma``; the prompt clipped to [1, T - 1], each completion to [1, T - prompt]."""
+
+    def length(median: float, most: int) -> int:
+        return int(np.clip(round(rng.lognormal(math.log(median * a.seq), a.length_sigma)), 1, most))
+
+    out = []
+    for _ in range(a.batch):
+        prompt = rng.randint(1, a.vocab, length(a.prompt_median, a.seq - 1)).tolist()
+        chosen, rejected = (rng.randint(1, a.vocab, length(a.completion_median, a.seq - len(prompt))).tolist()
+                            for _ in range(2))
+        out.append((prompt, chosen, rejected))
+    return out
+
+
 def jaxtune_batch(pairs, seq: int) -> dict[str, np.ndarray]:
     """The pairs as jaxtune's data pipeline lays them out: (B, 2, T) arrays of `PairRows`."""
     encoded = [tuple(Encoded(np.array(p + c, np.int32), np.array([0] * len(p) + [1] * len(c), bool)) for c in (ch, rj))
@@ -136,11 +189,34 @@ def jaxtune_dpo(cfg) -> dict:
             "setup_s": time.perf_counter() - t0}
 
 
-def jaxtune_impl(cfg, host_batches) -> tuple[dict, dict]:
+def jaxtune_impl(cfg, host_batches, fit: bool) -> tuple[dict, dict]:
+    """The timed step over ``host_batches`` (at T). ``fit``: each batch cut by ``BatchShapes.of(cfg).fit`` as the
+    loop cuts it, and the step compiled for every length met, on a throwaway copy of the state, before any timing."""
     js = jaxtune_dpo(cfg)
     mesh, steps = js["mesh"], js["steps"]
+    im = {"compiles": lambda: steps.compiles}
+    if fit:
+        shapes = BatchShapes.of(cfg)
+        t0 = time.perf_counter()
+        fitted = [shapes.fit(b) for b in host_batches]
+        im["fit_us"] = (time.perf_counter() - t0) / len(host_batches) * 1e6
+        host_batches = [b for b, _ in fitted]
+        im["tokens"] = [shape.tokens for _, shape in fitted]
+        im["positions"] = [shape.positions for _, shape in fitted]
+        im["lengths"] = [shape.length for _, shape in fitted]
     batches = [sharding.global_batch(mesh, b) for b in host_batches]
     box = {"state": js["state"], "i": 0}
+    if fit:  # one program per length, compiled as the loop's first batch of that length would compile it
+        first_of = {length: i for i, length in reversed(list(enumerate(im["lengths"])))}
+        t0 = time.perf_counter()
+        scratch = jax.tree.map(lambda x: x.copy(), js["state"])
+        with sharding.use_mesh(mesh):
+            for length in sorted(first_of):
+                scratch, metrics = steps.train(scratch, batches[first_of[length]], js["frozen"])
+                jax.block_until_ready((scratch, metrics))
+        del scratch
+        im["compile_s"] = time.perf_counter() - t0
+        im["programs"] = steps.compiles
 
     def step():
         with sharding.use_mesh(mesh):
@@ -150,7 +226,7 @@ def jaxtune_impl(cfg, host_batches) -> tuple[dict, dict]:
         m = jax.device_get(metrics)
         return float(m["loss"]), {k: float(m[k]) for k in METRICS}
 
-    return {"step": step, "compiles": lambda: steps.compiles}, js
+    return im | {"step": step}, js
 
 
 # ---------------------------------------------------------------- TRL
@@ -166,7 +242,8 @@ def trl_trainer(directory: str, a: argparse.Namespace, tokenizer, out_dir: str, 
     args = DPOConfig(output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False,
                      per_device_train_batch_size=a.batch, beta=a.beta, loss_type=["sigmoid"], learning_rate=a.lr,
                      lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, max_length=a.seq,
-                     pad_to_multiple_of=a.seq, save_strategy="no", disable_tqdm=True)
+                     pad_to_multiple_of=a.seq if a.lengths == "fixed" else None,  # real: pad to the longest row
+                     save_strategy="no", disable_tqdm=True)
     data = datasets.Dataset.from_dict({"prompt": ["w3 w4"], "chosen": [" w5"], "rejected": [" w6"]})
     if lora:
         lcfg = peft.LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=HF_TARGETS, lora_dropout=0.0,
@@ -238,17 +315,31 @@ def main(argv=None) -> dict:
                     help="transformers' attention (sdpa: its default)")
     ap.add_argument("--no-lora", action="store_true", help="skip the LoRA rows")
     ap.add_argument("--no-compile", action="store_true", help="skip the TRL torch.compile row")
+    ap.add_argument("--lengths", choices=["fixed", "real"], default="fixed",
+                    help="fixed: every batch padded to --seq on both sides; real: chat-like lengths, jaxtune cuts "
+                         "each batch to its length bucket, TRL pads to the longest row")
+    ap.add_argument("--length-buckets", type=int, default=4,
+                    help="real: jaxtune's data.length_buckets (per doubling; 0: every batch at --seq)")
+    ap.add_argument("--prompt-median", type=float, default=0.3, help="real: median prompt length, x --seq")
+    ap.add_argument("--completion-median", type=float, default=0.13, help="real: median completion length, x --seq")
+    ap.add_argument("--length-sigma", type=float, default=0.5, help="real: log-sd of the lognormal lengths")
     h.add_malloc_arg(ap)
     args = ap.parse_args(argv)
     h.check_rounds(ap, args)
-    if not (8 < args.prompt and args.prompt + 8 + args.min_completion <= args.seq):
+    real = args.lengths == "real"
+    if real and not (args.prompt_median > 0 and args.completion_median > 0 and args.length_sigma >= 0
+                     and args.length_buckets >= 0 and args.seq >= 2):
+        ap.error("need positive --prompt-median and --completion-median, --length-sigma >= 0, --length-buckets >= 0")
+    if not real and not (8 < args.prompt and args.prompt + 8 + args.min_completion <= args.seq):
         ap.error("need --prompt > 8 and --prompt + 8 + --min-completion <= --seq")
     threads = h.start_trainers(args)
 
     n_steps = 1 + (args.warmup + args.rounds) * args.steps  # per implementation, the first step included
     rng = np.random.RandomState(0)
-    pair_sets = [random_pairs(rng, args) for _ in range(n_steps)]
+    pair_sets = [(real_pairs if real else random_pairs)(rng, args) for _ in range(n_steps)]
     host_batches = [jaxtune_batch(p, args.seq) for p in pair_sets]
+    # the batches of the timed rounds (every implementation steps through the batches in order, one per step)
+    timed = [1 + r * args.steps + k for r in range(args.warmup, args.warmup + args.rounds) for k in range(args.steps)]
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = os.path.join(tmp.name, "model")
@@ -256,6 +347,7 @@ def main(argv=None) -> dict:
     tokenizer = h.word_tokenizer(args.vocab)
     base = [f"model.from_hf={model_dir}", "objective.name=dpo", f"objective.beta={args.beta}",
             "objective.loss_type=sigmoid", "data.format=preference", "data.sources=[pairs.jsonl]",
+            f"data.length_buckets={args.length_buckets}",
             f"data.seq_len={args.seq}", f"train.batch_size={args.batch}", f"train.steps={n_steps}",
             f"optim.lr={args.lr}", "optim.b1=0.9", "optim.b2=0.999", "optim.eps=1e-8", "optim.weight_decay=0.0",
             "optim.grad_clip=1.0", "optim.schedule=constant", "optim.warmup_steps=0"]
@@ -270,24 +362,45 @@ def main(argv=None) -> dict:
     trl_batches = None
     for setup, lora in setups:
         cfg = load_config(None, base + (lora_keys if lora else []))
-        jname = f"jaxtune {setup} (jax.jit)"
-        impls[jname], js = jaxtune_impl(cfg, host_batches)
+        jname = f"jaxtune {setup} (jax.jit" + (f", buckets {args.length_buckets})" if real else ")")
+        impls[jname], js = jaxtune_impl(cfg, host_batches, fit=real)
         setup_s[jname] = js["setup_s"]
         ref_kind = "frozen copy" if js["reference"].copy else "adapters off"
         adapters = jax.device_get(js["state"].params) if lora else None  # before the first step donates the state
         rows_of[setup] = {"jaxtune": jname, "reference": ref_kind}
+        if real and args.length_buckets:  # the same step with every batch at T: what the buckets alone gain
+            cfg0 = load_config(None, [k for k in base if not k.startswith("data.length_buckets=")]
+                               + ["data.length_buckets=0"] + (lora_keys if lora else []))
+            zname = f"jaxtune {setup} (jax.jit, no buckets: T)"
+            impls[zname], js0 = jaxtune_impl(cfg0, host_batches, fit=True)
+            setup_s[zname] = js0["setup_s"]
+            rows_of[setup]["jaxtune T"] = zname
+            del js0
 
         trainer = trl_trainer(model_dir, args, tokenizer, os.path.join(tmp.name, f"trl-{len(impls)}"), lora, adapters)
         if trl_batches is None:
             examples = [[{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r} for p, c, r in ps] for ps in pair_sets]
             trl_batches = [trainer.data_collator(ex) for ex in examples]
             shape = tuple(trl_batches[0]["input_ids"].shape)
-            if any(tuple(b["input_ids"].shape) != (2 * args.batch, args.seq) for b in trl_batches):
-                raise RuntimeError(f"TRL's collator padded to {shape}, not (2B, T) = ({2 * args.batch}, {args.seq})")
+            longest = [max(len(p) + max(len(c), len(r)) for p, c, r in ps) for ps in pair_sets]
+            if any(tuple(b["input_ids"].shape) != (2 * args.batch, n if real else args.seq)
+                   for b, n in zip(trl_batches, longest, strict=True)):
+                raise RuntimeError(f"TRL's collator padded to {shape}, not (2B, " + ("the longest row)" if real else
+                                                                                     f"T) = (2B, {args.seq})"))
+            trl_tokens = [int(b["attention_mask"].sum()) for b in trl_batches]
+            # jaxtune's rows are inputs = ids[:-1] (targets ids[1:]): one real position fewer per sequence
+            if real and [n - 2 * args.batch for n in trl_tokens] != impls[jname]["tokens"]:
+                raise RuntimeError("TRL's attention mask and jaxtune's segment ids count different real tokens")
         tname = f"TRL {setup} (eager)"
         impls[tname] = trl_impl(trainer, trl_batches)
+        if real:
+            impls[tname] |= {"tokens": trl_tokens, "positions": [b["input_ids"].numel() for b in trl_batches]}
         rows_of[setup]["TRL eager"] = tname
-        if not lora and not args.no_compile:
+        if real and not args.no_compile:
+            if not lora:
+                notes.append("--lengths real runs no torch.compile row: every new batch length would recompile it "
+                             "inside the timed rounds")
+        elif not lora and not args.no_compile:
             ctrainer = trl_trainer(model_dir, args, tokenizer, os.path.join(tmp.name, "trl-compiled"), lora)
             compile_in_place(ctrainer)
             cname = f"TRL {setup} (torch.compile)"
@@ -332,11 +445,21 @@ def main(argv=None) -> dict:
         row |= {f"{k}_step1": seq[0][1][k] for k in METRICS} | {f"{k}_step2": seq[1][1][k] for k in METRICS}
         if "compiles" in im:
             row["jax_compiles"] = im["compiles"]()
+        if real:  # each step its own batch: throughput over the timed steps, their positions and padding
+            real_s, pos = sum(im["times"]) * args.steps, sum(im["positions"][i] for i in timed)
+            tok = sum(trl_tokens[i] for i in timed)  # prompt + completion, chosen and rejected: the same on all sides
+            row |= {"tokens_per_s": pos / real_s, "real_tokens_per_s": tok / real_s,
+                    "positions_per_step": pos / len(timed), "real_tokens_per_step": tok / len(timed),
+                    "pad_fraction": 1 - sum(im["tokens"][i] for i in timed) / pos}  # of its own positions
+            row |= {k: im[k] for k in ("programs", "compile_s", "fit_us") if k in im}
+            if "lengths" in im:
+                row |= {"lengths_compiled": sorted(set(im["lengths"])),
+                        "lengths_timed": sorted({im["lengths"][i] for i in timed})}
         rows[name] = row
 
     checks, bad = [], []
     for setup, names in rows_of.items():
-        for key in ("TRL eager", "TRL compile"):
+        for key in ("TRL eager", "TRL compile", "jaxtune T"):
             if key in names:
                 checks.append({"setup": setup, "vs": names[key], **compare(rows[names["jaxtune"]], rows[names[key]],
                                                                            args.beta)})
@@ -356,9 +479,23 @@ def main(argv=None) -> dict:
     print(f"Llama (random, fp32, untied head): {args.layers} layers, hidden {args.d_model}, {args.heads} heads "
           f"({args.kv_heads} kv), intermediate {args.d_ff}, vocab {args.vocab}, {n_params / 1e6:.2f}M params; "
           f"transformers attention {args.attn}")
-    print(f"pairs: batch {args.batch} pairs x 2 x T {args.seq} = {tokens} padded positions/step; prompt "
-          f"{args.prompt}±8 tokens, completions >= {args.min_completion}; real (non-pad) tokens {real_tokens:.0f}/step "
-          f"({real_tokens / tokens:.0%}), completion tokens {completion_tokens:.0f}/step")
+    if not real:
+        print(f"pairs: batch {args.batch} pairs x 2 x T {args.seq} = {tokens} padded positions/step; prompt "
+              f"{args.prompt}±8 tokens, completions >= {args.min_completion}; real (non-pad) tokens "
+              f"{real_tokens:.0f}/step ({real_tokens / tokens:.0%}), completion tokens {completion_tokens:.0f}/step")
+    else:
+        jrow = rows[rows_of[setups[0][0]]["jaxtune"]]
+        lengths = impls[rows_of[setups[0][0]]["jaxtune"]]["lengths"]
+        met = {n: lengths.count(n) for n in sorted(set(lengths))}
+        trl_len = [int(b["input_ids"].shape[1]) for b in trl_batches]
+        print(f"pairs (--lengths real): {len(pair_sets)} batches of {args.batch} pairs, T {args.seq}; lognormal "
+              f"lengths (log-sd {args.length_sigma:g}), prompt median {args.prompt_median:g} x T = "
+              f"{args.prompt_median * args.seq:.0f}, completions {args.completion_median:g} x T = "
+              f"{args.completion_median * args.seq:.0f}; real tokens {jrow['real_tokens_per_step']:.0f}/step "
+              f"(timed mean), completion tokens {completion_tokens:.0f}/step (all batches)")
+        print(f"lengths: jaxtune buckets ({args.length_buckets} per doubling) met {met} (length: batches); TRL's "
+              f"longest row min / median / max {min(trl_len)} / {int(np.median(trl_len))} / {max(trl_len)}; "
+              f"BatchShapes.fit {jrow['fit_us']:.0f} us/batch (outside the timing, as TRL's collation)")
     print(f"DPO sigmoid beta {args.beta:g}; AdamW lr {args.lr:g} betas (0.9, 0.999) eps 1e-8 wd 0, constant lr, clip "
           f"1.0; LoRA r {args.rank} alpha {args.alpha:g} on {' '.join(HF_TARGETS)}")
     print(f"threads: XLA {threads} / torch {torch.get_num_threads()} (OMP_WAIT_POLICY {omp_wait}); malloc tuning "
@@ -369,7 +506,8 @@ def main(argv=None) -> dict:
           + ", ".join(f"{n} {s:.1f} s" for n, s in setup_s.items()))
     for n in notes:
         print(f"note: {n}")
-    print("correctness (same checkpoint, same pairs; jaxtune vs TRL, relative difference):")
+    print("correctness (same checkpoint, same pairs; jaxtune vs TRL" + (", and cut to buckets vs at T" if real else "")
+          + ", relative difference):")
     for c in checks:
         print(f"  {c['setup']} vs {c['vs']}: " + "; ".join(
             f"{k} {c[k][0]:.7g} / {c[k][1]:.7g} ({c[k][2]:.1e})" for k in
@@ -377,6 +515,33 @@ def main(argv=None) -> dict:
         print(f"    last step ({rows[rows_of[c['setup']]['jaxtune']]['steps_run']}) loss {c['loss_last'][0]:.7g} / "
               f"{c['loss_last'][1]:.7g} ({c['loss_last'][2]:.1e}); ln 2 = {math.log(2):.7f}")
 
+    if real:
+        summary = real_tables(rows, rows_of)
+    else:
+        summary = fixed_tables(rows, rows_of)
+    h.say_noisy(rows.values(), load1[0])
+    recompiled = [r["implementation"] for r in rows.values() if r.get("jax_compiles", 1) != r.get("programs", 1)]
+    if recompiled:
+        print(f"warning: the jitted step was traced more times than the lengths it met for {recompiled}")
+
+    result = record | {
+        "machine_lscpu": machine, "command": command, "summary": summary, "checks": checks,
+        "rows": list(rows.values()), "notes": notes,
+        "config": vars(args) | {"threads": threads, "padded_tokens_per_step": tokens,
+                                "real_tokens_per_step": real_tokens, "completion_tokens_per_step": completion_tokens,
+                                "params": n_params, "loadavg_before_after": [load0, load1],
+                                "timed_s": run["seconds"], "omp_wait_policy": omp_wait},
+        "jaxtune_setup_s": setup_s, "losses": {name: im["losses"] for name, im in impls.items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if bad:  # the timings would compare different computations: fail loudly
+        sys.exit(f"step-1 loss or log-probs differ by more than {STEP1_RTOL:g} (relative) for {bad}")
+    return result
+
+
+def fixed_tables(rows: dict[str, dict], rows_of: dict[str, dict[str, str]]) -> list[dict]:
+    """``--lengths fixed``: jaxtune vs each TRL row per setup, then every implementation; the summary rows."""
     head = ["setup", "reference", "jaxtune ms/step", "TRL ms/step", "ratio (TRL / jaxtune time)", "(best step)",
             "(CPU time)", "jaxtune tokens/s", "TRL tokens/s"]
     h.print_header(head, 2)
@@ -402,25 +567,43 @@ def main(argv=None) -> dict:
         print(f"| {r['implementation']} | {r['tokens_per_s']:,.0f} | {r['real_tokens_per_s']:,.0f} | "
               f"{r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f} | {r['cpu_ms_per_step']:.0f} | "
               f"{r['first_step_s']:.1f} |")
-    h.say_noisy(rows.values(), load1[0])
-    recompiled = [r["implementation"] for r in rows.values() if r.get("jax_compiles", 1) != 1]
-    if recompiled:
-        print(f"warning: the jitted step was traced more than once for {recompiled}")
+    return summary
 
-    result = record | {
-        "machine_lscpu": machine, "command": command, "summary": summary, "checks": checks,
-        "rows": list(rows.values()), "notes": notes,
-        "config": vars(args) | {"threads": threads, "padded_tokens_per_step": tokens,
-                                "real_tokens_per_step": real_tokens, "completion_tokens_per_step": completion_tokens,
-                                "params": n_params, "loadavg_before_after": [load0, load1],
-                                "timed_s": run["seconds"], "omp_wait_policy": omp_wait},
-        "jaxtune_setup_s": setup_s, "losses": {name: im["losses"] for name, im in impls.items()}}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    if bad:  # the timings would compare different computations: fail loudly
-        sys.exit(f"step-1 loss or log-probs differ by more than {STEP1_RTOL:g} (relative) for {bad}")
-    return result
+
+def real_tables(rows: dict[str, dict], rows_of: dict[str, dict[str, str]]) -> list[dict]:
+    """``--lengths real``: per setup jaxtune (buckets) vs TRL (longest row) and jaxtune at T, then every
+    implementation with its positions, pad share and compiles; the summary rows."""
+    head = ["setup", "reference", "jaxtune ms/step", "TRL ms/step", "ratio (TRL / jaxtune time)", "(best step)",
+            "(CPU time)", "jaxtune at T ms/step", "buckets gain (T / buckets time)", "pad share jaxtune / TRL / at T"]
+    h.print_header(head, 2)
+    summary = []
+    for setup, names in rows_of.items():
+        j, t = rows[names["jaxtune"]], rows[names["TRL eager"]]
+        z = rows.get(names.get("jaxtune T", ""))
+        ratio = t["ms_per_step"] / j["ms_per_step"]
+        best, cpu = t["ms_per_step_min"] / j["ms_per_step_min"], t["cpu_ms_per_step"] / j["cpu_ms_per_step"]
+        gain = z["ms_per_step"] / j["ms_per_step"] if z else None
+        summary.append({"setup": f"{setup}, TRL eager", "jaxtune_ms": j["ms_per_step"], "trl_ms": t["ms_per_step"],
+                        "ratio": ratio, "ratio_best_step": best, "ratio_cpu_time": cpu,
+                        "jaxtune_at_T_ms": z["ms_per_step"] if z else None, "buckets_gain": gain,
+                        "pad_fraction": {"jaxtune": j["pad_fraction"], "trl": t["pad_fraction"],
+                                         "jaxtune_at_T": z["pad_fraction"] if z else None}})
+        print(f"| {setup}, TRL eager | {names['reference']} | {j['ms_per_step']:.0f} | {t['ms_per_step']:.0f} | "
+              f"**{ratio:.2f}x** | {best:.2f}x | {cpu:.2f}x | " + (f"{z['ms_per_step']:.0f} | {gain:.2f}x | " if z
+                                                                 else "- | - | ")
+              + f"{j['pad_fraction']:.0%} / {t['pad_fraction']:.0%} / " + (f"{z['pad_fraction']:.0%} |" if z
+                                                                            else "- |"))
+
+    head = ["implementation", "ms/step (median / min)", "CPU ms/step", "real tokens/s", "positions/step",
+            "pad share", "programs compiled", "compile (s)", "first step (s)"]
+    h.print_header(head)
+    for r in rows.values():
+        programs = f"{r['programs']} ({', '.join(map(str, r['lengths_compiled']))})" if "programs" in r else "-"
+        print(f"| {r['implementation']} | {r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f} | "
+              f"{r['cpu_ms_per_step']:.0f} | {r['real_tokens_per_s']:,.0f} | {r['positions_per_step']:,.0f} | "
+              f"{r['pad_fraction']:.0%} | {programs} | " + (f"{r['compile_s']:.1f}" if "compile_s" in r else "-")
+              + f" | {r['first_step_s']:.1f} |")
+    return summary
 
 
 if __name__ == "__main__":
