@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -232,3 +233,17 @@ def test_overwrite_accepts_every_exports_files_and_nothing_else(tmp_path):
     (out / "config.json").mkdir()  # a directory is never an export's file
     with pytest.raises(FileExistsError, match=r"\(config\.json/\)"):
         check_out_dir(out, overwrite=True)
+
+
+def test_export_refuses_a_run_without_a_checkpoint(run_dir, tmp_path, capsys):
+    """A run that failed before its first save holds no trained weights: exporting it would write the starting
+    model as if it were the result. One line, and nothing written."""
+    unsaved = tmp_path / "unsaved"
+    unsaved.mkdir()
+    shutil.copy(run_dir / "config.yaml", unsaved / "config.yaml")
+    shutil.copytree(run_dir / "tokenizer", unsaved / "tokenizer")
+    out = tmp_path / "export"
+    assert main(["export", str(unsaved), str(out)]) == 2
+    _, line = error_line(capsys)
+    assert f"{unsaved}: the run has no checkpoint yet" in line and "nothing trained to export" in line
+    assert not out.exists() and not (out.parent / (out.name + ".gguf")).exists()

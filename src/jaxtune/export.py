@@ -89,6 +89,10 @@ def _write_hf(source: Any, out: Path, o: ExportOptions, adapter: bool = False) -
     check_out_dir(out, o.overwrite)
     if isinstance(source, (str, Path)):
         run = load_run(source)
+        if run.step == 0 and _is_run(source):
+            raise ConfigError(f"{source}: the run has no checkpoint yet (it stopped or failed before its first save), "
+                              "so there is nothing trained to export; train it (or resume it) until it saves, "
+                              "e.g. checkpoint.every, then export")
         return BACKENDS[run.cfg.model.backend].export(run, out, tokenizer=o.tokenizer or run.tokenizer, dtype=o.dtype,
                                                       adapter=adapter, max_shard_bytes=o.max_shard_bytes,
                                                       overwrite=o.overwrite)
@@ -97,6 +101,12 @@ def _write_hf(source: Any, out: Path, o: ExportOptions, adapter: bool = False) -
     params = nnx.to_pure_dict(nnx.state(source, nnx.Param))
     return write_model(source.cfg, params, out, tokenizer=o.tokenizer, dtype=o.dtype,
                        max_shard_bytes=o.max_shard_bytes)
+
+
+def _is_run(source: str | Path) -> bool:
+    """A run directory or a config (trained weights come from its checkpoints), not a model directory or file."""
+    path = Path(source).expanduser()
+    return (path / "config.yaml").is_file() or path.suffix in (".yaml", ".yml")
 
 
 EXPORT_FORMATS: dict[str, ExportFormat] = {f.name: f for f in (

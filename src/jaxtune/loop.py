@@ -41,6 +41,7 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> train loss, for the steps run here
     eval_loss: float | None = None
     step_compiles: int = 0
+    step_lengths: list[int] = field(default_factory=list)  # the batch lengths the train step met (one program each)
     sampler_compiles: int = 0  # GRPO: programs the rollout sampler compiled (one per prompt and cache bucket)
     nan_skipped: int = 0
     preempted: bool = False
@@ -172,7 +173,7 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     ckpt.close()
     data.close()
     log.close()
-    result = TrainResult(run_dir, step, log.losses, evaluator.last_loss, steps.compiles,
+    result = TrainResult(run_dir, step, log.losses, evaluator.last_loss, steps.compiles, sorted(shapes.lengths),
                          rollout.generator.compiles if rollout is not None else 0, log.nan_skipped,
                          preemption.requested, evaluator.samples, evaluator.evals)
     if proc == 0:
@@ -183,6 +184,7 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
         write_summary(run_dir, {"step": step, "final_train_loss": log.losses.get(step), "eval_loss": result.eval_loss,
                                 "nan_skipped": log.nan_skipped, "preempted": result.preempted,
                                 "params": spec.model_cfg.num_params(), "step_compiles": steps.compiles,
+                                "step_lengths": result.step_lengths,
                                 "seconds": {k: round(v, 3) for k, v in laps.seconds.items()}},
                       result.preempted)
         if not result.preempted:

@@ -63,7 +63,7 @@ def assert_kill9_resume_is_bitwise(tmp_path: Path, make: Callable[..., list[str]
         ref_params, _ = final_params(ref_cfg, steps)
     finally:
         killed = wait(killing)
-    assert ref.step_compiles == 1
+    assert ref.step_compiles == len(ref.step_lengths)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     cfg = load_config(None, over)
     assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == commit

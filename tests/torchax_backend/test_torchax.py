@@ -219,7 +219,7 @@ def test_training_matches_native(family, chat, tmp_path):
     assert [e["step"] for e in ours.evals] == [e["step"] for e in native.evals] == [0, STEPS]
     assert max(eval_errs) <= 1e-4, (ours.evals, native.evals)
     assert b[-1] < b[0] - 1.0  # it trained: the comparison covers a moving model
-    assert ours.step_compiles == 1
+    assert ours.step_compiles == len(ours.step_lengths)
 
 
 # --- 3. padding and packing on Gemma 3 (sliding window) -------------------------------------------------------------

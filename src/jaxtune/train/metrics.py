@@ -127,6 +127,7 @@ class MetricsWriter:
         if self.tb:
             for k, v in scalars.items():
                 self.tb.add_scalar(f"{kind}/{k}", v, step)
+            self.tb.flush()  # as durable as metrics.jsonl's line: a killed run's curve ends where its rows do
         if self.wandb:
             self.wandb.log({f"{kind}/{k}": v for k, v in scalars.items()}, step=step)
         if self.bar and kind == "train":
