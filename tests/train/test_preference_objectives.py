@@ -364,9 +364,9 @@ def _token_logps(forward, weights, rows) -> np.ndarray:
 
 @pytest.mark.parametrize("backend", ["native", "torchax"])
 def test_lora_reference_is_the_base_model_exactly(checkpoints, native, lora_native, backend):
-    """With LoRA the reference is the base with the adapters off (`ModelSpec.base_model`, no copy): the token
-    log-probs the step's reference gives are bitwise those of the same checkpoint without LoRA, while the adapted
-    model's (adapters made nonzero) differ."""
+    """With LoRA the reference is the base with the adapters off (no copy): the token log-probs the step's reference
+    gives are bitwise those of the same checkpoint without LoRA, while the adapted model's (adapters made nonzero)
+    differ; and the reference knows the policy as itself while B = 0 only."""
     if backend == "native":
         cfg, spec = lora_native
         plain = (native.spec.forward(), native.ref)
@@ -383,7 +383,9 @@ def test_lora_reference_is_the_base_model_exactly(checkpoints, native, lora_nati
 
     base = _token_logps(*plain, rows)
     with sharding.use_mesh(MESH):
-        off = np.asarray(jax.jit(lambda fr, r: reference.bind(fr)(r))(frozen, rows))
+        off = np.asarray(jax.jit(lambda fr, r: reference.logps(fr)(r))(frozen, rows))
+        same = jax.jit(reference.is_policy)
+        assert bool(same(spec.init(0).params, frozen)) and not bool(same(adapters, frozen))
     on = _token_logps(spec.forward(), spec.weights(adapters, frozen), rows)
     assert np.array_equal(off, base)
     assert np.abs(on - base).max() > 1e-3

@@ -1,7 +1,8 @@
 """Exact step 0: before the policy has moved, the reference's log-probs are bitwise the policy's, so every reward is
 exactly 0 and no pair counts as won (TRL counts chosen > rejected strictly), at a real model's layer shapes
 (SmolLM2-135M: d 576, 9 heads over 3 KV heads, vocabulary 49152; two layers), for LoRA (the reference is the
-policy's own program with its adapters zeroed) and for full fine-tuning (a frozen copy)."""
+policy's own program with its adapters zeroed) and for full fine-tuning (a frozen copy); at evaluation, and in the
+first train step, whose log-probs come out of a differentiated program (`jaxtune.train.objectives.base.pinned`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,13 @@ def test_step_zero_rewards_are_exactly_zero(lora):
     assert m["rewards/chosen"] == m["rewards/rejected"] == m["rewards/margins"] == 0.0, m
     assert m["rewards/accuracies"] == 0.0
     assert abs(result.loss - np.log(2)) < 1e-6
+    # The first train step sees the same pairs before its update: exactly 0 again. The second sees moved weights:
+    # its rewards are real differences (the pinning is not a constant).
+    with sharding.use_mesh(mesh):
+        batch = sharding.global_batch(mesh, _pairs())
+        state, first = steps.train(state, batch, frozen)
+        _, second = steps.train(state, batch, frozen)
+    first, second = jax.device_get((first, second))
+    assert first["rewards/margins"] == first["rewards/chosen"] == first["rewards/accuracies"] == 0.0, first
+    assert abs(float(first["loss"]) - np.log(2)) < 1e-6
+    assert abs(float(second["rewards/margins"])) > 1e-4 and float(second["rewards/accuracies"]) > 0, second

@@ -45,16 +45,37 @@ REF_LOGPS_FILE = "reference_logps.npz"
 class ReferenceModel:
     """A reference as the step uses it: a forward, and where its weights are among the step's frozen groups."""
 
-    forward: Forward
+    forward: Forward | None  # None: its log-probs are precomputed, they ride in the batches
     weights: Callable[[tuple], Any]  # the step's frozen groups -> the reference's weights
     copy: bool = False  # the weights are a frozen copy, the last frozen group (else they are the model's own)
+    lora: bool = False  # the reference is the model with its adapters (the trained params) zeroed
 
-    def bind(self, frozen: tuple) -> Reference:
+    def bind(self, params: Any, frozen: tuple) -> Reference:
         """The reference's per-token log-probs of (N, T) rows (of logits / temperature), deterministic and without
-        gradient."""
-        weights = self.weights(frozen)
-        return lambda rows, temperature=1.0: jax.lax.stop_gradient(
-            self.forward.token_logps(weights, rows, None, temperature))
+        gradient, and whether the trained ``params`` are the reference (`jaxtune.train.objectives.base.pinned`)."""
+        return Reference(self.logps(frozen), self.is_policy(params, frozen))
+
+    def logps(self, frozen: tuple) -> Callable[..., jax.Array] | None:
+        """(N, T) rows[, temperature] -> the reference's per-token log-probs; None when they are precomputed."""
+        if self.forward is None:
+            return None
+        weights, forward = self.weights(frozen), self.forward
+        return lambda rows, temperature=1.0: jax.lax.stop_gradient(forward.token_logps(weights, rows, None,
+                                                                                          temperature))
+
+    def is_policy(self, params: Any, frozen: tuple) -> jax.Array:
+        """Scalar bool: the policy with ``params`` is exactly this reference. LoRA: every adapter contributes 0 (its
+        B is all zeros, as before the first update); a frozen copy: every trained weight equals the
+        copy's (one comparison per weight, no larger than reading them once); a full fine-tune against precomputed
+        log-probs holds no copy to compare with: False."""
+        if self.lora:  # native ``lora_b`` and PEFT's ``lora_B`` (torchax) alike
+            checks = [jnp.all(leaf == 0) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                      if any(str(getattr(k, "key", "")).lower() == "lora_b" for k in path)]
+        elif self.copy:
+            checks = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.all(a == b), params, frozen[-1]))
+        else:
+            checks = [jnp.bool_(False)]
+        return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(False)
 
     def model_frozen(self, frozen: tuple) -> tuple:
         """The model's own frozen groups (the copy removed)."""
@@ -65,7 +86,7 @@ def reference_model(spec: ModelSpec, loss_chunk: int = 0) -> ReferenceModel:
     """LoRA's base (the adapters zeroed) where the model has adapters (a frozen base group), else a frozen copy."""
     forward = spec.forward(loss_chunk)
     if spec.frozen_abstract:
-        return ReferenceModel(forward, lambda frozen: spec.weights(zeroed(spec.abstract.params), frozen))
+        return ReferenceModel(forward, lambda frozen: spec.weights(zeroed(spec.abstract.params), frozen), lora=True)
     return ReferenceModel(forward, lambda frozen: frozen[-1], copy=True)
 
 
@@ -78,9 +99,12 @@ def zeroed(abstract: Any) -> Any:
 
 def step_reference(spec: ModelSpec, objective: ObjectiveConfig, loss_chunk: int = 0,
                    precomputed: bool = False) -> ReferenceModel | None:
-    """The reference the steps hold: None when the objective has none or its log-probs are ``precomputed``."""
-    if not objective.uses_reference or precomputed:
+    """The reference the steps hold: None when the objective has none; without a forward (and without a copy) when
+    its log-probs are ``precomputed``."""
+    if not objective.uses_reference:
         return None
+    if precomputed:
+        return ReferenceModel(None, lambda frozen: None, lora=bool(spec.frozen_abstract))
     return reference_model(spec, loss_chunk)
 
 
@@ -98,7 +122,7 @@ def precompute(ref: ReferenceModel, frozen: tuple, batches: Iterable[dict[str, n
                count: int) -> np.ndarray:
     """The reference's summed completion log-probs of pair batches, (count, 2) float32 in order (the batches' tail
     padding dropped). ``batches``: this process's rows of each global batch (`make_sequence_batches`)."""
-    step = jax.jit(lambda frozen, batch: pair_logps(ref.bind(frozen)(flat_pairs(batch)), batch["loss_mask"])[0],
+    step = jax.jit(lambda frozen, batch: pair_logps(ref.logps(frozen)(flat_pairs(batch)), batch["loss_mask"])[0],
                    out_shardings=sharding.replicated(mesh))
     with sharding.use_mesh(mesh):
         out = [np.asarray(jax.device_get(step(frozen, sharding.global_batch(mesh, b)))) for b in batches]

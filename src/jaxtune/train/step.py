@@ -35,7 +35,7 @@ def objective_loss(objective: Objective, forward: Forward, weights: Callable[[An
 
     def loss(params, batch, key, frozen):
         model_frozen = frozen if reference is None else reference.model_frozen(frozen)
-        ref = None if reference is None else reference.bind(frozen)
+        ref = None if reference is None else reference.bind(params, frozen)
         total, count, metrics = objective(forward, weights(params, model_frozen), batch, key, ref)
         return total, (count, metrics)
 

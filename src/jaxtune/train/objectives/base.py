@@ -11,24 +11,56 @@ An objective that trains several passes on one batch (``passes`` > 1: GRPO's ``n
 others return the batch as it is).
 
 An objective that compares the policy with a frozen reference model (``uses_reference``: DPO's KL anchor, GRPO's
-KL penalty) is handed a `Reference`: the reference's per-token log-probs of a batch of (N, T) rows. Which model that
-is (LoRA's base with the adapters off, or a frozen copy) is the step's business (`jaxtune.train.reference`), not the
-objective's.
+KL penalty) is handed a `Reference`: the reference's per-token log-probs of a batch of (N, T) rows (unless the batch
+carries them precomputed), and whether the policy's weights are the reference's (`Reference.is_policy`). Which model
+that is (LoRA's base with the adapters off, or a frozen copy) is the step's business (`jaxtune.train.reference`),
+not the objective's.
+
+**Exact step 0.** Before the first update the policy is the reference (LoRA's B matrices are 0; a full fine-tune's
+weights are its frozen copy), so every log-ratio is 0 by construction. Computed, it is not quite: the policy's
+log-probs come out of the differentiated program and the reference's out of another, whose float sums round
+differently (~1e-7 per sequence), which turns TRL's strict "chosen > rejected" into a coin flip. `pinned` gives the
+policy's log-probs the reference's values wherever the weights are the same (their gradient is untouched), so step
+1's rewards are exactly 0 and its loss exactly log 2, as in TRL.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from jaxtune.config import ObjectiveConfig
 from jaxtune.train.state import Batch, Forward
 
 Metrics = dict[str, jax.Array | tuple[jax.Array, jax.Array]]  # a sum (over the loss's count), or (sum, its count)
-# (N, T) rows[, temperature] -> (N, T) float32 log p(targets) of the reference model (of logits / temperature)
-Reference = Callable[..., jax.Array]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The reference model as a step sees it."""
+
+    # (N, T) rows[, temperature] -> (N, T) float32 log p(targets) of the reference model (of logits / temperature);
+    # None when its log-probs are precomputed (``ref_logps`` in the batch)
+    logps: Callable[..., jax.Array] | None
+    is_policy: jax.Array  # scalar bool: the policy's weights are the reference's (exactly)
+
+    def __call__(self, rows: Batch, temperature: float = 1.0) -> jax.Array:
+        if self.logps is None:
+            raise ValueError("the reference's log-probs were precomputed, but the batch carries none (ref_logps)")
+        return self.logps(rows, temperature)
+
+
+def pinned(policy: jax.Array, ref: jax.Array, reference: Reference | None) -> jax.Array:
+    """``policy`` log-probs valued as ``ref``'s wherever the policy is the reference (their difference is then
+    rounding noise of two programs, not a difference of models), with ``policy``'s gradient either way."""
+    if reference is None:
+        return policy
+    value = jnp.where(reference.is_policy, ref, policy)
+    return jax.lax.stop_gradient(value) + (policy - jax.lax.stop_gradient(policy))
 
 
 class Objective(Protocol):

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import OBJECTIVES, ObjectiveConfig
-from jaxtune.train.objectives.base import Metrics, Reference
+from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
 LOSS_TYPES = OBJECTIVES["grpo"].loss_types
@@ -89,7 +89,8 @@ class GRPO:
         if self.beta > 0:
             if reference is None:
                 raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
-            delta = reference({k: batch[k] for k in ROW_KEYS if k in batch}, self.temperature) - logps
+            ref = reference({k: batch[k] for k in ROW_KEYS if k in batch}, self.temperature)
+            delta = ref - pinned(logps, ref, reference)  # exactly 0 while the policy is the reference
             kl = (jnp.exp(delta) - delta - 1.0) * ratio  # TRL's bias correction: weighted by the ratio
             per_token = per_token + self.beta * kl
             metrics["kl"] = (jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ObjectiveConfig
-from jaxtune.train.objectives.base import Metrics, Reference
+from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -85,8 +85,11 @@ class PreferenceObjective:
         # A padding pair's values are replaced by harmless ones before the losses (log1mexp(0) is -inf), so neither
         # its loss nor its gradient can turn into NaN.
         safe = lambda x, fill: jnp.where(valid[:, None], x, fill)
+        ref = None
+        if self.uses_reference:
+            ref = safe(self._reference_logps(batch, reference), -1.0)
+            logps = pinned(logps, ref, reference)  # exactly the reference's while the policy is the reference
         logps, counts = safe(logps, -1.0), safe(counts, 1.0)
-        ref = safe(self._reference_logps(batch, reference), -1.0) if self.uses_reference else None
         losses, metrics = self.pair_losses(logps, counts, ref)
         total = lambda x: jnp.sum(jnp.where(valid, x, 0.0))
         return total(losses), jnp.sum(valid.astype(jnp.float32)), {k: total(v) for k, v in metrics.items()}
@@ -96,7 +99,7 @@ class PreferenceObjective:
         """(B, 2): precomputed in the batch (``ref_logps``), else from the reference model (no gradient)."""
         if "ref_logps" in batch:
             return batch["ref_logps"].astype(jnp.float32)
-        if reference is None:
+        if reference is None or reference.logps is None:
             raise ValueError("this objective compares with a reference model, but the step has none and the batch "
                              "carries no ref_logps")
         return pair_logps(jax.lax.stop_gradient(reference(flat_pairs(batch))), batch["loss_mask"])[0]
