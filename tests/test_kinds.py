@@ -116,7 +116,8 @@ def test_the_pipeline_makes_the_batch_the_record_declares(kind, tok_dirs, tmp_pa
         batch = next(data.train_iter)
     finally:
         data.close()
-    assert _shapes(batch) == kind.step_arrays(4, 48, objective)
+    assert _shapes(batch) == kind.step_arrays(4, 48, objective, data_cfg.shares_prompts)
+    assert data_cfg.shares_prompts == (kind is PAIRS)  # pairs share their prompt by default: (4, 96) rows
 
 
 def test_grpo_rows_are_the_batch_the_prompts_record_declares():

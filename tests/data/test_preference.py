@@ -53,6 +53,8 @@ def tok(tok_dirs):
 
 
 def cfg(**kw) -> DataConfig:
+    """A row per completion (the layout these tests read; the shared-prompt row is `tests/train/test_shared_prompts`)."""
+    kw.setdefault("share_prompts", False)
     return chatml_cfg("preference", **kw)
 
 

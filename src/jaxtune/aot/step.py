@@ -31,7 +31,7 @@ def abstract_batch(cfg: Config, batch_size: int, mesh: Any) -> dict[str, jax.Sha
     (`jaxtune.config.kinds.BatchKind.step_arrays`). Pretraining windows: ``inputs`` and ``targets``; fine-tuning rows
     also ``positions``, ``segment_ids`` and ``loss_mask``; preference pairs are (B, 2, T), with ``ref_logps`` (B, 2)
     when precomputed; GRPO trains on B x num_generations completions with their ``advantages``."""
-    arrays = cfg.data.kind.step_arrays(batch_size, cfg.data.seq_len, cfg.objective)
+    arrays = cfg.data.kind.step_arrays(batch_size, cfg.data.seq_len, cfg.objective, cfg.data.shares_prompts)
     sh = sharding.batch_sharding(mesh)
     return {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=sh) for k, (shape, dt) in arrays.items()}
 

@@ -24,6 +24,7 @@ from jaxtune.config.rewards import RewardConfig
 # (restarting per packed example), the segment ids that keep packed examples apart, and the loss mask.
 WINDOW_KEYS = ("inputs", "targets")
 ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+BRANCH_KEY = "branch_ids"  # rows that share a prompt: 0 the prompt, k the k-th sequence's completion
 
 HeldOut = Literal["loss", "pairs", "answers"]
 
@@ -43,7 +44,11 @@ class BatchKind:
     by the reward functions; there is no fixed text to score). ``generates``: the loop samples the completions
     itself before each step, from prompts of at most ``data.seq_len - max_completion_length`` tokens. ``buckets``:
     its rows are right-padded, so each batch is cut to a length bucket that holds its longest row
-    (`jaxtune.data.buckets`, ``data.length_buckets``); pretraining windows are all real tokens."""
+    (`jaxtune.data.buckets`, ``data.length_buckets``); pretraining windows are all real tokens. ``shares_prompt``: the
+    item's sequences start with one prompt, so with ``data.share_prompts`` the item is one row (no item axis) that
+    holds the prompt once, then each sequence's completion with ``branch_ids`` 1, 2, ... (the prompt's 0): a
+    completion's tokens attend to the prompt and to their own branch, their positions continue the prompt's
+    (`jaxtune.data.preference`), of at most ``sequences x seq_len`` positions."""
 
     name: str
     formats: tuple[str, ...]
@@ -56,20 +61,30 @@ class BatchKind:
     generates: bool = False
     buckets: bool = True
     unit: str = "tokens"  # what a held-out loss averages over (tokens with loss, pairs)
+    shares_prompt: bool = False
 
     def sequences_per_item(self, objective: Any) -> int:
         return objective.num_generations if self.sequences is None else self.sequences
 
-    def rows(self, items: int, objective: Any) -> tuple[int, ...]:
-        """The leading dims of the step's arrays for ``items`` items of data (pairs, prompts, windows)."""
+    def rows(self, items: int, objective: Any, shared: bool = False) -> tuple[int, ...]:
+        """The leading dims of the step's arrays for ``items`` items of data (pairs, prompts, windows); ``shared``:
+        laid out with their prompt shared (one row per item)."""
         n = self.sequences_per_item(objective)
-        return (items, n) if self.item_axis else (items * n,)
+        return (items,) if shared else (items, n) if self.item_axis else (items * n,)
 
-    def step_arrays(self, items: int, seq_len: int, objective: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-        """{key: (shape, dtype name)} of the batch the train step takes for ``items`` items."""
-        rows = self.rows(items, objective)
-        out = {k: ((*rows, seq_len), "float32" if k == "loss_mask" else "int32") for k in self.row_keys}
-        out.update({k: (rows, "float32") for k in self.extra_keys(objective)})
+    def step_keys(self, shared: bool = False) -> tuple[str, ...]:
+        """The row arrays of the step's batch; a shared prompt's rows add ``branch_ids``."""
+        return (*self.row_keys, BRANCH_KEY) if shared else self.row_keys
+
+    def step_arrays(self, items: int, seq_len: int, objective: Any,
+                    shared: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{key: (shape, dtype name)} of the batch the train step takes for ``items`` items of ``seq_len``-position
+        rows (``shared``: rows of the item's prompt once and its completions, ``sequences x seq_len`` positions)."""
+        rows = self.rows(items, objective, shared)
+        length = seq_len * self.sequences_per_item(objective) if shared else seq_len
+        out = {k: ((*rows, length), "float32" if k == "loss_mask" else "int32") for k in self.step_keys(shared)}
+        extra_rows = self.rows(items, objective)  # per sequence, whatever the layout
+        out.update({k: (extra_rows, "float32") for k in self.extra_keys(objective)})
         return out
 
 
@@ -81,7 +96,7 @@ ROWS = BatchKind(
     "packed into sequences, loss on the tokens data.loss_on names")
 PAIRS = BatchKind(
     "pairs", ("preference",), "preference pairs: a prompt with a chosen and a rejected completion, one pair per "
-    "item (never packed)", sequences=2, item_axis=True, held_out="pairs", unit="pairs",
+    "item (never packed)", sequences=2, item_axis=True, held_out="pairs", unit="pairs", shares_prompt=True,
     extra_keys=lambda obj: ("ref_logps",) if obj.uses_reference and obj.precompute_ref_logps else ())
 PROMPTS = BatchKind(
     "prompts", ("prompts",), "prompts with their answer fields; the loop samples num_generations completions of each",

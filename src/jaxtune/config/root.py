@@ -46,6 +46,16 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _prompt_sharing(self) -> Config:
+        """Prompt sharing needs a model that takes ``branch_ids`` (the native ones): off by default with torchax."""
+        if self.model.backend == "native" or not self.data.shares_prompts:
+            return self
+        if "share_prompts" in self.data.model_fields_set:
+            raise ValueError(f"data.share_prompts=true needs a native model (its attention takes the branch ids); "
+                             f"model.backend={self.model.backend} runs HuggingFace's, so set data.share_prompts=false")
+        return self.model_copy(update={"data": self.data.model_copy(update={"share_prompts": False})})
+
+    @model_validator(mode="after")
     def _objective_matches_data(self) -> Config:
         """The objective trains on the batch kind ``data.format`` makes (`jaxtune.config.kinds`)."""
         kind, obj = self.data.kind, self.objective

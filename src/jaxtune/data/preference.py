@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxtune.config import DataConfig
+from jaxtune.config.kinds import BRANCH_KEY
 from jaxtune.data.encoded import Encoded, Examples, PackedRows
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import Example, Pair
@@ -49,23 +50,31 @@ class PairRows:
     """Grain random-access source: item ``i`` is pair ``i``, {"inputs", "targets", "positions", "segment_ids"}:
     int32 (2, T) and "loss_mask": float32 (2, T), row 0 the chosen sequence and row 1 the rejected one, each from
     position 0 then padding (segment 0); with reference log-probs (`with_reference`) also "ref_logps": float32 (2,).
+
+    ``shared`` (``data.share_prompts``): item ``i`` is one row of 2T positions instead, the pair's prompt once then
+    the chosen and the rejected completion (`shared_row`), with "branch_ids" int32 (2T,).
     """
 
-    def __init__(self, rows: PackedRows, ref_logps: np.ndarray | None = None):
+    def __init__(self, rows: PackedRows, ref_logps: np.ndarray | None = None, shared: bool = False):
         self.rows = rows  # one sequence per bin: 2i the chosen of pair i, 2i + 1 its rejected
         self.ref_logps = ref_logps  # float32 (len, 2) or None
+        self.shared = shared
 
     @classmethod
-    def of(cls, pairs: list[EncodedPair], seq_len: int) -> PairRows:
+    def of(cls, pairs: list[EncodedPair], seq_len: int, shared: bool = False) -> PairRows:
         examples = Examples.of([enc for pair in pairs for enc in pair])
-        return cls(PackedRows(examples, [[k] for k in range(len(examples))], seq_len))
+        return cls(PackedRows(examples, [[k] for k in range(len(examples))], seq_len), shared=shared)
 
     def __len__(self) -> int:
         return len(self.rows) // 2
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        chosen, rejected = self.rows[2 * i], self.rows[2 * i + 1]
-        out = {k: np.stack([chosen[k], rejected[k]]) for k in chosen}
+        if self.shared:
+            out = shared_row([self.rows.examples.row(2 * i), self.rows.examples.row(2 * i + 1)],
+                             2 * self.rows.seq_len)
+        else:
+            chosen, rejected = self.rows[2 * i], self.rows[2 * i + 1]
+            out = {k: np.stack([chosen[k], rejected[k]]) for k in chosen}
         if self.ref_logps is not None:
             out["ref_logps"] = self.ref_logps[i].copy()
         return out
@@ -76,7 +85,38 @@ class PairRows:
         logps = np.asarray(logps, np.float32)
         if logps.shape != (len(self), 2):
             raise ValueError(f"reference log-probs have shape {logps.shape}; {len(self)} pairs need ({len(self)}, 2)")
-        return PairRows(self.rows, logps)
+        return PairRows(self.rows, logps, self.shared)
+
+
+def shared_row(sequences: list[tuple[np.ndarray, np.ndarray]], length: int) -> dict[str, np.ndarray]:
+    """Sequences (ids, loss mask) that start with the same prompt, as one row of ``length`` positions: the prompt's
+    positions once (branch 0), then each sequence's own (branch k = 1, 2, ...), then padding (segment 0).
+
+    A sequence of n tokens fills positions 0..n-2 (inputs ids[:-1], targets ids[1:]). The prompt is the tokens before
+    the first one with loss (P of them); its last token predicts each completion's first, so every branch starts
+    there: the row holds positions 0..P-2 once, and each branch its positions P-1..n-2 with the same position
+    numbers, inputs, targets and loss as its own row would have. Under the branch mask
+    (`jaxtune.models.layers.attention_mask`) each position sees exactly what it sees in its own row, so the
+    log-probs are the separate rows' (to float rounding)."""
+    out = {k: np.zeros(length, np.int32) for k in ("inputs", "targets", "positions", "segment_ids", BRANCH_KEY)}
+    out["loss_mask"] = np.zeros(length, np.float32)
+    ids0, mask0 = sequences[0]
+    start = max(int(np.argmax(mask0)) - 1, 0)  # the first position that belongs to a branch
+
+    def put(at: int, ids: np.ndarray, mask: np.ndarray, lo: int, hi: int, branch: int) -> int:
+        n = hi - lo
+        out["inputs"][at:at + n] = ids[lo:hi]
+        out["targets"][at:at + n] = ids[lo + 1:hi + 1]
+        out["loss_mask"][at:at + n] = mask[lo + 1:hi + 1]
+        out["positions"][at:at + n] = np.arange(lo, hi)
+        out["segment_ids"][at:at + n] = 1
+        out[BRANCH_KEY][at:at + n] = branch
+        return at + n
+
+    at = put(0, ids0, mask0, 0, start, 0)
+    for branch, (ids, mask) in enumerate(sequences, 1):
+        at = put(at, ids, mask, start, len(ids) - 1, branch)
+    return out
 
 
 @dataclass
@@ -165,5 +205,7 @@ def prepare_preference(data_cfg: DataConfig, tokenizer: Tokenizer) -> Preference
                             stats, "pairs")
     stats.train_pairs, stats.val_pairs = len(train), len(val)
     stats.trained_tokens = int(sum(int(enc.mask[1:].sum()) for pair in train for enc in pair))
-    return PreferenceData(PairRows.of(train, data_cfg.seq_len), PairRows.of(val, data_cfg.seq_len) if val else None,
-                          stats, [chosen.example for chosen, _ in val if chosen.example is not None])
+    shared = data_cfg.shares_prompts
+    return PreferenceData(PairRows.of(train, data_cfg.seq_len, shared),
+                          PairRows.of(val, data_cfg.seq_len, shared) if val else None, stats,
+                          [chosen.example for chosen, _ in val if chosen.example is not None])

@@ -233,12 +233,13 @@ class Decoder(nnx.Module):
                                  param_dtype=pd, dtype=cd)
 
     def __call__(self, tokens, positions=None, key=None, cache=None, index=None, key_valid=None, segment_ids=None,
-                 return_hidden=False):
+                 return_hidden=False, branch_ids=None):
         """tokens: (B, T) int -> logits (B, T, V) float32 (the same interface as `GPT`).
 
         positions: (B, T) RoPE positions, default 0..T-1. key: dropout key. cache: {"k", "v"} (L, B, S, K, H)
         written at slot ``index``, returns (logits, cache). key_valid: (B, S) real-token key slots.
         segment_ids: (B, T) packed sequences. return_hidden: final normalised hidden states instead of logits.
+        branch_ids: (B, T) completions after a shared prompt (`jaxtune.models.layers.attention_mask`).
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -253,15 +254,18 @@ class Decoder(nnx.Module):
         x = constrain(x, ("batch", "seq", "act_embed"))
 
         types = cfg.types
+        branches = {"branch_ids": branch_ids, "positions": positions}
         full_rope = cfg.rope.sincos(positions, cfg.hd)
-        ctx = {"full": (full_rope, layer_mask(t, cache, index, key_valid, segment_ids))}
+        ctx = {"full": (full_rope, layer_mask(t, cache, index, key_valid, segment_ids, **branches))}
         if "sliding" in types:
             local_rope = full_rope if cfg.local_rope is None else cfg.local_rope.sincos(positions, cfg.hd)
-            ctx["sliding"] = (local_rope, layer_mask(t, cache, index, key_valid, segment_ids, cfg.sliding_window))
+            ctx["sliding"] = (local_rope, layer_mask(t, cache, index, key_valid, segment_ids, cfg.sliding_window,
+                                                      **branches))
 
         if cfg.scan_layers:
             if len(ctx) > 1 and ctx["full"][1] is None:  # one traced body for both kinds: materialise the mask
-                ctx["full"] = (full_rope, layer_mask(t, cache, index, key_valid, segment_ids, explicit=True))
+                ctx["full"] = (full_rope, layer_mask(t, cache, index, key_valid, segment_ids, explicit=True,
+                                                         **branches))
             layer_args = [kind == "sliding" for kind in types]
 
             def body(layer, x, k, kv, sliding):

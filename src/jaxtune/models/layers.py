@@ -209,17 +209,27 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def attention_mask(q_slots: jax.Array, k_slots: jax.Array, *, window: int | None = None,
                    key_valid: jax.Array | None = None, q_segments: jax.Array | None = None,
-                   k_segments: jax.Array | None = None) -> jax.Array:
+                   k_segments: jax.Array | None = None, branches: jax.Array | None = None,
+                   positions: jax.Array | None = None) -> jax.Array:
     """Boolean (B|1, 1, T, S) of allowed (query, key) pairs: causal over slots, within ``window`` (query - key
-    < window, the transformers convention), keys that hold real tokens, and the same packed segment."""
+    < window, the transformers convention), keys that hold real tokens, and the same packed segment.
+
+    ``branches`` (B, T), for rows whose sequences share a prompt (`jaxtune.config.kinds.BatchKind.shares_prompt`):
+    a query sees the prompt's keys (branch 0) and its own branch's only; the window is then measured in
+    ``positions`` (B, T), which continue the prompt's in every branch, not in slots."""
     mask = k_slots[None, :] <= q_slots[:, None]
-    if window is not None:
+    if window is not None and branches is None:
         mask = mask & (q_slots[:, None] - k_slots[None, :] < window)
     mask = mask[None, None]
     if key_valid is not None:
         mask = mask & key_valid[:, None, None, :]
     if q_segments is not None:
         mask = mask & (q_segments[:, None, :, None] == k_segments[:, None, None, :])
+    if branches is not None:
+        q, k = branches[:, None, :, None], branches[:, None, None, :]
+        mask = mask & ((k == 0) | (k == q))
+        if window is not None:
+            mask = mask & (positions[:, None, :, None] - positions[:, None, None, :] < window)
     return mask
 
 
@@ -314,17 +324,19 @@ def cache_mask(key_valid: jax.Array, index: jax.Array, t: int, window: int | Non
 
 
 def layer_mask(t: int, cache, index, key_valid, segment_ids, window: int | None = None,
-               explicit: bool = False) -> jax.Array | None:
+               explicit: bool = False, branch_ids=None, positions=None) -> jax.Array | None:
     """The attention mask of a forward pass over ``t`` new tokens: None for plain causal training (the fast
     path; ``explicit`` asks for the array instead), else (B|1, 1, t, S) from the cache slots, padding
-    (``key_valid``), packing (``segment_ids``) and a sliding ``window``."""
-    if cache is None and key_valid is None and segment_ids is None and window is None and not explicit:
+    (``key_valid``), packing (``segment_ids``), a shared prompt's branches (``branch_ids``, with ``positions``) and
+    a sliding ``window``."""
+    if (cache is None and key_valid is None and segment_ids is None and branch_ids is None and window is None
+            and not explicit):
         return None
     if cache is not None:
         return cache_mask(key_valid, index, t, window)
     slots = jnp.arange(t)
     return attention_mask(slots, slots, window=window, key_valid=key_valid, q_segments=segment_ids,
-                          k_segments=segment_ids)
+                          k_segments=segment_ids, branches=branch_ids, positions=positions)
 
 
 def update_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:

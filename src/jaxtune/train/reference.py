@@ -122,7 +122,7 @@ def precompute(ref: ReferenceModel, frozen: tuple, batches: Iterable[dict[str, n
                count: int) -> np.ndarray:
     """The reference's summed completion log-probs of pair batches, (count, 2) float32 in order (the batches' tail
     padding dropped). ``batches``: this process's rows of each global batch (`make_sequence_batches`)."""
-    step = jax.jit(lambda frozen, batch: pair_logps(ref.logps(frozen)(flat_pairs(batch)), batch["loss_mask"])[0],
+    step = jax.jit(lambda frozen, batch: pair_logps(ref.logps(frozen)(flat_pairs(batch)), batch)[0],
                    out_shardings=sharding.replicated(mesh))
     with sharding.use_mesh(mesh):
         out = [np.asarray(jax.device_get(step(frozen, sharding.global_batch(mesh, b)))) for b in batches]

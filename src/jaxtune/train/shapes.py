@@ -45,8 +45,8 @@ class BatchShapes:
 
     @classmethod
     def of(cls, cfg: Config) -> BatchShapes:
-        kind = cfg.data.kind
-        return cls(cfg.data.seq_len, cfg.data.length_buckets if kind.buckets else 0, kind.row_keys)
+        data = cfg.data
+        return cls(data.row_cap, data.length_buckets if data.kind.buckets else 0, data.kind.step_keys(data.shares_prompts))
 
     def fit(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], Shape]:
         """This process's rows cut to the global batch's bucket, and the global batch's `Shape`."""

@@ -2,7 +2,8 @@
 
 A batch holds pairs: every array is (B, 2, T), row 0 the chosen completion and row 1 the rejected one, each after the
 same prompt (`jaxtune.data.preference`); ``loss_mask`` marks the completion's targets. Both rows of every pair go
-through the model in one forward, as (2B, T). A sequence's log-prob is the sum of its completion tokens' log-probs
+through the model in one forward, as (2B, T). With ``data.share_prompts`` a pair is one (B, T) row instead, its prompt
+once and then both completions (``branch_ids`` 1 and 2), so the prompt is computed once per pair. A sequence's log-prob is the sum of its completion tokens' log-probs
 (SimPO and ORPO: their mean, as TRL's ``average_log_prob``). The unit counted is the pair: a padding pair (no
 completion token, in a held-out batch's tail) counts 0.
 
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ObjectiveConfig
+from jaxtune.config.kinds import BRANCH_KEY
 from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
@@ -42,13 +44,21 @@ _SEQUENCE_KEYS = ("inputs", "targets", "positions", "segment_ids")
 
 
 def flat_pairs(batch: Batch) -> Batch:
-    """(B, 2, T) pair arrays -> (2B, T) rows, chosen and rejected of pair b at rows 2b and 2b + 1."""
+    """The model's rows of a pair batch: (B, 2, T) pair arrays -> (2B, T) rows, chosen and rejected of pair b at rows
+    2b and 2b + 1; pairs laid out with their prompt shared (``branch_ids``) are (B, T) rows already."""
+    if BRANCH_KEY in batch:
+        return {k: batch[k] for k in (*_SEQUENCE_KEYS, BRANCH_KEY) if k in batch}
     return {k: batch[k].reshape(-1, batch[k].shape[-1]) for k in _SEQUENCE_KEYS if k in batch}
 
 
-def pair_logps(token_logps: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(2B, T) token log-probs and the (B, 2, T) mask -> (summed log-probs, completion token counts), each (B, 2)."""
-    mask = loss_mask.astype(jnp.float32)
+def pair_logps(token_logps: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """The token log-probs of `flat_pairs`' rows -> (summed completion log-probs, completion token counts), each
+    (B, 2): chosen, rejected. A shared-prompt row's chosen tokens are branch 1, its rejected ones branch 2."""
+    mask = batch["loss_mask"].astype(jnp.float32)
+    if BRANCH_KEY in batch:
+        branch = batch[BRANCH_KEY]
+        sides = jnp.stack([mask * (branch == k) for k in (1, 2)], axis=1)  # (B, 2, T)
+        return jnp.sum(token_logps[:, None, :] * sides, axis=-1), jnp.sum(sides, axis=-1)
     return jnp.sum(token_logps.reshape(mask.shape) * mask, axis=-1), jnp.sum(mask, axis=-1)
 
 
@@ -80,7 +90,7 @@ class PreferenceObjective:
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
-        logps, counts = pair_logps(forward.token_logps(weights, flat_pairs(batch), key), batch["loss_mask"])
+        logps, counts = pair_logps(forward.token_logps(weights, flat_pairs(batch), key), batch)
         valid = jnp.all(counts > 0, axis=-1)  # (B,): a padding pair counts 0
         # A padding pair's values are replaced by harmless ones before the losses (log1mexp(0) is -inf), so neither
         # its loss nor its gradient can turn into NaN.
@@ -102,7 +112,7 @@ class PreferenceObjective:
         if reference is None or reference.logps is None:
             raise ValueError("this objective compares with a reference model, but the step has none and the batch "
                              "carries no ref_logps")
-        return pair_logps(jax.lax.stop_gradient(reference(flat_pairs(batch))), batch["loss_mask"])[0]
+        return pair_logps(jax.lax.stop_gradient(reference(flat_pairs(batch))), batch)[0]
 
     def pair_losses(self, logps: jax.Array, counts: jax.Array,
                     ref: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
