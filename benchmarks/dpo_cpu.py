@@ -51,6 +51,9 @@ step takes a new batch (``1 + (--warmup + --rounds) * --steps`` batches), the sa
   per bucket length the batches will meet, on a throwaway copy of the state: compile time and the number of programs
   (``steps.compiles``) are reported apart and no timed step compiles. With ``--length-buckets`` > 0 a second
   jaxtune row per setup, built with ``data.length_buckets=0`` (every batch at T), shows what the buckets alone gain.
+  These rows are a row per completion (``data.share_prompts=false``); the row "shared prompts" is the default layout:
+  each pair one row of up to 2T positions, its prompt once then both completions (`PairRows` with ``shared``), cut
+  to its bucket the same way, and its step-1 values are checked against the row-per-completion row (1e-5).
 - TRL: ``pad_to_multiple_of=None``, ``max_length=T``: its collator pads each batch to its longest sequence, which is
   what a ``DPOTrainer`` run does. No torch.compile row: each new length would recompile inside the timed rounds.
 - Reported per implementation: median ms/step, real tokens/s (the real tokens of the timed steps, prompt +
@@ -70,7 +73,7 @@ threads. On a loaded machine set ``OMP_WAIT_POLICY=PASSIVE`` (see ``torchax_cpu.
 
     [OMP_WAIT_POLICY=PASSIVE] PYTHONPATH=src python benchmarks/dpo_cpu.py [--rounds 6 --steps 2 --batch 8 --seq 128]
         [--layers 4 --d-model 256 --heads 4 --kv-heads 2 --d-ff 688 --vocab 2048] [--rank 16 --alpha 32]
-        [--no-lora] [--no-compile] [--attn sdpa|eager] [--malloc-arena] [--threads N] [--json out.json]
+        [--no-lora | --no-full] [--no-compile] [--attn sdpa|eager] [--malloc-arena] [--threads N] [--json out.json]
         [--lengths fixed|real] [--length-buckets 4] [--prompt-median 0.3 --completion-median 0.13 --length-sigma 0.5]
 
 e.g. real lengths at the default shape and at SmolLM2-135M's (30 layers, hidden 576, 9 heads / 3 kv, 1536, vocab
@@ -165,11 +168,12 @@ def real_pairs(rng: np.random.RandomState, a: argparse.Namespace) -> list[tuple[
     return out
 
 
-def jaxtune_batch(pairs, seq: int) -> dict[str, np.ndarray]:
-    """The pairs as jaxtune's data pipeline lays them out: (B, 2, T) arrays of `PairRows`."""
+def jaxtune_batch(pairs, seq: int, shared: bool = False) -> dict[str, np.ndarray]:
+    """The pairs as jaxtune's data pipeline lays them out: (B, 2, T) arrays of `PairRows`, or with ``shared``
+    prompts (B, 2T) rows, each pair's prompt once then both completions."""
     encoded = [tuple(Encoded(np.array(p + c, np.int32), np.array([0] * len(p) + [1] * len(c), bool)) for c in (ch, rj))
                for p, ch, rj in pairs]
-    rows = PairRows.of(encoded, seq)
+    rows = PairRows.of(encoded, seq, shared)
     return {k: np.stack([rows[i][k] for i in range(len(rows))]) for k in rows[0]}
 
 
@@ -314,6 +318,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
                     help="transformers' attention (sdpa: its default)")
     ap.add_argument("--no-lora", action="store_true", help="skip the LoRA rows")
+    ap.add_argument("--no-full", action="store_true", help="skip the full fine-tuning rows (a large model's run "
+                    "holds every row's state at once: one setup per run halves the memory)")
     ap.add_argument("--no-compile", action="store_true", help="skip the TRL torch.compile row")
     ap.add_argument("--lengths", choices=["fixed", "real"], default="fixed",
                     help="fixed: every batch padded to --seq on both sides; real: chat-like lengths, jaxtune cuts "
@@ -338,6 +344,7 @@ def main(argv=None) -> dict:
     rng = np.random.RandomState(0)
     pair_sets = [(real_pairs if real else random_pairs)(rng, args) for _ in range(n_steps)]
     host_batches = [jaxtune_batch(p, args.seq) for p in pair_sets]
+    shared_batches = [jaxtune_batch(p, args.seq, shared=True) for p in pair_sets] if real else None
     # the batches of the timed rounds (every implementation steps through the batches in order, one per step)
     timed = [1 + r * args.steps + k for r in range(args.warmup, args.warmup + args.rounds) for k in range(args.steps)]
 
@@ -347,6 +354,7 @@ def main(argv=None) -> dict:
     tokenizer = h.word_tokenizer(args.vocab)
     base = [f"model.from_hf={model_dir}", "objective.name=dpo", f"objective.beta={args.beta}",
             "objective.loss_type=sigmoid", "data.format=preference", "data.sources=[pairs.jsonl]",
+            "data.share_prompts=false",
             f"data.length_buckets={args.length_buckets}",
             f"data.seq_len={args.seq}", f"train.batch_size={args.batch}", f"train.steps={n_steps}",
             f"optim.lr={args.lr}", "optim.b1=0.9", "optim.b2=0.999", "optim.eps=1e-8", "optim.weight_decay=0.0",
@@ -354,7 +362,9 @@ def main(argv=None) -> dict:
     lora_keys = [f"model.lora.rank={args.rank}", f"model.lora.alpha={args.alpha}",
                  "model.lora.targets=[" + ",".join(HF_TARGETS) + "]"]
 
-    setups = [("full FT", False)] + ([] if args.no_lora else [(f"LoRA r{args.rank}", True)])
+    setups = ([] if args.no_full else [("full FT", False)]) + ([] if args.no_lora else [(f"LoRA r{args.rank}", True)])
+    if not setups:
+        ap.error("--no-full and --no-lora leave nothing to run")
     impls: dict[str, dict] = {}
     rows_of: dict[str, dict[str, str]] = {}  # setup -> {"jaxtune": impl name, "TRL eager": ..., ...}
     notes: list[str] = []
@@ -368,6 +378,11 @@ def main(argv=None) -> dict:
         ref_kind = "frozen copy" if js["reference"].copy else "adapters off"
         adapters = jax.device_get(js["state"].params) if lora else None  # before the first step donates the state
         rows_of[setup] = {"jaxtune": jname, "reference": ref_kind}
+        if real:  # the default layout, prompts shared, against a row per completion (above)
+            sname = f"jaxtune {setup} (jax.jit, buckets {args.length_buckets}, shared prompts)"
+            impls[sname], _ = jaxtune_impl(load_config(None, [k for k in base if "share_prompts" not in k]
+                                                       + (lora_keys if lora else [])), shared_batches, fit=True)
+            rows_of[setup]["jaxtune shared"] = sname
         if real and args.length_buckets:  # the same step with every batch at T: what the buckets alone gain
             cfg0 = load_config(None, [k for k in base if not k.startswith("data.length_buckets=")]
                                + ["data.length_buckets=0"] + (lora_keys if lora else []))
@@ -459,7 +474,7 @@ def main(argv=None) -> dict:
 
     checks, bad = [], []
     for setup, names in rows_of.items():
-        for key in ("TRL eager", "TRL compile", "jaxtune T"):
+        for key in ("TRL eager", "TRL compile", "jaxtune T", "jaxtune shared"):
             if key in names:
                 checks.append({"setup": setup, "vs": names[key], **compare(rows[names["jaxtune"]], rows[names[key]],
                                                                            args.beta)})
@@ -487,13 +502,16 @@ def main(argv=None) -> dict:
         jrow = rows[rows_of[setups[0][0]]["jaxtune"]]
         lengths = impls[rows_of[setups[0][0]]["jaxtune"]]["lengths"]
         met = {n: lengths.count(n) for n in sorted(set(lengths))}
+        shared_lengths = impls[rows_of[setups[0][0]]["jaxtune shared"]]["lengths"]
+        met_shared = {n: shared_lengths.count(n) for n in sorted(set(shared_lengths))}
         trl_len = [int(b["input_ids"].shape[1]) for b in trl_batches]
         print(f"pairs (--lengths real): {len(pair_sets)} batches of {args.batch} pairs, T {args.seq}; lognormal "
               f"lengths (log-sd {args.length_sigma:g}), prompt median {args.prompt_median:g} x T = "
               f"{args.prompt_median * args.seq:.0f}, completions {args.completion_median:g} x T = "
               f"{args.completion_median * args.seq:.0f}; real tokens {jrow['real_tokens_per_step']:.0f}/step "
               f"(timed mean), completion tokens {completion_tokens:.0f}/step (all batches)")
-        print(f"lengths: jaxtune buckets ({args.length_buckets} per doubling) met {met} (length: batches); TRL's "
+        print(f"lengths: jaxtune buckets ({args.length_buckets} per doubling) met {met} (length: batches), with shared "
+              f"prompts (rows of up to 2T) {met_shared}; TRL's "
               f"longest row min / median / max {min(trl_len)} / {int(np.median(trl_len))} / {max(trl_len)}; "
               f"BatchShapes.fit {jrow['fit_us']:.0f} us/batch (outside the timing, as TRL's collation)")
     print(f"DPO sigmoid beta {args.beta:g}; AdamW lr {args.lr:g} betas (0.9, 0.999) eps 1e-8 wd 0, constant lr, clip "
@@ -573,24 +591,29 @@ def fixed_tables(rows: dict[str, dict], rows_of: dict[str, dict[str, str]]) -> l
 def real_tables(rows: dict[str, dict], rows_of: dict[str, dict[str, str]]) -> list[dict]:
     """``--lengths real``: per setup jaxtune (buckets) vs TRL (longest row) and jaxtune at T, then every
     implementation with its positions, pad share and compiles; the summary rows."""
-    head = ["setup", "reference", "jaxtune ms/step", "TRL ms/step", "ratio (TRL / jaxtune time)", "(best step)",
-            "(CPU time)", "jaxtune at T ms/step", "buckets gain (T / buckets time)", "pad share jaxtune / TRL / at T"]
+    head = ["setup", "reference", "jaxtune shared ms/step", "TRL ms/step", "ratio (TRL / jaxtune shared)",
+            "(best step)", "(CPU time)", "jaxtune rows ms/step", "sharing gain (rows / shared)",
+            "jaxtune at T ms/step", "buckets gain (T / rows)", "pad share rows / TRL / at T"]
     h.print_header(head, 2)
     summary = []
     for setup, names in rows_of.items():
-        j, t = rows[names["jaxtune"]], rows[names["TRL eager"]]
+        j, t, sh = rows[names["jaxtune"]], rows[names["TRL eager"]], rows[names["jaxtune shared"]]
         z = rows.get(names.get("jaxtune T", ""))
-        ratio = t["ms_per_step"] / j["ms_per_step"]
-        best, cpu = t["ms_per_step_min"] / j["ms_per_step_min"], t["cpu_ms_per_step"] / j["cpu_ms_per_step"]
+        ratio = t["ms_per_step"] / sh["ms_per_step"]
+        best, cpu = t["ms_per_step_min"] / sh["ms_per_step_min"], t["cpu_ms_per_step"] / sh["cpu_ms_per_step"]
+        sharing = j["ms_per_step"] / sh["ms_per_step"]
         gain = z["ms_per_step"] / j["ms_per_step"] if z else None
-        summary.append({"setup": f"{setup}, TRL eager", "jaxtune_ms": j["ms_per_step"], "trl_ms": t["ms_per_step"],
-                        "ratio": ratio, "ratio_best_step": best, "ratio_cpu_time": cpu,
+        summary.append({"setup": f"{setup}, TRL eager", "jaxtune_shared_ms": sh["ms_per_step"],
+                        "jaxtune_ms": j["ms_per_step"], "trl_ms": t["ms_per_step"], "ratio": ratio,
+                        "ratio_best_step": best, "ratio_cpu_time": cpu, "sharing_gain": sharing,
+                        "ratio_rows": t["ms_per_step"] / j["ms_per_step"],
                         "jaxtune_at_T_ms": z["ms_per_step"] if z else None, "buckets_gain": gain,
                         "pad_fraction": {"jaxtune": j["pad_fraction"], "trl": t["pad_fraction"],
+                                         "jaxtune_shared": sh["pad_fraction"],
                                          "jaxtune_at_T": z["pad_fraction"] if z else None}})
-        print(f"| {setup}, TRL eager | {names['reference']} | {j['ms_per_step']:.0f} | {t['ms_per_step']:.0f} | "
-              f"**{ratio:.2f}x** | {best:.2f}x | {cpu:.2f}x | " + (f"{z['ms_per_step']:.0f} | {gain:.2f}x | " if z
-                                                                 else "- | - | ")
+        print(f"| {setup}, TRL eager | {names['reference']} | {sh['ms_per_step']:.0f} | {t['ms_per_step']:.0f} | "
+              f"**{ratio:.2f}x** | {best:.2f}x | {cpu:.2f}x | {j['ms_per_step']:.0f} | {sharing:.2f}x | "
+              + (f"{z['ms_per_step']:.0f} | {gain:.2f}x | " if z else "- | - | ")
               + f"{j['pad_fraction']:.0%} / {t['pad_fraction']:.0%} / " + (f"{z['pad_fraction']:.0%} |" if z
                                                                             else "- |"))
 

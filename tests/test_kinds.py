@@ -37,7 +37,7 @@ from jaxtune.train.objectives import OBJECTIVES as IMPLEMENTED
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.objectives.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
 from jaxtune.train.rewards import BUILTINS as REWARD_IMPLEMENTATIONS
-from jaxtune.train.rollout import training_rows
+from jaxtune.train.rollout import shared_rows, training_rows
 
 
 def test_every_kind_has_its_implementation_and_no_more():
@@ -126,6 +126,10 @@ def test_grpo_rows_are_the_batch_the_prompts_record_declares():
     rows = training_rows([[1, 2, 3], [4, 5]] * 2, [[6, 7], [8], [9, 9, 9], [1]], 16)
     batch = {**rows, "advantages": np.zeros(4, np.float32)}
     assert _shapes(batch) == PROMPTS.step_arrays(2, 16, objective)
+    # shared prompts: a row per prompt holding its group, the advantages per prompt and completion
+    rows = shared_rows([[1, 2, 3]] * 2 + [[4, 5]] * 2, [[6, 7], [8], [9, 9, 9], [1]], 2, 16)
+    batch = {**rows, "advantages": np.zeros((2, 2), np.float32)}
+    assert _shapes(batch) == PROMPTS.step_arrays(2, 16, objective, shared=True)
 
 
 def test_a_batch_kinds_data_module_registers_its_row_format(tmp_path):

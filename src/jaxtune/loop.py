@@ -16,7 +16,7 @@ import jax
 
 from jaxtune import runtime, sharding
 from jaxtune.backends import Backend, backend_of
-from jaxtune.config import Config, dump_config
+from jaxtune.config import Config, ConfigError, dump_config
 from jaxtune.data import load_tokenizer, make_training_data
 from jaxtune.evaluator import Evaluator
 from jaxtune.models.fits import check_fits
@@ -92,6 +92,12 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     steps = run_steps(spec, cfg)
     precomputed = steps.reference is not None and steps.reference.forward is None  # DPO's log-probs, computed below
     rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]  # sharding.BATCH_AXES
+    if rollout is not None and cfg.data.shares_prompts and cfg.train.batch_size % ways:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} prompts: with data.share_prompts each prompt's "
+                          f"group is one row, and {ways} data-parallel devices need a multiple of {ways} rows; set "
+                          f"train.batch_size to a multiple of {ways}, or data.share_prompts=false (a row per "
+                          "completion)")
 
     # Frozen params (a LoRA base, a reference copy) are not in the checkpoint: they are read again. Reference
     # log-probs computed once go into the batches before the data position is restored.

@@ -131,3 +131,44 @@ def test_shared_prompts_follow_the_backend():
     assert not load_config(None, [*base, *hf]).data.shares_prompts  # HuggingFace's attention takes no branches
     with pytest.raises(ConfigError, match="data.share_prompts=true needs a native model"):
         load_config(None, [*base, *hf, "data.share_prompts=true"])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_grpo_groups_in_one_row_give_the_separate_rows_loss_and_gradients(loss_type):
+    """GRPO's G completions of a prompt as one row (`shared_rows`, advantages (prompts, G)) against a row per
+    completion (`training_rows`): the same loss, metrics and gradients for every normalisation, with a KL to a
+    reference (beta 0.04) and old log-probs of other weights (ratios away from 1, clipping active)."""
+    from jaxtune.train.objectives import GRPO
+    from jaxtune.train.objectives.base import Reference
+    from jaxtune.train.rollout import shared_rows, training_rows
+
+    spec = _spec("llama-lora")
+    forward, frozen = spec.forward(), spec.load_frozen(0)
+    rng = np.random.default_rng(2)
+    moved = lambda p, s: jax.tree.map(lambda x: x + jnp.asarray(s * rng.standard_normal(x.shape), x.dtype), p)
+    params, old_params = moved(spec.init(0).params, 0.05), moved(spec.init(0).params, 0.05)
+    g, prompts = 4, [rng.integers(1, V, rng.integers(10, 30)).tolist() for _ in range(3)]
+    prompt_ids = [p for p in prompts for _ in range(g)]
+    completions = [rng.integers(1, V, rng.integers(1, 20)).tolist() for _ in prompt_ids]
+    adv = rng.standard_normal(len(prompt_ids)).astype(np.float32)
+    plain = {**training_rows(prompt_ids, completions, T), "advantages": adv}
+    shared = {**shared_rows(prompt_ids, completions, g, T), "advantages": adv.reshape(-1, g)}
+    assert shared["inputs"].shape == (3, g * T) and plain["inputs"].shape == (3 * g, T)
+    objective = GRPO(beta=0.04, loss_type=loss_type, max_completion_length=20, passes=2)
+    weights = lambda p: spec.weights(p, frozen)
+    reference = Reference(lambda rows, temperature=1.0: forward.token_logps(weights(spec.init(0).params), rows, None,
+                                                                            temperature), jnp.bool_(False))
+
+    def loss(p, batch):
+        batch = objective.prepare(forward, weights(old_params), {k: jnp.asarray(v) for k, v in batch.items()})
+        total, count, metrics = objective(forward, weights(p), batch, None, reference)
+        return total / count, {k: v[0] / v[1] for k, v in metrics.items()}
+
+    (la, ma), ga = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, plain)
+    (lb, mb), gb = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, shared)
+    assert abs(float(lb - la)) <= 1e-5 * abs(float(la)), (lb, la)
+    assert float(ma["clip_ratio/region_mean"]) > 0 and float(ma["kl"]) > 0
+    for k in ma:
+        assert abs(float(mb[k] - ma[k])) <= 1e-5 * max(abs(float(ma[k])), 1e-6), (k, mb[k], ma[k])
+    for x, y in zip(jax.tree.leaves(gb), jax.tree.leaves(ga), strict=True):
+        assert rel(x, y) <= 1e-4, rel(x, y)

@@ -48,7 +48,8 @@ class BatchKind:
     item's sequences start with one prompt, so with ``data.share_prompts`` the item is one row (no item axis) that
     holds the prompt once, then each sequence's completion with ``branch_ids`` 1, 2, ... (the prompt's 0): a
     completion's tokens attend to the prompt and to their own branch, their positions continue the prompt's
-    (`jaxtune.data.preference`), of at most ``sequences x seq_len`` positions."""
+    (`jaxtune.data.encoded.shared_row`), of at most ``sequences x seq_len`` positions; its extra arrays are then
+    (B, sequences), one value per sequence with the items' axis first (micro-batches split items, never a group)."""
 
     name: str
     formats: tuple[str, ...]
@@ -83,7 +84,7 @@ class BatchKind:
         rows = self.rows(items, objective, shared)
         length = seq_len * self.sequences_per_item(objective) if shared else seq_len
         out = {k: ((*rows, length), "float32" if k == "loss_mask" else "int32") for k in self.step_keys(shared)}
-        extra_rows = self.rows(items, objective)  # per sequence, whatever the layout
+        extra_rows = (items, self.sequences_per_item(objective)) if shared else self.rows(items, objective)
         out.update({k: (extra_rows, "float32") for k in self.extra_keys(objective)})
         return out
 
@@ -100,7 +101,8 @@ PAIRS = BatchKind(
     extra_keys=lambda obj: ("ref_logps",) if obj.uses_reference and obj.precompute_ref_logps else ())
 PROMPTS = BatchKind(
     "prompts", ("prompts",), "prompts with their answer fields; the loop samples num_generations completions of each",
-    sequences=None, held_out="answers", generates=True, extra_keys=lambda obj: ("advantages",), unit="prompts")
+    sequences=None, held_out="answers", generates=True, extra_keys=lambda obj: ("advantages",), unit="prompts",
+    shares_prompt=True)
 
 BATCH_KINDS: dict[str, BatchKind] = {k.name: k for k in (WINDOWS, ROWS, PAIRS, PROMPTS)}
 KIND_OF_FORMAT: dict[str, BatchKind] = {f: k for k in BATCH_KINDS.values() for f in k.formats}

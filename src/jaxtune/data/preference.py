@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxtune.config import DataConfig
-from jaxtune.config.kinds import BRANCH_KEY
-from jaxtune.data.encoded import Encoded, Examples, PackedRows
+from jaxtune.data.encoded import Encoded, Examples, PackedRows, shared_row
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import Example, Pair
 from jaxtune.data.row_policy import RowStats, completion_settings, overlong_error, parsed_rows, split_rows
@@ -70,8 +69,8 @@ class PairRows:
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if self.shared:
-            out = shared_row([self.rows.examples.row(2 * i), self.rows.examples.row(2 * i + 1)],
-                             2 * self.rows.seq_len)
+            sequences = [self.rows.examples.row(2 * i), self.rows.examples.row(2 * i + 1)]
+            out = shared_row(sequences, int(np.argmax(sequences[0][1])), 2 * self.rows.seq_len)
         else:
             chosen, rejected = self.rows[2 * i], self.rows[2 * i + 1]
             out = {k: np.stack([chosen[k], rejected[k]]) for k in chosen}
@@ -86,37 +85,6 @@ class PairRows:
         if logps.shape != (len(self), 2):
             raise ValueError(f"reference log-probs have shape {logps.shape}; {len(self)} pairs need ({len(self)}, 2)")
         return PairRows(self.rows, logps, self.shared)
-
-
-def shared_row(sequences: list[tuple[np.ndarray, np.ndarray]], length: int) -> dict[str, np.ndarray]:
-    """Sequences (ids, loss mask) that start with the same prompt, as one row of ``length`` positions: the prompt's
-    positions once (branch 0), then each sequence's own (branch k = 1, 2, ...), then padding (segment 0).
-
-    A sequence of n tokens fills positions 0..n-2 (inputs ids[:-1], targets ids[1:]). The prompt is the tokens before
-    the first one with loss (P of them); its last token predicts each completion's first, so every branch starts
-    there: the row holds positions 0..P-2 once, and each branch its positions P-1..n-2 with the same position
-    numbers, inputs, targets and loss as its own row would have. Under the branch mask
-    (`jaxtune.models.layers.attention_mask`) each position sees exactly what it sees in its own row, so the
-    log-probs are the separate rows' (to float rounding)."""
-    out = {k: np.zeros(length, np.int32) for k in ("inputs", "targets", "positions", "segment_ids", BRANCH_KEY)}
-    out["loss_mask"] = np.zeros(length, np.float32)
-    ids0, mask0 = sequences[0]
-    start = max(int(np.argmax(mask0)) - 1, 0)  # the first position that belongs to a branch
-
-    def put(at: int, ids: np.ndarray, mask: np.ndarray, lo: int, hi: int, branch: int) -> int:
-        n = hi - lo
-        out["inputs"][at:at + n] = ids[lo:hi]
-        out["targets"][at:at + n] = ids[lo + 1:hi + 1]
-        out["loss_mask"][at:at + n] = mask[lo + 1:hi + 1]
-        out["positions"][at:at + n] = np.arange(lo, hi)
-        out["segment_ids"][at:at + n] = 1
-        out[BRANCH_KEY][at:at + n] = branch
-        return at + n
-
-    at = put(0, ids0, mask0, 0, start, 0)
-    for branch, (ids, mask) in enumerate(sequences, 1):
-        at = put(at, ids, mask, start, len(ids) - 1, branch)
-    return out
 
 
 @dataclass

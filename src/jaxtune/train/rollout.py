@@ -11,7 +11,9 @@ samples exactly what the uninterrupted one did.
 A completion ends at the first stop id (EOS, and for chat prompts the template's end-of-turn token), which it keeps
 and is trained on, or at ``max_completion_length`` tokens. Its text (without the stop id) is what reward functions
 read. The batch's rows are prompt then completion, right-padded to ``data.seq_len``, the loss mask on the
-completion; ``advantages`` are the group-normalised total rewards (`jaxtune.train.rewards.group_advantages`).
+completion; ``advantages`` are the group-normalised total rewards (`jaxtune.train.rewards.group_advantages`). With
+``data.share_prompts`` (the default with native models) a prompt's group is one row instead: the prompt once, then
+each completion as a branch (`shared_rows`), and ``advantages`` are (prompts, ``num_generations``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 from jaxtune.config import Config, ConfigError
 from jaxtune.data import PromptRows, Tokenizer, stop_ids
+from jaxtune.data.encoded import shared_row
 from jaxtune.train.rewards import Rewards, Scores, group_advantages, make_rewards
 from jaxtune.train.state import Sampler
 
@@ -108,9 +111,12 @@ class Rollout:
         o = self.cfg.objective
         done = self.sample(weights, source, [int(r) for r in prompts["row"]], group=o.num_generations,
                            temperature=o.temperature, seed=rollout_seed(self.cfg.train.seed, step))
-        advantages = group_advantages(done.scores.total, o.num_generations, o.scale_rewards)
+        advantages = group_advantages(done.scores.total, o.num_generations, o.scale_rewards).astype(np.float32)
+        if self.cfg.data.shares_prompts:  # a row per prompt: its prompt once, then its group's completions
+            rows = shared_rows(done.prompt_ids, done.ids, o.num_generations, self.cfg.data.seq_len)
+            return {**rows, "advantages": advantages.reshape(-1, o.num_generations)}, self.metrics(done)
         rows = training_rows(done.prompt_ids, done.ids, self.cfg.data.seq_len)
-        return {**rows, "advantages": advantages.astype(np.float32)}, self.metrics(done)
+        return {**rows, "advantages": advantages}, self.metrics(done)
 
     def metrics(self, done: Completions) -> dict[str, float]:
         """TRL's rollout metrics (rewards, completion lengths), and the time spent sampling and scoring."""
@@ -150,10 +156,8 @@ def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], 
            "positions": np.zeros((n, seq_len), np.int32), "segment_ids": np.zeros((n, seq_len), np.int32),
            "loss_mask": np.zeros((n, seq_len), np.float32)}
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        _check_fits(i, p, c, seq_len)
         seq = list(p) + list(c)
-        if len(seq) - 1 > seq_len:
-            raise ValueError(f"rollout row {i}: {len(p)} prompt + {len(c)} completion tokens exceed data.seq_len + 1 "
-                             f"= {seq_len + 1}")
         m = len(seq) - 1
         out["inputs"][i, :m] = seq[:-1]
         out["targets"][i, :m] = seq[1:]
@@ -161,3 +165,25 @@ def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], 
         out["segment_ids"][i, :m] = 1
         out["loss_mask"][i, len(p) - 1:m] = 1.0
     return out
+
+
+def shared_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], group: int,
+                seq_len: int) -> dict[str, np.ndarray]:
+    """(N / group, group x seq_len) rows, one per prompt: the prompt's positions once, then each of its ``group``
+    completions as a branch (`jaxtune.data.encoded.shared_row`), the loss mask on the completions' tokens."""
+    n = len(prompt_ids)
+    rows = []
+    for g in range(0, n, group):
+        sequences = []
+        for i in range(g, g + group):
+            p, c = prompt_ids[i], completion_ids[i]
+            _check_fits(i, p, c, seq_len)
+            sequences.append((np.asarray([*p, *c], np.int32), np.arange(len(p) + len(c)) >= len(p)))
+        rows.append(shared_row(sequences, len(prompt_ids[g]), group * seq_len))
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _check_fits(i: int, prompt: list[int], completion: list[int], seq_len: int) -> None:
+    if len(prompt) + len(completion) - 1 > seq_len:
+        raise ValueError(f"rollout row {i}: {len(prompt)} prompt + {len(completion)} completion tokens exceed "
+                         f"data.seq_len + 1 = {seq_len + 1}")

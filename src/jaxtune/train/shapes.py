@@ -45,8 +45,9 @@ class BatchShapes:
 
     @classmethod
     def of(cls, cfg: Config) -> BatchShapes:
-        data = cfg.data
-        return cls(data.row_cap, data.length_buckets if data.kind.buckets else 0, data.kind.step_keys(data.shares_prompts))
+        data, kind = cfg.data, cfg.data.kind
+        cap = data.seq_len * (kind.sequences_per_item(cfg.objective) if data.shares_prompts else 1)
+        return cls(cap, data.length_buckets if kind.buckets else 0, kind.step_keys(data.shares_prompts))
 
     def fit(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], Shape]:
         """This process's rows cut to the global batch's bucket, and the global batch's `Shape`."""

@@ -2,7 +2,9 @@
 
 The batch (`jaxtune.train.rollout`) holds ``num_generations`` completions of each prompt as (N, T) rows (prompt then
 completion, ``loss_mask`` on the completion's tokens and its end token) and each completion's ``advantages`` (N,):
-its reward minus its group's mean, divided by the group's std unless ``scale_rewards`` is off.
+its reward minus its group's mean, divided by the group's std unless ``scale_rewards`` is off. With shared prompts a
+group is one row (``branch_ids``: the prompt once, then each completion) and ``advantages`` are (prompts, G); every
+sum below is then per branch, so the losses are the separate rows'.
 
 Per completion token, with the log-probs of the tempered distribution the tokens were sampled from
 (logits / ``temperature``) and r = π(token) / π_old(token)::
@@ -33,11 +35,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import OBJECTIVES, ObjectiveConfig
+from jaxtune.config.kinds import BRANCH_KEY
 from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
 LOSS_TYPES = OBJECTIVES["grpo"].loss_types
-ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask", BRANCH_KEY)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,18 @@ class GRPO:
         """(N, T) log-probs of the batch's targets under the tempered policy."""
         return forward.token_logps(weights, {k: batch[k] for k in ROW_KEYS if k in batch}, key, self.temperature)
 
+    @staticmethod
+    def token_advantages(batch: Batch) -> tuple[jax.Array, jax.Array]:
+        """Each token's completion's advantage, like the token arrays, and the completions as (..., C, T) masks to
+        sum a completion's tokens with (C = 1: a row per completion; C = G: a group in one row, ``branch_ids``)."""
+        adv = batch["advantages"]
+        if BRANCH_KEY not in batch:  # (N,) per row
+            return adv[:, None], jnp.ones((adv.shape[0], 1, 1), jnp.float32)
+        branch = batch[BRANCH_KEY]  # (B, T): 0 the prompt, k the k-th completion; advantages (B, G)
+        of_token = jnp.take_along_axis(adv, jnp.clip(branch - 1, 0, adv.shape[1] - 1), axis=1)
+        completions = (branch[:, None, :] == jnp.arange(1, adv.shape[1] + 1)[None, :, None]).astype(jnp.float32)
+        return of_token, completions
+
     def prepare(self, forward: Forward, weights: Any, batch: Batch) -> Batch:
         """Before the first of several passes: the sampling policy's log-probs, fixed for every pass (``old_logps``)."""
         return {**batch, "old_logps": jax.lax.stop_gradient(self.logps(forward, weights, batch, None))}
@@ -80,7 +95,7 @@ class GRPO:
         logps = self.logps(forward, weights, batch, key)
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         ratio = jnp.exp(logps - old)
-        adv = batch["advantages"][:, None]
+        adv, completions = self.token_advantages(batch)
         high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         clipped = jnp.clip(ratio, 1.0 - self.epsilon, 1.0 + high)
         per_token = -jnp.minimum(ratio * adv, clipped * adv)
@@ -103,9 +118,10 @@ class GRPO:
         metrics["clip_ratio/high_mean"] = (jnp.sum(high_clip * mask), tokens)
         metrics["clip_ratio/region_mean"] = (jnp.sum(jnp.maximum(low_clip, high_clip) * mask), tokens)
         summed = per_token * mask
-        n = jnp.asarray(mask.shape[0], jnp.float32)
-        if self.loss_type == "grpo":
-            total, count = jnp.sum(jnp.sum(summed, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0)), n
+        n = jnp.asarray(batch["advantages"].size, jnp.float32)  # completions
+        if self.loss_type == "grpo":  # each completion's mean token loss
+            per = lambda x: jnp.sum(x[:, None, :] * completions, -1)  # (rows, completions in a row)
+            total, count = jnp.sum(per(summed) / jnp.maximum(per(mask), 1.0)), n
         elif self.loss_type == "dr_grpo":
             total, count = jnp.sum(summed), n * self.max_completion_length
         else:  # dapo
