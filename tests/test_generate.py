@@ -156,20 +156,48 @@ def test_temperature_sampling_is_seeded(model, gen, greedy):
 
 
 def test_compiles_once_per_bucket(model):
-    """One prefill per (prompt bucket, cache bucket), one decode per cache bucket; power-of-two buckets >= 16."""
+    """Batch generation: one program per (prompt bucket, cache bucket); streaming: one prefill per (prompt bucket,
+    cache bucket), one decode per cache bucket; power-of-two buckets >= 16."""
     assert [bucket(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
     gen = Generator(model[0], CTX)
     params = model[1]
 
-    def run(prompt_len):
-        gen(params, [list(range(1, prompt_len + 1))], max_new_tokens=20)
+    def run(prompt_len, **kw):
+        gen(params, [list(range(1, prompt_len + 1))], max_new_tokens=20, **kw)
         return gen.compiles
 
-    assert run(5) == 2  # prompt bucket 16, cache bucket bucket(16 + 20) = 64: one prefill + one decode
-    assert run(9) == 2  # same buckets: nothing new
-    assert run(20) == 3  # prompt bucket 32, cache still bucket(32 + 20) = 64: a prefill only
-    assert run(40) == 5  # prompt bucket 64, cache bucket(64 + 20) = 128: a prefill and a decode
-    assert run(33) == 5
+    assert run(5) == 1  # prompt bucket 16, cache bucket bucket(16 + 20) = 64: the whole generation, one program
+    assert run(9) == 1  # same buckets: nothing new
+    assert run(20) == 2  # prompt bucket 32, cache still bucket(32 + 20) = 64
+    assert run(40) == 3  # prompt bucket 64, cache bucket(64 + 20) = 128
+    assert run(33) == 3
+    stream = {"on_step": lambda ids: None}
+    assert run(5, **stream) == 5  # streaming: a prefill and a decode step for buckets 16 / 64
+    assert run(9, **stream) == 5
+    assert run(20, **stream) == 6  # a prefill only: the decode step of cache bucket 64 is there
+
+
+def test_batch_and_streaming_generation_sample_the_same_tokens(model):
+    """The on-device loop draws every position with the key the streaming path uses: the same tokens, sampled or
+    greedy, with stop ids; its log-probs are those of the tempered distribution at each sampled token."""
+    gen = Generator(model[0], CTX)
+    params = model[1]
+    prompts = [list(range(1, 6)), list(range(3, 20)), [7]]
+    for kw in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 5}, {"temperature": 1.3, "top_k": 20, "seed": 1}):
+        first = gen(params, prompts, max_new_tokens=12, **kw)
+        eos = first[1][3]  # a token the second row samples: it stops there (and maybe others do earlier)
+        batch = gen(params, prompts, max_new_tokens=12, eos_id=[eos, 10_000], keep_stop=True, **kw)
+        logps = gen.logps
+        streamed = gen(params, prompts, max_new_tokens=12, eos_id=[eos, 10_000], keep_stop=True,
+                       on_step=lambda ids: None, **kw)
+        assert batch == streamed == [r[:r.index(eos) + 1] if eos in r else r for r in first]
+        assert len(first[0]) == 12 and batch[1][-1] == eos
+        assert [len(x) for x in logps] == [len(x) for x in batch]
+        scale = kw["temperature"] or 1.0
+        row = prompts[0] + batch[0]
+        logits = jax.device_get(nnx.merge(*model)(jnp.asarray([row])))[0] / scale
+        want = [jax.nn.log_softmax(logits[len(prompts[0]) - 1 + t])[tok] for t, tok in enumerate(batch[0])]
+        np.testing.assert_allclose(logps[0], want, rtol=1e-4, atol=1e-5)
 
 
 def test_prompt_longer_than_context_raises(model, gen):

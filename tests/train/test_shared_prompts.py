@@ -24,7 +24,10 @@ from jaxtune.config import ConfigError, load_config
 from jaxtune.data.encoded import Encoded
 from jaxtune.data.preference import PairRows
 from jaxtune.loop import train
+from jaxtune.train.objectives import GRPO
+from jaxtune.train.objectives.base import Reference
 from jaxtune.train.objectives.preference import flat_pairs, pair_logps
+from jaxtune.train.rollout import shared_rows, training_rows
 
 T, V = 64, 512
 FAMILIES = {
@@ -133,15 +136,12 @@ def test_shared_prompts_follow_the_backend():
         load_config(None, [*base, *hf, "data.share_prompts=true"])
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])  # dr_grpo is dapo's sum over another constant
 def test_grpo_groups_in_one_row_give_the_separate_rows_loss_and_gradients(loss_type):
     """GRPO's G completions of a prompt as one row (`shared_rows`, advantages (prompts, G)) against a row per
-    completion (`training_rows`): the same loss, metrics and gradients for every normalisation, with a KL to a
-    reference (beta 0.04) and old log-probs of other weights (ratios away from 1, clipping active)."""
-    from jaxtune.train.objectives import GRPO
-    from jaxtune.train.objectives.base import Reference
-    from jaxtune.train.rollout import shared_rows, training_rows
-
+    completion (`training_rows`): the same loss, metrics and gradients, with a KL to a reference (beta 0.04) and old
+    log-probs of other weights (ratios away from 1, clipping active): ``grpo`` sums per completion (per branch),
+    ``dapo`` over every token."""
     spec = _spec("llama-lora")
     forward, frozen = spec.forward(), spec.load_frozen(0)
     rng = np.random.default_rng(2)

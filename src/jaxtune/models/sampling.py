@@ -1,9 +1,10 @@
 """Sampling: token choice from logits (greedy, temperature, top-k, top-p), stop handling, length buckets, and the
-native models' KV-cache generator: one prefill over the (left-padded) prompts, then one token per step.
+native models' KV-cache generator: one prefill over the (left-padded) prompts, then one token per position, all on
+device (`Generator`).
 
-Shapes are static per length bucket (powers of two), so a session compiles one prefill per prompt bucket and
-one decode step per cache bucket, whatever the prompts. Sampling: greedy (temperature 0), temperature, top-k,
-top-p; stops at EOS per sequence.
+Shapes are static per length bucket (powers of two), so a session compiles one program per (batch, prompt bucket,
+cache bucket, new tokens), whatever the prompts. Sampling: greedy (temperature 0), temperature, top-k, top-p;
+stops at EOS (or any of several stop ids) per sequence.
 """
 
 from __future__ import annotations
@@ -102,23 +103,38 @@ def collect(ids: np.ndarray, out: list[list[int]], done: np.ndarray, eos_id: int
 
 
 class Generator:
-    """Jitted prefill/decode for one model graph; reuse it to keep compiled buckets."""
+    """Jitted generation for one model graph; reuse it to keep compiled buckets.
+
+    Batch generation (no ``on_step``) is one compiled program per (batch, prompt bucket, cache bucket, new tokens):
+    the prefill, then a `jax.lax.while_loop` over positions that samples on device, writes each token and its
+    log-prob into (B, max_new_tokens) buffers, tracks which rows have emitted a stop id, and leaves the loop once all
+    have. The host sees the tokens once, at the end. Streaming (``on_step``) keeps one prefill and one decode-step
+    program, the token brought to the host after every position. Both draw position t's token with the key
+    ``fold_in(key(seed), prompt bucket + t)``, so they sample the same tokens.
+    """
 
     def __init__(self, graphdef: nnx.GraphDef, max_seq_len: int):
         self.graphdef = graphdef
         self.max_seq_len = max_seq_len
-        self.compiles = 0  # traced programs (prefill + decode), for compile-count checks
+        self.compiles = 0  # traced programs (whole generations, or prefill + decode), for compile-count checks
+        self.logps: list[list[float]] = []  # after a batch generation: each returned token's sampling log-prob
 
-    @functools.partial(jax.jit, static_argnums=(0, 4, 6, 7, 8))
-    def _prefill(self, params, tokens, valid, cache_len, key, temperature, top_k, top_p):
-        self.compiles += 1
-        model = merge(self.graphdef, params)
+    def _start(self, model, tokens, valid, cache_len, key, temperature, top_k, top_p):
+        """The prefill: the cache of the left-padded prompts, the valid key slots and the first sampled token with
+        its logits."""
         b, p = tokens.shape
         key_valid = jnp.concatenate([valid, jnp.ones((b, cache_len - p), bool)], axis=1)  # (B, S)
         positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
         cache = model.init_cache(b, cache_len)
         logits, cache = model(tokens, positions=positions, cache=cache, index=0, key_valid=key_valid)
         nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, p), temperature, top_k, top_p)
+        return nxt, logits[:, -1], cache, key_valid
+
+    @functools.partial(jax.jit, static_argnums=(0, 4, 6, 7, 8))
+    def _prefill(self, params, tokens, valid, cache_len, key, temperature, top_k, top_p):
+        self.compiles += 1
+        nxt, _, cache, key_valid = self._start(merge(self.graphdef, params), tokens, valid, cache_len, key,
+                                               temperature, top_k, top_p)
         return nxt, cache, key_valid
 
     @functools.partial(jax.jit, static_argnums=(0, 7, 8, 9), donate_argnums=(2,))
@@ -130,12 +146,45 @@ class Generator:
         nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, index + 1), temperature, top_k, top_p)
         return nxt, cache
 
+    @functools.partial(jax.jit, static_argnums=(0, 4, 5, 8, 9, 10, 11))
+    def _generate(self, params, tokens, valid, cache_len, max_new, key, lengths, temperature, top_k, top_p, stops):
+        """(B, max_new) tokens, (B, max_new) their log-probs under the tempered distribution (logits / temperature,
+        before top-k/top-p: the distribution a policy-gradient trainer scores), and the positions generated."""
+        self.compiles += 1
+        model = merge(self.graphdef, params)
+        b, p = tokens.shape
+        nxt, logits, cache, key_valid = self._start(model, tokens, valid, cache_len, key, temperature, top_k, top_p)
+        stop_ids = jnp.asarray(stops if stops else (-1,), jnp.int32)
+        scale = 1.0 if temperature == 0.0 else temperature
+        logp = lambda lg, tok: jnp.take_along_axis(jax.nn.log_softmax(lg / scale, -1), tok[:, None], -1)[:, 0]
+        ids = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(nxt)
+        logps = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(logp(logits, nxt))
+        done = jnp.isin(nxt, stop_ids)
+
+        def more(carry):
+            t, _, _, done, _, _ = carry
+            return (t < max_new) & ~jnp.all(done)
+
+        def step(carry):
+            t, token, cache, done, ids, logps = carry
+            model = merge(self.graphdef, params)  # at the loop body's trace level (nnx.scan'd layers check it)
+            logits, cache = model(token[:, None], positions=(lengths + t - 1)[:, None], cache=cache,
+                                  index=p + t - 1, key_valid=key_valid)
+            nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, p + t), temperature, top_k, top_p)
+            ids = jax.lax.dynamic_update_slice(ids, nxt[:, None], (0, t))
+            logps = jax.lax.dynamic_update_slice(logps, logp(logits[:, -1], nxt)[:, None], (0, t))
+            return t + 1, nxt, cache, done | jnp.isin(nxt, stop_ids), ids, logps
+
+        t, _, _, _, ids, logps = jax.lax.while_loop(more, step, (jnp.int32(1), nxt, cache, done, ids, logps))
+        return ids, logps, t
+
     def __call__(self, params: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  eos_id: int | Sequence[int] | None = None, seed: int = 0,
                  on_step: Callable[[np.ndarray], None] | None = None, keep_stop: bool = False) -> list[list[int]]:
         """Generate continuations of ``prompts`` (token ids); returns the new ids per prompt (the stop id excluded,
-        unless ``keep_stop``).
+        unless ``keep_stop``). Without ``on_step``, ``self.logps`` holds each returned token's log-prob under the
+        tempered distribution it was sampled from.
 
         ``params``: the model's params, or (adapters, base) for LoRA. ``eos_id``: one or several stop ids.
         on_step(tokens (B,)) is called after each generated position, for streaming.
@@ -153,9 +202,20 @@ class Generator:
             valid[i, p_len - len(p):] = True
         key = jax.random.key(seed)
         sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
-        nxt, cache, key_valid = self._prefill(params, tokens, valid, cache_len, key, *sampling)
         lengths = np.array([len(p) for p in prompts], np.int32)
-        out: list[list[int]] = [[] for _ in prompts]
+        stops = () if eos_id is None else (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
+        if on_step is None:
+            ids, logps, n = jax.device_get(self._generate(params, tokens, valid, cache_len, max_new_tokens, key,
+                                                          lengths, *sampling, stops))
+            out, self.logps = [], []
+            for row, row_logps in zip(ids[:, :int(n)], logps[:, :int(n)]):
+                hit = np.flatnonzero(np.isin(row, stops)) if stops else []
+                end = len(row) if not len(hit) else int(hit[0]) + (1 if keep_stop else 0)
+                out.append(row[:end].tolist())
+                self.logps.append(row_logps[:end].tolist())
+            return out
+        nxt, cache, key_valid = self._prefill(params, tokens, valid, cache_len, key, *sampling)
+        out = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
         for t in range(max_new_tokens):
             if collect(np.asarray(nxt), out, done, eos_id, on_step, keep_stop) or t == max_new_tokens - 1:
