@@ -157,3 +157,19 @@ def test_grpo_quickstart_as_the_readme_runs_it(quickstart_sft_model, tmp_path, d
     scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert scored["step"] == 2 and scored["prompts"] == 4
     assert scored["accuracy"] == last["accuracy"] and scored["reward"] == pytest.approx(last["reward"])
+
+
+def test_grpo_with_shared_prompts_trains_as_a_row_per_completion(grpo, tmp_path):
+    """``data.share_prompts=true`` (each prompt's 4 completions one row, the prompt once): the same completions (the
+    sampler does not see the layout) and step 1's loss and gradient norm to float rounding, one program per length
+    met."""
+    base = ["objective.beta=0.04", "train.steps=1", "eval.every=0", "eval.exact_match=0"]
+    shared = load_config(None, [*grpo(*base, "data.share_prompts=true"), f"run_dir={tmp_path / 'shared'}"])
+    plain = load_config(None, [*grpo(*base, "data.share_prompts=false"), f"run_dir={tmp_path / 'plain'}"])
+    a, b = train(shared), train(plain)
+    assert a.step_compiles == len(a.step_lengths) and max(a.step_lengths) > 48  # rows longer than data.seq_len
+    (ra,), (rb,) = metric_rows(shared.run_path, "train"), metric_rows(plain.run_path, "train")
+    assert ra["completions/mean_length"] == rb["completions/mean_length"] and ra["reward"] == rb["reward"]
+    assert abs(ra["step_loss"] - rb["step_loss"]) <= 1e-6 + 1e-5 * abs(rb["step_loss"])  # a mean of ~0 advantages
+    assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)  # the gradients agree too
+    assert ra["tokens"] < rb["tokens"]  # the prompt once per group

@@ -55,10 +55,12 @@ class DataConfig(Section):
                                 "padded only to the shortest of this many lengths per doubling (4: 64, 80, 96, 112, "
                                 "128, 160, ...) that holds its longest row, one compiled program per length used; "
                                 "0: every batch padded to seq_len")
-    share_prompts: bool = Field(True, description="preference pairs and GRPO groups: the completions of one prompt are "
-                                "one row, the prompt once then each completion, attending to the prompt and itself "
-                                "only (prefix sharing; log-probs equal to the separate rows'); false: a row per "
-                                "completion; on by default with native models, off with model.backend=torchax")
+    share_prompts: bool | None = Field(None, description="lay out the completions of one prompt as one row, the "
+                                       "prompt once then each completion, attending to the prompt and itself only "
+                                       "(prefix sharing; log-probs equal to a row per completion); false: a row per "
+                                       "completion; default: on for preference pairs (measured faster), off for "
+                                       "GRPO groups (slower on CPU when completions outweigh the prompt), and off "
+                                       "with model.backend=torchax")
     cache_dir: str = "~/.cache/jaxtune"
     num_workers: int = Field(0, ge=0, description="grain worker processes; 0 reads in the main process")
     num_proc: int | None = Field(None, ge=1, description="processes tokenizing the corpus; default all cores (the "
@@ -76,7 +78,9 @@ class DataConfig(Section):
     @property
     def shares_prompts(self) -> bool:
         """Each item's sequences are laid out as one row that holds their prompt once (`BatchKind.shares_prompt`)."""
-        return self.share_prompts and self.kind.shares_prompt
+        if not self.kind.shares_prompt:
+            return False
+        return self.kind.shares_prompt_by_default if self.share_prompts is None else self.share_prompts
 
     @property
     def pretokenized(self) -> bool:

@@ -63,6 +63,7 @@ class BatchKind:
     buckets: bool = True
     unit: str = "tokens"  # what a held-out loss averages over (tokens with loss, pairs)
     shares_prompt: bool = False
+    shares_prompt_by_default: bool = False  # where ``data.share_prompts`` is unset: measured faster (benchmarks/)
 
     def sequences_per_item(self, objective: Any) -> int:
         return objective.num_generations if self.sequences is None else self.sequences
@@ -98,6 +99,7 @@ ROWS = BatchKind(
 PAIRS = BatchKind(
     "pairs", ("preference",), "preference pairs: a prompt with a chosen and a rejected completion, one pair per "
     "item (never packed)", sequences=2, item_axis=True, held_out="pairs", unit="pairs", shares_prompt=True,
+    shares_prompt_by_default=True,
     extra_keys=lambda obj: ("ref_logps",) if obj.uses_reference and obj.precompute_ref_logps else ())
 PROMPTS = BatchKind(
     "prompts", ("prompts",), "prompts with their answer fields; the loop samples num_generations completions of each",

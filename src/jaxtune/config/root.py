@@ -50,7 +50,7 @@ class Config(Section):
         """Prompt sharing needs a model that takes ``branch_ids`` (the native ones): off by default with torchax."""
         if self.model.backend == "native" or not self.data.shares_prompts:
             return self
-        if "share_prompts" in self.data.model_fields_set:
+        if self.data.share_prompts:
             raise ValueError(f"data.share_prompts=true needs a native model (its attention takes the branch ids); "
                              f"model.backend={self.model.backend} runs HuggingFace's, so set data.share_prompts=false")
         return self.model_copy(update={"data": self.data.model_copy(update={"share_prompts": False})})

@@ -12,7 +12,7 @@ A completion ends at the first stop id (EOS, and for chat prompts the template's
 and is trained on, or at ``max_completion_length`` tokens. Its text (without the stop id) is what reward functions
 read. The batch's rows are prompt then completion, right-padded to ``data.seq_len``, the loss mask on the
 completion; ``advantages`` are the group-normalised total rewards (`jaxtune.train.rewards.group_advantages`). With
-``data.share_prompts`` (the default with native models) a prompt's group is one row instead: the prompt once, then
+``data.share_prompts: true`` (off by default for GRPO) a prompt's group is one row instead: the prompt once, then
 each completion as a branch (`shared_rows`), and ``advantages`` are (prompts, ``num_generations``).
 """
 
