@@ -214,3 +214,17 @@ def test_max_new_tokens_clamped_to_context(model, gen, caplog):
         out = gen(model[1], [prompt], max_new_tokens=50)
     assert out == [naive_greedy(model, prompt, 8)]  # prompt + output fill the context exactly
     assert "limiting new tokens to 8" in caplog.text
+
+
+def test_a_group_is_prefilled_once_and_samples_as_its_rows(model):
+    """GRPO's G completions of a prompt: ``group=G`` prefills each prompt once and repeats its cache, and samples
+    exactly the tokens (and log-probs) of prefilling every row; prompts not in runs of G are refused."""
+    gen = Generator(model[0], CTX)
+    prompts = [p for p in (list(range(1, 6)), list(range(3, 20))) for _ in range(3)]
+    kw = {"max_new_tokens": 10, "temperature": 1.0, "seed": 3}
+    rows, row_logps = gen(model[1], prompts, **kw), gen.logps
+    grouped, grouped_logps = gen(model[1], prompts, group=3, **kw), gen.logps
+    assert grouped == rows and len({tuple(r) for r in rows}) == 6  # the draws differ within a group
+    np.testing.assert_allclose(grouped_logps, row_logps, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="runs of 3 equal ones"):
+        gen(model[1], prompts[1:] + prompts[:1], group=3, **kw)

@@ -247,3 +247,18 @@ def test_export_refuses_a_run_without_a_checkpoint(run_dir, tmp_path, capsys):
     _, line = error_line(capsys)
     assert f"{unsaved}: the run has no checkpoint yet" in line and "nothing trained to export" in line
     assert not out.exists() and not (out.parent / (out.name + ".gguf")).exists()
+
+
+def test_switching_the_objective_on_the_command_line_drops_the_files_objective_keys(caplog):
+    """dpo-quickstart with objective.name=simpo (its own suggested variant): DPO's beta 0.1 and loss_type yield to
+    SimPO's defaults (beta 2.0), with one warning naming what was dropped; keys given again on the command line
+    stay; the same objective on the command line changes nothing."""
+    with caplog.at_level(logging.WARNING, logger="jaxtune.config.load"):
+        cfg = load_config("dpo-quickstart", ["objective.name=simpo"])
+    assert cfg.objective.name == "simpo" and cfg.objective.beta_value == 2.0
+    assert "objective keys beta, loss_type are dropped" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxtune.config.load"):
+        kept = load_config("dpo-quickstart", ["objective.name=simpo", "objective.beta=0.5"])
+    assert kept.objective.beta_value == 0.5 and "keys loss_type are dropped" in caplog.text
+    assert load_config("dpo-quickstart", ["objective.name=dpo"]).objective.beta_value == 0.1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from pydantic import BaseModel, ValidationError
 from jaxtune.config.base import ConfigError
 from jaxtune.config.model import CHECKPOINT_DECIDES, MODEL_SECTIONS, ModelSection, backend_of
 from jaxtune.config.root import Config
+
+log = logging.getLogger(__name__)
 
 SHIPPED_CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -45,16 +48,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections (model:, data:, ...)")
-    given = copy.deepcopy(raw)
-    for item in overrides:
-        _apply_override(given, item)
+    given = _overridden(raw, overrides)
+    base = raw
     if _from_hf(given) and _from_hf(given) != _from_hf(raw):
         # A checkpoint named on the command line decides the family, the shapes and the tokenizer: the file's values
         # for those yield to it. Overrides of them still apply (and a shape override is still an error).
-        given = _yield_to_checkpoint(raw)
-        for item in overrides:
-            _apply_override(given, item)
+        base = _yield_to_checkpoint(raw)
+    name, file_name = _objective_name(given), _objective_name(raw)
+    dropped = []
+    if name is not None and file_name is not None and name != file_name:
+        # Another objective on the command line: the file's keys were chosen for its own objective (DPO's beta is not
+        # SimPO's), so they yield to the new objective's defaults; keys given on the command line still apply.
+        dropped = sorted(k for k in raw["objective"] if k != "name")
+        base = {**base, "objective": {"name": file_name}}
+    if base is not raw:
+        given = _overridden(base, overrides)
+    dropped = [k for k in dropped if k not in given["objective"]]  # not given again on the command line
+    if dropped:
+        log.warning("objective.name=%s replaces %s's objective.name=%s: its objective keys %s are dropped (%s's "
+                    "defaults apply; set them on the command line to keep them)", name, source, file_name,
+                    ", ".join(dropped), name)
     return config_from_dict(given, source=source)
+
+
+def _overridden(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    given = copy.deepcopy(raw)
+    for item in overrides:
+        _apply_override(given, item)
+    return given
+
+
+def _objective_name(raw: dict[str, Any]) -> Any:
+    objective = raw.get("objective")
+    return objective.get("name") if isinstance(objective, dict) else None
 
 
 def _from_hf(raw: dict[str, Any]) -> Any:

@@ -119,16 +119,21 @@ class Generator:
         self.compiles = 0  # traced programs (whole generations, or prefill + decode), for compile-count checks
         self.logps: list[list[float]] = []  # after a batch generation: each returned token's sampling log-prob
 
-    def _start(self, model, tokens, valid, cache_len, key, temperature, top_k, top_p):
+    def _start(self, model, tokens, valid, cache_len, key, temperature, top_k, top_p, group=1):
         """The prefill: the cache of the left-padded prompts, the valid key slots and the first sampled token with
-        its logits."""
+        its logits. ``group`` > 1: each prompt is prefilled once and its cache and logits repeated for its ``group``
+        rows, which then sample apart."""
         b, p = tokens.shape
         key_valid = jnp.concatenate([valid, jnp.ones((b, cache_len - p), bool)], axis=1)  # (B, S)
         positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
         cache = model.init_cache(b, cache_len)
         logits, cache = model(tokens, positions=positions, cache=cache, index=0, key_valid=key_valid)
-        nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, p), temperature, top_k, top_p)
-        return nxt, logits[:, -1], cache, key_valid
+        last = logits[:, -1]
+        if group > 1:  # (L, B, S, K, H) caches: rows are axis 1
+            last, key_valid = jnp.repeat(last, group, axis=0), jnp.repeat(key_valid, group, axis=0)
+            cache = jax.tree.map(lambda c: jnp.repeat(c, group, axis=1), cache)
+        nxt = sample_logits(last, jax.random.fold_in(key, p), temperature, top_k, top_p)
+        return nxt, last, cache, key_valid
 
     @functools.partial(jax.jit, static_argnums=(0, 4, 6, 7, 8))
     def _prefill(self, params, tokens, valid, cache_len, key, temperature, top_k, top_p):
@@ -146,14 +151,18 @@ class Generator:
         nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, index + 1), temperature, top_k, top_p)
         return nxt, cache
 
-    @functools.partial(jax.jit, static_argnums=(0, 4, 5, 8, 9, 10, 11))
-    def _generate(self, params, tokens, valid, cache_len, max_new, key, lengths, temperature, top_k, top_p, stops):
+    @functools.partial(jax.jit, static_argnums=(0, 4, 5, 8, 9, 10, 11, 12))
+    def _generate(self, params, tokens, valid, cache_len, max_new, key, lengths, temperature, top_k, top_p, stops,
+                  group):
         """(B, max_new) tokens, (B, max_new) their log-probs under the tempered distribution (logits / temperature,
-        before top-k/top-p: the distribution a policy-gradient trainer scores), and the positions generated."""
+        before top-k/top-p: the distribution a policy-gradient trainer scores), and the positions generated.
+        ``tokens``: the B / ``group`` distinct prompts, each generating ``group`` rows."""
         self.compiles += 1
         model = merge(self.graphdef, params)
-        b, p = tokens.shape
-        nxt, logits, cache, key_valid = self._start(model, tokens, valid, cache_len, key, temperature, top_k, top_p)
+        p = tokens.shape[1]
+        b = tokens.shape[0] * group
+        nxt, logits, cache, key_valid = self._start(model, tokens, valid, cache_len, key, temperature, top_k, top_p,
+                                                    group)
         stop_ids = jnp.asarray(stops if stops else (-1,), jnp.int32)
         scale = 1.0 if temperature == 0.0 else temperature
         logp = lambda lg, tok: jnp.take_along_axis(jax.nn.log_softmax(lg / scale, -1), tok[:, None], -1)[:, 0]
@@ -181,23 +190,33 @@ class Generator:
     def __call__(self, params: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  eos_id: int | Sequence[int] | None = None, seed: int = 0,
-                 on_step: Callable[[np.ndarray], None] | None = None, keep_stop: bool = False) -> list[list[int]]:
+                 on_step: Callable[[np.ndarray], None] | None = None, keep_stop: bool = False,
+                 group: int = 1) -> list[list[int]]:
         """Generate continuations of ``prompts`` (token ids); returns the new ids per prompt (the stop id excluded,
         unless ``keep_stop``). Without ``on_step``, ``self.logps`` holds each returned token's log-prob under the
         tempered distribution it was sampled from.
 
         ``params``: the model's params, or (adapters, base) for LoRA. ``eos_id``: one or several stop ids.
-        on_step(tokens (B,)) is called after each generated position, for streaming.
+        on_step(tokens (B,)) is called after each generated position, for streaming. ``group``: the prompts come in
+        runs of ``group`` equal ones (GRPO's completions of a prompt): each run is prefilled once (the same tokens as
+        prefilling every row: the rows' logits are equal, the draws are per row).
         """
         max_new_tokens = check_prompts(prompts, self.max_seq_len, max_new_tokens)
+        if group > 1 and on_step is None:
+            if len(prompts) % group or any(list(prompts[i]) != list(prompts[i - i % group])
+                                           for i in range(len(prompts))):
+                raise ValueError(f"generate: group={group} needs the prompts in runs of {group} equal ones")
+        else:
+            group = 1
         longest = max(len(p) for p in prompts)
         p_len = min(bucket(longest), self.max_seq_len)
         cache_len = min(bucket(p_len + max_new_tokens), self.max_seq_len)
         if p_len + max_new_tokens > cache_len:  # a short context: bucket the prompt exactly
             p_len = longest
-        tokens = np.zeros((len(prompts), p_len), np.int32)
-        valid = np.zeros((len(prompts), p_len), bool)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends at slot p_len - 1
+        distinct = prompts[::group]
+        tokens = np.zeros((len(distinct), p_len), np.int32)
+        valid = np.zeros((len(distinct), p_len), bool)
+        for i, p in enumerate(distinct):  # left padding: every prompt ends at slot p_len - 1
             tokens[i, p_len - len(p):] = p
             valid[i, p_len - len(p):] = True
         key = jax.random.key(seed)
@@ -206,7 +225,7 @@ class Generator:
         stops = () if eos_id is None else (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
         if on_step is None:
             ids, logps, n = jax.device_get(self._generate(params, tokens, valid, cache_len, max_new_tokens, key,
-                                                          lengths, *sampling, stops))
+                                                          lengths, *sampling, stops, group))
             out, self.logps = [], []
             for row, row_logps in zip(ids[:, :int(n)], logps[:, :int(n)]):
                 hit = np.flatnonzero(np.isin(row, stops)) if stops else []

@@ -82,7 +82,7 @@ class Rollout:
         greedy = temperature == 0.0
         ids = self.generator(weights, prompt_ids, max_new_tokens=o.max_completion_length, temperature=temperature,
                              top_k=None if greedy else o.top_k, top_p=None if greedy or o.top_p >= 1.0 else o.top_p,
-                             eos_id=self.stops, seed=seed, keep_stop=True)
+                             eos_id=self.stops, seed=seed, keep_stop=True, group=group)
         t1 = time.perf_counter()
         stops = set(self.stops)
         stopped = np.array([bool(c) and c[-1] in stops for c in ids])

@@ -105,7 +105,9 @@ class Sampler(Protocol):
 
     def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,
-                 seed: int = 0, on_step: Any = None, keep_stop: bool = False) -> list[list[int]]: ...
+                 seed: int = 0, on_step: Any = None, keep_stop: bool = False, group: int = 1) -> list[list[int]]:
+        """``group``: the prompts come in runs of ``group`` equal ones, which a sampler may prefill once."""
+        ...
 
 
 class ModelSpec(Protocol):

@@ -108,7 +108,8 @@ class TorchaxGenerator:
 
     def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,
-                 seed: int = 0, on_step: Any = None, keep_stop: bool = False) -> list[list[int]]:
+                 seed: int = 0, on_step: Any = None, keep_stop: bool = False, group: int = 1) -> list[list[int]]:
+        # ``group`` is a hint this sampler does not use: it recomputes every row's prefix at every token anyway
         max_new_tokens = check_prompts(prompts, self.max_seq_len, max_new_tokens)
         longest = max(len(p) for p in prompts)
         length = min(bucket(longest + max_new_tokens), self.max_seq_len)
