@@ -31,7 +31,7 @@ from jaxtune.models.layers import (
     residual_fence,
     run_layers,
     stack_layers,
-    update_cache,
+    write_kv,
 )
 
 ACTIVATIONS = {
@@ -157,8 +157,8 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
         k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
         if kv is not None:
-            kv = (update_cache(kv[0], k, index), update_cache(kv[1], v, index))
-            k, v = kv[0].astype(cd), kv[1].astype(cd)
+            kv, k, v = write_kv(kv, k, v, index)
+            k, v = k.astype(cd), v.astype(cd)
         impl = None if cfg.attention == "auto" else cfg.attention
         y = attention(q, k, v, mask, impl, scale=cfg.query_scale, softcap=cfg.attn_softcap)
         return self.o(y.reshape(b, t, cfg.n_head * cfg.hd), ko), kv

@@ -27,7 +27,7 @@ from jaxtune.models.layers import (
     residual_fence,
     run_layers,
     stack_layers,
-    update_cache,
+    write_kv,
 )
 from jaxtune.models.unsupported import require
 
@@ -110,8 +110,7 @@ class Block(nnx.Module):
         qkv = qkv.reshape(b, t, 3, cfg.n_head, cfg.head_dim)
         q, k, v = (constrain(qkv[:, :, i], ("batch", "seq", "act_heads", None)) for i in range(3))
         if kv is not None:
-            kv = (update_cache(kv[0], k, index), update_cache(kv[1], v, index))
-            k, v = kv
+            kv, k, v = write_kv(kv, k, v, index)
         impl = None if cfg.attention == "auto" else cfg.attention
         y = attention(q, k.astype(cd), v.astype(cd), mask, impl).reshape(b, t, cfg.d_model)
         y = dropout(self.attn_out(y), cfg.dropout, k_attn)

@@ -344,6 +344,23 @@ def update_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Arra
     return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), index, axis=1)
 
 
+def write_kv(kv: tuple, k: jax.Array, v: jax.Array, index: jax.Array) -> tuple[tuple, jax.Array, jax.Array]:
+    """A layer's new keys and values (B, t, N, H) written into its cache at slot ``index``: (the cache as it is
+    passed on, the layer's keys, its values), each (B, S, N, H) in the cache's dtype.
+
+    ``kv`` is (k, v) of this layer alone (a scanned stack hands each layer its slice), or (k, v, layer) of the whole
+    stack, (L, B, S, N, H) each: then the new slots are written into the stack's buffers directly, so a decode step
+    updates the cache in place instead of copying each layer's slice out and back."""
+    if len(kv) == 3:
+        ck, cv, layer = kv
+        at = (layer, 0, index, 0, 0)
+        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+        return (ck, cv, layer), ck[layer], cv[layer]
+    ck, cv = update_cache(kv[0], k, index), update_cache(kv[1], v, index)
+    return (ck, cv), ck, cv
+
+
 def kv_cache(n_layer: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> dict[str, jax.Array]:
     """An empty KV cache {"k", "v"}: (L, B, S, K, H) each, the layout `run_layers` slices per layer."""
     shape = (n_layer, batch, length, kv_heads, head_dim)
@@ -375,7 +392,8 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
                cache: dict[str, jax.Array] | None, layer_args: list | None = None):
     """Apply ``body(layer, x, layer_key, kv, arg) -> (x, kv)`` through the stack; returns (x, cache).
 
-    ``cache``: {"k", "v"} (L, B, S, K, H), each layer's slice passed as ``kv`` and written back.
+    ``cache``: {"k", "v"} (L, B, S, K, H): a scanned stack passes each layer its slice as ``kv``; a loop passes
+    every layer the whole stack and its index, (k, v, i), which the layer writes into (`write_kv`).
     ``layer_args``: one value per layer (e.g. "sliding"/"full"): a Python value in the loop (so the layer is
     specialised), an array stacked over layers under ``scan``. ``remat`` names a policy in REMAT_POLICIES.
     """
@@ -401,12 +419,13 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
 
         for i, layer in enumerate(layers):
             run = wrap(bound(args[i]))
-            x, kv = run(layer, x, None if keys is None else keys[i], None if kvs is None else (kvs[0][i], kvs[1][i]))
-            if kvs is not None:  # write the layer back in place (the cache is donated while decoding)
-                kvs = (kvs[0].at[i].set(kv[0]), kvs[1].at[i].set(kv[1]))
+            # each layer writes its slots into the whole stack's cache (`write_kv`): no slice copied out and back
+            x, kv = run(layer, x, None if keys is None else keys[i], None if kvs is None else (*kvs, i))
+            if kvs is not None:
+                kvs = kv[:2]
     return x, (None if kvs is None else {"k": kvs[0], "v": kvs[1]})
 
 
 __all__ = ["REMAT_POLICIES", "Dense", "Embed", "LayerNorm", "RMSNorm", "Rope", "apply_rope", "attention",
            "attention_mask", "cache_mask", "constrain", "dropout", "kv_cache", "layer_mask", "residual_fence",
-           "run_layers", "stack_layers", "update_cache"]
+           "run_layers", "stack_layers", "update_cache", "write_kv"]
