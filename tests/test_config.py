@@ -162,3 +162,20 @@ def test_identity_diff_reads_an_older_checkpoint_config():
     assert identity_diff(old, cur) == []
     renamed = {**cur, "data": {**cur["data"], "fields": {"messages": "turns"}}}
     assert identity_diff(renamed, cur) == ["data.fields: checkpoint has {'messages': 'turns'}, config has {}"]
+
+
+def test_grpo_old_logps_follow_the_compute_dtype_and_importance_sampling():
+    """GRPO's old log-probs (num_iterations > 1) come from the sampler where it agrees with the trainer to float
+    rounding (float32 compute), from a trainer forward in bfloat16 or when importance sampling needs both; the
+    choice is recorded; importance sampling with the sampler's as the old ones is refused (every ratio would be 1)."""
+    grpo = ["objective.name=grpo", "data.format=prompts", "objective.rewards=[{name: exact_number}]",
+            "objective.num_iterations=2"]
+    assert load_config(None, grpo).objective.old_logps == "sampler"
+    assert load_config(None, [*grpo, "model.compute_dtype=bfloat16"]).objective.old_logps == "trainer"
+    assert load_config(None, [*grpo, "objective.importance_sampling=token_truncate"]).objective.old_logps == "trainer"
+    assert load_config(None, [*grpo, "objective.old_logps=trainer"]).to_dict()["objective"]["old_logps"] == "trainer"
+    assert load_config(None, ["objective.name=dpo", "data.format=preference"]).objective.old_logps is None
+    with pytest.raises(ConfigError, match="needs objective.old_logps=trainer"):
+        load_config(None, [*grpo, "objective.importance_sampling=sequence_mask", "objective.old_logps=sampler"])
+    with pytest.raises(ConfigError, match="importance_sampling_min=2.0 is above"):
+        load_config(None, [*grpo, "objective.importance_sampling_min=2", "objective.importance_sampling_max=1"])

@@ -228,3 +228,36 @@ def test_a_group_is_prefilled_once_and_samples_as_its_rows(model):
     np.testing.assert_allclose(grouped_logps, row_logps, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="runs of 3 equal ones"):
         gen(model[1], prompts[1:] + prompts[:1], group=3, **kw)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_lora_samples_with_its_adapters_merged(scan):
+    """A LoRA model's sampler merges the adapters into a copy of the adapted kernels once per call and samples the
+    graph without adapters: the same greedy tokens and sampled tokens as the adapter graph (log-probs to 1e-5), the
+    adapters and the base untouched, and not the base model's tokens (the adapters count). Layers stacked
+    (model.scan_layers) or not."""
+    from jaxtune import sharding
+    from jaxtune.backends import make_state_spec
+    from jaxtune.config import load_config
+
+    cfg = load_config(None, ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64",
+                             "model.n_head=4", "model.n_kv_head=2", "model.d_ff=128", "model.vocab_size=256",
+                             "model.max_seq_len=64", "model.lora.rank=4", f"model.scan_layers={str(scan).lower()}"])
+    spec = make_state_spec(cfg, 256, sharding.make_mesh(1, 1, 1, jax.devices()[:1]))
+    rng = np.random.default_rng(0)
+    moved = lambda tree, s: jax.tree.map(lambda x: x + jnp.asarray(s * rng.standard_normal(x.shape), x.dtype), tree)
+    adapters, (base,) = moved(spec.init(0).params, 0.3), spec.load_frozen(0)
+    weights = spec.weights(adapters, (base,))
+    before = jax.device_get(weights)
+    merged_gen, adapter_gen = spec.generator(), Generator(spec.graphdef, 64)
+    assert merged_gen.plain is not None
+    prompts = [rng.integers(1, 256, n).tolist() for n in (4, 9, 13)]
+    for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 5}):
+        ids = merged_gen(weights, prompts, max_new_tokens=12, **kw)
+        assert ids == adapter_gen(weights, prompts, max_new_tokens=12, **kw)
+        np.testing.assert_allclose(np.concatenate(merged_gen.logps), np.concatenate(adapter_gen.logps),
+                                   rtol=1e-5, atol=1e-5)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(weights)),
+                                                     jax.tree.leaves(before), strict=True))
+    base_only = merged_gen.plain(base, prompts, max_new_tokens=12)
+    assert base_only != merged_gen(weights, prompts, max_new_tokens=12)

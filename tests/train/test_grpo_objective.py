@@ -52,6 +52,7 @@ objective's loss-and-gradient function is compiled once and, like the train step
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import jax
@@ -64,6 +65,7 @@ from helpers.trl_reference import BOS, EOS, MESH, PAD, TOL, TRL_VERSION, Native,
 
 from jaxtune import sharding
 from jaxtune.config import ObjectiveConfig, TrainConfig
+from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.train.objectives import GRPO, make_objective
 from jaxtune.train.rewards import group_advantages
 from jaxtune.train.rollout import training_rows
@@ -138,9 +140,13 @@ def trl_advantages() -> np.ndarray:
 ADVANTAGES = trl_advantages()
 
 
-def our_batch(old_logps: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """The rollout as the loop lays it out: (N, T) rows, ``advantages``, and (N, T) ``old_logps`` when given."""
-    batch = {**training_rows([prompt_of(i) for i in range(N)], COMPLETIONS, T), "advantages": ADVANTAGES}
+def our_batch(old_logps: np.ndarray | None = None, sampler_logps: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The rollout as the loop lays it out: (N, T) rows, ``advantages``, and (N, T) ``old_logps`` when given; the
+    sampler's log-probs ``sampler_logps`` (N, T) when given, else 0 (no test below corrects with those)."""
+    sampled = [[0.0] * len(c) for c in COMPLETIONS]
+    batch = {**training_rows([prompt_of(i) for i in range(N)], COMPLETIONS, sampled, T), "advantages": ADVANTAGES}
+    if sampler_logps is not None:
+        batch[SAMPLER_LOGPS_KEY] = sampler_logps
     return batch if old_logps is None else {**batch, "old_logps": old_logps}
 
 
@@ -199,6 +205,7 @@ def tokenizer():
 @dataclass
 class GRPOResult(TRLResult):
     old_logps: np.ndarray | None = None  # (N, T): the old checkpoint's log-probs given to TRL, in our rows
+    sampler_logps: np.ndarray | None = None  # (N, T): the "vLLM" log-probs TRL's importance sampling corrected for
 
 
 def trl_logps(trainer, model, inputs) -> torch.Tensor:
@@ -209,10 +216,26 @@ def trl_logps(trainer, model, inputs) -> torch.Tensor:
         return trainer._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].size(1))[0]
 
 
-def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, **config) -> GRPOResult:
+def trl_importance_ratio(old: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor, mode: str,
+                         clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """The importance-sampling ratio GRPOTrainer's ``_generate_and_score_completions`` hands its loss when vLLM
+    sampled (TRL 1.16, ``vllm_importance_sampling_mode``), from the trainer's ``old`` and the sampler's log-probs."""
+    diff = (old - sampled) * mask
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
+def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, importance: dict | None = None,
+             **config) -> GRPOResult:
     """GRPOTrainer (the perturbed policy; with beta > 0 its reference model the unperturbed checkpoint):
     ``compute_loss`` on the rollout, the metrics it logged, the policy's gradients. ``off_policy``: the inputs carry
-    ``old_per_token_logps`` from the old checkpoint (what TRL holds when num_iterations > 1)."""
+    ``old_per_token_logps`` from the old checkpoint (what TRL holds when num_iterations > 1). ``importance``
+    ({mode, clip_min, clip_max}): the old checkpoint's log-probs play the sampler's (vLLM's), corrected as TRL's
+    ``vllm_importance_sampling_correction`` does."""
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
@@ -237,10 +260,20 @@ def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, **confi
         add_fused_lm_head(old_model, temperature=args.temperature)  # as GRPOTrainer patches its own model
         inputs["old_per_token_logps"] = trl_logps(trainer, old_model, inputs)
         old = completion_to_rows(inputs["old_per_token_logps"])
+    sampler = None
+    if importance is not None:  # as GRPOTrainer with vLLM: old log-probs from the policy, the ratio to vLLM's
+        old_model = hf_model(checkpoints["old"])
+        add_fused_lm_head(old_model, temperature=args.temperature)
+        sampled = trl_logps(trainer, old_model, inputs)
+        inputs["old_per_token_logps"] = trl_logps(trainer, trainer.model, inputs)
+        inputs["importance_sampling_ratio"] = trl_importance_ratio(
+            inputs["old_per_token_logps"], sampled, inputs["completion_mask"], **importance)
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+        sampler = completion_to_rows(sampled)
     loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return GRPOResult(loss.item(), metrics, trl_reference.hf_grads(trainer.model), old)
+    return GRPOResult(loss.item(), metrics, trl_reference.hf_grads(trainer.model), old, sampler)
 
 
 # ---------------------------------------------------------------------------------------------------- jaxtune side
@@ -335,6 +368,32 @@ def off_policy_kl(checkpoints, tokenizer, native, tmp_path_factory) -> tuple[Our
     return ours(native, native.policy, our_batch(theirs.old_logps), **keys), theirs
 
 
+@pytest.mark.parametrize("mode, clip_min, clip_max", [("token_truncate", None, 1.05), ("token_mask", 0.3, 3.0),
+                                                     ("sequence_truncate", 0.9, 1.1), ("sequence_mask", None, 10.0)])
+def test_importance_sampling_matches_trl(checkpoints, tokenizer, native, tmp_path, mode, clip_min, clip_max):
+    """objective.importance_sampling (the old checkpoint's log-probs as the sampler's, so ratios != 1): each of
+    TRL's four modes, with dapo and beta = 0.04, gives GRPOTrainer's loss and gradients with its vLLM correction; the
+    bounds cut some ratios (token) or completions (sequence) and leave others; the logged sampler_logp_diff is the
+    mean and max |trainer - sampler| over completion tokens."""
+    bounds = {"clip_min": clip_min, "clip_max": clip_max}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, importance={"mode": mode, **bounds}, beta=0.04,
+                      loss_type="dapo")
+    mine = ours(native, native.policy, our_batch(sampler_logps=theirs.sampler_logps), beta=0.04, loss_type="dapo",
+                importance_sampling=mode, importance_sampling_min=clip_min, importance_sampling_max=clip_max)
+    assert_matches(mine, theirs)
+    assert mine.metrics["importance_sampling_ratio/min"] < mine.metrics["importance_sampling_ratio/max"]
+    lo, hi = mine.metrics["importance_sampling_ratio/min"], mine.metrics["importance_sampling_ratio/max"]
+    near = lambda x, bound: bound is not None and x == pytest.approx(bound, rel=1e-6)
+    cut = near(hi, clip_max) or near(lo, clip_min) or lo == 0.0
+    assert cut, mine.metrics
+    rows = {k: v for k, v in our_batch().items() if k in ("inputs", "targets", "positions", "segment_ids")}
+    policy = np.asarray(jax.jit(native.spec.forward().token_logps)(native.policy, rows))
+    mask = our_batch()["loss_mask"]
+    gap = np.abs(policy - theirs.sampler_logps)[mask > 0]
+    assert mine.metrics["sampler_logp_diff/max"] == pytest.approx(gap.max(), rel=1e-5)
+    assert mine.metrics["sampler_logp_diff/mean"] == pytest.approx(gap.mean(), rel=1e-5)
+
+
 def test_kl_penalty_with_old_logps_matches_trl(off_policy_kl):
     """beta > 0 with ``old_logps``: the KL term weighted by the ratio, as TRL's use_bias_correction_kl: loss and
     gradients equal GRPOTrainer's."""
@@ -370,7 +429,7 @@ def test_micro_batches_give_the_same_update(native, off_policy):
     (one, m1), (two, m2) = out[1], out[2]
     assert float(m1["count"]) == float(m2["count"]) == batch["loss_mask"].sum()
     assert m1["clip_ratio/region_mean"] > 0
-    for k in ("loss", "grad_norm", "kl", *CLIP_METRICS):
+    for k in ("loss", "grad_norm", "kl", *CLIP_METRICS, "sampler_logp_diff/mean", "sampler_logp_diff/max"):
         assert abs(float(m2[k]) - float(m1[k])) <= STEP_TOL * max(abs(float(m1[k])), 1e-30), (k, m1[k], m2[k])
     assert update_error(two, one, state.params) <= STEP_TOL
 

@@ -40,7 +40,9 @@ REST = ["data.format=prompts", "data.chat_template=chatml", "data.seq_len=48", "
 ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_number/mean",
                    "rewards/length/mean", "rewards/length/std", "completions/mean_length", "completions/max_length",
                    "completions/clipped_ratio", "time/generation", "time/rewards", "generation_tok_s")
-OBJECTIVE_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+OBJECTIVE_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                     "sampler_logp_diff/mean", "sampler_logp_diff/max")
+SAMPLER_TOL = 1e-5  # |sampler - trainer| log-prob of a completion token, float32 (two programs: the cache's, the step's)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,7 @@ def test_grpo_trains_with_a_reference_and_reports(grpo):
         assert 1 <= row["completions/mean_length"] <= row["completions/max_length"] <= 16
         assert row["count"] == pytest.approx(row["completions/mean_length"] * 16)  # dapo counts completion tokens
         assert row["tokens"] > row["count"] and 0.0 <= row["pad_fraction"] < 1.0  # prompts too; real tokens only
+        assert row["sampler_logp_diff/max"] <= SAMPLER_TOL, row  # the sampler's log-probs are the trainer's
     assert train_rows[0]["kl"] == 0.0 and train_rows[-1]["kl"] > 0  # the policy leaves its reference
     assert any(r["reward_std"] > 0 for r in train_rows)
     assert [r["step"] for r in eval_rows] == [0, 2, 4]
@@ -135,6 +138,7 @@ def test_torchax_grpo_lora_samples_with_its_own_generator(grpo, tmp_path):
     assert result.step_compiles == len(result.step_lengths) and result.sampler_compiles >= 1
     row = metric_rows(cfg.run_path, "train")[-1]
     assert set(ROLLOUT_METRICS + OBJECTIVE_METRICS) <= set(row) and row["completions/mean_length"] >= 1
+    assert row["sampler_logp_diff/max"] <= SAMPLER_TOL, row
 
 
 def test_grpo_quickstart_as_the_readme_runs_it(quickstart_sft_model, tmp_path, data_cache, capsys):
@@ -162,8 +166,8 @@ def test_grpo_quickstart_as_the_readme_runs_it(quickstart_sft_model, tmp_path, d
 def test_grpo_with_shared_prompts_trains_as_a_row_per_completion(grpo, tmp_path):
     """``data.share_prompts=true`` (each prompt's 4 completions one row, the prompt once): the same completions (the
     sampler does not see the layout) and step 1's loss and gradient norm to float rounding, one program per length
-    met."""
-    base = ["objective.beta=0.04", "train.steps=1", "eval.every=0", "eval.exact_match=0"]
+    met; at temperature 0.7 the sampler's log-probs are the trainer's (of the tempered distribution) in both."""
+    base = ["objective.beta=0.04", "train.steps=1", "eval.every=0", "eval.exact_match=0", "objective.temperature=0.7"]
     shared = load_config(None, [*grpo(*base, "data.share_prompts=true"), f"run_dir={tmp_path / 'shared'}"])
     plain = load_config(None, [*grpo(*base, "data.share_prompts=false"), f"run_dir={tmp_path / 'plain'}"])
     a, b = train(shared), train(plain)
@@ -173,3 +177,5 @@ def test_grpo_with_shared_prompts_trains_as_a_row_per_completion(grpo, tmp_path)
     assert abs(ra["step_loss"] - rb["step_loss"]) <= 1e-6 + 1e-5 * abs(rb["step_loss"])  # a mean of ~0 advantages
     assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)  # the gradients agree too
     assert ra["tokens"] < rb["tokens"]  # the prompt once per group
+    assert ra["sampler_logp_diff/max"] <= SAMPLER_TOL and rb["sampler_logp_diff/max"] <= SAMPLER_TOL, (ra, rb)
+    assert ra["sampler_logp_diff/mean"] > 0  # computed, not a constant: two programs round differently

@@ -152,6 +152,22 @@ def test_user_function_gets_the_batch_and_its_scores_are_used(tmp_path, monkeypa
     assert len(calls) == 2 and calls[0] == (prompts, ["is 12", "no"], rows)  # once per batch, keywords, as given
 
 
+def test_a_reward_marked_accuracy_is_the_held_out_success_criterion(tmp_path, monkeypatch):
+    """``accuracy: true`` makes a user function the success criterion held-out accuracy counts (not only the
+    built-in answer checks); ``accuracy: false`` keeps a built-in check out; two marked rewards are refused."""
+    _module(tmp_path, monkeypatch, """
+        def solved(prompts, completions, rows):
+            return [float(r["answer"] in c) for c, r in zip(completions, rows)]
+        """, "my_rewards_acc")
+    marked = {"name": "my_rewards_acc:solved", "accuracy": True}
+    assert _rewards({"name": "my_rewards_acc:solved"}).accuracy is None  # unmarked: no accuracy to report
+    assert _rewards({"name": "exact_number"}, marked).accuracy == 1  # the marked one, not the first built-in
+    assert _rewards({"name": "exact_number", "accuracy": False}, {"name": "regex", "pattern": "(x)"}).accuracy == 1
+    assert _rewards({"name": "exact_number", "accuracy": False}).accuracy is None
+    with pytest.raises(ValueError, match="2 rewards set accuracy: true"):
+        _rewards(marked, {"name": "exact_number", "accuracy": True})
+
+
 def test_labels_are_unique_even_against_a_function_named_like_a_suffixed_one(tmp_path, monkeypatch):
     _module(tmp_path, monkeypatch, "def format_2(prompts, completions, rows):\n    return [0.0] * len(rows)\n",
             "my_rewards_labels")

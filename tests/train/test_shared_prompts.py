@@ -140,8 +140,9 @@ def test_shared_prompts_follow_the_backend():
 def test_grpo_groups_in_one_row_give_the_separate_rows_loss_and_gradients(loss_type):
     """GRPO's G completions of a prompt as one row (`shared_rows`, advantages (prompts, G)) against a row per
     completion (`training_rows`): the same loss, metrics and gradients, with a KL to a reference (beta 0.04) and old
-    log-probs of other weights (ratios away from 1, clipping active): ``grpo`` sums per completion (per branch),
-    ``dapo`` over every token."""
+    log-probs of other weights (ratios away from 1, clipping active), and an importance-sampling correction against
+    sampler log-probs (a ratio per completion, truncated, with ``grpo``; per token, masked, with ``dapo``): ``grpo``
+    sums per completion (per branch), ``dapo`` over every token."""
     spec = _spec("llama-lora")
     forward, frozen = spec.forward(), spec.load_frozen(0)
     rng = np.random.default_rng(2)
@@ -151,23 +152,33 @@ def test_grpo_groups_in_one_row_give_the_separate_rows_loss_and_gradients(loss_t
     prompt_ids = [p for p in prompts for _ in range(g)]
     completions = [rng.integers(1, V, rng.integers(1, 20)).tolist() for _ in prompt_ids]
     adv = rng.standard_normal(len(prompt_ids)).astype(np.float32)
-    plain = {**training_rows(prompt_ids, completions, T), "advantages": adv}
-    shared = {**shared_rows(prompt_ids, completions, g, T), "advantages": adv.reshape(-1, g)}
-    assert shared["inputs"].shape == (3, g * T) and plain["inputs"].shape == (3 * g, T)
-    objective = GRPO(beta=0.04, loss_type=loss_type, max_completion_length=20, passes=2)
     weights = lambda p: spec.weights(p, frozen)
+    # The sampler's log-probs: the old weights' (the trainer's) and noise, so the importance ratios move about 1.
+    zeros = [[0.0] * len(c) for c in completions]
+    old_rows = np.asarray(forward.token_logps(weights(old_params), training_rows(prompt_ids, completions, zeros, T)))
+    sampled = [(old_rows[i, len(p) - 1:len(p) - 1 + len(c)] + 0.1 * rng.standard_normal(len(c))).tolist()
+               for i, (p, c) in enumerate(zip(prompt_ids, completions))]
+    plain = {**training_rows(prompt_ids, completions, sampled, T), "advantages": adv}
+    shared = {**shared_rows(prompt_ids, completions, sampled, g, T), "advantages": adv.reshape(-1, g)}
+    assert shared["inputs"].shape == (3, g * T) and plain["inputs"].shape == (3 * g, T)
+    # grpo: a per-completion (sequence) ratio, summed per branch; dapo: per token
+    objective = GRPO(beta=0.04, loss_type=loss_type, max_completion_length=20, passes=2,
+                     importance_sampling="sequence_truncate" if loss_type == "grpo" else "token_mask",
+                     importance_sampling_min=0.9, importance_sampling_max=1.1)
     reference = Reference(lambda rows, temperature=1.0: forward.token_logps(weights(spec.init(0).params), rows, None,
                                                                             temperature), jnp.bool_(False))
 
     def loss(p, batch):
         batch = objective.prepare(forward, weights(old_params), {k: jnp.asarray(v) for k, v in batch.items()})
         total, count, metrics = objective(forward, weights(p), batch, None, reference)
-        return total / count, {k: v[0] / v[1] for k, v in metrics.items()}
+        return total / count, {k: v[0] / v[1] if isinstance(v, tuple) else v for k, v in metrics.items()}
 
     (la, ma), ga = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, plain)
     (lb, mb), gb = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, shared)
     assert abs(float(lb - la)) <= 1e-5 * abs(float(la)), (lb, la)
     assert float(ma["clip_ratio/region_mean"]) > 0 and float(ma["kl"]) > 0
+    assert 0 < float(ma["importance_sampling_ratio/mean"]) < 1.1 and float(ma["sampler_logp_diff/max"]) > 0.1
+    assert float(ma["importance_sampling_ratio/min"]) <= 0.9 or float(ma["importance_sampling_ratio/max"]) >= 1.1
     for k in ma:
         assert abs(float(mb[k] - ma[k])) <= 1e-5 * max(abs(float(ma[k])), 1e-6), (k, mb[k], ma[k])
     for x, y in zip(jax.tree.leaves(gb), jax.tree.leaves(ga), strict=True):

@@ -25,6 +25,10 @@ from jaxtune.config.rewards import RewardConfig
 WINDOW_KEYS = ("inputs", "targets")
 ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 BRANCH_KEY = "branch_ids"  # rows that share a prompt: 0 the prompt, k the k-th sequence's completion
+# Sampled completions' rows add, at each completion target, its log-prob under the distribution the sampler drew it
+# from (0 elsewhere): GRPO compares them with the trainer's and may use them as the old log-probs.
+SAMPLER_LOGPS_KEY = "sampler_logps"
+FLOAT_ROW_KEYS = ("loss_mask", SAMPLER_LOGPS_KEY)  # the row arrays that are float32 (the others are int32 ids)
 
 HeldOut = Literal["loss", "pairs", "answers"]
 
@@ -34,7 +38,7 @@ class BatchKind:
     """One kind of training batch.
 
     ``formats``: the ``data.format`` values read as this kind (the first is its canonical one). ``row_keys``: the
-    arrays the step takes, each shaped (*rows, T) int32 (``loss_mask`` float32). ``sequences``: sequences per item of
+    arrays the step takes, each shaped (*rows, T) int32 (`FLOAT_ROW_KEYS` float32). ``sequences``: sequences per item of
     the data (a pretraining window or an SFT row is 1, a preference pair 2; ``None``: the objective's
     ``num_generations`` completions of each prompt). ``item_axis``: the item's sequences keep an axis of their own,
     (B, 2, T) pairs, instead of being flattened to (B * sequences, T) rows. ``extra_keys(objective)``: float32 arrays
@@ -84,7 +88,7 @@ class BatchKind:
         rows (``shared``: rows of the item's prompt once and its completions, ``sequences x seq_len`` positions)."""
         rows = self.rows(items, objective, shared)
         length = seq_len * self.sequences_per_item(objective) if shared else seq_len
-        out = {k: ((*rows, length), "float32" if k == "loss_mask" else "int32") for k in self.step_keys(shared)}
+        out = {k: ((*rows, length), "float32" if k in FLOAT_ROW_KEYS else "int32") for k in self.step_keys(shared)}
         extra_rows = (items, self.sequences_per_item(objective)) if shared else self.rows(items, objective)
         out.update({k: (extra_rows, "float32") for k in self.extra_keys(objective)})
         return out
@@ -103,8 +107,8 @@ PAIRS = BatchKind(
     extra_keys=lambda obj: ("ref_logps",) if obj.uses_reference and obj.precompute_ref_logps else ())
 PROMPTS = BatchKind(
     "prompts", ("prompts",), "prompts with their answer fields; the loop samples num_generations completions of each",
-    sequences=None, held_out="answers", generates=True, extra_keys=lambda obj: ("advantages",), unit="prompts",
-    shares_prompt=True)
+    row_keys=(*ROW_KEYS, SAMPLER_LOGPS_KEY), sequences=None, held_out="answers", generates=True,
+    extra_keys=lambda obj: ("advantages",), unit="prompts", shares_prompt=True)
 
 BATCH_KINDS: dict[str, BatchKind] = {k.name: k for k in (WINDOWS, ROWS, PAIRS, PROMPTS)}
 KIND_OF_FORMAT: dict[str, BatchKind] = {f: k for k in BATCH_KINDS.values() for f in k.formats}
@@ -135,7 +139,9 @@ class ObjectiveKind:
 
 _GRPO_KEYS = frozenset({"beta", "loss_type", "num_generations", "max_completion_length", "temperature", "top_p",
                         "top_k", "epsilon", "epsilon_high", "scale_rewards", "num_iterations", "rewards",
-                        "reward_errors"})
+                        "reward_errors", "old_logps", "importance_sampling", "importance_sampling_max",
+                        "importance_sampling_min"})
+IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("cross_entropy", (WINDOWS, ROWS), "next-token cross-entropy on the tokens with loss (pretraining "
                   "text, fine-tuning rows)"),
@@ -205,6 +211,20 @@ class ObjectiveConfig(Section):
     reward_errors: Literal["raise", "zero"] = Field("raise", description="grpo: a reward function that raises or "
                                                     "returns NaN stops training (raise, naming it and the row) or "
                                                     "scores that completion 0, counted (zero)")
+    old_logps: Literal["sampler", "trainer"] | None = Field(
+        None, description="grpo with num_iterations > 1: where the old policy's log-probs come from: the sampler's "
+        "own, returned with each token (no extra forward pass), or a trainer forward before the first update "
+        "(default: sampler when model.compute_dtype is float32, where the two agree to float rounding; trainer "
+        "otherwise). Every step logs sampler_logp_diff/mean and /max, |sampler - trainer| over completion tokens")
+    importance_sampling: Literal[IMPORTANCE_SAMPLING] = Field(
+        "off", description="grpo: correct for the sampler's distribution differing from the trainer's (bfloat16, "
+        "other programs) with the ratio r = pi_trainer / pi_sampler of each token (token_*) or each completion "
+        "(sequence_*: the product over its tokens), cut to [importance_sampling_min, importance_sampling_max] "
+        "(*_truncate) or zeroed outside it (*_mask), multiplying each token's loss (TRL's "
+        "vllm_importance_sampling_mode)")
+    importance_sampling_max: float | None = Field(3.0, gt=0, description="grpo: the ratio's upper bound C_max")
+    importance_sampling_min: float | None = Field(None, ge=0, description="grpo: the ratio's lower bound C_min "
+                                                  "(default none)")
 
     @model_validator(mode="before")
     @classmethod
@@ -267,6 +287,13 @@ class ObjectiveConfig(Section):
             raise ValueError("objective.label_smoothing applies to loss_type=sigmoid only")
         if self.beta == 0 and spec.reference != "when_beta":
             raise ValueError(f"objective.beta must be > 0 for objective.name={self.name}")
+        lo, hi = self.importance_sampling_min, self.importance_sampling_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"objective.importance_sampling_min={lo} is above importance_sampling_max={hi}")
+        marked = [r.name for r in self.rewards if r.accuracy]
+        if len(marked) > 1:
+            raise ValueError(f"objective.rewards: {len(marked)} rewards set accuracy: true ({', '.join(marked)}); "
+                             "held-out accuracy follows one success criterion, so mark one")
         if self.generates and not self.rewards:
             raise ValueError(f"objective.name={self.name} needs at least one reward function in objective.rewards, "
                              "e.g. [{name: exact_number, field: answer}]")

@@ -31,6 +31,10 @@ class RewardConfig(Section):
                                    "objective.max_completion_length)")
     buffer: int | None = Field(None, ge=1, description="length: the tokens before max_tokens over which the penalty "
                                "grows (default max_tokens / 4)")
+    accuracy: bool | None = Field(None, description="true: this reward is the success criterion, and held-out "
+                                  "accuracy is the share of held-out prompts it scores at least 1 (default: the "
+                                  "first built-in reward that checks the answer, exact_number or regex; false: "
+                                  "never this one)")
 
     @property
     def builtin(self) -> bool:

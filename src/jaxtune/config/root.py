@@ -56,6 +56,21 @@ class Config(Section):
         return self.model_copy(update={"data": self.data.model_copy(update={"share_prompts": False})})
 
     @model_validator(mode="after")
+    def _old_logps(self) -> Config:
+        """GRPO's old log-probs come from the sampler where they are the trainer's to float rounding (float32
+        compute), else from a trainer forward; the resolved choice is what config.yaml records."""
+        obj = self.objective
+        corrects = obj.importance_sampling != "off"  # needs the trainer's old log-probs beside the sampler's
+        if corrects and obj.old_logps == "sampler" and obj.num_iterations > 1:
+            raise ValueError("objective.importance_sampling corrects the sampler's log-probs with the trainer's: "
+                             "with num_iterations > 1 it needs objective.old_logps=trainer (sampler makes every "
+                             "ratio 1)")
+        if not obj.generates or obj.old_logps is not None:
+            return self
+        source = "sampler" if self.model.compute_dtype == "float32" and not corrects else "trainer"
+        return self.model_copy(update={"objective": obj.model_copy(update={"old_logps": source})})
+
+    @model_validator(mode="after")
     def _objective_matches_data(self) -> Config:
         """The objective trains on the batch kind ``data.format`` makes (`jaxtune.config.kinds`)."""
         kind, obj = self.data.kind, self.objective

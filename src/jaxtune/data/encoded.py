@@ -75,7 +75,8 @@ class PackedRows:
         return out
 
 
-def shared_row(sequences: list[tuple[np.ndarray, np.ndarray]], prompt: int, length: int) -> dict[str, np.ndarray]:
+def shared_row(sequences: list[tuple[np.ndarray, np.ndarray]], prompt: int, length: int,
+               values: dict[str, list[np.ndarray]] | None = None) -> dict[str, np.ndarray]:
     """Sequences (ids, loss mask) that start with the same ``prompt`` tokens, as one row of ``length`` positions: the
     prompt's positions once (branch 0), then each sequence's own (branch k = 1, 2, ...), then padding (segment 0).
 
@@ -84,23 +85,27 @@ def shared_row(sequences: list[tuple[np.ndarray, np.ndarray]], prompt: int, leng
     there: the row holds positions 0..P-2 once, and each branch its positions P-1..n-2 with the same position
     numbers, inputs, targets and loss as its own row would have. Under the branch mask
     (`jaxtune.models.layers.attention_mask`) each position sees exactly what it sees in its own row, so the
-    log-probs are the separate rows' (to float rounding)."""
+    log-probs are the separate rows' (to float rounding). ``values``: {key: per sequence, a float per token like its
+    ids}, placed at the positions whose target that token is, like the loss mask (0 elsewhere)."""
+    values = values or {}
     out = {k: np.zeros(length, np.int32) for k in ("inputs", "targets", "positions", "segment_ids", BRANCH_KEY)}
-    out["loss_mask"] = np.zeros(length, np.float32)
-    ids0, mask0 = sequences[0]
+    out.update({k: np.zeros(length, np.float32) for k in ("loss_mask", *values)})
     start = max(prompt - 1, 0)  # the first position that belongs to a branch
 
-    def put(at: int, ids: np.ndarray, mask: np.ndarray, lo: int, hi: int, branch: int) -> int:
+    def put(at: int, i: int, lo: int, hi: int, branch: int) -> int:
+        ids, mask = sequences[i]
         n = hi - lo
         out["inputs"][at:at + n] = ids[lo:hi]
         out["targets"][at:at + n] = ids[lo + 1:hi + 1]
         out["loss_mask"][at:at + n] = mask[lo + 1:hi + 1]
+        for k, per_sequence in values.items():
+            out[k][at:at + n] = per_sequence[i][lo + 1:hi + 1]
         out["positions"][at:at + n] = np.arange(lo, hi)
         out["segment_ids"][at:at + n] = 1
         out[BRANCH_KEY][at:at + n] = branch
         return at + n
 
-    at = put(0, ids0, mask0, 0, start, 0)
-    for branch, (ids, mask) in enumerate(sequences, 1):
-        at = put(at, ids, mask, start, len(ids) - 1, branch)
+    at = put(0, 0, 0, start, 0)
+    for branch, (ids, _) in enumerate(sequences, 1):
+        at = put(at, branch - 1, start, len(ids) - 1, branch)
     return out

@@ -8,6 +8,7 @@ LoRA model's params split into (adapters, frozen base) by `jaxtune.models.regist
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,24 @@ def merge_adapters(adapters: Any, base: Any, spec: LoraSpec) -> Any:
         target = _node(merged, path)
         w = target["kernel"]
         target["kernel"] = (w.astype(jnp.float32) + lora_delta(node["lora_a"], node["lora_b"], spec)).astype(w.dtype)
+    return merged
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _merged_kernels(adapters: Any, kernels: tuple, spec: LoraSpec) -> tuple:
+    nodes = [node for _, node in _adapter_nodes(adapters)]
+    return tuple((w.astype(jnp.float32) + lora_delta(n["lora_a"], n["lora_b"], spec)).astype(w.dtype)
+                 for w, n in zip(kernels, nodes))
+
+
+def merged_weights(adapters: Any, base: Any, spec: LoraSpec) -> Any:
+    """`merge_adapters` on device for sampling: only the adapted kernels are computed anew (one compiled program);
+    every other array is the base's own, not copied. The trained adapters are untouched."""
+    paths = [path for path, _ in _adapter_nodes(adapters)]
+    kernels = _merged_kernels(adapters, tuple(_node(base, p)["kernel"] for p in paths), spec)
+    merged = jax.tree.map(lambda x: x, base)
+    for path, kernel in zip(paths, kernels):
+        _node(merged, path)["kernel"] = kernel
     return merged
 
 

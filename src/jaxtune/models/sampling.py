@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtune.models.layers import LoraSpec
+from jaxtune.models.lora import merged_weights
 from jaxtune.models.registry import merge
 
 log = logging.getLogger(__name__)
@@ -113,11 +115,20 @@ class Generator:
     ``fold_in(key(seed), prompt bucket + t)``, so they sample the same tokens.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, max_seq_len: int):
+    def __init__(self, graphdef: nnx.GraphDef, max_seq_len: int,
+                 merged: tuple[nnx.GraphDef, LoraSpec] | None = None):
         self.graphdef = graphdef
         self.max_seq_len = max_seq_len
-        self.compiles = 0  # traced programs (whole generations, or prefill + decode), for compile-count checks
+        self.traces = 0  # traced programs (whole generations, or prefill + decode), for compile-count checks
         self.logps: list[list[float]] = []  # after a batch generation: each returned token's sampling log-prob
+        # LoRA: (the graph without adapters, their spec): weights (adapters, base) are merged once per call
+        # (`merged_weights`) and sampled by that graph, without the adapters' matmuls on every token
+        self.plain = None if merged is None else Generator(merged[0], max_seq_len)
+        self.lora = None if merged is None else merged[1]
+
+    @property
+    def compiles(self) -> int:
+        return self.traces + (self.plain.compiles if self.plain is not None else 0)
 
     def _start(self, model, tokens, valid, cache_len, key, temperature, top_k, top_p, group=1):
         """The prefill: the cache of the left-padded prompts, the valid key slots and the first sampled token with
@@ -137,14 +148,14 @@ class Generator:
 
     @functools.partial(jax.jit, static_argnums=(0, 4, 6, 7, 8))
     def _prefill(self, params, tokens, valid, cache_len, key, temperature, top_k, top_p):
-        self.compiles += 1
+        self.traces += 1
         nxt, _, cache, key_valid = self._start(merge(self.graphdef, params), tokens, valid, cache_len, key,
                                                temperature, top_k, top_p)
         return nxt, cache, key_valid
 
     @functools.partial(jax.jit, static_argnums=(0, 7, 8, 9), donate_argnums=(2,))
     def _decode(self, params, cache, key_valid, token, position, index, temperature, top_k, top_p, key):
-        self.compiles += 1
+        self.traces += 1
         model = merge(self.graphdef, params)
         logits, cache = model(token[:, None], positions=position[:, None], cache=cache, index=index,
                               key_valid=key_valid)
@@ -157,7 +168,7 @@ class Generator:
         """(B, max_new) tokens, (B, max_new) their log-probs under the tempered distribution (logits / temperature,
         before top-k/top-p: the distribution a policy-gradient trainer scores), and the positions generated.
         ``tokens``: the B / ``group`` distinct prompts, each generating ``group`` rows."""
-        self.compiles += 1
+        self.traces += 1
         model = merge(self.graphdef, params)
         p = tokens.shape[1]
         b = tokens.shape[0] * group
@@ -196,11 +207,17 @@ class Generator:
         unless ``keep_stop``). Without ``on_step``, ``self.logps`` holds each returned token's log-prob under the
         tempered distribution it was sampled from.
 
-        ``params``: the model's params, or (adapters, base) for LoRA. ``eos_id``: one or several stop ids.
+        ``params``: the model's params, or (adapters, base) for LoRA (merged first, with ``merged``). ``eos_id``: one or several stop ids.
         on_step(tokens (B,)) is called after each generated position, for streaming. ``group``: the prompts come in
         runs of ``group`` equal ones (GRPO's completions of a prompt): each run is prefilled once (the same tokens as
         prefilling every row: the rows' logits are equal, the draws are per row).
         """
+        if self.plain is not None and isinstance(params, (tuple, list)):  # LoRA: merged into a temporary copy
+            out = self.plain(merged_weights(params[0], params[1], self.lora), prompts, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed,
+                             on_step=on_step, keep_stop=keep_stop, group=group)
+            self.logps = self.plain.logps
+            return out
         max_new_tokens = check_prompts(prompts, self.max_seq_len, max_new_tokens)
         if group > 1 and on_step is None:
             if len(prompts) % group or any(list(prompts[i]) != list(prompts[i - i % group])

@@ -73,7 +73,7 @@ class Rewards:
         self._policy = policy
         self.labels = [f.label for f in functions]
         self.weights = np.asarray(weights, np.float32)  # (K,)
-        self.accuracy = accuracy  # index of the first answer-checking reward, or None
+        self.accuracy = accuracy  # index of the reward held-out accuracy counts (`RewardConfig.accuracy`), or None
 
     def score(self, prompts: list, completions: list[str], rows: list[dict], lengths: list[int],
               where: list[str]) -> Scores:
@@ -141,7 +141,10 @@ def make_rewards(cfg: ObjectiveConfig) -> Rewards:
             functions.append(_Function(label, BUILTINS[r.name].make(r, cfg, key, label), None))
         else:
             functions.append(_Function(label, None, _import(r.name, f"{key}.name")))
-    accuracy = next((i for i, r in enumerate(cfg.rewards) if r.builtin and BUILTINS[r.name].judges_answer), None)
+    accuracy = next((i for i, r in enumerate(cfg.rewards) if r.accuracy), None)  # the one marked, else the first
+    if accuracy is None:  # built-in that checks the answer and is not marked false
+        accuracy = next((i for i, r in enumerate(cfg.rewards)
+                         if r.builtin and BUILTINS[r.name].judges_answer and r.accuracy is None), None)
     return Rewards(functions, [r.weight for r in cfg.rewards], accuracy, cfg.reward_errors)
 
 

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxtune.config import Config, ConfigError
+from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.data import PromptRows, Tokenizer, stop_ids
 from jaxtune.data.encoded import shared_row
 from jaxtune.train.rewards import Rewards, Scores, group_advantages, make_rewards
@@ -52,6 +53,7 @@ class Completions:
     rows: list[int]  # per completion: its prompt's row in the source
     scores: Scores
     stopped: np.ndarray  # (N,) bool: ended with a stop id (else cut at max_completion_length)
+    logps: list[list[float]]  # per completion: each new id's log-prob under the distribution it was drawn from
 
     @property
     def lengths(self) -> np.ndarray:
@@ -78,6 +80,7 @@ class Rollout:
         """``group`` completions of each of the prompts ``rows`` of ``source`` (temperature 0: greedy), scored."""
         o = self.cfg.objective
         prompt_ids = [source.ids(r) for r in rows for _ in range(group)]
+        jax.block_until_ready(weights)  # the previous update: its time is the step's, not the sampler's
         t0 = time.perf_counter()
         greedy = temperature == 0.0
         ids = self.generator(weights, prompt_ids, max_new_tokens=o.max_completion_length, temperature=temperature,
@@ -93,11 +96,12 @@ class Rollout:
                                     [source.where(r) for r in expanded])
         self.timings = {"generation": t1 - t0, "rewards": time.perf_counter() - t1,
                         "generated_tokens": float(sum(len(c) for c in ids))}
-        return Completions(prompt_ids, ids, texts, expanded, scores, stopped)
+        return Completions(prompt_ids, ids, texts, expanded, scores, stopped, self.generator.logps)
 
     def held_out(self, weights: Any, source: PromptRows, count: int, seed: int) -> tuple[Completions, dict[str, float]]:
         """The first ``count`` prompts of ``source`` answered greedily and scored: the mean total ``reward`` and
-        ``accuracy``, the share the first answer-checking reward (`Rewards.accuracy`) scores 1 (if there is one)."""
+        ``accuracy``, the share the success criterion (`Rewards.accuracy`: the reward marked ``accuracy: true``, else
+        the first built-in answer check) scores at least 1 (if there is one)."""
         done = self.sample(weights, source, list(range(count)), group=1, temperature=0.0, seed=seed)
         scores = {"reward": float(done.scores.total.mean())}
         if self.rewards.accuracy is not None:
@@ -113,9 +117,9 @@ class Rollout:
                            temperature=o.temperature, seed=rollout_seed(self.cfg.train.seed, step))
         advantages = group_advantages(done.scores.total, o.num_generations, o.scale_rewards).astype(np.float32)
         if self.cfg.data.shares_prompts:  # a row per prompt: its prompt once, then its group's completions
-            rows = shared_rows(done.prompt_ids, done.ids, o.num_generations, self.cfg.data.seq_len)
+            rows = shared_rows(done.prompt_ids, done.ids, done.logps, o.num_generations, self.cfg.data.seq_len)
             return {**rows, "advantages": advantages.reshape(-1, o.num_generations)}, self.metrics(done)
-        rows = training_rows(done.prompt_ids, done.ids, self.cfg.data.seq_len)
+        rows = training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len)
         return {**rows, "advantages": advantages}, self.metrics(done)
 
     def metrics(self, done: Completions) -> dict[str, float]:
@@ -148,13 +152,15 @@ def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer) -> Rollo
     return Rollout(cfg, generator, tokenizer, make_rewards(cfg.objective), chat)
 
 
-def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], seq_len: int) -> dict[str, np.ndarray]:
+def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], logps: list[list[float]],
+                  seq_len: int) -> dict[str, np.ndarray]:
     """(N, seq_len) rows of prompt then completion: ``inputs`` and ``targets`` shifted by one, ``positions`` from
-    0, ``segment_ids`` 1 (0: padding) and ``loss_mask`` on the targets that are completion tokens."""
+    0, ``segment_ids`` 1 (0: padding), ``loss_mask`` on the targets that are completion tokens and
+    ``sampler_logps`` there, each completion token's sampling log-prob (``logps``)."""
     n = len(prompt_ids)
     out = {"inputs": np.zeros((n, seq_len), np.int32), "targets": np.zeros((n, seq_len), np.int32),
            "positions": np.zeros((n, seq_len), np.int32), "segment_ids": np.zeros((n, seq_len), np.int32),
-           "loss_mask": np.zeros((n, seq_len), np.float32)}
+           "loss_mask": np.zeros((n, seq_len), np.float32), SAMPLER_LOGPS_KEY: np.zeros((n, seq_len), np.float32)}
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         _check_fits(i, p, c, seq_len)
         seq = list(p) + list(c)
@@ -164,22 +170,25 @@ def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], 
         out["positions"][i, :m] = np.arange(m)
         out["segment_ids"][i, :m] = 1
         out["loss_mask"][i, len(p) - 1:m] = 1.0
+        out[SAMPLER_LOGPS_KEY][i, len(p) - 1:m] = logps[i]
     return out
 
 
-def shared_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], group: int,
+def shared_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], logps: list[list[float]], group: int,
                 seq_len: int) -> dict[str, np.ndarray]:
     """(N / group, group x seq_len) rows, one per prompt: the prompt's positions once, then each of its ``group``
-    completions as a branch (`jaxtune.data.encoded.shared_row`), the loss mask on the completions' tokens."""
+    completions as a branch (`jaxtune.data.encoded.shared_row`), the loss mask and ``sampler_logps`` on the
+    completions' tokens."""
     n = len(prompt_ids)
     rows = []
     for g in range(0, n, group):
-        sequences = []
+        sequences, sampled = [], []
         for i in range(g, g + group):
             p, c = prompt_ids[i], completion_ids[i]
             _check_fits(i, p, c, seq_len)
             sequences.append((np.asarray([*p, *c], np.int32), np.arange(len(p) + len(c)) >= len(p)))
-        rows.append(shared_row(sequences, len(prompt_ids[g]), group * seq_len))
+            sampled.append(np.concatenate([np.zeros(len(p), np.float32), np.asarray(logps[i], np.float32)]))
+        rows.append(shared_row(sequences, len(prompt_ids[g]), group * seq_len, {SAMPLER_LOGPS_KEY: sampled}))
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 

@@ -102,6 +102,7 @@ class Sampler(Protocol):
 
     compiles: int
     max_seq_len: int  # the context prompt and new tokens share
+    logps: list[list[float]]  # after a call: each returned id's log-prob under the (tempered) distribution sampled
 
     def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,

@@ -20,6 +20,7 @@ import optax
 from jaxtune import sharding
 from jaxtune.config import Config, TrainConfig
 from jaxtune.train.objectives import Metrics, Objective, make_objective
+from jaxtune.train.objectives.base import combine_metrics, extreme, metrics_identity
 from jaxtune.train.reference import ReferenceModel, step_reference
 from jaxtune.train.state import Batch, Forward, ModelSpec, TrainState
 
@@ -50,9 +51,9 @@ def _split_micro(batch: Batch, n: int) -> Batch:
 
 def per_unit(metrics: Metrics, count: jax.Array) -> dict[str, jax.Array]:
     """An objective's summed metrics as means: each sum over the loss's ``count``, or a (sum, count) pair over its
-    own."""
-    return {k: v[0] / jnp.maximum(v[1], 1.0) if isinstance(v, tuple) else v / jnp.maximum(count, 1.0)
-            for k, v in metrics.items()}
+    own; an extreme (``.../max``, ``.../min``) as it is."""
+    return {k: v if extreme(k) else v[0] / jnp.maximum(v[1], 1.0) if isinstance(v, tuple)
+            else v / jnp.maximum(count, 1.0) for k, v in metrics.items()}
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *,
@@ -79,13 +80,14 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
                 i, mb = xs
                 key = None if step_key is None else jax.random.fold_in(step_key, i)
                 (l, (n, m)), g = grad_fn(params, mb, key, frozen)
-                return jax.tree.map(jnp.add, carry, (g, l, n, m)), None
+                summed = jax.tree.map(jnp.add, carry[:3], (g, l, n))
+                return (*summed, combine_metrics(carry[3], m)), None
 
             first = jax.tree.map(lambda x: x[0], micro_batch)
             aux = jax.eval_shape(lambda: loss_fn(params, first, step_key, frozen))
-            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (params, aux[0], *aux[1]))
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (params, aux[0], aux[1][0]))
             xs = (jnp.arange(micro_batches), micro_batch)
-            (grads, loss_sum, count, extra), _ = jax.lax.scan(micro, zeros, xs)
+            (grads, loss_sum, count, extra), _ = jax.lax.scan(micro, (*zeros, metrics_identity(aux[1][1])), xs)
         denom = jnp.maximum(count, 1.0)
         return loss_sum / denom, count, per_unit(extra, count), jax.tree.map(lambda g: g / denom, grads)
 
@@ -196,7 +198,7 @@ class Steps:
         for b in batches:
             s, n, m = jax.device_get(self.eval(params, sharding.global_batch(self.spec.mesh, b), frozen))
             total, count = total + float(s), count + float(n)
-            sums = m if not sums else jax.tree.map(lambda a, b: a + b, sums, m)
+            sums = m if not sums else combine_metrics(sums, m)
         denom = max(count, 1.0)
         return EvalResult(total / denom, count, {k: float(v) for k, v in per_unit(sums, denom).items()})
 

@@ -98,13 +98,15 @@ class TorchaxGenerator:
         self.model = model
         self.max_seq_len = max_seq_len
         self.compiles = 0
+        self.logps: list[list[float]] = []  # after a call: each returned id's log-prob (tempered distribution)
         self._next = jax.jit(self._next_impl, static_argnums=(4, 5, 6))
 
     def _next_impl(self, weights, tokens, lengths, key, temperature, top_k, top_p):
         self.compiles += 1
         logits = self.model.logits(weights, tokens)  # (B, L, V)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return sample_logits(last, key, temperature, top_k, top_p)
+        ids = sample_logits(last, key, temperature, top_k, top_p)
+        return ids, token_logps(tempered(last.astype(jnp.float32), temperature or 1.0), ids)
 
     def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,
@@ -121,12 +123,16 @@ class TorchaxGenerator:
         sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
         out: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
+        logps = []  # (B,) per position
         for t in range(max_new_tokens):
-            ids = np.asarray(self._next(weights, tokens, lengths, jax.random.fold_in(key, t), *sampling))
+            ids, logp = jax.device_get(self._next(weights, tokens, lengths, jax.random.fold_in(key, t), *sampling))
+            logps.append(logp)
             if collect(ids, out, done, eos_id, on_step, keep_stop) or t == max_new_tokens - 1:
                 break
             tokens[np.arange(len(prompts)), lengths] = ids
             lengths = lengths + 1
+        by_row = np.stack(logps, axis=1)  # a row's ids are its first len(ids) sampled positions
+        self.logps = [by_row[i, :len(ids)].tolist() for i, ids in enumerate(out)]
         return out
 
 

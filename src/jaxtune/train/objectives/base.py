@@ -4,7 +4,9 @@ It returns ``(summed loss, count, metrics)``: the loss summed over its units (to
 sequence pairs for a preference loss), how many units counted, and extra scalars as sums over the same units, or as
 (sum, count) pairs when a metric has units of its own (GRPO's per-token KL beside a per-sequence loss). The step
 divides each sum by its count accumulated over the whole batch (micro-batches included), so a logged metric is a mean
-per unit, at train and eval alike; the loop logs every metric an objective returns.
+per unit, at train and eval alike; the loop logs every metric an objective returns. A metric named ``.../max`` or
+``.../min`` is an extreme instead (`EXTREMES`): the largest (smallest) value over the batch, combined across
+micro-batches by max (min) and never divided.
 
 An objective that trains several passes on one batch (``passes`` > 1: GRPO's ``num_iterations``) has its
 ``prepare(forward, weights, batch) -> batch`` called once before the first pass with the weights as they were (the
@@ -37,6 +39,28 @@ from jaxtune.config import ObjectiveConfig
 from jaxtune.train.state import Batch, Forward
 
 Metrics = dict[str, jax.Array | tuple[jax.Array, jax.Array]]  # a sum (over the loss's count), or (sum, its count)
+EXTREMES = {"/max": (jnp.maximum, -jnp.inf), "/min": (jnp.minimum, jnp.inf)}  # name suffix: (combine, identity)
+
+
+def extreme(name: str) -> tuple[Callable, float] | None:
+    """How metric ``name`` combines over micro-batches and eval batches when it is an extreme (``.../max``,
+    ``.../min``): (combine, identity); None for a sum."""
+    return next((v for k, v in EXTREMES.items() if name.endswith(k)), None)
+
+
+def combine_metrics(a: Metrics, b: Metrics) -> Metrics:
+    """Two parts' metrics as the whole's: sums added, extremes by their max (min)."""
+    out: Metrics = {}
+    for k, v in a.items():
+        how = extreme(k)
+        out[k] = how[0](v, b[k]) if how is not None else jax.tree.map(jnp.add, v, b[k])
+    return out
+
+
+def metrics_identity(metrics: Metrics) -> Metrics:
+    """Zeros shaped like ``metrics`` (the infinities an extreme starts from): what `combine_metrics` starts at."""
+    return {k: jax.tree.map(lambda x, k=k: jnp.full(jnp.shape(x), extreme(k)[1] if extreme(k) else 0,
+                                                    jnp.result_type(x)), v) for k, v in metrics.items()}
 
 
 @dataclass(frozen=True)

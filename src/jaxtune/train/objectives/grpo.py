@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import OBJECTIVES, ObjectiveConfig
-from jaxtune.config.kinds import BRANCH_KEY
+from jaxtune.config.kinds import BRANCH_KEY, SAMPLER_LOGPS_KEY
 from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
@@ -53,13 +53,20 @@ class GRPO:
     temperature: float = 1.0
     max_completion_length: int = 128
     passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
+    old_from_sampler: bool = False  # passes > 1: the batch's sampler log-probs are the old policy's
+    importance_sampling: str = "off"  # TRL's vllm_importance_sampling_mode, or off
+    importance_sampling_max: float | None = 3.0
+    importance_sampling_min: float | None = None
     metric_names: tuple[str, ...] = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
         return cls(beta=cfg.beta_value, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                    loss_type=cfg.loss_type_value, temperature=cfg.temperature,
-                   max_completion_length=cfg.max_completion_length, passes=cfg.passes)
+                   max_completion_length=cfg.max_completion_length, passes=cfg.passes,
+                   old_from_sampler=cfg.old_logps == "sampler", importance_sampling=cfg.importance_sampling,
+                   importance_sampling_max=cfg.importance_sampling_max,
+                   importance_sampling_min=cfg.importance_sampling_min)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -86,8 +93,44 @@ class GRPO:
         return of_token, completions
 
     def prepare(self, forward: Forward, weights: Any, batch: Batch) -> Batch:
-        """Before the first of several passes: the sampling policy's log-probs, fixed for every pass (``old_logps``)."""
+        """Before the first of several passes: the sampling policy's log-probs, fixed for every pass (``old_logps``):
+        the sampler's own (``old_from_sampler``, no forward pass) or the trainer's forward with the weights as they
+        were."""
+        if self.old_from_sampler and SAMPLER_LOGPS_KEY in batch:
+            return {**batch, "old_logps": batch[SAMPLER_LOGPS_KEY]}
         return {**batch, "old_logps": jax.lax.stop_gradient(self.logps(forward, weights, batch, None))}
+
+    def sampler_correction(self, batch: Batch, logps: jax.Array, old: jax.Array, completions: jax.Array,
+                           metrics: Metrics) -> jax.Array | None:
+        """How far the trainer's log-probs ``logps`` are from the sampler's, as metrics (``sampler_logp_diff/mean``
+        and ``/max`` over completion tokens: the first pass's, whose weights sampled), and with
+        ``importance_sampling`` the weight of each token's loss: r = exp(old - sampler) per token, or per completion
+        (the sum over its tokens), truncated to or masked outside [min, max] (TRL's modes), ``old`` being the
+        trainer's log-probs of the policy that sampled. None: no correction."""
+        if SAMPLER_LOGPS_KEY not in batch:
+            return None
+        mask, sampler = batch["loss_mask"], batch[SAMPLER_LOGPS_KEY]
+        diff = jnp.abs(jax.lax.stop_gradient(logps) - sampler) * mask
+        metrics["sampler_logp_diff/mean"] = (jnp.sum(diff), jnp.sum(mask))
+        metrics["sampler_logp_diff/max"] = jnp.max(diff)
+        if self.importance_sampling == "off":
+            return None
+        gap = jax.lax.stop_gradient(old - sampler) * mask
+        if self.importance_sampling.startswith("sequence"):  # each completion's summed gap, on its tokens
+            per = jnp.sum(gap[:, None, :] * completions, -1)  # (rows, completions in a row)
+            gap = jnp.sum(per[:, :, None] * completions, 1)
+        ratio = jnp.exp(gap)
+        lo = -jnp.inf if self.importance_sampling_min is None else self.importance_sampling_min
+        hi = jnp.inf if self.importance_sampling_max is None else self.importance_sampling_max
+        if self.importance_sampling.endswith("truncate"):
+            ratio = jnp.clip(ratio, lo, hi)
+        else:
+            ratio = jnp.where((ratio < lo) | (ratio > hi), 0.0, ratio)
+        tokens = jnp.sum(mask)
+        metrics["importance_sampling_ratio/mean"] = (jnp.sum(ratio * mask), tokens)
+        metrics["importance_sampling_ratio/min"] = jnp.min(jnp.where(mask > 0, ratio, jnp.inf))
+        metrics["importance_sampling_ratio/max"] = jnp.max(jnp.where(mask > 0, ratio, -jnp.inf))
+        return ratio
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
@@ -101,6 +144,9 @@ class GRPO:
         per_token = -jnp.minimum(ratio * adv, clipped * adv)
         tokens = jnp.sum(mask)
         metrics: Metrics = {}
+        weight = self.sampler_correction(batch, logps, old, completions, metrics)
+        if weight is not None:
+            per_token = per_token * weight
         if self.beta > 0:
             if reference is None:
                 raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
