@@ -295,7 +295,7 @@ def main(argv=None) -> dict:
             f"objective.num_generations={args.num_generations}",
             f"objective.max_completion_length={args.max_completion_length}", "objective.temperature=1.0",
             "objective.rewards=[{name: 'grpo_cpu:sevens'}]", "data.format=prompts", "data.sources=[prompts.jsonl]",
-            f"data.seq_len={seq_len}", f"train.batch_size={args.prompts}", f"train.steps={n_steps}",
+            f"data.seq_len={seq_len}", f"objective.prompts_per_step={args.prompts}", f"train.steps={n_steps}",
             f"optim.lr={args.lr}", "optim.b1=0.9", "optim.b2=0.999", "optim.eps=1e-8", "optim.weight_decay=0.0",
             "optim.grad_clip=1.0", "optim.schedule=constant", "optim.warmup_steps=0"]
 

@@ -179,3 +179,21 @@ def test_grpo_old_logps_follow_the_compute_dtype_and_importance_sampling():
         load_config(None, [*grpo, "objective.importance_sampling=sequence_mask", "objective.old_logps=sampler"])
     with pytest.raises(ConfigError, match="importance_sampling_min=2.0 is above"):
         load_config(None, [*grpo, "objective.importance_sampling_min=2", "objective.importance_sampling_max=1"])
+
+
+def test_a_grpo_step_is_counted_in_prompts_by_name():
+    """GRPO's batch is objective.prompts_per_step (prompts, each sampled num_generations times), which sets and is
+    recorded as train.batch_size; train.batch_size alone is refused as ambiguous (TRL counts completions) with the
+    key to use, and the two disagreeing are refused; other objectives keep train.batch_size."""
+    grpo = ["objective.name=grpo", "data.format=prompts", "objective.rewards=[{name: exact_number}]"]
+    cfg = load_config(None, [*grpo, "objective.prompts_per_step=3"])
+    assert cfg.train.batch_size == 3 and cfg.to_dict()["objective"]["prompts_per_step"] == 3
+    assert load_config(None, grpo).objective.prompts_per_step == Config().train.batch_size
+    with pytest.raises(ConfigError, match=r"train.batch_size=4 is ambiguous for objective.name=grpo .* set "
+                                          r"objective.prompts_per_step=4 instead \(4 prompts x 8 completions"):
+        load_config(None, [*grpo, "train.batch_size=4"])
+    with pytest.raises(ConfigError, match="prompts_per_step=3 and train.batch_size=4 disagree"):
+        load_config(None, [*grpo, "objective.prompts_per_step=3", "train.batch_size=4"])
+    assert load_config(None, [*grpo, "objective.prompts_per_step=3", "train.batch_size=3"]).train.batch_size == 3
+    dumped = load_config(None, [*grpo, "objective.prompts_per_step=3"]).to_dict()  # a run's config.yaml: both keys
+    assert Config(**dumped).train.batch_size == 3

@@ -92,11 +92,16 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     steps = run_steps(spec, cfg)
     precomputed = steps.reference is not None and steps.reference.forward is None  # DPO's log-probs, computed below
     rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None
+    if rollout is not None:
+        o = cfg.objective
+        data.report.append(f"grpo: {o.prompts_per_step} prompts x {o.num_generations} completions = "
+                           f"{o.prompts_per_step * o.num_generations} completions a step (objective.prompts_per_step "
+                           "x num_generations)")
     ways = mesh.shape["data"] * mesh.shape["fsdp"]  # sharding.BATCH_AXES
     if rollout is not None and cfg.data.shares_prompts and cfg.train.batch_size % ways:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} prompts: with data.share_prompts each prompt's "
+        raise ConfigError(f"objective.prompts_per_step={cfg.train.batch_size}: with data.share_prompts each prompt's "
                           f"group is one row, and {ways} data-parallel devices need a multiple of {ways} rows; set "
-                          f"train.batch_size to a multiple of {ways}, or data.share_prompts=false (a row per "
+                          f"objective.prompts_per_step to a multiple of {ways}, or data.share_prompts=false (a row per "
                           "completion)")
 
     # Frozen params (a LoRA base, a reference copy) are not in the checkpoint: they are read again. Reference

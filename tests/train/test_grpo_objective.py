@@ -286,7 +286,7 @@ def objective_cfg(**keys) -> ObjectiveConfig:
 
 # A GRPO run, full fine-tuning, AdamW at lr 1e-2 with eps 0.1 (see the module's docstring).
 GRPO_RUN = ("objective.name=grpo", "data.format=prompts", "data.sources=[prompts.jsonl]", f"data.seq_len={T}",
-            "train.batch_size=2", "objective.rewards=[{name: length}]", f"objective.num_generations={GROUP}",
+            "objective.prompts_per_step=2", "objective.rewards=[{name: length}]", f"objective.num_generations={GROUP}",
             f"objective.max_completion_length={MAX_COMPLETION}", "optim.lr=1e-2", "optim.eps=0.1",
             "optim.warmup_steps=0", "train.steps=3")
 

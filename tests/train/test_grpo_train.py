@@ -34,7 +34,7 @@ REST = ["data.format=prompts", "data.chat_template=chatml", "data.seq_len=48", "
         "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
         "objective.name=grpo", "objective.num_generations=4", "objective.max_completion_length=16",
         "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}]",
-        "optim.lr=1e-2", "optim.warmup_steps=0", "optim.schedule=constant", "train.batch_size=4", "train.steps=4",
+        "optim.lr=1e-2", "optim.warmup_steps=0", "optim.schedule=constant", "objective.prompts_per_step=4", "train.steps=4",
         "eval.every=2", "eval.exact_match=8", "checkpoint.every=2", "logging.every=1", "logging.progress=false",
         "logging.tensorboard=false"]
 ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_number/mean",
@@ -148,10 +148,11 @@ def test_grpo_quickstart_as_the_readme_runs_it(quickstart_sft_model, tmp_path, d
     fast = [f"data.cache_dir={data_cache}", "eval.prompts=[]", "logging.progress=false", "logging.tensorboard=false"]
     capsys.readouterr()
     assert main(["train", "grpo-quickstart", f"model.from_hf={model}", f"run_dir={run}", "train.steps=2",
-                 "train.batch_size=2", "eval.every=0", "eval.exact_match=4", "checkpoint.every=2",
+                 "objective.prompts_per_step=2", "eval.every=0", "eval.exact_match=4", "checkpoint.every=2",
                  "logging.every=1", *fast]) == 0
     out = capsys.readouterr().out
     assert "prompt data: 10000 rows ->" in out and "held-out accuracy" in out
+    assert "grpo: 2 prompts x 8 completions = 16 completions a step" in out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["step_compiles"] == len(summary["step_lengths"])  # one program per batch length, none again
     last = metric_rows(run, "eval")[-1]

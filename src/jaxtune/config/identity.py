@@ -57,6 +57,10 @@ def identity_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
             flat["objective.loss_type"] = None
         if flat.get("objective.loss_type") is None:
             flat["objective.loss_type"] = OBJECTIVES[name].default_loss_type if name in OBJECTIVES else None
+        if name == "grpo":  # keys added later, as runs before them behaved: the trainer's old log-probs, and
+            # prompts_per_step the batch size (itself an identity key)
+            flat["objective.old_logps"] = flat.get("objective.old_logps") or "trainer"
+            flat["objective.prompts_per_step"] = flat.get("objective.prompts_per_step") or flat.get("train.batch_size")
     old = {k: a.get(k, defaults.get(k)) for k in b}
     return [f"{k}: checkpoint has {old[k]!r}, config has {b[k]!r}" for k in sorted(b)
             if is_identity_key(k) and old[k] != b[k]]

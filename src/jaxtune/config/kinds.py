@@ -139,7 +139,7 @@ class ObjectiveKind:
 
 _GRPO_KEYS = frozenset({"beta", "loss_type", "num_generations", "max_completion_length", "temperature", "top_p",
                         "top_k", "epsilon", "epsilon_high", "scale_rewards", "num_iterations", "rewards",
-                        "reward_errors", "old_logps", "importance_sampling", "importance_sampling_max",
+                        "reward_errors", "prompts_per_step", "old_logps", "importance_sampling", "importance_sampling_max",
                         "importance_sampling_min"})
 IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
@@ -194,6 +194,10 @@ class ObjectiveConfig(Section):
                                        "before training (stored in the run directory), so no reference model is "
                                        "held while training")
     # grpo
+    prompts_per_step: int | None = Field(
+        None, ge=1, description="grpo: prompts a step samples, each num_generations times: a step trains on "
+        "prompts_per_step x num_generations completions (TRL's batch size counts those completions). It is the "
+        "run's train.batch_size, which a grpo config does not set (default: train.batch_size's default)")
     num_generations: int = Field(8, ge=2, description="grpo: completions sampled per prompt (the group)")
     max_completion_length: int = Field(128, ge=1, description="grpo: new tokens per completion at most")
     temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature (the log-probs are of the same "

@@ -55,6 +55,36 @@ class Config(Section):
                              f"model.backend={self.model.backend} runs HuggingFace's, so set data.share_prompts=false")
         return self.model_copy(update={"data": self.data.model_copy(update={"share_prompts": False})})
 
+    @model_validator(mode="before")
+    @classmethod
+    def _grpo_batch_is_named(cls, data: Any) -> Any:
+        """A GRPO step's batch is counted in prompts (``objective.prompts_per_step``), never as ``train.batch_size``
+        alone: TRL's batch size counts completions, so that number would be read two ways."""
+        if not isinstance(data, dict):
+            return data
+        obj, train = data.get("objective") or {}, data.get("train") or {}
+        if (isinstance(obj, dict) and obj.get("name") == "grpo" and isinstance(train, dict) and "batch_size" in train
+                and obj.get("prompts_per_step") is None):
+            n, g = train["batch_size"], obj.get("num_generations", ObjectiveConfig.model_fields["num_generations"].default)
+            raise ValueError(f"train.batch_size={n} is ambiguous for objective.name=grpo (TRL's batch size counts "
+                             f"completions; here each prompt is sampled num_generations times): set "
+                             f"objective.prompts_per_step={n} instead ({n} prompts x {g} completions a step), and "
+                             "leave train.batch_size unset")
+        return data
+
+    @model_validator(mode="after")
+    def _grpo_prompts_per_step(self) -> Config:
+        """``objective.prompts_per_step`` is GRPO's ``train.batch_size``: either sets the other, both are recorded."""
+        obj, train = self.objective, self.train
+        if not obj.generates:
+            return self
+        if obj.prompts_per_step is None:
+            return self.model_copy(update={"objective": obj.model_copy(update={"prompts_per_step": train.batch_size})})
+        if "batch_size" in train.model_fields_set and train.batch_size != obj.prompts_per_step:
+            raise ValueError(f"objective.prompts_per_step={obj.prompts_per_step} and train.batch_size="
+                             f"{train.batch_size} disagree: for grpo they are one number; set prompts_per_step only")
+        return self.model_copy(update={"train": train.model_copy(update={"batch_size": obj.prompts_per_step})})
+
     @model_validator(mode="after")
     def _old_logps(self) -> Config:
         """GRPO's old log-probs come from the sampler where they are the trainer's to float rounding (float32

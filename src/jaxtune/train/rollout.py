@@ -1,7 +1,7 @@
 """GRPO's rollouts: completions sampled by the run's own generator inside the loop, scored by the reward functions,
 and laid out as the batch the ``grpo`` objective trains on.
 
-Each step takes ``train.batch_size`` prompts (`jaxtune.data.PromptRows` items) and samples ``num_generations``
+Each step takes ``objective.prompts_per_step`` prompts (the run's ``train.batch_size``) (`jaxtune.data.PromptRows` items) and samples ``num_generations``
 completions of each, at most ``max_completion_length`` tokens, with the policy's current weights (``temperature``,
 ``top_p``, ``top_k``). The sampler is the backend's (`ModelSpec.generator`: the native KV-cache generator), whose
 shapes are bucketed: one prefill per prompt-length bucket and one decode step per cache bucket, compiled once each
