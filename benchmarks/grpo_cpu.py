@@ -96,6 +96,7 @@ from jaxtune.config import load_config
 from jaxtune.data import PromptRows, load_tokenizer
 from jaxtune.data.formats import Prompt
 from jaxtune.data.prompts import EncodedPrompt
+from jaxtune.models.sampling import Generator
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import step_reference, with_reference
 from jaxtune.train.rollout import make_rollout
@@ -141,15 +142,21 @@ def text_of(ids: list[int]) -> str:
 
 
 # ---------------------------------------------------------------- jaxtune
-def jaxtune_impl(cfg, prompts: list[list[int]], per_step: int) -> tuple[dict, dict]:
-    """jaxtune's GRPO step as ``train()`` builds and runs it; step ``k`` takes prompts ``k*per_step`` onwards."""
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def jaxtune_impl(cfg, prompts: list[list[int]], per_step: int, merged: bool = True) -> tuple[dict, dict]:
+    """jaxtune's GRPO step as ``train()`` builds and runs it; step ``k`` takes prompts ``k*per_step`` onwards.
+    ``merged`` False (LoRA): sample the adapter graph itself instead of the adapters merged into the weights (what
+    ``spec.generator()`` does), to measure which is faster."""
     t0 = time.perf_counter()
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.data)
     spec = make_state_spec(cfg, None, mesh)
     reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk)
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
-    rollout = make_rollout(cfg, spec.generator(), tokenizer)
+    generator = spec.generator() if merged else Generator(spec.graphdef, spec.model_cfg.max_seq_len)
+    rollout = make_rollout(cfg, generator, tokenizer)
     frozen = with_reference(spec.load_frozen(cfg.train.seed), reference, spec, cfg.train.seed)
     state = spec.init(cfg.train.seed)
     jax.block_until_ready((state, frozen))
@@ -210,11 +217,15 @@ def trl_impl(directory: str, a: argparse.Namespace, beta: float, out_dir: str, p
     reward.__name__ = "sevens"
     data = datasets.Dataset.from_dict({"prompt": [text_of(p) for p in prompts[:per_step]]})
     model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation=a.attn)
+    peft_config = None
+    if a.lora:  # PEFT's LoRA on the same projections as jaxtune's default targets; TRL's reference: adapters off
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=a.lora, lora_alpha=2 * a.lora, lora_dropout=0.0, target_modules=LORA_MODULES)
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=data,
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, peft_config=peft_config)
     trainer.create_optimizer_and_scheduler(num_training_steps=10**6)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer._run_epoch before each step
-    if (trainer.ref_model is not None) != (beta > 0):
+    if not a.lora and (trainer.ref_model is not None) != (beta > 0):
         raise RuntimeError(f"TRL's reference model with beta={beta}: {trainer.ref_model is not None}")
 
     generate = trainer._generate_single_turn
@@ -274,6 +285,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--beta", type=float, nargs="+", default=[0.0],
                     help="KL weights, one setup each (0: no reference model)")
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="LoRA of this rank (alpha 2 x rank) on q k v o gate up down, both sides (PEFT on TRL's); "
+                    "adds a jaxtune row that samples with the adapters unmerged")
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
                     help="transformers' attention (sdpa: its default)")
     h.add_malloc_arg(ap)
@@ -298,13 +312,15 @@ def main(argv=None) -> dict:
             f"data.seq_len={seq_len}", f"objective.prompts_per_step={args.prompts}", f"train.steps={n_steps}",
             f"optim.lr={args.lr}", "optim.b1=0.9", "optim.b2=0.999", "optim.eps=1e-8", "optim.weight_decay=0.0",
             "optim.grad_clip=1.0", "optim.schedule=constant", "optim.warmup_steps=0"]
+    if args.lora:
+        base += [f"model.lora.rank={args.lora}", f"model.lora.alpha={2 * args.lora}"]
 
     impls: dict[str, dict] = {}
     setups: dict[str, dict] = {}  # setup -> {"jaxtune": impl name, "TRL": impl name, "reference": ...}
     setup_s: dict[str, float] = {}
     torch.manual_seed(0)  # TRL's sampling
     for beta in args.beta:
-        setup = f"beta {beta:g}"
+        setup = f"beta {beta:g}" + (f", LoRA r{args.lora}" if args.lora else "")
         cfg = load_config(None, base + [f"objective.beta={beta}"])
         jname, tname = f"jaxtune {setup} (jax.jit)", f"TRL {setup} (eager)"
         impls[jname], js = jaxtune_impl(cfg, prompts, args.prompts)
@@ -312,6 +328,9 @@ def main(argv=None) -> dict:
         impls[tname], ts = trl_impl(model_dir, args, beta, os.path.join(tmp.name, f"trl-{len(impls)}"), prompts,
                                     args.prompts)
         setups[setup] = {"jaxtune": jname, "TRL": tname, "reference": js["reference"], "trl_reference": ts["reference"]}
+        if args.lora:  # the same run sampling through the adapters (no merge): which is faster, measured
+            uname = f"jaxtune {setup}, adapters unmerged in sampling (jax.jit)"
+            impls[uname], _ = jaxtune_impl(cfg, prompts, args.prompts, merged=False)
 
     for im in impls.values():
         im["fn"] = lambda _, st=im["step"]: [st() for _ in range(args.steps)]

@@ -58,7 +58,7 @@ def _eval(args: argparse.Namespace) -> int:
         from jaxtune.data import detect_format  # a model directory has no data.format of its own
 
         overrides.append(f"data.format={detect_format(args.data)}")
-    result = evaluate(args.target, overrides, batches=args.batches, data=args.data)
+    result = evaluate(args.target, overrides, batches=args.batches, data=args.data, reference=args.reference)
     print(json.dumps(result))
     return 0
 
@@ -72,6 +72,14 @@ def _generate(args: argparse.Namespace) -> int:
     tok = run.tokenizer
     if args.chat and tok.chat_template is None:
         raise ConfigError(f"{args.run_dir}: the tokenizer has no chat template, so --chat cannot format prompts")
+    if args.chat is None:  # a run fine-tuned on chat data is asked as it was trained: a prompt is a user turn
+        # (rows of examples, not a text stream: the kinds that bucket their rows)
+        args.chat = tok.chat_template is not None and not run.is_model and run.cfg.data.kind.buckets
+        if args.chat:
+            print(f"{args.run_dir} was trained on chat data: each prompt is a user turn (--no-chat: raw text)",
+                  file=sys.stderr)
+        elif tok.chat_template is not None:
+            print("note: the model has a chat template; --chat makes each prompt a user turn", file=sys.stderr)
     gen = run.spec.generator()
     prompts = [p.encode().decode("unicode_escape") if args.escapes else p for p in args.prompt]
     echo = len(prompts) == 1 and not args.chat  # the prompt, then its continuation as it is produced
@@ -174,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", help="test set (file, glob or hf:NAME) in the run's data.format; a model directory's "
                    "format is read from the first row unless data.format=... is given")
     p.add_argument("--batches", type=int, default=None, help="batches (default: eval.batches, or all of --data)")
+    p.add_argument("--reference", help="DPO: the reference model directory to score against (required for a model "
+                   "directory, e.g. the model it was trained from; a run's own is its starting weights)")
     p.set_defaults(fn=_eval)
 
     p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
@@ -185,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--escapes", action="store_true", help=r"interpret \n and \t in prompts")
-    p.add_argument("--chat", action="store_true", help="each prompt is a user turn, formatted by the chat template; "
-                   "generation stops at the end of the assistant's turn")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="each prompt is a user turn, formatted by the chat template; generation stops at the end of "
+                   "the assistant's turn (default: on for a run fine-tuned on chat data, off otherwise)")
     p.add_argument("--truncate", choices=["left"], default=None, help="left: a prompt that leaves no room for "
                    "--max-new-tokens in the context keeps its last tokens (default: a prompt as long as the context "
                    "is an error, and fewer new tokens are made)")
@@ -234,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="torchax: also run the transformers model through torchax (native vs torchax vs eager)")
     p.set_defaults(fn=_parity)
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides after an option (jaxtune eval M --data F objective.name=dpo) are overrides too
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     runtime.tune_malloc()  # before JAX allocates: see jaxtune.runtime
     runtime.quiet_libtpu()  # before JAX loads libtpu
     try:

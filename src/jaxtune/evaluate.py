@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from jaxtune import sharding
+from jaxtune.backends import make_state_spec
 from jaxtune.config import ConfigError
 from jaxtune.data import make_sequence_batches, make_training_data, test_sequences
 from jaxtune.models.fits import check_fits
@@ -23,14 +24,18 @@ from jaxtune.train.step import jit_steps
 
 
 def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), batches: int | None = None,
-             data: str | None = None) -> dict[str, Any]:
+             data: str | None = None, reference: str | Path | None = None) -> dict[str, Any]:
     """Held-out loss and perplexity of a run's latest checkpoint (or a HuggingFace model directory).
 
     Without ``data``: the run's own held-out split (``eval.batches`` batches). With ``data`` (a file, glob or
     ``hf:`` dataset in the run's ``data.format``): every sequence of it, loss on the tokens the run trains on
-    (the assistant's, for chat data)."""
+    (the assistant's, for chat data). An objective with a reference model (DPO) compares a run with its own
+    reference (its starting weights, or its base with the adapters off); a model directory has none, so
+    ``reference`` (a model directory of the same architecture, e.g. the model it was trained from) is required
+    there, and replaces a full fine-tuning run's own."""
     run = load_run(target, overrides)
     cfg, tok, spec = run.cfg, run.tokenizer, run.spec
+    ref_copy = _reference_weights(run, target, reference)
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
     split = {"process_index": jax.process_index(), "process_count": jax.process_count()}
     size = cfg.train.batch_size
@@ -50,7 +55,7 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     # A reference model is held here even where training precomputed its log-probs: --data pairs have none stored.
     reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk)
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
-    frozen = with_reference(run.frozen, reference, spec, cfg.train.seed)
+    frozen = run.frozen + ref_copy if ref_copy else with_reference(run.frozen, reference, spec, cfg.train.seed)
     shapes = BatchShapes.of(cfg)
     eval_batches = [shapes.fit(b)[0] for b in eval_batches]  # each at its length bucket
     with sharding.use_mesh(spec.mesh):
@@ -59,6 +64,38 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     # A perplexity is exp of a per-token language-model loss; a preference loss has none.
     ppl = {"perplexity": perplexity(result.loss)} if kind.held_out == "loss" else {}
     return {"step": run.step, "loss": result.loss, **ppl, kind.unit: result.count, **result.metrics, **extra}
+
+
+def _reference_weights(run: LoadedRun, target: str | Path, reference: str | Path | None) -> tuple:
+    """(the reference model's params,) from ``reference``, or () to use the run's own; refuses a model directory
+    evaluated against itself, and a reference the run cannot take."""
+    cfg = run.cfg
+    compares = cfg.objective.uses_reference and cfg.data.kind.held_out == "pairs"
+    if reference is None:
+        if compares and run.is_model:
+            raise ConfigError(f"{target} is a model, not a run: objective.name={cfg.objective.name} scores it against "
+                              "a reference model, and the only one here is the model itself (loss log 2 and rewards "
+                              "0 whatever it learned); pass --reference MODEL_DIR, the model it was trained from")
+        return ()
+    if not compares:
+        raise ConfigError(f"--reference {reference}: objective.name={cfg.objective.name} compares with no reference "
+                          "model; drop --reference, or evaluate with objective.name=dpo")
+    if run.frozen:
+        raise ConfigError(f"--reference {reference}: {target} is a LoRA run, whose reference is its own base with "
+                          "the adapters off; drop --reference (or evaluate its merged export with it)")
+    if not Path(reference).expanduser().is_dir():
+        raise ConfigError(f"--reference {reference}: no such model directory")
+    ref_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"from_hf": str(reference)})})
+    ref_spec = make_state_spec(ref_cfg, run.tokenizer.vocab_size, run.spec.mesh)
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)
+    try:
+        same = shapes(ref_spec.abstract.params) == shapes(run.spec.abstract.params)
+    except ValueError:
+        same = False
+    if not same:
+        raise ConfigError(f"--reference {reference}: not the architecture of {target} (its parameters differ in "
+                          "names or shapes); the reference must be the same model family and size")
+    return (ref_spec.init(cfg.train.seed).params,)
 
 
 def _evaluate_prompts(run: LoadedRun, data: str | None) -> dict[str, Any]:

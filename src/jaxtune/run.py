@@ -28,6 +28,7 @@ class LoadedRun:
     params: Any  # the trained params (a LoRA run's adapters)
     frozen: tuple  # (frozen base,) for LoRA, else ()
     step: int  # 0: no checkpoint, the freshly initialised model
+    is_model: bool = False  # a HuggingFace model directory (an export), not a run: no training history of its own
 
     @property
     def weights(self) -> Any:
@@ -77,4 +78,4 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
             print(line, file=sys.stderr)
     if not step:
         state = spec.init(cfg.train.seed)
-    return LoadedRun(cfg, tokenizer, spec, state.params, spec.load_frozen(cfg.train.seed), step)
+    return LoadedRun(cfg, tokenizer, spec, state.params, spec.load_frozen(cfg.train.seed), step, hf_dir)

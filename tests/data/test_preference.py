@@ -453,6 +453,25 @@ def test_make_training_data_batches_pairs(tok, tmp_path):
         data.close()
 
 
+def test_a_batch_larger_than_the_data_and_a_held_out_set_under_a_batch_are_said(tok, tmp_path):
+    """40 pairs, 30% held out, batches of 32: the training pairs cannot fill a batch without repeats, and the
+    held-out ones are fewer than a batch: one warning line each, naming the key and what to do; none at 4."""
+    data_cfg = cfg(sources=[str(write_jsonl(tmp_path / "p.jsonl", many_pairs(40)))], seq_len=96, val_fraction=0.3)
+    for size, expected in ((32, 2), (4, 0)):
+        data = make_training_data(data_cfg, tok, batch_size=size, seed=0, eval_batches=10)
+        data.close()
+        warnings = [line for line in data.report if line.startswith("warning: ")]
+        assert len(warnings) == expected, data.report
+    data = make_training_data(data_cfg, tok, batch_size=32, seed=0, eval_batches=10)
+    data.close()
+    n_train, n_val = len(data.pairs.train), len(data.pairs.val)
+    assert n_train + n_val == 40 and n_train < 32
+    train_line, val_line = [line for line in data.report if line.startswith("warning: ")]
+    assert f"train.batch_size=32 is more than the {n_train} training pairs" in train_line
+    assert "lower train.batch_size" in train_line
+    assert val_line.startswith(f"warning: {n_val} held-out pairs, fewer than a batch") and "data.val_fraction" in val_line
+
+
 def test_test_sequences_reads_every_pair(tok, tmp_path):
     path = write_jsonl(tmp_path / "test.jsonl", many_pairs(6) + [{"prompt": "p", "chosen": "x", "rejected": "x"}])
     data_cfg = cfg(sources=["unused.jsonl"], seq_len=48, val_fraction=0.3, bad_rows="drop")

@@ -439,8 +439,8 @@ def _json_out(capsys) -> dict:
 
 def test_eval_and_generate_commands(lora_run, exports, chat, capsys):
     """`jaxtune eval RUN --data test.jsonl` prints loss/perplexity/tokens; `jaxtune eval MERGED_EXPORT --data ...`
-    (format read from the file) gives the same loss (rel <= 1e-4) on the same tokens; `jaxtune generate RUN
-    --chat` runs."""
+    (format read from the file) gives the same loss (rel <= 1e-4) on the same tokens; `jaxtune generate RUN`
+    formats prompts as user turns by default for this chat-trained run (--chat's output), raw with --no-chat."""
     cfg, _ = lora_run
     _, merged = exports
     capsys.readouterr()
@@ -455,8 +455,15 @@ def test_eval_and_generate_commands(lora_run, exports, chat, capsys):
     assert hf_eval["tokens"] == run_eval["tokens"]
     err = abs(hf_eval["loss"] - run_eval["loss"]) / run_eval["loss"]
     assert err <= 1e-4, (hf_eval, run_eval)
-    assert main(["generate", str(cfg.run_path), "--prompt", "hi", "--chat", "--max-new-tokens", "5",
-                 "--temperature", "0"]) == 0
+    generate = ["generate", str(cfg.run_path), "--prompt", "hi", "--prompt", "yo", "--max-new-tokens", "5",
+                "--temperature", "0"]
+    assert main([*generate, "--chat"]) == 0
+    as_chat = capsys.readouterr().out
+    assert main(generate) == 0  # a run trained on chat data: a prompt is a user turn without --chat, and it says so
+    out = capsys.readouterr()
+    assert out.out == as_chat and "trained on chat data: each prompt is a user turn (--no-chat" in out.err
+    assert main([*generate, "--no-chat"]) == 0  # raw text continued
+    assert capsys.readouterr().out != as_chat
 
 
 # --- real data ------------------------------------------------------------------------------------------------------

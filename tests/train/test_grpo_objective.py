@@ -480,3 +480,67 @@ def test_num_iterations_is_two_updates_with_fixed_old_logps(native):
     assert abs(float(metrics["loss"]) - first.loss) <= STEP_TOL * abs(first.loss)
     assert update_error(new.params, params2, state.params, ulps=2) <= STEP_TOL
     assert update_error(retaken, params2, state.params) > 1e-3  # the fixed old log-probs are felt
+
+
+# ---------------------------------------------------------------------------------------------------- rewards
+
+TRL_REWARDS = '''
+def correct(completions, answer, **kwargs):
+    return [float(a in c[0]["content"]) for c, a in zip(completions, answer)]
+
+
+def shorter(prompts, completions, completion_ids, trainer_state, **kwargs):
+    return [10.0 - len(ids) + trainer_state.global_step for ids in completion_ids]
+
+
+def long_only(completions, **kwargs):  # None: does not apply
+    return [None if len(c[0]["content"]) < 6 else 1.0 for c in completions]
+
+
+def named_only(prompts, completions, answer, level, **kwargs):
+    return [float(len(p) + (a in c[0]["content"])) * lv for p, c, a, lv in zip(prompts, completions, answer, level)]
+'''
+
+
+def test_trl_reward_functions_score_as_in_grpo_trainer(checkpoints, tokenizer, tmp_path, monkeypatch):
+    """Reward functions written for TRL's GRPOTrainer (dataset columns as keywords, conversational completions,
+    completion_ids, trainer_state, None for "does not apply"), named in
+    objective.rewards: jaxtune's per-function scores and weighted totals equal GRPOTrainer._calculate_rewards' on
+    the same prompts, completions and rows; a column the data lacks is one error naming it."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from jaxtune.train.rewards import RewardError, make_rewards
+
+    (tmp_path / "trl_style_rewards.py").write_text(TRL_REWARDS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import trl_style_rewards as module
+
+    names, weights = ["correct", "shorter", "long_only", "named_only"], [1.0, 0.5, 2.0, 1.0]
+    prompts = [[{"role": "user", "content": q}] for q in ("2+2?", "2+2?", "3+4?", "3+4?")]
+    completions = ["it is 4", "5", "7, so 7", "8"]
+    ids = [[5, 6, 7], [8], [9, 10, 11, 12], [13]]
+    rows = [{"answer": a, "level": lv} for a, lv in (("4", 1), ("4", 1), ("7", 2), ("7", 2))]
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, num_generations=2,
+                      per_device_train_batch_size=4, reward_weights=weights)
+    trainer = GRPOTrainer(model=hf_model(checkpoints["policy"]), reward_funcs=[getattr(module, n) for n in names],
+                          args=args, train_dataset=datasets.Dataset.from_dict({"prompt": ["w5"]}),
+                          processing_class=tokenizer)
+    inputs = [{"prompt": p, **r} for p, r in zip(prompts, rows)]
+    theirs = trainer._calculate_rewards(inputs, prompts, [[{"role": "assistant", "content": c}] for c in completions],
+                                        ids).numpy()
+    their_total = np.nansum(theirs * np.asarray(weights, np.float32)[None], axis=1)
+
+    reward_cfg = lambda rewards: ObjectiveConfig(name="grpo", rewards=rewards)
+    cfg = reward_cfg([{"name": f"trl_style_rewards:{n}", "weight": w} for n, w in zip(names, weights)])
+    ours_ = make_rewards(cfg).score(prompts, completions, rows, [len(i) for i in ids], ["t:1"] * 4, completion_ids=ids)
+    assert np.isnan(theirs[:, 2]).sum() == 2  # two completions where long_only does not apply
+    np.testing.assert_array_equal(np.isnan(ours_.per_function), np.isnan(theirs))
+    np.testing.assert_allclose(ours_.per_function, theirs, rtol=1e-6)
+    np.testing.assert_allclose(ours_.total, their_total, rtol=1e-6)
+    assert np.isfinite(ours_.total).all() and ours_.errors == {}
+
+    lacking = reward_cfg([{"name": "trl_style_rewards:named_only"}])
+    with pytest.raises(RewardError, match=r"takes 'level', which is not a column of the data \(columns: answer\)"):
+        make_rewards(lacking).score(prompts, completions, [{"answer": r["answer"]} for r in rows], [1] * 4,
+                                    ["t:1"] * 4, completion_ids=ids)

@@ -78,6 +78,28 @@ def test_dpo_quickstart_as_the_readme_runs_it(quickstart_sft_model, tmp_path, da
     assert "| step | held-out loss | reward accuracy |" in report
     assert f"| 24 | {last['loss']:.4f} | {last['rewards/accuracies']:.1%} |" in report
 
+    # Evaluated again on a test file: the run against its own reference (the model it started from); its export, a
+    # model directory, has no reference of its own: refused in one line unless --reference names one, and with the
+    # starting model as --reference it scores what the run does. (Overrides may follow --data.)
+    pairs = write_jsonl(tmp_path / "test-pairs.jsonl", itertools.islice(arithmetic_preferences(seed=1), 24))
+    assert main(["export", str(run), str(tmp_path / "dpo-model")]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(pairs), f"data.cache_dir={data_cache}"]) == 0
+    of_run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    exported = ["eval", str(tmp_path / "dpo-model"), "--data", str(pairs), "objective.name=dpo",
+                f"data.cache_dir={data_cache}"]
+    assert main(exported) == 2
+    err = capsys.readouterr().err
+    assert "is a model, not a run" in err and "--reference MODEL_DIR" in err and "Traceback" not in err
+    assert main([*exported, "--reference", str(model)]) == 0
+    of_export = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert of_run["pairs"] == of_export["pairs"] == 24 and "perplexity" not in of_export
+    for k in ("loss", *REWARD_METRICS):  # the export's weights are the run's (float32), the reference the same
+        assert of_export[k] == pytest.approx(of_run[k], rel=1e-4, abs=1e-5), k
+    assert of_export["rewards/margins"] != 0.0
+    assert main([*exported, "--reference", str(tmp_path / "nowhere")]) == 2
+    assert "--reference " in capsys.readouterr().err
+
 
 def test_precomputed_reference_equals_the_live_one_and_is_reused(pref, tmp_path):
     live = train(load_config(None, pref("train.steps=3", "eval.every=0", run="live")))

@@ -215,6 +215,18 @@ class Batching:
         return make_train_iterator(source, global_batch=self.batch_size, seed=self.seed, num_workers=self.num_workers,
                                    **self.split)
 
+    def notes(self, train: Any, val: Any | None, what: str, key: str = "train.batch_size") -> list[str]:
+        """Warnings for a batch (``key``) larger than the training split, or a held-out split smaller than a batch,
+        of ``what`` (examples, pairs, prompts)."""
+        out, b = [], self.batch_size
+        if len(train) < b:
+            out.append(f"warning: {key}={b} is more than the {len(train)} training {what}: every batch holds some "
+                       f"of them more than once; lower {key} or add data")
+        if val is not None and len(val) < b:
+            out.append(f"warning: {len(val)} held-out {what}, fewer than a batch ({key}={b}): the held-out numbers "
+                       "rest on those alone; raise data.val_fraction or give data.val_sources")
+        return out
+
     def held_out(self, source: Any | None) -> list[Batch]:
         return (make_sequence_batches(source, batch_size=self.batch_size, num_batches=self.eval_batches, **self.split)
                 if source is not None else [])
@@ -229,13 +241,15 @@ def _windows(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: 
 
 def _rows(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: int | None) -> TrainingData:
     sft = prepare_sft(data_cfg, tokenizer)
-    return TrainingData(batching.train(sft.train), batching.held_out(sft.val), sft.stats.lines(), sft.held_out)
+    return TrainingData(batching.train(sft.train), batching.held_out(sft.val),
+                        sft.stats.lines() + batching.notes(sft.train, sft.val, "sequences"), sft.held_out)
 
 
 def _pairs(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: int | None) -> TrainingData:
     pairs = prepare_preference(data_cfg, tokenizer)
-    return TrainingData(batching.train(pairs.train), batching.held_out(pairs.val), pairs.stats.lines(),
-                        pairs.held_out, pairs, batching)
+    return TrainingData(batching.train(pairs.train), batching.held_out(pairs.val),
+                        pairs.stats.lines() + batching.notes(pairs.train, pairs.val, "pairs"), pairs.held_out, pairs,
+                        batching)
 
 
 def _prompts(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching,
@@ -244,7 +258,8 @@ def _prompts(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching,
         raise ValueError(f"data.format={data_cfg.format} needs max_prompt_tokens (data.seq_len - "
                          "objective.max_completion_length)")
     prompts = prepare_prompts(data_cfg, tokenizer, max_prompt_tokens)
-    return TrainingData(batching.train(prompts.train), [], prompts.stats.lines(), prompts=prompts)
+    notes = batching.notes(prompts.train, None, "prompts", "objective.prompts_per_step")
+    return TrainingData(batching.train(prompts.train), [], prompts.stats.lines() + notes, prompts=prompts)
 
 
 def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:

@@ -138,8 +138,9 @@ class Generator:
         key_valid = jnp.concatenate([valid, jnp.ones((b, cache_len - p), bool)], axis=1)  # (B, S)
         positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
         cache = model.init_cache(b, cache_len)
-        logits, cache = model(tokens, positions=positions, cache=cache, index=0, key_valid=key_valid)
-        last = logits[:, -1]
+        hidden, cache = model(tokens, positions=positions, cache=cache, index=0, key_valid=key_valid,
+                              return_hidden=True)
+        last = model.logits(hidden[:, -1:])[:, 0]  # the head on the last position only (prompts end there)
         if group > 1:  # (L, B, S, K, H) caches: rows are axis 1
             last, key_valid = jnp.repeat(last, group, axis=0), jnp.repeat(key_valid, group, axis=0)
             cache = jax.tree.map(lambda c: jnp.repeat(c, group, axis=1), cache)

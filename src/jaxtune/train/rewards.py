@@ -7,13 +7,24 @@ dicts, as the row gave it), the row's other fields (``{"answer": "132"}``), its 
 
 Built in: ``exact_number``, ``regex``, ``format``, ``length`` (see `RewardConfig`). Any other ``name`` is a function
 of the user's, ``module:function``, imported when the rewards are made (before training) from the current directory
-as ``python -m`` would, and called once per batch as ``f(prompts=..., completions=..., rows=...)``.
+as ``python -m`` would, and called once per batch in one of two forms, told apart by its parameters:
 
-A function that raises, or scores a completion None, NaN, +-inf or something that is not a number, stops training
-with a `RewardError` naming it and the row (``objective.reward_errors: raise``, the default) or scores that
-completion 0 and is counted in `Scores.errors` (``zero``; a call that raised scores its whole batch 0). Unlike TRL, a
-None is not read as "this reward does not apply". Data errors (a row without the field a built-in reads) and
-programming errors (a function returning the wrong number of scores) always raise.
+- jaxtune's, a function with a ``rows`` parameter: ``f(prompts=..., completions=..., rows=...)`` (the prompts as the
+  rows gave them, the completions' texts, the rows' other fields as dicts);
+- TRL's (``GRPOTrainer``'s reward functions, unchanged), any other: ``f(prompts=..., completions=...,
+  completion_ids=..., trainer_state=..., log_extra=..., log_metric=..., **columns)``, each of the data's other
+  fields a keyword holding its column (a list, one value per completion), conversational completions (when the
+  prompt is a message list) as ``[{"role": "assistant", "content": text}]``. It is given the keywords it declares
+  (all of them with ``**kwargs``); one it requires that the data lacks is an error naming it and the columns there
+  are. ``trainer_state`` has ``global_step``; ``log_metric(name, value)`` logs ``rewards/<name>``; ``log_extra`` is
+  accepted and ignored. As in TRL, a None score means "does not apply": it counts 0 in the total (TRL's nansum)
+  and is left out of the function's mean and std.
+
+A function that raises, or scores a completion NaN, +-inf or something that is not a number (or None, in jaxtune's
+form), stops training with a `RewardError` naming it and the row (``objective.reward_errors: raise``, the default) or
+scores that completion 0 and is counted in `Scores.errors` (``zero``; a call that raised scores its whole batch 0).
+Data errors (a row without the field a built-in reads) and programming errors (a function returning the wrong number
+of scores) always raise.
 """
 
 from __future__ import annotations
@@ -21,13 +32,15 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
+import inspect
 import math
 import numbers
 import os
 import re
 import sys
+import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
@@ -49,9 +62,11 @@ class RewardError(ValueError):
 
 @dataclass(frozen=True)
 class Scores:
-    per_function: np.ndarray  # (N, K) float32: one column per reward function; failures scored 0 under "zero"
-    total: np.ndarray  # (N,) float32: sum over functions of weight * score
+    per_function: np.ndarray  # (N, K) float32: one column per reward function; failures scored 0 under "zero",
+    # NaN where a TRL-form function said None ("does not apply")
+    total: np.ndarray  # (N,) float32: sum over functions of weight * score (NaN left out, as TRL's nansum)
     errors: dict[str, int]  # label -> completions scored 0 because the function failed ("zero"); only labels > 0
+    logged: dict[str, float] = field(default_factory=dict)  # what TRL-form functions passed to log_metric
 
 
 # A built-in scores one completion: (completion, row, length in tokens, where) -> score.
@@ -63,6 +78,7 @@ class _Function:
     label: str
     one: _OneScore | None  # a built-in
     batch: Callable[..., Any] | None  # a user function, called once per batch
+    trl: bool = False  # the user function takes TRL's keywords (no ``rows`` parameter)
 
 
 class Rewards:
@@ -76,34 +92,40 @@ class Rewards:
         self.accuracy = accuracy  # index of the reward held-out accuracy counts (`RewardConfig.accuracy`), or None
 
     def score(self, prompts: list, completions: list[str], rows: list[dict], lengths: list[int],
-              where: list[str]) -> Scores:
-        """Scores N completions: ``per_function`` (N, K), ``total`` (N,) = per_function @ weights, both float32."""
+              where: list[str], completion_ids: list[list[int]] | None = None, step: int = 0) -> Scores:
+        """Scores N completions: ``per_function`` (N, K), ``total`` (N,) = per_function @ weights, both float32.
+        ``completion_ids`` and ``step`` are what TRL-form functions are also given."""
         n = len(completions)
         if not len(prompts) == len(rows) == len(lengths) == len(where) == n:
             raise ValueError(f"score needs one prompt, row, length and where per completion; got {len(prompts)}, "
                              f"{len(rows)}, {len(lengths)}, {len(where)} for {n} completions")
         per_function = np.zeros((n, len(self._functions)), np.float32)
         errors: dict[str, int] = {}
+        logged: dict[str, float] = {}
         for k, f in enumerate(self._functions):
             if f.one is not None:
                 per_function[:, k] = [f.one(c, r, m, w) for c, r, m, w in zip(completions, rows, lengths, where)]
                 continue
-            per_function[:, k], failed = self._call(f, prompts, completions, rows, where)
+            call = _trl_call(f, prompts, completions, rows, completion_ids, step, logged) if f.trl else (
+                lambda i, j, f=f: f.batch(prompts=prompts[i:j], completions=completions[i:j], rows=rows[i:j]))
+            per_function[:, k], failed = self._call(f, call, n, where)
             if failed:
                 errors[f.label] = failed
-        total = (per_function * self.weights[None, :]).sum(axis=1, dtype=np.float32)  # (N,)
-        return Scores(per_function=per_function, total=total, errors=errors)
+        total = np.nansum(per_function * self.weights[None, :], axis=1, dtype=np.float32)  # (N,)
+        return Scores(per_function=per_function, total=total, errors=errors, logged=logged)
 
-    def _call(self, f: _Function, prompts: list, completions: list[str], rows: list[dict],
+    def _call(self, f: _Function, call: Callable[[int, int], Any], n: int,
               where: list[str]) -> tuple[np.ndarray, int]:
-        """A user function's (N,) scores on the batch, and how many of them are failures scored 0."""
-        n = len(completions)
+        """A user function's (N,) scores on the batch (``call(i, j)``: its scores of completions i..j-1), and how
+        many of them are failures scored 0."""
         try:
-            out = f.batch(prompts=prompts, completions=completions, rows=rows)
+            out = call(0, n)
+        except RewardError:
+            raise
         except Exception as e:
             if self._policy == "zero":
                 return np.zeros(n, np.float32), n
-            bad = _culprit(f.batch, prompts, completions, rows)
+            bad = _culprit(call, n)
             row = f"the row {where[bad]}" if bad is not None else f"a batch of {n} completions from {where[0]} on"
             raise RewardError(f"reward {f.label!r} raised {_one_line(e)} on {row}; {_FIX}") from e
         try:
@@ -119,6 +141,8 @@ class Rewards:
         for i, v in enumerate(values):
             if isinstance(v, (numbers.Real, np.bool_)) and math.isfinite(v):
                 scores[i] = float(v)
+            elif v is None and f.trl:  # TRL's "this reward does not apply"
+                scores[i] = np.nan
             elif self._policy == "zero":
                 failed += 1
             else:
@@ -140,7 +164,8 @@ def make_rewards(cfg: ObjectiveConfig) -> Rewards:
         if r.builtin:
             functions.append(_Function(label, BUILTINS[r.name].make(r, cfg, key, label), None))
         else:
-            functions.append(_Function(label, None, _import(r.name, f"{key}.name")))
+            fn = _import(r.name, f"{key}.name")
+            functions.append(_Function(label, None, fn, trl="rows" not in _parameters(fn)))
     accuracy = next((i for i, r in enumerate(cfg.rewards) if r.accuracy), None)  # the one marked, else the first
     if accuracy is None:  # built-in that checks the answer and is not marked false
         accuracy = next((i for i, r in enumerate(cfg.rewards)
@@ -295,14 +320,52 @@ def _cwd_on_path() -> Iterator[None]:
                 sys.path.remove(cwd)
 
 
-def _culprit(f: Callable[..., Any], prompts: list, completions: list[str], rows: list[dict]) -> int | None:
+def _culprit(call: Callable[[int, int], Any], n: int) -> int | None:
     """The first completion the user function raises on alone, to name its row; None if each passes alone."""
-    for i in range(len(completions)):
+    for i in range(n):
         try:
-            f(prompts=prompts[i:i + 1], completions=completions[i:i + 1], rows=rows[i:i + 1])
+            call(i, i + 1)
         except Exception:  # noqa: BLE001 (any failure of the user's function marks its row)
             return i
     return None
+
+
+def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: TRL's form, every keyword
+        return {"kwargs": inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)}
+
+
+def _trl_call(f: _Function, prompts: list, completions: list[str], rows: list[dict],
+              completion_ids: list[list[int]] | None, step: int, logged: dict[str, float]) -> Callable[[int, int], Any]:
+    """``call(i, j)``: ``f`` called on completions i..j-1 as TRL's GRPOTrainer calls a reward function."""
+    params = _parameters(f.batch)
+    columns = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("prompt", "completion",
+                                                                                   "completion_ids")]
+    given = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", *columns}
+    missing = [name for name, p in params.items() if p.default is p.empty and name not in given
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        raise RewardError(f"reward {f.label!r} takes {missing[0]!r}, which is not a column of the data (columns: "
+                          f"{', '.join(columns) or 'none'}); it is called as TRL calls it: prompts, completions, "
+                          "completion_ids and each column as a keyword")
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    chat = bool(prompts) and isinstance(prompts[0], list)
+    texts = [[{"role": "assistant", "content": c}] for c in completions] if chat else completions
+    state = types.SimpleNamespace(global_step=step)
+
+    def log_metric(name: str, value: float) -> None:
+        logged[f"rewards/{name}"] = float(value)
+
+    def call(i: int, j: int) -> Any:
+        kw = {"prompts": prompts[i:j], "completions": texts[i:j],
+              "completion_ids": None if completion_ids is None else completion_ids[i:j], "trainer_state": state,
+              "log_extra": lambda *a, **k: None, "log_metric": log_metric,
+              **{c: [r.get(c) for r in rows[i:j]] for c in columns}}
+        return f.batch(**(kw if takes_all else {k: v for k, v in kw.items() if k in params}))
+
+    return call
 
 
 def _one_line(e: BaseException) -> str:

@@ -76,7 +76,7 @@ class Rollout:
         return stop_ids(self.tokenizer, self.chat)
 
     def sample(self, weights: Any, source: PromptRows, rows: list[int], *, group: int, temperature: float,
-               seed: int) -> Completions:
+               seed: int, step: int = 0) -> Completions:
         """``group`` completions of each of the prompts ``rows`` of ``source`` (temperature 0: greedy), scored."""
         o = self.cfg.objective
         prompt_ids = [source.ids(r) for r in rows for _ in range(group)]
@@ -93,7 +93,7 @@ class Rollout:
         expanded = [r for r in rows for _ in range(group)]
         scores = self.rewards.score([source.prompt(r) for r in expanded], texts,
                                     [source.fields(r) for r in expanded], [len(c) for c in ids],
-                                    [source.where(r) for r in expanded])
+                                    [source.where(r) for r in expanded], completion_ids=ids, step=step)
         self.timings = {"generation": t1 - t0, "rewards": time.perf_counter() - t1,
                         "generated_tokens": float(sum(len(c) for c in ids))}
         return Completions(prompt_ids, ids, texts, expanded, scores, stopped, self.generator.logps)
@@ -114,7 +114,7 @@ class Rollout:
         and the rollout's metrics."""
         o = self.cfg.objective
         done = self.sample(weights, source, [int(r) for r in prompts["row"]], group=o.num_generations,
-                           temperature=o.temperature, seed=rollout_seed(self.cfg.train.seed, step))
+                           temperature=o.temperature, seed=rollout_seed(self.cfg.train.seed, step), step=step)
         advantages = group_advantages(done.scores.total, o.num_generations, o.scale_rewards).astype(np.float32)
         if self.cfg.data.shares_prompts:  # a row per prompt: its prompt once, then its group's completions
             rows = shared_rows(done.prompt_ids, done.ids, done.logps, o.num_generations, self.cfg.data.seq_len)
@@ -131,10 +131,12 @@ class Rollout:
                "frac_reward_zero_std": float(np.mean(np.isclose(grouped.std(axis=1), 0.0))),
                "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
                "completions/clipped_ratio": float(np.mean(~done.stopped))}
-        for k, label in enumerate(self.rewards.labels):
+        for k, label in enumerate(self.rewards.labels):  # NaN: "does not apply" (a TRL-form function's None)
             column = done.scores.per_function[:, k]
-            out[f"rewards/{label}/mean"] = float(column.mean())
+            column = column[~np.isnan(column)]
+            out[f"rewards/{label}/mean"] = float(column.mean()) if column.size else float("nan")
             out[f"rewards/{label}/std"] = float(column.std(ddof=1)) if column.size > 1 else 0.0
+        out.update(done.scores.logged)
         for label, n in done.scores.errors.items():
             out[f"reward_errors/{label}"] = float(n)
         gen = self.timings["generation"]
