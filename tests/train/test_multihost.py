@@ -3,6 +3,7 @@ losses as one process on the same global batch, and its checkpoint resumes in a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -41,7 +42,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, overrides: list[str]) -> list[subprocess.Popen]:
+def _launch(tmp_path, overrides: list[str], cwd=None) -> list[subprocess.Popen]:
     """Two processes of one jax.distributed job on localhost, 2 CPU devices each (4 in all)."""
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -49,13 +50,17 @@ def _launch(tmp_path, overrides: list[str]) -> list[subprocess.Popen]:
         subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / f"out{i}.json"), *overrides,
                           f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
                           f"distributed.process_id={i}"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
         for i in range(2)
     ]
 
 
-def _finish(tmp_path, procs) -> list[dict]:
+def _finish(tmp_path, procs, ok: bool = True) -> list[dict] | list[str]:
+    """Each process's result (``ok``), or each one's stderr when they are expected to fail."""
     outs = [p.communicate(timeout=600) for p in procs]
+    if not ok:
+        assert all(p.returncode != 0 for p in procs), [err[-2000:] for _, err in outs]
+        return [err for _, err in outs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
@@ -118,3 +123,103 @@ def test_cluster_detection(monkeypatch, env, expected):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert distributed._cluster_detected() is expected
+
+
+GRPO = ["data.format=prompts", "data.chat_template=chatml", "data.seq_len=48", "data.val_fraction=0.1",
+        "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
+        "objective.name=grpo", "objective.num_generations=4", "objective.max_completion_length=16",
+        "objective.prompts_per_step=4", "objective.beta=0.04", "optim.lr=1e-2", "optim.warmup_steps=0",
+        "train.steps=3", "eval.every=0", "eval.exact_match=4", "checkpoint.every=3", "checkpoint.async_save=false",
+        "logging.every=1", "logging.progress=false", "logging.tensorboard=false"]
+FLAKY = """
+import jax
+
+def flaky(prompts, completions, rows):
+    if jax.process_index() == 1:
+        raise ZeroDivisionError("no reward on this host")
+    return [1.0 for _ in completions]
+"""
+
+
+@pytest.fixture
+def grpo_overrides(tmp_path, data_cache) -> list[str]:
+    from helpers.rows import write_jsonl
+    from helpers.tiny_runs import MODEL
+
+    from jaxtune.data.synthetic import arithmetic_prompts
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", itertools.islice(arithmetic_prompts(), 120))
+    return [*MODEL, *GRPO, f"data.sources=[{prompts}]", f"data.cache_dir={data_cache}"]
+
+
+def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_overrides):
+    """GRPO (a KL to a frozen copy) in 2 processes, mesh data=2 x fsdp=2: each process holds 2 of the step's 4
+    prompts, the 16 completions are sampled SPMD over the 4 devices with the weights sharded, each process scores its
+    own: every step's completions (rewards, lengths) and held-out accuracy equal one process's (one device), and
+    the losses too (step 1 to float rounding, later ones within Adam's amplified rounding)."""
+    from helpers.run_outputs import metric_rows
+
+    rewards = "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}]"
+    ref = train(load_config(None, [*grpo_overrides, rewards, f"run_dir={tmp_path / 'single'}"]))
+    run_dir = tmp_path / "two"
+    results = _finish(tmp_path, _launch(tmp_path, [*grpo_overrides, rewards, f"run_dir={run_dir}", "mesh.data=2",
+                                                   "mesh.fsdp=2"]))
+    one, two = metric_rows(tmp_path / "single", "train"), metric_rows(run_dir, "train")
+    for got in results:  # every process logs the global loss
+        assert sorted(int(s) for s in got["losses"]) == [1, 2, 3]
+        # step 1: the same weights, the same completions, the same loss to float rounding; after an update the
+        # weights differ by Adam's normalised rounding (fsdp sums a gradient over 4 shards: step 1's gradient norm
+        # agrees to 2e-4), so later losses (GRPO's, near 0) agree to 1e-3 absolute
+        assert abs(got["losses"]["1"] - ref.losses[1]) <= 1e-5 * abs(ref.losses[1]), got["losses"]
+        assert all(abs(got["losses"][str(s)] - ref.losses[s]) <= 1e-3 for s in (2, 3)), (got["losses"], ref.losses)
+    assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-3)
+    for a, b in zip(one, two, strict=True):  # the sampled completions are the same at every step
+        for k in ("reward", "reward_std", "completions/mean_length", "rewards/length/mean"):
+            assert a[k] == pytest.approx(b[k], rel=1e-6), (k, a[k], b[k])
+    eval_one, eval_two = metric_rows(tmp_path / "single", "eval"), metric_rows(run_dir, "eval")
+    assert [r["accuracy"] for r in eval_one] == [r["accuracy"] for r in eval_two]
+
+
+def test_a_reward_failing_on_one_host_stops_every_host_with_its_error(tmp_path, grpo_overrides):
+    """A reward function that raises on process 1 only: both processes stop (none waits in a collective) with the
+    same one-line error naming the function, what it raised and the process."""
+    (tmp_path / "flaky_rewards.py").write_text(FLAKY)
+    errs = _finish(tmp_path, _launch(tmp_path, [*grpo_overrides, "objective.rewards=[{name: 'flaky_rewards:flaky'}]",
+                                                f"run_dir={tmp_path / 'run'}", "mesh.data=2", "mesh.fsdp=2"],
+                                     cwd=tmp_path), ok=False)
+    for err in errs:
+        assert "reward 'flaky' raised ZeroDivisionError: no reward on this host" in err, err[-2000:]
+        assert "(on process 1)" in err
+
+
+DPO = ["data.format=preference", "data.chat_template=chatml", "data.seq_len=64", "data.val_fraction=0.1",
+       "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
+       "objective.name=dpo", "optim.lr=1e-3", "optim.warmup_steps=0", "train.batch_size=8", "train.steps=3",
+       "eval.every=3", "eval.batches=1", "checkpoint.every=3", "checkpoint.async_save=false", "logging.every=1",
+       "logging.progress=false", "logging.tensorboard=false"]
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_dpo_in_two_processes_trains_as_one(tmp_path, data_cache, precompute):
+    """DPO in 2 processes (mesh data=2 x fsdp=2), its reference a frozen copy of the starting weights or its
+    log-probs precomputed once before training (each process computing its rows' share, every process keeping them
+    all): step 1's loss equals one process's (one device) to float rounding, the later ones within Adam's amplified
+    rounding, and the held-out evaluation's reward accuracy and loss too."""
+    from helpers.rows import write_jsonl
+    from helpers.run_outputs import metric_rows
+    from helpers.tiny_runs import MODEL
+
+    from jaxtune.data.synthetic import arithmetic_preferences
+
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", itertools.islice(arithmetic_preferences(), 120))
+    base = [*MODEL, *DPO, f"data.sources=[{pairs}]", f"data.cache_dir={data_cache}",
+            f"objective.precompute_ref_logps={str(precompute).lower()}"]
+    ref = train(load_config(None, [*base, f"run_dir={tmp_path / 'single'}"]))
+    run_dir = tmp_path / "two"
+    for got in _finish(tmp_path, _launch(tmp_path, [*base, f"run_dir={run_dir}", "mesh.data=2", "mesh.fsdp=2"])):
+        assert abs(got["losses"]["1"] - ref.losses[1]) <= 1e-5 * abs(ref.losses[1]), got["losses"]
+        assert all(abs(got["losses"][str(s)] - ref.losses[s]) <= 1e-3 for s in (2, 3)), (got["losses"], ref.losses)
+    (one,), (two,) = [r for r in metric_rows(tmp_path / "single", "eval") if r["step"] == 3], \
+        [r for r in metric_rows(run_dir, "eval") if r["step"] == 3]
+    assert one["rewards/accuracies"] == two["rewards/accuracies"]
+    assert two["loss"] == pytest.approx(one["loss"], abs=1e-3)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtune.io import host
 from jaxtune.models.layers import LoraSpec
 from jaxtune.models.lora import merged_weights
 from jaxtune.models.registry import merge
@@ -242,8 +243,9 @@ class Generator:
         lengths = np.array([len(p) for p in prompts], np.int32)
         stops = () if eos_id is None else (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
         if on_step is None:
-            ids, logps, n = jax.device_get(self._generate(params, tokens, valid, cache_len, max_new_tokens, key,
-                                                          lengths, *sampling, stops, group))
+            # host(): every process of a multi-host run gets the whole (replicated) result
+            ids, logps, n = (host(x) for x in self._generate(params, tokens, valid, cache_len, max_new_tokens, key,
+                                                             lengths, *sampling, stops, group))
             out, self.logps = [], []
             for row, row_logps in zip(ids[:, :int(n)], logps[:, :int(n)]):
                 hit = np.flatnonzero(np.isin(row, stops)) if stops else []

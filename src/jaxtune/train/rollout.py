@@ -1,12 +1,19 @@
 """GRPO's rollouts: completions sampled by the run's own generator inside the loop, scored by the reward functions,
 and laid out as the batch the ``grpo`` objective trains on.
 
-Each step takes ``objective.prompts_per_step`` prompts (the run's ``train.batch_size``) (`jaxtune.data.PromptRows` items) and samples ``num_generations``
-completions of each, at most ``max_completion_length`` tokens, with the policy's current weights (``temperature``,
-``top_p``, ``top_k``). The sampler is the backend's (`ModelSpec.generator`: the native KV-cache generator), whose
-shapes are bucketed: one prefill per prompt-length bucket and one decode step per cache bucket, compiled once each
-and reused every step after. Its random key is a function of ``train.seed`` and the step alone, so a resumed run
-samples exactly what the uninterrupted one did.
+Each step takes ``objective.prompts_per_step`` prompts (`jaxtune.data.PromptRows` items; the run's
+``train.batch_size``) and samples ``num_generations`` completions of each, at most ``max_completion_length`` tokens,
+with the policy's current weights (``temperature``, ``top_p``, ``top_k``). The sampler is the backend's
+(`ModelSpec.generator`: the native KV-cache generator), one compiled program per shape bucket, reused every step
+after. Its random key is a function of ``train.seed`` and the step alone, so a resumed run samples exactly what the
+uninterrupted one did.
+
+With several processes each holds its share of the step's prompts. The completions of all of them are sampled in
+one SPMD generation over the whole mesh (the weights sharded as in training; the tokens those of one process
+sampling the whole batch), each process scores its own prompts' completions with the reward functions on its host,
+the scores are shared (`every_process`) so advantages and metrics are the whole batch's, and each process trains on
+its own rows, which the step assembles into the global batch. A reward error on one process is raised on every
+process (`first_failure`), so none is left waiting.
 
 A completion ends at the first stop id (EOS, and for chat prompts the template's end-of-turn token), which it keeps
 and is trained on, or at ``max_completion_length`` tokens. Its text (without the stop id) is what reward functions
@@ -24,12 +31,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from jaxtune.config import Config, ConfigError
+from jaxtune.config import Config
 from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.data import PromptRows, Tokenizer, stop_ids
 from jaxtune.data.encoded import shared_row
-from jaxtune.train.rewards import Rewards, Scores, group_advantages, make_rewards
+from jaxtune.train.rewards import RewardError, Rewards, Scores, group_advantages, make_rewards
 from jaxtune.train.state import Sampler
 
 
@@ -76,10 +84,18 @@ class Rollout:
         return stop_ids(self.tokenizer, self.chat)
 
     def sample(self, weights: Any, source: PromptRows, rows: list[int], *, group: int, temperature: float,
-               seed: int, step: int = 0) -> Completions:
-        """``group`` completions of each of the prompts ``rows`` of ``source`` (temperature 0: greedy), scored."""
+               seed: int, step: int = 0, local: bool = False) -> Completions:
+        """``group`` completions of each of the prompts ``rows`` of ``source`` (temperature 0: greedy), scored.
+
+        ``local``: ``rows`` are this process's share of the step's prompts (several processes): the completions of
+        every process's prompts are sampled together, SPMD over the whole mesh (the same tokens as one process
+        sampling the whole batch), each process scores its own with the reward functions, and the scores are
+        shared; a reward that fails on one process stops every process with its error. Otherwise every process
+        holds the same ``rows`` (held-out prompts) and does the same."""
         o = self.cfg.objective
-        prompt_ids = [source.ids(r) for r in rows for _ in range(group)]
+        together = local and jax.process_count() > 1
+        every = [int(r) for r in every_process(np.asarray(rows, np.int64))] if together else list(rows)
+        prompt_ids = [source.ids(r) for r in every for _ in range(group)]
         jax.block_until_ready(weights)  # the previous update: its time is the step's, not the sampler's
         t0 = time.perf_counter()
         greedy = temperature == 0.0
@@ -90,13 +106,35 @@ class Rollout:
         stops = set(self.stops)
         stopped = np.array([bool(c) and c[-1] in stops for c in ids])
         texts = [self.tokenizer.decode(c[:-1] if s else c) for c, s in zip(ids, stopped)]
-        expanded = [r for r in rows for _ in range(group)]
-        scores = self.rewards.score([source.prompt(r) for r in expanded], texts,
-                                    [source.fields(r) for r in expanded], [len(c) for c in ids],
-                                    [source.where(r) for r in expanded], completion_ids=ids, step=step)
+        expanded = [r for r in every for _ in range(group)]
+        mine = slice(jax.process_index() * len(rows) * group, (jax.process_index() + 1) * len(rows) * group) \
+            if together else slice(0, len(ids))
+        failure, scores = None, None
+        try:
+            scores = self.rewards.score([source.prompt(r) for r in expanded[mine]], texts[mine],
+                                        [source.fields(r) for r in expanded[mine]], [len(c) for c in ids[mine]],
+                                        [source.where(r) for r in expanded[mine]], completion_ids=ids[mine],
+                                        step=step)
+        except RewardError as e:
+            if jax.process_count() == 1:
+                raise
+            failure = str(e)
+        if jax.process_count() > 1:  # every process stops on any process's failure (held-out prompts too)
+            failed = first_failure(failure)
+            if failed is not None:
+                raise RewardError(failed)
+        if together:
+            scores = self._shared(scores)
         self.timings = {"generation": t1 - t0, "rewards": time.perf_counter() - t1,
                         "generated_tokens": float(sum(len(c) for c in ids))}
         return Completions(prompt_ids, ids, texts, expanded, scores, stopped, self.generator.logps)
+
+    def _shared(self, scores: Scores) -> Scores:
+        """Every process's scores in process order (each scored its own completions)."""
+        labels = self.rewards.labels
+        errors = every_process(np.asarray([[scores.errors.get(k, 0) for k in labels]], np.int64)).sum(axis=0)
+        return Scores(per_function=every_process(scores.per_function), total=every_process(scores.total),
+                      errors={k: int(n) for k, n in zip(labels, errors) if n}, logged=scores.logged)
 
     def held_out(self, weights: Any, source: PromptRows, count: int, seed: int) -> tuple[Completions, dict[str, float]]:
         """The first ``count`` prompts of ``source`` answered greedily and scored: the mean total ``reward`` and
@@ -114,13 +152,21 @@ class Rollout:
         and the rollout's metrics."""
         o = self.cfg.objective
         done = self.sample(weights, source, [int(r) for r in prompts["row"]], group=o.num_generations,
-                           temperature=o.temperature, seed=rollout_seed(self.cfg.train.seed, step), step=step)
+                           temperature=o.temperature, seed=rollout_seed(self.cfg.train.seed, step), step=step,
+                           local=True)
         advantages = group_advantages(done.scores.total, o.num_generations, o.scale_rewards).astype(np.float32)
+        metrics = self.metrics(done)  # over every process's completions
+        if jax.process_count() > 1:  # this process trains on its own prompts' completions
+            n = len(prompts["row"]) * o.num_generations
+            mine = slice(jax.process_index() * n, (jax.process_index() + 1) * n)
+            done = Completions(done.prompt_ids[mine], done.ids[mine], done.texts[mine], done.rows[mine],
+                               done.scores, done.stopped[mine], done.logps[mine])
+            advantages = advantages[mine]
         if self.cfg.data.shares_prompts:  # a row per prompt: its prompt once, then its group's completions
             rows = shared_rows(done.prompt_ids, done.ids, done.logps, o.num_generations, self.cfg.data.seq_len)
-            return {**rows, "advantages": advantages.reshape(-1, o.num_generations)}, self.metrics(done)
+            return {**rows, "advantages": advantages.reshape(-1, o.num_generations)}, metrics
         rows = training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len)
-        return {**rows, "advantages": advantages}, self.metrics(done)
+        return {**rows, "advantages": advantages}, metrics
 
     def metrics(self, done: Completions) -> dict[str, float]:
         """TRL's rollout metrics (rewards, completion lengths), and the time spent sampling and scoring."""
@@ -147,11 +193,29 @@ class Rollout:
 
 
 def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer) -> Rollout:
-    if jax.process_count() > 1:
-        raise ConfigError("objective.name=grpo runs in one process for now (its rollouts sample each process's prompts "
-                          "apart); run it on one host, over all of its devices")
     chat = tokenizer.chat_template is not None
     return Rollout(cfg, generator, tokenizer, make_rewards(cfg.objective), chat)
+
+
+def every_process(local: np.ndarray) -> np.ndarray:
+    """This process's (n, ...) values and every other process's (each the same n), in process order:
+    (processes x n, ...). One process: ``local`` itself. Every process must call it together."""
+    if jax.process_count() == 1:
+        return local
+    return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, *local.shape[1:])
+
+
+def first_failure(message: str | None, limit: int = 2000) -> str | None:
+    """The first process's failure (``message`` where this process failed, else None), the same on every process,
+    naming the process: so that an error on one host stops every host with it instead of leaving them waiting."""
+    raw = (message or "").encode()[:limit]
+    mine = np.zeros(limit + 1, np.uint8)  # a flag, then the message's bytes
+    mine[0] = message is not None
+    mine[1:1 + len(raw)] = np.frombuffer(raw, np.uint8)
+    for k, row in enumerate(every_process(mine[None])):
+        if row[0]:
+            return f"{bytes(row[1:]).rstrip(bytes(1)).decode(errors='replace')} (on process {k})"
+    return None
 
 
 def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], logps: list[list[float]],
