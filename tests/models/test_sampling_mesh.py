@@ -47,7 +47,8 @@ print("RESULT " + json.dumps(out))
 
 def test_greedy_and_sampled_completions_equal_one_devices_under_every_layout(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     for kind in ("full", "lora"):
