@@ -7,6 +7,7 @@ Scripts run as ``python benchmarks/NAME.py``, so this module imports as ``_harne
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
 import resource
@@ -112,6 +113,14 @@ def interleave(impls: dict[Hashable, dict[str, Any]], rounds: Iterable[int],
                 impls[name]["times"].append(dt)
                 impls[name]["cpu"].append(dc)
     return {"seconds": time.perf_counter() - t_start, "load_before": load_before, "load_after": os.getloadavg()}
+
+
+def save_json(path: str | None, result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` written to ``path`` (``--json``) when given; ``result`` back."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
 
 
 def timing_row(im: dict[str, Any], tokens_per_step: int) -> dict[str, float]:

@@ -20,7 +20,6 @@ generated tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -156,10 +155,7 @@ def main(argv=None) -> dict:
             print(f"{mode} LoRA: merged / unmerged = {m['tokens_per_s'] / u['tokens_per_s']:.2f}x; merged / PEFT = "
                   f"{m['tokens_per_s'] / p['tokens_per_s']:.2f}x")
     result = {"machine": h.machine(), "config": vars(args), "rows": rows, "greedy_equal": greedy_same}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return h.save_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,6 @@ or use ``--threads 1``. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -434,10 +433,7 @@ def main(argv=None) -> dict:
                                 "params": n_params, "loadavg_before_after": [load0, load1],
                                 "timed_s": run["seconds"], "omp_wait_policy": omp_wait},
         "jaxtune_setup_s": setup_s}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return h.save_json(args.json, result)
 
 
 if __name__ == "__main__":
