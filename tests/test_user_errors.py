@@ -262,3 +262,45 @@ def test_switching_the_objective_on_the_command_line_drops_the_files_objective_k
         kept = load_config("dpo-quickstart", ["objective.name=simpo", "objective.beta=0.5"])
     assert kept.objective.beta_value == 0.5 and "keys loss_type are dropped" in caplog.text
     assert load_config("dpo-quickstart", ["objective.name=dpo"]).objective.beta_value == 0.1
+
+
+@pytest.mark.parametrize("where, why", [("/proc/jaxtune-run", "No such file or directory"),
+                                        ("FILE/run", "is a file, not a directory")])
+def test_a_run_dir_that_cannot_be_made_is_one_line_naming_it(tmp_path, capsys, where, why):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    run = where.replace("FILE", str(blocker))
+    assert main(["train", "quickstart", f"run_dir={run}", "train.steps=1"]) == 2
+    _, line = error_line(capsys)
+    assert line.startswith(f"error: run_dir={run}: cannot create it (") and why in line and "run_dir=runs/NAME" in line
+    assert blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize("command", [["export", "runs/no-such-run", "out"], ["eval", "runs/no-such-run"],
+                                     ["generate", "runs/no-such-run", "--prompt", "x"]])
+def test_a_run_that_does_not_exist_is_one_line_not_a_config_file_hunt(tmp_path, monkeypatch, capsys, command):
+    monkeypatch.chdir(tmp_path)
+    assert main(command) == 2
+    _, line = error_line(capsys)
+    assert line == ("error: runs/no-such-run: no such run directory, model directory or config file; pass a run "
+                    "directory (the run_dir a training wrote), an exported model directory or a config")
+    assert not (tmp_path / "out").exists()
+
+
+def test_progress_without_a_terminal_is_plain_lines_and_lora_says_what_trains(tmp_path, data_cache, capsys,
+                                                                               monkeypatch):
+    """Output to a file (not a terminal): no redrawn bar but plain progress lines (here one per step, as if 30 s
+    passed each time); the start says how many parameters train (a LoRA run: the adapters' share)."""
+    from jaxtune.train import metrics
+
+    monkeypatch.setattr(metrics, "PLAIN_EVERY", 0.0)
+    cfg = load_config(None, [*TINY, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}",
+                             "model.family=llama", "model.preset=tiny", "model.lora.rank=4", "train.steps=3",
+                             "eval.every=0", "logging.progress=true"])
+    train(cfg)
+    out, err = capsys.readouterr()
+    assert "progress: step 1/3 (33%)" in out and "progress: step 2/3 (67%)" in out and "\r" not in out + err
+    line = next(x for x in out.splitlines() if x.startswith("model: "))
+    assert "M parameters" in line and "M trained (" in line and "the LoRA adapters; the base is frozen)" in line
+    summary = json.loads((cfg.run_path / "summary.json").read_text())
+    assert 0 < summary["trained_params"] < summary["params"]

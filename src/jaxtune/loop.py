@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxtune import runtime, sharding
 from jaxtune.backends import Backend, backend_of
@@ -27,7 +28,7 @@ from jaxtune.train.metrics import Laps, NonFiniteLossError, StepLog, prefetch_pl
 from jaxtune.train.profile import Profiler
 from jaxtune.train.reference import precompute_reference, with_reference
 from jaxtune.train.rollout import make_rollout
-from jaxtune.train.run_dir import claim, writing
+from jaxtune.train.run_dir import claim, make_run_dir
 from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import run_steps
 
@@ -57,8 +58,7 @@ def train(cfg: Config) -> TrainResult:
     multi_host = distributed.initialize(cfg.distributed)  # before anything touches a device
     backend = backend_of(cfg)
     run_dir = cfg.run_path
-    with writing(run_dir):
-        run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     with claim(run_dir, multi_host):
         return _train(cfg, backend, run_dir, multi_host)
 
@@ -92,6 +92,11 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     steps = run_steps(spec, cfg)
     precomputed = steps.reference is not None and steps.reference.forward is None  # DPO's log-probs, computed below
     rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None
+    count = lambda tree: int(sum(np.prod(a.shape) for a in jax.tree.leaves(tree)))
+    trained, frozen_count = count(spec.abstract.params), count(spec.frozen_abstract)
+    data.report.append(f"model: {(trained + frozen_count) / 1e6:.2f}M parameters, {trained / 1e6:.3g}M trained"
+                       + (f" ({trained / (trained + frozen_count):.2%}: the LoRA adapters; the base is frozen)"
+                          if frozen_count else ""))
     if rollout is not None:
         o = cfg.objective
         data.report.append(f"grpo: {o.prompts_per_step} prompts x {o.num_generations} completions = "
@@ -194,7 +199,8 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     if proc == 0:
         write_summary(run_dir, {"step": step, "final_train_loss": log.losses.get(step), "eval_loss": result.eval_loss,
                                 "nan_skipped": log.nan_skipped, "preempted": result.preempted,
-                                "params": spec.model_cfg.num_params(), "step_compiles": steps.compiles,
+                                "params": spec.model_cfg.num_params(), "trained_params": trained,
+                                "step_compiles": steps.compiles,
                                 "step_lengths": result.step_lengths,
                                 "seconds": {k: round(v, 3) for k, v in laps.seconds.items()}},
                       result.preempted)

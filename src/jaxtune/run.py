@@ -58,6 +58,9 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         cfg = load_config(path / "config.yaml", overrides)
         cfg = cfg.model_copy(update={"run_dir": str(path)})
     else:
+        if not path.exists() and (len(path.parts) > 1 or path.suffix in (".yaml", ".yml")):  # a path, not a name
+            raise ConfigError(f"{target}: no such run directory, model directory or config file; pass a run "
+                              "directory (the run_dir a training wrote), an exported model directory or a config")
         cfg = load_config(target, overrides)
     run_dir = cfg.run_path
     tok_dir = run_dir / "tokenizer"

@@ -101,7 +101,8 @@ class DistributedConfig(Section):
 
 class LoggingConfig(Section):
     every: int = Field(10, ge=1)
-    progress: bool = True
+    progress: bool = Field(True, description="a progress bar on a terminal; when stderr is not one (a log file), a "
+                           "plain progress line every 30 s instead of redraws")
     jsonl: bool = True
     tensorboard: bool = True
     wandb_project: str | None = None

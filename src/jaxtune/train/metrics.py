@@ -84,6 +84,9 @@ def drop_rows_from(path: Path, first: int) -> None:
             write_text_atomically(path, "".join(keep))
 
 
+PLAIN_EVERY = 30.0  # seconds between progress lines when stderr is not a terminal (a redirected log)
+
+
 class MetricsWriter:
     """Writes scalars for a step to every configured sink (process 0 only).
 
@@ -99,10 +102,13 @@ class MetricsWriter:
         first = start_step + 1 if start_step else 0
         for name in ("metrics.jsonl", "samples.jsonl"):
             drop_rows_from(run_dir / name, first)
-        if cfg.progress:
+        self.plain: list[float] | None = None  # without a terminal: [step, total, last line's time]
+        if cfg.progress and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        elif cfg.progress:  # a log file: a plain line every PLAIN_EVERY seconds, never a redrawn bar
+            self.plain = [start_step, total_steps, time.perf_counter(), time.perf_counter(), start_step]
         self.jsonl_path = run_dir / "metrics.jsonl"
         if cfg.jsonl:
             with writing(self.jsonl_path):
@@ -137,6 +143,16 @@ class MetricsWriter:
     def advance(self, n: int = 1) -> None:
         if self.bar:
             self.bar.update(n)
+        elif self.plain:
+            step, total, last, t0, first = self.plain
+            step, now = step + n, time.perf_counter()
+            self.plain[0] = step
+            if now - last >= PLAIN_EVERY and step < total:
+                self.plain[2] = now
+                rate = (step - first) / max(now - t0, 1e-9)
+                eta = (total - step) / max(rate, 1e-9)
+                print(f"progress: step {step}/{total} ({step / max(total, 1):.0%}), {1 / max(rate, 1e-9):.2f} s/step, "
+                      f"about {eta / 60:.1f} min left", flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:

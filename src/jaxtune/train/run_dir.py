@@ -61,6 +61,19 @@ def _write_error(e: OSError, path: Path | None = None, unnamed: str = "a write f
     return WriteError(f"{verb}{name}: {describe(e.errno)}")
 
 
+def make_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` (and its parents), or one `RunDirError` line naming ``run_dir`` and why it cannot be: a part
+    of the path that is a file, a place nothing can be created (``/proc``), no permission, a full disk."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in [run_dir, *run_dir.parents] if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a directory" if blocker is not None else (
+            describe(e.errno) if e.errno else str(e))
+        raise RunDirError(f"run_dir={run_dir}: cannot create it ({why}); set run_dir to a directory you can write, "
+                          "e.g. run_dir=runs/NAME") from None
+
+
 @contextlib.contextmanager
 def writing(path: Path) -> Iterator[None]:
     """Report an OSError of the body that the user fixes (`WRITE_ERRNOS`) as a `WriteError` naming the file (the one
