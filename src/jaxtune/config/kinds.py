@@ -223,7 +223,8 @@ class ObjectiveConfig(Section):
     importance_sampling: Literal[IMPORTANCE_SAMPLING] = Field(
         "off", description="grpo: correct for the sampler's distribution differing from the trainer's (bfloat16, "
         "other programs) with the ratio r = pi_trainer / pi_sampler of each token (token_*) or each completion "
-        "(sequence_*: the product over its tokens), cut to [importance_sampling_min, importance_sampling_max] "
+        "(sequence_*: the geometric mean over its tokens; TRL 1.16 takes the product), cut to "
+        "[importance_sampling_min, importance_sampling_max] "
         "(*_truncate) or zeroed outside it (*_mask), multiplying each token's loss (TRL's "
         "vllm_importance_sampling_mode)")
     importance_sampling_max: float | None = Field(3.0, gt=0, description="grpo: the ratio's upper bound C_max")

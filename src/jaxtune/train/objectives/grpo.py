@@ -105,7 +105,7 @@ class GRPO:
         """How far the trainer's log-probs ``logps`` are from the sampler's, as metrics (``sampler_logp_diff/mean``
         and ``/max`` over completion tokens: the first pass's, whose weights sampled), and with
         ``importance_sampling`` the weight of each token's loss: r = exp(old - sampler) per token, or per completion
-        (the sum over its tokens), truncated to or masked outside [min, max] (TRL's modes), ``old`` being the
+        (the mean over its tokens), truncated to or masked outside [min, max] (TRL's modes), ``old`` being the
         trainer's log-probs of the policy that sampled. None: no correction."""
         if SAMPLER_LOGPS_KEY not in batch:
             return None
@@ -116,8 +116,11 @@ class GRPO:
         if self.importance_sampling == "off":
             return None
         gap = jax.lax.stop_gradient(old - sampler) * mask
-        if self.importance_sampling.startswith("sequence"):  # each completion's summed gap, on its tokens
-            per = jnp.sum(gap[:, None, :] * completions, -1)  # (rows, completions in a row)
+        if self.importance_sampling.startswith("sequence"):  # each completion's mean gap, on its tokens
+            # (the geometric mean of its token ratios, as GSPO's sequence ratio; TRL 1.16 sums, which makes the
+            # ratio's spread grow with the completion's length and the cap cut most long ones: its issue #5814)
+            per = jnp.sum(gap[:, None, :] * completions, -1) / jnp.maximum(
+                jnp.sum(mask[:, None, :] * completions, -1), 1.0)  # (rows, completions in a row)
             gap = jnp.sum(per[:, :, None] * completions, 1)
         ratio = jnp.exp(gap)
         lo = -jnp.inf if self.importance_sampling_min is None else self.importance_sampling_min
