@@ -57,7 +57,7 @@ def test_user_errors_exit_2_with_the_key(config_file, capsys):
     assert main(["train", str(config_file), "optim.lrr=1"]) == 2
     assert "did you mean optim.lr?" in capsys.readouterr().err
     assert main(["eval", "/nonexistent/run"]) == 2
-    assert "config file not found" in capsys.readouterr().err
+    assert "/nonexistent/run: no such run directory, model directory or config file" in capsys.readouterr().err
     assert main(["train", str(config_file), "data.sources=[/nonexistent/corpus.txt]"]) == 2
     assert "/nonexistent/corpus.txt" in capsys.readouterr().err
 

@@ -304,3 +304,16 @@ def test_progress_without_a_terminal_is_plain_lines_and_lora_says_what_trains(tm
     assert "M parameters" in line and "M trained (" in line and "the LoRA adapters; the base is frozen)" in line
     summary = json.loads((cfg.run_path / "summary.json").read_text())
     assert 0 < summary["trained_params"] < summary["params"]
+
+
+def test_report_after_a_resume_keeps_one_table_from_step_0(tmp_path, data_cache):
+    """A run stopped at step 2 and resumed to step 4: report.md is one report whose table has the evaluations of
+    both attempts (0, 2, 4), not a second table whose "before" is the resume step."""
+    base = [*TINY, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "eval.every=2", "eval.batches=1",
+            "checkpoint.every=2"]
+    train(load_config(None, [*base, "train.steps=2"]))
+    train(load_config(None, [*base, "train.steps=4"]))
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert report.count("# Run report") == 1 and report.count("| step | held-out loss |") == 1, report
+    steps = [line.split("|")[1].strip() for line in report.splitlines() if line.startswith("| ") and "--" not in line]
+    assert steps[1:] == ["0", "2", "4"], report  # after the header row

@@ -14,7 +14,8 @@ import jax
 from jaxtune.config import Config, ConfigError
 from jaxtune.data import Example, PromptRows, Tokenizer, format_sample, question, renders_chat, stop_ids
 from jaxtune.generate import sample
-from jaxtune.train.metrics import StepLog, perplexity
+from jaxtune.io import write_text_atomically
+from jaxtune.train.metrics import EVALS_FILE, StepLog, perplexity, read_rows
 from jaxtune.train.rollout import Rollout, prompt_text
 from jaxtune.train.step import Steps
 
@@ -52,8 +53,12 @@ class Evaluator:
     rollout: Rollout | None = None  # GRPO: samples and scores completions
     prompts: PromptRows | None = None  # GRPO: the held-out prompts
     evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "exact_match", "samples"} each
+    start: int = 0  # the step this session resumed from: earlier evaluations are read back for report.md
 
     def __post_init__(self) -> None:
+        # evaluations of the attempts before this one (up to the resumed step; later rows were dropped when the
+        # run's logs were opened), so that report.md keeps one table from step 0
+        self.history = read_rows(self.run_dir / EVALS_FILE) if self.start else []
         self.generator = self.steps.spec.generator()
         self.chat = renders_chat(self.cfg.data.format) and self.tokenizer.chat_template is not None
         wanted = self.cfg.eval.exact_match
@@ -119,6 +124,9 @@ class Evaluator:
             for text in record["samples"]:
                 self.log.message(f"--- sample @ step {step} ---\n{text}")
         self.evals.append(record)
+        if jax.process_index() == 0:
+            with open(self.run_dir / EVALS_FILE, "a") as f:
+                f.write(json.dumps(record, default=float) + "\n")
 
     def _score_prompts(self, step: int, params: Any, frozen: tuple, record: dict[str, Any],
                        scalars: dict[str, float]) -> str:
@@ -156,7 +164,7 @@ class Evaluator:
     def _report_rewards(self, first: dict[str, Any], last: dict[str, Any]) -> list[str]:
         """GRPO's part of report.md: held-out accuracy and reward at every evaluation, before and after, and the first
         held-out completions with their rewards, before and after."""
-        rows = [e for e in self.evals if "reward" in e]
+        rows = [e for e in self.history + self.evals if "reward" in e]
         if not rows:
             return []
         n, accuracy = self.scored, "accuracy" in rows[0]
@@ -180,15 +188,16 @@ class Evaluator:
         return lines
 
     def write_report(self) -> None:
-        """report.md: held-out loss and exact match at every evaluation, exact match before and after, and the
-        samples of the first and last evaluation side by side (appended to on resume, so a resumed run keeps its
-        baseline)."""
+        """report.md: held-out loss and exact match at every evaluation since step 0 (a resumed run's earlier ones
+        read back from evals.jsonl), exact match before and after, and the samples of the first and last evaluation
+        side by side. Rewritten whole each time."""
         if not self.evals:
             return
         path = self.run_dir / "report.md"
-        lines = [] if path.exists() else ["# Run report", ""]
+        lines = ["# Run report", ""]
         n = len(self.questions)
-        scored = [e for e in self.evals if e["loss"] is not None or e["exact_match"] is not None]
+        every = self.history + self.evals
+        scored = [e for e in every if e["loss"] is not None or e["exact_match"] is not None]
         if scored:
             # Preference objectives: the share of held-out pairs whose chosen reply is rewarded more (their loss is
             # not a log-likelihood: no perplexity).
@@ -202,7 +211,7 @@ class Evaluator:
                     else f" {e['loss']:.4f} | {perplexity(e['loss']):.2f} |")
                 lines.append(f"| {e['step']} |" + (loss or " | |") + (f" {_score(e['exact_match'], n)} |" if n else ""))
             lines.append("")
-        first, last = self.evals[0], self.evals[-1]
+        first, last = every[0], every[-1]
         lines += self._report_rewards(first, last)
         if n and first is not last:
             lines += [(f"Held-out exact match ({n} held-out rows answered greedily, reply compared with the reference): "
@@ -213,8 +222,7 @@ class Evaluator:
             if first is not last and k < len(first["samples"]):
                 lines += [f"**Before (step {first['step']}):**", "", "```", first["samples"][k], "```", ""]
             lines += [f"**After (step {last['step']}):**", "", "```", after, "```", ""]
-        with open(path, "a") as f:
-            f.write("\n".join(lines) + "\n")
+        write_text_atomically(path, "\n".join(lines) + "\n")
 
 
 def _score(fraction: float, count: int) -> str:

@@ -130,7 +130,7 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     shapes = BatchShapes.of(cfg)
     eval_batches = [shapes.fit(b)[0] for b in data.eval_batches]  # each held-out batch at its own bucket
     evaluator = Evaluator(cfg, steps, tokenizer, eval_batches, run_dir, log, data.eval_examples, rollout,
-                          data.prompts.val if data.prompts is not None else None)
+                          data.prompts.val if data.prompts is not None else None, start=start)
     for line in ckpt.notes(start, total) + data.report:
         log.message(line)
 

@@ -65,6 +65,22 @@ def peak_flops(device: Any) -> float | None:
     return matches[0] if matches else None
 
 
+EVALS_FILE = "evals.jsonl"  # every evaluation's record (the Evaluator's), so report.md spans resumes
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file (a line that is not JSON is skipped); [] without the file."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
 def drop_rows_from(path: Path, first: int) -> None:
     """Rewrite the JSON-lines file ``path`` (atomically, only if needed) without its rows of step ``first`` and later,
     and without a last line cut short by a killed writer."""
@@ -97,12 +113,12 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, start_step: int, config: dict[str, Any]):
         self.enabled = jax.process_index() == 0
         self.bar = self.jsonl = self.tb = self.wandb = None
+        self.plain: list[float] | None = None  # without a terminal: [step, total, last line's time, start, first]
         if not self.enabled:
             return
         first = start_step + 1 if start_step else 0
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl", EVALS_FILE):
             drop_rows_from(run_dir / name, first)
-        self.plain: list[float] | None = None  # without a terminal: [step, total, last line's time]
         if cfg.progress and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
