@@ -18,13 +18,13 @@ from jaxtune.backends import make_state_spec
 from jaxtune.config import load_config
 
 assert jax.device_count() == 8, jax.devices()
-MODEL = ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
+MODEL = ["model.family=llama", "model.preset=tiny", "model.n_layer=1", "model.d_model=64", "model.n_head=4",
          "model.n_kv_head=2", "model.d_ff=128", "model.vocab_size=256", "model.max_seq_len=64"]
 rng = np.random.default_rng(0)
 prompts = [rng.integers(1, 256, n).tolist() for n in (3, 7, 12, 5, 9, 4, 11, 6)]
 out = {}
-for lora in (False, True):
-    for shape in [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2)]:
+for lora in (False, True):  # data parallelism (8x1x1) replicates the weights: LoRA adds nothing there
+    for shape in [(1, 1, 1), (1, 8, 1), (2, 2, 2)] + ([] if lora else [(8, 1, 1)]):
         cfg = load_config(None, MODEL + (["model.lora.rank=4"] if lora else []))
         devices = jax.devices()[:int(np.prod(shape))]
         mesh = sharding.make_mesh(*shape, devices)
@@ -37,8 +37,8 @@ for lora in (False, True):
         sharded = any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves((params, frozen)))
         gen = spec.generator()
         with sharding.use_mesh(mesh):
-            greedy = gen(spec.weights(params, frozen), prompts, max_new_tokens=10)
-            sampled = gen(spec.weights(params, frozen), prompts, max_new_tokens=10, temperature=1.0, seed=3)
+            greedy = gen(spec.weights(params, frozen), prompts, max_new_tokens=8)
+            sampled = gen(spec.weights(params, frozen), prompts, max_new_tokens=8, temperature=1.0, seed=3)
         out[f"{'lora' if lora else 'full'}-{'x'.join(map(str, shape))}"] = {
             "greedy": greedy, "sampled": sampled, "logps": gen.logps, "sharded": sharded, "compiles": gen.compiles}
 print("RESULT " + json.dumps(out))
