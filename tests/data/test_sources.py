@@ -105,3 +105,18 @@ def test_fingerprint_tracks_files_and_settings(tmp_path):
 def test_hf_source_without_datasets_says_what_to_install():
     with pytest.raises(DataError, match=r"hf:roneneldan/TinyStories needs .*pip install 'jaxtune\[hf\]'"):
         _docs("hf:roneneldan/TinyStories")
+
+
+def test_hf_source_that_cannot_be_had_is_one_line_at_once(monkeypatch, tmp_path):
+    """An hf: dataset with the hub out of reach (here HF_HUB_OFFLINE, so no request leaves) and not in the datasets
+    cache: one DataError naming the source and the ways on, without datasets' retries (~30 s of them before)."""
+    pytest.importorskip("datasets")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(DataError) as e:
+        _docs("hf:jaxtune-tests/no-such-dataset")
+    message = str(e.value)
+    assert message.startswith("data.sources: hf:jaxtune-tests/no-such-dataset: HF_HUB_OFFLINE is set and it is not "
+                              "in the datasets cache; pass local files") and "\n" not in message

@@ -65,14 +65,23 @@ def local_or_hub(name: str, key: str, files: list[str]) -> Path:
     return found
 
 
+def hub_unreachable(name: str, key: str, repo_type: str | None = None) -> str:
+    """Why the HuggingFace hub cannot give ``name`` (a model, or with ``repo_type="dataset"`` a dataset) here: ''
+    when it answers, a reason when it cannot be reached or ``HF_HUB_OFFLINE`` is set; a refusal of ``name`` is a
+    `HubError` naming ``key``. One bounded request (`HUB_TIMEOUT`), once per name and process."""
+    from huggingface_hub import constants
+
+    return "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _unreachable(name, key, repo_type)
+
+
 @functools.cache
-def _unreachable(name: str, key: str) -> str:
+def _unreachable(name: str, key: str, repo_type: str | None = None) -> str:
     """Why the hub cannot be reached ('' when it answers), found with one request; a refusal of ``name`` (missing,
     gated, private) is a `HubError`. Asked once per name and process."""
     from huggingface_hub import HfApi, constants, errors
 
     try:
-        HfApi().repo_info(name, timeout=HUB_TIMEOUT)
+        HfApi().repo_info(name, repo_type=repo_type, timeout=HUB_TIMEOUT)
     except errors.HfHubHTTPError as e:
         reason = _one_line(e)
         raise HubError(f"{key}={name}: not a local directory, and the HuggingFace hub refuses it: {reason}",

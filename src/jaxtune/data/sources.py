@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxtune.config import DataConfig
+from jaxtune.config.hub import hub_unreachable
 from jaxtune.data.documents import Piece, ReadStats, file_pieces, is_token_file, split_long, text_of, text_pieces
 from jaxtune.data.errors import DataError
 from jaxtune.data.synthetic import GENERATOR_FORMATS, GENERATORS
@@ -276,6 +277,17 @@ def hf_rows(name: str, data_cfg: DataConfig) -> Iterator[tuple[str, dict]]:
         raise DataError(
             f"data.sources: {HF_PREFIX}{name} needs the HuggingFace datasets library: pip install 'jaxtune[hf]'"
         ) from None
-    rows = datasets.load_dataset(name, data_cfg.hf_config, split=data_cfg.hf_split, streaming=True)
+    # One bounded request first: datasets' own retries take ~30 s to give up without network.
+    unreachable = hub_unreachable(name, f"data.sources: {HF_PREFIX}{name}", repo_type="dataset")
+    offline, datasets.config.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE, bool(unreachable) or \
+        datasets.config.HF_HUB_OFFLINE
+    try:
+        rows = datasets.load_dataset(name, data_cfg.hf_config, split=data_cfg.hf_split, streaming=True)
+    except Exception as e:  # noqa: BLE001 (not cached, missing, a failed download: one line, with the ways on)
+        why = f"{unreachable} and it is not in the datasets cache" if unreachable else " ".join(str(e).split())
+        raise DataError(f"data.sources: {HF_PREFIX}{name}: {why}; pass local files (data.sources=[rows.jsonl]), "
+                        "or load it once where there is network (then HF_HUB_OFFLINE=1 reads the cache)") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE = offline
     for i, row in enumerate(rows):
         yield f"{HF_PREFIX}{name}[{data_cfg.hf_split}][{i}]", row
