@@ -317,3 +317,44 @@ def test_report_after_a_resume_keeps_one_table_from_step_0(tmp_path, data_cache)
     assert report.count("# Run report") == 1 and report.count("| step | held-out loss |") == 1, report
     steps = [line.split("|")[1].strip() for line in report.splitlines() if line.startswith("| ") and "--" not in line]
     assert steps[1:] == ["0", "2", "4"], report  # after the header row
+
+
+KTO_ROW = {"prompt": "Is 2+2 4?", "completion": "Yes.", "label": True}
+PAIR_ROW = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
+CHAT_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+PROMPT_ROW = {"prompt": "2+2?", "answer": "4"}
+PREFERENCE = ["objective.name=dpo", "data.format=preference"]
+SFT = ["data.format=messages", "data.chat_template=chatml"]
+
+
+@pytest.mark.parametrize("row, overrides, says", [
+    (KTO_ROW, PREFERENCE, "this row is an unpaired preference row (prompt, completion, a true/false label: TRL's KTO "
+     "form), which no objective here trains on, but data.format=preference reads a preference pair {prompt, chosen, "
+     "rejected}, for objective.name=dpo, simpo or orpo; pair a liked and a disliked completion"),
+    (CHAT_ROW, PREFERENCE, "this row is a chat conversation (data.format=messages, for objective.name=cross_entropy), "
+     "but data.format=preference reads a preference pair"),
+    (PROMPT_ROW, PREFERENCE, "this row is a prompt alone {prompt, answer fields} (data.format=prompts, for "
+     "objective.name=grpo), but data.format=preference reads"),
+    (PAIR_ROW, SFT, "this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for "
+     "objective.name=dpo, simpo or orpo), but data.format=messages reads a chat conversation, for "
+     "objective.name=cross_entropy; give rows of that shape, or train on these with data.format=preference "
+     "objective.name=dpo"),
+    (PROMPT_ROW, SFT, "this row is a prompt alone"),
+    # An SFT format that would read it, ignoring the label, would train on the disliked completions too.
+    (KTO_ROW, ["data.format=prompt_completion"], "this row is an unpaired preference row (prompt, completion, a "
+     "true/false label: TRL's KTO form), which no objective here trains on; to fine-tune on the liked completions "
+     "alone, keep the rows labelled true and drop their 'label' field"),
+], ids=["kto-to-dpo", "messages-to-dpo", "prompts-to-dpo", "pairs-to-sft", "prompts-to-sft", "kto-to-sft"])
+def test_data_of_another_shape_says_what_it_is_and_what_takes_it(tmp_path, data_cache, capsys, row, overrides,
+                                                                  says):
+    """Rows of another format (or TRL's unpaired KTO rows) given to an objective: one line naming the file:line, what
+    the rows look like, and which data.format and objective read them; not "set data.fields.chosen" (which cannot
+    help) nor "set data.bad_rows=drop" (which would drop every row); no checkpoint written."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    run = tmp_path / "run"
+    assert main(["train", "quickstart", *[o for o in TINY if not o.startswith("data.sources")], *overrides,
+                 f"data.sources=[{data}]", f"data.cache_dir={data_cache}", f"run_dir={run}", "train.steps=1"]) == 2
+    _, line = error_line(capsys)
+    assert line.startswith(f"error: {data}:1: {says}") and "bad_rows" not in line and "data.fields" not in line
+    assert not list(run.glob("checkpoints/*"))

@@ -393,6 +393,11 @@ BAD = [
     ("role_order", msgs((S, "s")), "does not end with an assistant turn"),
     ("empty_content", msgs((U, "x"), (A, " \n\t")), "turn 1 (assistant) has empty content"),
     ("empty_content", msgs((S, ""), (U, "x"), (A, "y")), "turn 0 (system) has empty content"),
+    # Another format's row: what it is, and the format and objective that take it.
+    ("wrong_format", json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}).encode(),
+     "this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for objective.name=dpo, simpo "
+     "or orpo), but data.format=messages reads a chat conversation, for objective.name=cross_entropy; give rows of "
+     "that shape, or train on these with data.format=preference objective.name=dpo"),
 ]
 
 
@@ -402,6 +407,7 @@ def test_bad_rows_cover_every_reason():
     sft_reasons = set(READ_REASONS) | {r for f in FORMATS.values() if f.name != "preference" for r in f.reasons}
     assert {reason for reason, _, _ in BAD} == sft_reasons
     assert set(REASONS) - sft_reasons == {"identical", "prompt_mismatch"}
+    assert "wrong_format" in sft_reasons
     assert DROP_REASONS == (*REASONS, "overlong", "no_trainable_tokens")
 
 
@@ -428,7 +434,8 @@ def test_bad_rows_drop_counts_each_reason(chatml, tmp_path):
     assert [masked_text(chatml, r) for r in rows] == ["Hello!<|im_end|>", "4<|im_end|>Yes.<|im_end|>",
                                                       "Salut 🙂<|im_end|>"]
     assert stats.dropped == Counter({"non_utf8": 1, "invalid_json": 1, "missing_field": 2, "bad_type": 5,
-                                     "unknown_role": 1, "role_order": 6, "empty_content": 2})
+                                     "unknown_role": 1, "role_order": 6, "empty_content": 2,
+                                     "wrong_format": 1})
     assert stats.dropped == Counter(reason for reason, _, _ in BAD)
     assert stats.rows == len(BAD) + len(GOOD)  # the blank line is not a row
     assert stats.truncated == 0

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtune.config import DataConfig
+from jaxtune.config.kinds import KIND_OF_FORMAT, objectives_for
 from jaxtune.data.errors import DataError
 from jaxtune.data.rows import READ_REASONS, BadRow, file_rows, read_rows
 
@@ -98,7 +99,8 @@ class Format:
     data_cfg)``: a row (a dict) as an `Example` (a `Pair` for preference rows, a `Prompt` for prompts), or `BadRow`;
     ``reasons``: the `BadRow` reasons ``parse`` gives; ``chat``: rendered with the chat template (else raw text;
     preference and prompts rows are either, by their form); ``detect_last``: detected only when no other format's key
-    is in the row (a key that other formats' rows hold too, such as ``prompt``)."""
+    is in the row (a key that other formats' rows hold too, such as ``prompt``); ``noun``: what one row is, for
+    messages (default: a ``name`` row); ``keys``: the fields that make a row this format's (`own_keys`)."""
 
     name: str
     fields: dict[str, str]
@@ -107,6 +109,18 @@ class Format:
     reasons: tuple[str, ...]
     chat: bool = True
     detect_last: bool = False
+    noun: str = ""
+    keys: tuple[str, ...] = ()
+
+    @property
+    def own_keys(self) -> set[str]:
+        """The fields only rows of this format hold (``keys``, default ``detect_key``): a row with none of them is
+        another format's (`looks_like`), else one of this format's that lost a field."""
+        return set(self.keys or (self.detect_key,))
+
+    @property
+    def row_noun(self) -> str:
+        return self.noun or f"a {self.name} row"
 
 
 def _string(record: dict, key: str, name: str, required: bool = True) -> str:
@@ -122,6 +136,9 @@ def _string(record: dict, key: str, name: str, required: bool = True) -> str:
 
 
 def _prompt_completion(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Example:
+    if isinstance(record.get("label"), bool):  # fine-tuning on it would train on the disliked completions too
+        raise BadRow("wrong_format", _UNPAIRED + "; to fine-tune on the liked completions alone, keep the rows "
+                     "labelled true and drop their 'label' field")
     prompt, completion = _string(record, fields["prompt"], "prompt"), _string(record, fields["completion"],
                                                                              "completion")
     if not completion.strip():
@@ -299,24 +316,26 @@ def register_format(fmt: Format) -> Format:
 # Detection tries these in this order (then the detect_last ones): the first whose detect_key a row holds is its.
 for _format in (
     Format("messages", {"messages": "messages", "role": "role", "content": "content"}, "messages", _messages,
-           _CONVERSATION_REASONS),
+           _CONVERSATION_REASONS, noun="a chat conversation"),
     Format("sharegpt", {"messages": "conversations", "role": "from", "content": "value"}, "conversations", _sharegpt,
-           _CONVERSATION_REASONS),
+           _CONVERSATION_REASONS, noun="a ShareGPT conversation"),
     Format("alpaca", {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
-           "instruction", _alpaca, _FIELD_REASONS),
+           "instruction", _alpaca, _FIELD_REASONS, noun="an Alpaca instruction"),
     Format("preference", {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "role": "role",
                           "content": "content"}, "chosen", _preference, (*_CONVERSATION_REASONS, "identical",
-                                                                          "prompt_mismatch")),
+                                                                          "prompt_mismatch"),
+           noun="a preference pair {prompt, chosen, rejected}", keys=("chosen", "rejected")),
     Format("prompt_completion", {"prompt": "prompt", "completion": "completion"}, "completion", _prompt_completion,
-           _FIELD_REASONS, chat=False),
+           (*_FIELD_REASONS, "wrong_format"), chat=False, noun="a prompt/completion row"),
     # Last: a preference or a prompt/completion row holds a prompt too (a prompts row given as messages ending with
     # a user turn is detected as messages).
     Format("prompts", {"prompt": "prompt", "messages": "messages", "role": "role", "content": "content"}, "prompt",
-           _prompts, _CONVERSATION_REASONS, detect_last=True),
+           _prompts, _CONVERSATION_REASONS, detect_last=True, noun="a prompt alone {prompt, answer fields}",
+           keys=("prompt", "messages")),
 ):
     register_format(_format)
 # Why a row was bad (data.bad_rows): unreadable first, then each format's reasons, in this order in reports.
-REASONS = tuple(dict.fromkeys([*READ_REASONS, *(r for f in FORMATS.values() for r in f.reasons)]))
+REASONS = tuple(dict.fromkeys([*READ_REASONS, *(r for f in FORMATS.values() for r in f.reasons), "wrong_format"]))
 
 
 def field_names(data_cfg: DataConfig) -> dict[str, str]:
@@ -336,7 +355,47 @@ def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Exam
         raise record
     if not isinstance(record, dict):
         raise BadRow("bad_type", f"a row must be a JSON object, not {type(record).__name__}")
-    return FORMATS[data_cfg.format].parse(record, fields, data_cfg)
+    try:
+        return FORMATS[data_cfg.format].parse(record, fields, data_cfg)
+    except BadRow as bad:
+        if bad.reason != "missing_field" or data_cfg.fields:
+            raise
+        other = looks_like(record, data_cfg.format)
+        if other is None:
+            raise
+        raise BadRow("wrong_format", other) from None
+
+
+_UNPAIRED = ("this row is an unpaired preference row (prompt, completion, a true/false label: TRL's KTO form), "
+             "which no objective here trains on")
+
+
+def _takers(fmt: str) -> list[str]:
+    """The objectives that train on rows of ``fmt``."""
+    return objectives_for(KIND_OF_FORMAT[fmt]) if fmt in KIND_OF_FORMAT else []
+
+
+def _for(names: list[str]) -> str:
+    """", for objective.name=X" (X, Y or Z); empty for none."""
+    return f", for objective.name={', '.join(names[:-1]) + ' or ' + names[-1] if len(names) > 1 else names[0]}" \
+        if names else ""
+
+
+def looks_like(record: dict, data_format: str) -> str | None:
+    """Why a row that ``data.format`` cannot read is in the wrong shape, when it is a row of another format (or of
+    TRL's unpaired preference form, which no objective here takes): what it looks like, what ``data.format`` reads,
+    and which format and objective take it. None when it looks like no other format (a row broken on its own)."""
+    wanted = f"data.format={data_format} reads {FORMATS[data_format].row_noun}{_for(_takers(data_format))}"
+    fmt = next((f for f in sorted(FORMATS.values(), key=lambda f: f.detect_last)
+                if f.name != data_format and f.detect_key in record), None)
+    if fmt is None or FORMATS[data_format].own_keys & record.keys():  # like none, or this format's, a field lost
+        return None
+    if fmt.name == "prompt_completion" and isinstance(record.get("label"), bool):
+        return f"{_UNPAIRED}, but {wanted}; pair a liked and a disliked completion of one prompt as " \
+            "{prompt, chosen, rejected} for objective.name=dpo"
+    takers = _takers(fmt.name)
+    return (f"this row is {fmt.row_noun} (data.format={fmt.name}{_for(takers)}), but {wanted}; give rows of that "
+            f"shape, or train on these with data.format={fmt.name}" + (f" objective.name={takers[0]}" if takers else ""))
 
 
 def iter_turn_texts(data_cfg: DataConfig) -> Iterator[str]:

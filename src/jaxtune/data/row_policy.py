@@ -59,7 +59,8 @@ def parsed_rows(sources: list[str], data_cfg: DataConfig, stats: RowStats,
         except BadRow as bad:
             if data_cfg.bad_rows == "raise":
                 yield pending
-                raise DataError(f"{where}: {bad.detail}; fix the row or set data.bad_rows=drop") from None
+                raise DataError(f"{where}: {bad.detail}" + ("" if bad.reason == "wrong_format" else
+                                "; fix the row or set data.bad_rows=drop")) from None
             stats.dropped[bad.reason] += 1
         if len(pending) >= chunk:
             yield pending
