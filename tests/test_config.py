@@ -197,3 +197,17 @@ def test_a_grpo_step_is_counted_in_prompts_by_name():
     assert load_config(None, [*grpo, "objective.prompts_per_step=3", "train.batch_size=3"]).train.batch_size == 3
     dumped = load_config(None, [*grpo, "objective.prompts_per_step=3"]).to_dict()  # a run's config.yaml: both keys
     assert Config(**dumped).train.batch_size == 3
+
+
+def test_max_prompt_length_applies_to_prompts_apart_and_bounds_grpos_prompts():
+    grpo = ["objective.name=grpo", "data.format=prompts", "objective.prompts_per_step=2",
+            "objective.rewards=[{name: exact_number, field: answer}]", "data.seq_len=256",
+            "objective.max_completion_length=64"]
+    assert load_config(None, grpo).max_prompt_tokens == 192
+    assert load_config(None, [*grpo, "data.max_prompt_length=100"]).max_prompt_tokens == 100
+    assert load_config(None, [*grpo, "data.max_prompt_length=500"]).max_prompt_tokens == 192
+    assert load_config(None, ["objective.name=dpo", "data.format=preference",
+                              "data.max_prompt_length=64"]).data.max_prompt_length == 64
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length applies to data.format=preference or prompts .*"
+                       r"not messages"):
+        load_config(None, ["data.format=messages", "data.max_prompt_length=64"])

@@ -346,6 +346,22 @@ def test_overlong_raise(tok, overlong):
                                      "data.overlong=truncate or drop, or raise data.seq_len")
 
 
+def test_max_prompt_length_keeps_a_prompts_last_tokens_whatever_overlong_says(tok, overlong):
+    """data.max_prompt_length (TRL's max_prompt_length): a longer prompt keeps its last tokens, the completions stay
+    whole, counted apart from data.overlong's truncations; under overlong=raise too (the user asked for the cut)."""
+    path, seq_len, full, prompts = overlong
+    keep = prompts[0]  # the short pair's prompt is exactly this long: whole
+    stats = PreferenceStats()
+    pairs = load(tok, cfg(sources=[str(path)], seq_len=1024, max_prompt_length=keep, overlong="raise"), stats)
+    assert (stats.prompts_cut, stats.truncated, stats.dropped) == (2, 0, Counter())
+    for pair, whole, n in zip(pairs, full, prompts):
+        cut = max(0, n - keep)
+        assert [e.ids.tolist() for e in pair] == [e.ids[cut:].tolist() for e in whole]
+        assert [e.mask.tolist() for e in pair] == [e.mask[cut:].tolist() for e in whole]
+        assert int(np.argmax(pair[0].mask)) == min(n, keep)
+    assert "prompts cut to their last data.max_prompt_length tokens: 2" in stats.drop_lines("pairs")
+
+
 # --- 4. held out, reference log-probs, batches ---
 
 def many_pairs(n: int, salt: str = "") -> list[dict]:

@@ -280,6 +280,20 @@ def test_overlong_truncate_keeps_the_last_tokens(tok, overlong):
     assert less.stats.truncated == 1
 
 
+def test_max_prompt_length_cuts_before_the_overlong_rule(tok, overlong):
+    """data.max_prompt_length: a longer prompt keeps its last tokens whatever data.overlong says (raise here),
+    counted apart; the training loop's limit (data.seq_len less the completion) still applies after it."""
+    path, limit, full = overlong
+    data = prepare_prompts(cfg(sources=[str(path)], overlong="raise", max_prompt_length=limit), tok,
+                           max_prompt_tokens=10_000)
+    assert rows_of(data.train) == [full[0], full[1][-limit:], full[2][-limit:]]
+    assert (data.stats.prompts_cut, data.stats.truncated) == (2, 0)
+    assert "prompts cut to their last data.max_prompt_length tokens: 2" in data.stats.lines()
+    with pytest.raises(DataError, match=":2: "):  # cut to limit + 1, then over the loop's limit: raise
+        prepare_prompts(cfg(sources=[str(path)], overlong="raise", max_prompt_length=limit + 1), tok,
+                        max_prompt_tokens=limit)
+
+
 def test_overlong_drop(tok, overlong):
     path, limit, full = overlong
     data = prepare_prompts(cfg(sources=[str(path)], overlong="drop"), tok, max_prompt_tokens=limit)

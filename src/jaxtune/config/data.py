@@ -61,6 +61,10 @@ class DataConfig(Section):
                                        "completion; default: on for preference pairs (measured faster), off for "
                                        "GRPO groups (slower on CPU when completions outweigh the prompt), and off "
                                        "with model.backend=torchax")
+    max_prompt_length: int | None = Field(None, ge=1, description="preference pairs and GRPO prompts: a prompt of "
+                                          "more tokens keeps its last this many (TRL's left truncation), whatever "
+                                          "data.overlong says; counted when training starts. Default: no limit "
+                                          "but data.seq_len's")
     cache_dir: str = "~/.cache/jaxtune"
     num_workers: int = Field(0, ge=0, description="grain worker processes; 0 reads in the main process")
     num_proc: int | None = Field(None, ge=1, description="processes tokenizing the corpus; default all cores (the "
@@ -86,6 +90,15 @@ class DataConfig(Section):
     def pretokenized(self) -> bool:
         """``format: tokens``: the sources are token ids already."""
         return self.format == PRETOKENIZED_FORMAT
+
+    @model_validator(mode="after")
+    def _prompt_limit_applies(self) -> DataConfig:
+        if self.max_prompt_length is not None and not self.kind.shares_prompt:
+            takers = [f for k in BATCH_KINDS.values() if k.shares_prompt for f in k.formats]
+            raise ValueError(f"data.max_prompt_length applies to data.format={' or '.join(takers)} (rows whose prompt "
+                             f"is apart from the completions), not {self.format}; a fine-tuning row's length is "
+                             "data.seq_len")
+        return self
 
     @field_validator("sources", "val_sources", mode="before")
     @classmethod

@@ -121,8 +121,11 @@ class Config(Section):
     @property
     def max_prompt_tokens(self) -> int | None:
         """Objectives that generate (GRPO): the longest prompt in tokens, what ``data.seq_len`` leaves after
-        ``max_completion_length``."""
-        return self.data.seq_len - self.objective.max_completion_length if self.objective.generates else None
+        ``max_completion_length`` (at most ``data.max_prompt_length``)."""
+        if not self.objective.generates:
+            return None
+        room = self.data.seq_len - self.objective.max_completion_length
+        return min(room, self.data.max_prompt_length or room)
 
     @property
     def optimizer_updates(self) -> int:

@@ -13,7 +13,8 @@ its completions. Text pairs need no chat template; a conversational pair without
 ``data.chat_template``.
 
 **Length.** A sequence of ``n`` tokens fills ``n - 1`` positions (inputs ``[:-1]``, targets ``[1:]``), so each may
-hold ``seq_len + 1`` tokens. A longer pair is truncated, dropped or raises (``data.overlong``): truncation cuts the
+hold ``seq_len + 1`` tokens. A prompt over ``data.max_prompt_length`` tokens first keeps its last ones (counted,
+whatever ``data.overlong`` says). A longer pair is truncated, dropped or raises (``data.overlong``): truncation cuts the
 prompt from the left first, down to one token, then the completions from the right (TRL's ``keep_end`` prompt and
 ``keep_start`` completion). A pair left with a completion without trained token is dropped (``no_trainable_tokens``):
 a pair compares two completions.
@@ -141,6 +142,10 @@ def load_pairs(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, s
     for pending in parsed_rows(sources, data_cfg, stats, chunk):
         for (where, _), pair in zip(pending, encode_pairs(encoder, [p for _, p in pending])):
             prompt = prompt_length(where, pair)
+            if data_cfg.max_prompt_length is not None and prompt > data_cfg.max_prompt_length:
+                cut, prompt = prompt - data_cfg.max_prompt_length, data_cfg.max_prompt_length
+                pair = tuple(Encoded(enc.ids[cut:], enc.mask[cut:]) for enc in pair)
+                stats.prompts_cut += 1
             longest = max(len(enc.ids) for enc in pair)
             if longest > limit:
                 if data_cfg.overlong == "raise":

@@ -13,7 +13,8 @@ conversational prompt without one is an error that says to set ``data.chat_templ
 **Length.** A prompt holds at most ``max_prompt_tokens``: the sequence less the room its completion takes
 (``data.seq_len - objective.max_completion_length``, which the training loop passes). A longer one is truncated,
 dropped or raises (``data.overlong``); truncation keeps its last tokens (TRL's left truncation: the end of the prompt,
-which the reply follows, survives).
+which the reply follows, survives). A prompt over ``data.max_prompt_length`` tokens keeps its last ones first
+(counted, whatever ``data.overlong`` says); the training loop's limit is then at most that.
 
 **Items.** `PromptRows` item ``i`` is prompt ``i``'s ids right-padded with 0, its length, and ``i`` itself, by which
 the host finds the row's fields (`PromptRows.fields`) for the rewards when a batch comes back.
@@ -136,6 +137,9 @@ def load_prompts(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer,
     out: list[EncodedPrompt] = []
     for pending in parsed_rows(sources, data_cfg, stats, chunk):
         for (where, prompt), ids in zip(pending, encode_prompts(tokenizer, [p for _, p in pending])):
+            if data_cfg.max_prompt_length is not None and len(ids) > data_cfg.max_prompt_length:
+                ids = ids[len(ids) - data_cfg.max_prompt_length:]
+                stats.prompts_cut += 1
             if len(ids) > max_prompt_tokens:
                 if data_cfg.overlong == "raise":
                     raise overlong_error(where, len(ids), max_prompt_tokens, _LIMIT, _REMEDY)

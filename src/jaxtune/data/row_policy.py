@@ -32,6 +32,7 @@ class RowStats:
     rows: int = 0
     dropped: Counter = field(default_factory=Counter)
     truncated: int = 0
+    prompts_cut: int = 0  # prompts cut to data.max_prompt_length
 
     def drop_lines(self, unit: str) -> list[str]:
         """Report lines: the rows dropped per reason (in `DROP_REASONS` order, then a registered format's own
@@ -42,6 +43,8 @@ class RowStats:
             out.append("dropped rows: " + ", ".join(f"{r} {self.dropped[r]}" for r in order if self.dropped[r]))
         if self.truncated:
             out.append(f"truncated {unit} (data.overlong=truncate): {self.truncated}")
+        if self.prompts_cut:
+            out.append(f"prompts cut to their last data.max_prompt_length tokens: {self.prompts_cut}")
         return out
 
 
