@@ -358,3 +358,30 @@ def test_data_of_another_shape_says_what_it_is_and_what_takes_it(tmp_path, data_
     _, line = error_line(capsys)
     assert line.startswith(f"error: {data}:1: {says}") and "bad_rows" not in line and "data.fields" not in line
     assert not list(run.glob("checkpoints/*"))
+
+
+@pytest.mark.parametrize("where, why", [("/proc/jaxtune-export", "No such file or directory (ENOENT)"),
+                                        ("FILE/out", "is a file, not a directory")])
+@pytest.mark.parametrize("flags", [[], ["--gguf"]], ids=["hf", "gguf"])
+def test_an_export_target_that_cannot_be_written_is_one_line_naming_it(run_dir, tmp_path, capsys, where, why,
+                                                                       flags):
+    """The path the user gave, not the temporary one beside it that the atomic write would have failed on."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = where.replace("FILE", str(blocker)) + (".gguf" if flags else "")
+    before = snapshot(run_dir)
+    assert main(["export", str(run_dir), out, *flags]) == 2
+    _, line = error_line(capsys)
+    assert line.startswith(f"error: export to {out}: cannot write there (") and why in line and ".partial" not in line
+    assert blocker.read_text() == "x" and snapshot(run_dir) == before
+
+
+def test_a_cache_dir_that_cannot_be_written_is_one_line_naming_the_key(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main(["train", "quickstart", *TINY, f"data.cache_dir={blocker}/cache", f"run_dir={tmp_path / 'run'}",
+                 "train.steps=1"]) == 2
+    _, line = error_line(capsys)
+    assert line == (f"error: data.cache_dir={blocker}/cache: cannot write there ({blocker} is a file, not a "
+                    "directory); choose a place you can write")
+    assert blocker.read_text() == "x"

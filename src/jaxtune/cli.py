@@ -25,7 +25,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     the top, so that the CLI answers before JAX and the data stack have loaded."""
     from jaxtune.config import ConfigError
     from jaxtune.data import DataError
-    from jaxtune.io import CheckpointError
+    from jaxtune.io import CheckpointError, OutputError
     from jaxtune.models.sampling import PromptError
     from jaxtune.models.unsupported import UnsupportedModelError
     from jaxtune.sharding import ShardingError
@@ -33,7 +33,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from jaxtune.train.run_dir import RunDirError
 
     return (ConfigError, DataError, ShardingError, CheckpointError, UnsupportedModelError, PromptError,
-            FileNotFoundError, FileExistsError, RunDirError, RewardError)
+            FileNotFoundError, FileExistsError, RunDirError, RewardError, OutputError)
 
 
 def _train(args: argparse.Namespace) -> int:

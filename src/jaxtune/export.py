@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxtune.backends import BACKENDS
 from jaxtune.config import GGUF_TYPES, ConfigError
-from jaxtune.io import check_out_dir
+from jaxtune.io import check_out_dir, writable_dir
 from jaxtune.models.gguf_export import check_out_file, write_gguf
 from jaxtune.models.hf import write_model
 from jaxtune.run import load_run
@@ -73,7 +73,7 @@ def _write_gguf(source: Any, out: Path, o: ExportOptions) -> Path:
     if o.gguf_type not in GGUF_TYPES:
         raise ConfigError(f"--gguf-type {o.gguf_type}: supported: {', '.join(GGUF_TYPES)}")
     check_out_file(out, o.overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    writable_dir(out.parent, "export to ", out)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.hf-") as tmp:
         hf_dir = _write_hf(source, Path(tmp) / "model", ExportOptions(o.tokenizer, "float32", o.max_shard_bytes))
         return write_gguf(hf_dir, out, o.gguf_type) if jax.process_index() == 0 else out
@@ -87,6 +87,7 @@ def _write_hf(source: Any, out: Path, o: ExportOptions, adapter: bool = False) -
     if out.suffix.lower() == ".gguf":
         raise ConfigError(f"{out}: a .gguf name for a HuggingFace directory; pass --gguf to write a GGUF file")
     check_out_dir(out, o.overwrite)
+    writable_dir(out.parent, "export to ", out)
     if isinstance(source, (str, Path)):
         run = load_run(source)
         if run.step == 0 and _is_run(source):

@@ -9,11 +9,13 @@ line of a syntax error. `host` brings an array (sharded over several hosts, too)
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import json
 import os
 import shutil
 import struct
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +29,10 @@ from jax.experimental import multihost_utils
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
            "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+class OutputError(ValueError):
+    """An output path the user gave that cannot be written (one line naming it)."""
 
 
 class CheckpointError(ValueError):
@@ -65,6 +71,32 @@ def write_text_atomically(path: Path, text: str) -> None:
 EXPORT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
                 "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "chat_template.jinja", "jaxtune_tokenizer.json")
+
+
+def describe(code: int) -> str:
+    """``No space left on device (ENOSPC)``."""
+    return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+
+
+def why_not(path: Path, e: OSError) -> str:
+    """Why ``path`` could not be created, as ``e`` says (a part of it that is a file named as such)."""
+    blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+    return f"{blocker} is a file, not a directory" if blocker is not None else describe(e.errno) if e.errno else str(e)
+
+
+def writable_dir(directory: Path, what: str, named: Path | None = None) -> Path:
+    """Make ``directory`` and write a probe file in it (removed at once), or raise one `OutputError` naming the path
+    the user gave, ``named`` (default ``directory``), after ``what`` (the flag or key it came from), rather than the
+    temporary path an atomic write would fail on first."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".jaxtune-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OutputError(f"{what}{named or directory}: cannot write there ({why_not(directory, e)}); choose a place "
+                          "you can write") from None
+    return directory
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:

@@ -31,7 +31,7 @@ from jaxtune.data.errors import DataError
 from jaxtune.data.formats import iter_turn_texts
 from jaxtune.data.progress import Progress
 from jaxtune.data.sources import Piece, ReadStats, read_pieces, sources_fingerprint, take_bytes
-from jaxtune.io import atomic_dir, read_json
+from jaxtune.io import atomic_dir, read_json, writable_dir
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +207,7 @@ def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     directory = Path(data_cfg.cache_dir).expanduser() / f"bpe-{key}"
     if not (directory / META_FILE).is_file():
+        writable_dir(directory.parent, "data.cache_dir=", Path(data_cfg.cache_dir))
         progress = Progress(f"training a {tok_cfg.vocab_size}-token BPE tokenizer (reading data.sources)",
                             tok_cfg.train_bytes, str(directory))
         trained = _HFTokenizer(

@@ -51,7 +51,7 @@ from jaxtune.data import shards, sources
 from jaxtune.data.errors import DataError
 from jaxtune.data.sources import is_pretokenized, sources_fingerprint
 from jaxtune.data.tokenizer import Tokenizer
-from jaxtune.io import atomic_file, read_json, write_text_atomically
+from jaxtune.io import atomic_file, read_json, writable_dir, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,6 @@ def prepare_tokens(data_cfg: DataConfig, tokenizer: Tokenizer) -> TokenData:
     """Tokenizes the corpus into the cache (first call only; an interrupted call is resumed) and maps it into
     memory."""
     cache = Path(data_cfg.cache_dir).expanduser()
-    cache.mkdir(parents=True, exist_ok=True)
     bos = list(tokenizer.bos_prefix) if not is_pretokenized(data_cfg) else []
     key_src = json.dumps([sources_fingerprint(data_cfg), tokenizer.fingerprint, _FORMAT, sources.BLOCK_BYTES,
                           *(["tokens", data_cfg.token_eos_id] if is_pretokenized(data_cfg) else []),
@@ -144,6 +143,7 @@ def prepare_tokens(data_cfg: DataConfig, tokenizer: Tokenizer) -> TokenData:
     path = cache / f"tokens-{hashlib.sha256(key_src.encode()).hexdigest()[:20]}.bin"
     meta = _read_meta(path)
     if meta is None:
+        writable_dir(cache, "data.cache_dir=", Path(data_cfg.cache_dir))
         with _locked(path):  # one writer per cache entry; a second process waits, then reads the finished file
             meta = _read_meta(path, quiet=True) or _write_tokens(path, data_cfg, tokenizer)
     num_tokens = meta["num_tokens"]

@@ -38,8 +38,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtune.config import CheckpointConfig, ConfigError, identity_diff
-from jaxtune.io import CheckpointError, write_text_atomically
-from jaxtune.train.run_dir import WriteError, describe
+from jaxtune.io import CheckpointError, describe, write_text_atomically
+from jaxtune.train.run_dir import WriteError
 
 log = logging.getLogger(__name__)
 

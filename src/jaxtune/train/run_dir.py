@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxtune.io import describe, why_not
+
 LOCK_NAME = "train.lock"
 
 # OS errors of a write that the user fixes, not jaxtune; only a write fails with the first four.
@@ -46,11 +48,6 @@ class WriteError(RunDirError):
     """A write into the run directory failed: read-only, full, over a size limit or not permitted."""
 
 
-def describe(code: int) -> str:
-    """``No space left on device (ENOSPC)``."""
-    return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
-
-
 def _write_error(e: OSError, path: Path | None = None, unnamed: str = "a write failed") -> WriteError:
     """``e`` (one of `WRITE_ERRNOS`) as one line naming the file: the one ``e`` names, else ``path`` (a write of
     ``path`` failed). EACCES and EPERM are a read's errors too: without ``path`` only the others say "cannot write"."""
@@ -67,11 +64,8 @@ def make_run_dir(run_dir: Path) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        blocker = next((p for p in [run_dir, *run_dir.parents] if p.exists() and not p.is_dir()), None)
-        why = f"{blocker} is a file, not a directory" if blocker is not None else (
-            describe(e.errno) if e.errno else str(e))
-        raise RunDirError(f"run_dir={run_dir}: cannot create it ({why}); set run_dir to a directory you can write, "
-                          "e.g. run_dir=runs/NAME") from None
+        raise RunDirError(f"run_dir={run_dir}: cannot create it ({why_not(run_dir, e)}); set run_dir to a directory "
+                          "you can write, e.g. run_dir=runs/NAME") from None
 
 
 @contextlib.contextmanager
