@@ -211,3 +211,18 @@ def test_max_prompt_length_applies_to_prompts_apart_and_bounds_grpos_prompts():
     with pytest.raises(ConfigError, match=r"data.max_prompt_length applies to data.format=preference or prompts .*"
                        r"not messages"):
         load_config(None, ["data.format=messages", "data.max_prompt_length=64"])
+
+
+def test_null_on_a_key_that_takes_none_unsets_it_and_keeps_none_where_it_means_something():
+    """key=null takes back a value the config file set (the default applies, and it counts as unset), so a GRPO run
+    can start from a config that sets train.batch_size; a key whose null means something keeps it."""
+    default = Config().train.batch_size
+    cfg = load_config("quickstart", ["train.batch_size=null"])
+    assert cfg.train.batch_size == default and "batch_size" not in cfg.train.model_fields_set
+    grpo = load_config("quickstart", ["objective.name=grpo", "data.format=prompts", "train.batch_size=null",
+                                      "objective.prompts_per_step=3", "data.seq_len=256",
+                                      "objective.rewards=[{name: exact_number, field: answer}]"])
+    assert (grpo.train.batch_size, grpo.objective.prompts_per_step) == (3, 3)
+    kept = load_config(None, ["objective.name=grpo", "data.format=prompts", "objective.importance_sampling_max=null",
+                              "objective.rewards=[{name: exact_number, field: answer}]"])
+    assert kept.objective.importance_sampling_max is None  # no upper bound, not the default 3.0

@@ -385,3 +385,24 @@ def test_a_cache_dir_that_cannot_be_written_is_one_line_naming_the_key(tmp_path,
     assert line == (f"error: data.cache_dir={blocker}/cache: cannot write there ({blocker} is a file, not a "
                     "directory); choose a place you can write")
     assert blocker.read_text() == "x"
+
+
+GRPO = ["objective.name=grpo", "data.format=prompts", "objective.rewards=[{name: exact_number, field: answer}]"]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (GRPO, "train.batch_size=16 is ambiguous for objective.name=grpo"),
+    ([*GRPO, "train.batch_size=null", "objective.prompts_per_step=2", "data.seq_len=64",
+      "objective.max_completion_length=64"], "objective.max_completion_length=64 leaves no room for a prompt"),
+    (["data.max_prompt_length=8"], "data.max_prompt_length applies to data.format=preference or prompts"),
+    (["objective.name=dpo"], "objective.name=dpo trains on pairs"),
+    (["objective.name=dpo", "data.format=preference", "objective.loss_type=dapo"],
+     "objective.loss_type=dapo does not apply to objective.name=dpo"),
+], ids=["grpo-batch-size", "no-room-for-a-prompt", "prompt-limit-on-text", "objective-on-other-data",
+        "other-objectives-loss-type"])
+def test_a_cross_field_config_error_names_the_keys_not_the_whole_config(tmp_path, capsys, overrides, says):
+    assert main(["train", "quickstart", *overrides, f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and says in err
+    assert "{'" not in err and "input_value" not in err and len(err.splitlines()) <= 3
+    assert not (tmp_path / "run").exists()

@@ -63,13 +63,13 @@ class Config(Section):
         if not isinstance(data, dict):
             return data
         obj, train = data.get("objective") or {}, data.get("train") or {}
-        if (isinstance(obj, dict) and obj.get("name") == "grpo" and isinstance(train, dict) and "batch_size" in train
-                and obj.get("prompts_per_step") is None):
+        if (isinstance(obj, dict) and obj.get("name") == "grpo" and isinstance(train, dict)
+                and train.get("batch_size") is not None and obj.get("prompts_per_step") is None):
             n, g = train["batch_size"], obj.get("num_generations", ObjectiveConfig.model_fields["num_generations"].default)
             raise ValueError(f"train.batch_size={n} is ambiguous for objective.name=grpo (TRL's batch size counts "
                              f"completions; here each prompt is sampled num_generations times): set "
                              f"objective.prompts_per_step={n} instead ({n} prompts x {g} completions a step), and "
-                             "leave train.batch_size unset")
+                             "leave train.batch_size unset (train.batch_size=null)")
         return data
 
     @model_validator(mode="after")
