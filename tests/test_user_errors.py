@@ -300,6 +300,10 @@ def test_progress_without_a_terminal_is_plain_lines_and_lora_says_what_trains(tm
     train(cfg)
     out, err = capsys.readouterr()
     assert "progress: step 1/3 (33%)" in out and "progress: step 2/3 (67%)" in out and "\r" not in out + err
+    # the step-0 evaluation (compiling its programs) has a bar of its own, its parts counted
+    what = "step 0: evaluating the starting model (the baseline report.md compares against)"
+    assert f"{what}: 0 / 1 parts (0%)" in err and "held-out loss of 2 batches ..." in err
+    assert f"{what}: 1 / 1 parts (100%)" in err
     line = next(x for x in out.splitlines() if x.startswith("model: "))
     assert "M parameters" in line and "M trained (" in line and "the LoRA adapters; the base is frozen)" in line
     summary = json.loads((cfg.run_path / "summary.json").read_text())

@@ -13,6 +13,7 @@ import jax
 
 from jaxtune.config import Config, ConfigError
 from jaxtune.data import Example, PromptRows, Tokenizer, format_sample, question, renders_chat, stop_ids
+from jaxtune.data.progress import Progress
 from jaxtune.generate import sample
 from jaxtune.io import write_text_atomically
 from jaxtune.train.metrics import EVALS_FILE, StepLog, perplexity, read_rows
@@ -84,12 +85,32 @@ class Evaluator:
         every = self.cfg.eval.every
         return bool(every) and step % every == 0 and step < self.cfg.train.steps
 
-    def run(self, step: int, params: Any, frozen: tuple) -> None:
+    def parts(self) -> dict[str, str]:
+        """What an evaluation does, in order (what its progress bar counts): {part: what it says}."""
+        return {part: what for part, what, due in (
+            ("loss", f"held-out loss of {len(self.batches)} batches", self.batches),
+            ("questions", f"answering {len(self.questions)} held-out rows", self.questions),
+            ("scored", f"answering and scoring {self.scored} held-out prompts", self.scored),
+            ("samples", f"sampling {len(self.cfg.eval.prompts)} eval.prompts", self.cfg.eval.prompts)) if due}
+
+    def run(self, step: int, params: Any, frozen: tuple, bar: bool = False) -> None:
+        """One evaluation at ``step``; ``bar``: its parts advance a progress bar (the first evaluation, which
+        compiles each part's programs)."""
         e = self.cfg.eval
         record: dict[str, Any] = {"step": step, "loss": None, "exact_match": None, "samples": []}
         scalars: dict[str, float] = {}
         said = []
+        parts = self.parts()
+        progress = Progress(f"step {step}: evaluating" + (" the starting model (the baseline report.md compares "
+                                                           "against)" if step == 0 else ""), len(parts), "", unit="parts") \
+            if bar and parts and jax.process_index() == 0 else None
+
+        def begin(part: str) -> None:
+            if progress is not None:
+                progress.update(list(parts).index(part), parts[part] + " ...")
+
         if self.batches:
+            begin("loss")
             result = self.steps.evaluate(params, frozen, self.batches)
             record["loss"] = loss = result.loss
             if self.cfg.data.kind.held_out == "pairs":  # preference objectives: held-out pairs ranked right
@@ -101,6 +122,7 @@ class Evaluator:
                 scalars = {"loss": loss, "perplexity": perplexity(loss), **result.metrics}
                 said.append(f"validation loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
         if self.questions:
+            begin("questions")
             answers = self.generator(self.steps.weights(params, frozen), [ids for ids, _ in self.questions],
                                      max_new_tokens=e.max_new_tokens, temperature=0.0,
                                      eos_id=stop_ids(self.tokenizer, self.chat), seed=step)
@@ -108,16 +130,18 @@ class Evaluator:
                 [self.tokenizer.decode(a) for a in answers], [reference for _, reference in self.questions])
             said.append(f"held-out exact match {_score(record['exact_match'], len(self.questions))}")
         if self.scored:
+            begin("scored")
             said.append(self._score_prompts(step, params, frozen, record, scalars))
+        if e.prompts:
+            begin("samples")
+            record["samples"] = self._samples(step, params, frozen)
+        if progress is not None:
+            progress.done = len(parts)
+            progress.close()
         if scalars:
             self.log.writer.write(step, scalars, kind="eval")
             self.log.message(f"step {step}: " + ", ".join(said))
-        if e.prompts:
-            ids = sample(self.generator, self.steps.weights(params, frozen), self.tokenizer, e.prompts,
-                         chat=self.chat, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k,
-                         top_p=e.top_p, seed=step)
-            record["samples"] = [format_sample(p, shown(self.tokenizer.decode(x)), self.chat)
-                                 for p, x in zip(e.prompts, ids)]
+        if record["samples"]:
             if jax.process_index() == 0:
                 with open(self.run_dir / "samples.jsonl", "a") as f:
                     f.writelines(json.dumps({"step": step, "text": text}) + "\n" for text in record["samples"])
@@ -127,6 +151,14 @@ class Evaluator:
         if jax.process_index() == 0:
             with open(self.run_dir / EVALS_FILE, "a") as f:
                 f.write(json.dumps(record, default=float) + "\n")
+
+    def _samples(self, step: int, params: Any, frozen: tuple) -> list[str]:
+        """``eval.prompts`` answered by sampling, each formatted with its prompt."""
+        e = self.cfg.eval
+        ids = sample(self.generator, self.steps.weights(params, frozen), self.tokenizer, e.prompts, chat=self.chat,
+                     max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k, top_p=e.top_p,
+                     seed=step)
+        return [format_sample(p, shown(self.tokenizer.decode(x)), self.chat) for p, x in zip(e.prompts, ids)]
 
     def _score_prompts(self, step: int, params: Any, frozen: tuple, record: dict[str, Any],
                        scalars: dict[str, float]) -> str:

@@ -149,8 +149,9 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
             profiler:
         step = start
         if start == 0 and evaluator.active:
-            log.message("step 0: evaluating the starting model (the baseline report.md compares against) ...")
-            evaluator.run(0, state.params, frozen)
+            if not cfg.logging.progress:  # else its progress bar says so
+                log.message("step 0: evaluating the starting model (the baseline report.md compares against) ...")
+            evaluator.run(0, state.params, frozen, bar=cfg.logging.progress)
             laps.lap("eval")
         while step < total:
             profiler.before(step + 1)  # the trace holds the whole step: its batch, GRPO's sampling, the update

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,10 +117,16 @@ def test_precomputed_reference_equals_the_live_one_and_is_reused(pref, tmp_path)
 
 
 def test_precomputed_reference_is_read_back_on_resume(pref, capsys):
-    over = pref("train.steps=2", "eval.every=0", "objective.precompute_ref_logps=true")
+    """And while it is computed, a progress bar counts the pairs (here without a terminal: plain lines)."""
+    over = pref("train.steps=2", "eval.every=0", "objective.precompute_ref_logps=true", "logging.progress=true")
     cfg = load_config(None, over)
     train(cfg)
-    assert "computed in" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "computed in" in out
+    what = "reference log-probs of the train pairs (objective.precompute_ref_logps)"
+    total = int(re.search(rf"{re.escape(what)}: (\d+) pairs\n", err).group(1))
+    assert f"{what}: 0 / {total} pairs (0%)" in err and "compiling the reference forward ..." in err
+    assert f"{what}: {total} / {total} pairs (100%)" in err and "\r" not in err
     train(load_config(None, [*over, "train.steps=3"]))
     assert f"pairs read from {cfg.run_path / REF_LOGPS_FILE}" in capsys.readouterr().out
 

@@ -114,15 +114,14 @@ class MetricsWriter:
         self.enabled = jax.process_index() == 0
         self.bar = self.jsonl = self.tb = self.wandb = None
         self.plain: list[float] | None = None  # without a terminal: [step, total, last line's time, start, first]
+        self._bar_from: tuple[int, int] | None = None  # a terminal: (total, initial) of the bar the first step draws
         if not self.enabled:
             return
         first = start_step + 1 if start_step else 0
         for name in ("metrics.jsonl", "samples.jsonl", EVALS_FILE):
             drop_rows_from(run_dir / name, first)
-        if cfg.progress and sys.stderr.isatty():
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        if cfg.progress and sys.stderr.isatty():  # drawn at the first step: what comes before has bars of its own
+            self._bar_from = (total_steps, start_step)
         elif cfg.progress:  # a log file: a plain line every PLAIN_EVERY seconds, never a redrawn bar
             self.plain = [start_step, total_steps, time.perf_counter(), time.perf_counter(), start_step]
         self.jsonl_path = run_dir / "metrics.jsonl"
@@ -152,11 +151,21 @@ class MetricsWriter:
             self.tb.flush()  # as durable as metrics.jsonl's line: a killed run's curve ends where its rows do
         if self.wandb:
             self.wandb.log({f"{kind}/{k}": v for k, v in scalars.items()}, step=step)
+        if kind == "train":
+            self._draw_bar()
         if self.bar and kind == "train":
             shown = {k: scalars[k] for k in ("loss", "lr", "tok_s") if k in scalars}
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
 
+    def _draw_bar(self) -> None:
+        if self.bar is None and self._bar_from is not None:
+            from tqdm.auto import tqdm
+
+            total, initial = self._bar_from
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
     def advance(self, n: int = 1) -> None:
+        self._draw_bar()
         if self.bar:
             self.bar.update(n)
         elif self.plain:

@@ -33,6 +33,7 @@ import numpy as np
 from jaxtune import sharding
 from jaxtune.config import Config, ObjectiveConfig
 from jaxtune.data import make_sequence_batches
+from jaxtune.data.progress import Progress
 from jaxtune.train.objectives.base import Reference
 from jaxtune.train.objectives.preference import flat_pairs, pair_logps
 from jaxtune.train.run_dir import writing
@@ -119,14 +120,17 @@ def load_copy(spec: ModelSpec, seed: int) -> tuple:
 
 
 def precompute(ref: ReferenceModel, frozen: tuple, batches: Iterable[dict[str, np.ndarray]], mesh: Any,
-               count: int) -> np.ndarray:
+               count: int, progress: Callable[[int], None] = lambda done: None) -> np.ndarray:
     """The reference's summed completion log-probs of pair batches, (count, 2) float32 in order (the batches' tail
-    padding dropped). ``batches``: this process's rows of each global batch (`make_sequence_batches`)."""
+    padding dropped). ``batches``: this process's rows of each global batch (`make_sequence_batches`).
+    ``progress(done)``: told the pairs done after each batch."""
     step = jax.jit(lambda frozen, batch: pair_logps(ref.logps(frozen)(flat_pairs(batch)), batch)[0],
                    out_shardings=sharding.replicated(mesh))
+    out: list[np.ndarray] = []
     with sharding.use_mesh(mesh):
-        out = [in_source_order(np.asarray(jax.device_get(step(frozen, sharding.global_batch(mesh, b)))))
-               for b in batches]
+        for b in batches:
+            out.append(in_source_order(np.asarray(jax.device_get(step(frozen, sharding.global_batch(mesh, b))))))
+            progress(min(count, sum(len(o) for o in out)))
     return np.concatenate(out, axis=0)[:count].astype(np.float32) if out else np.zeros((0, 2), np.float32)
 
 
@@ -193,6 +197,14 @@ def precompute_reference(run_dir: Path, spec: ModelSpec, cfg: Config, data: Any,
         source = data.pair_sources[split]
         batches = make_sequence_batches(source, batch_size=cfg.train.batch_size, num_batches=len(source),
                                         process_index=jax.process_index(), process_count=jax.process_count())
-        return precompute(ref, loaded[0], batches, spec.mesh, len(source))
+        if jax.process_index() or not cfg.logging.progress:
+            return precompute(ref, loaded[0], batches, spec.mesh, len(source))
+        # the first batch compiles the forward: the bar says so until it is done
+        bar = Progress(f"reference log-probs of the {split} pairs (objective.precompute_ref_logps)", len(source), "",
+                       unit="pairs")
+        bar.update(0, "compiling the reference forward ...")
+        logps = precompute(ref, loaded[0], batches, spec.mesh, len(source), bar.update)
+        bar.close()
+        return logps
 
     return stored_logps(run_dir, data.pair_sources, compute)
