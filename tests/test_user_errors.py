@@ -332,22 +332,24 @@ SFT = ["data.format=messages", "data.chat_template=chatml"]
 
 
 @pytest.mark.parametrize("row, overrides, says", [
-    (KTO_ROW, PREFERENCE, "this row is an unpaired preference row (prompt, completion, a true/false label: TRL's KTO "
-     "form), which no objective here trains on, but data.format=preference reads a preference pair {prompt, chosen, "
-     "rejected}, for objective.name=dpo, simpo or orpo; pair a liked and a disliked completion"),
-    (CHAT_ROW, PREFERENCE, "this row is a chat conversation (data.format=messages, for objective.name=cross_entropy), "
-     "but data.format=preference reads a preference pair"),
-    (PROMPT_ROW, PREFERENCE, "this row is a prompt alone {prompt, answer fields} (data.format=prompts, for "
-     "objective.name=grpo), but data.format=preference reads"),
-    (PAIR_ROW, SFT, "this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for "
-     "objective.name=dpo, simpo or orpo), but data.format=messages reads a chat conversation, for "
-     "objective.name=cross_entropy; give rows of that shape, or train on these with data.format=preference "
-     "objective.name=dpo"),
+    (KTO_ROW, PREFERENCE, ("this row is an unpaired preference row (prompt, completion, a true/false label: TRL's "
+                           "KTO form), which no objective here trains on, but data.format=preference reads a "
+                           "preference pair {prompt, chosen, rejected}, for objective.name=dpo, simpo or orpo; pair a "
+                           "liked and a disliked completion")),
+    (CHAT_ROW, PREFERENCE, ("this row is a chat conversation (data.format=messages, for "
+                            "objective.name=cross_entropy), but data.format=preference reads a preference pair")),
+    (PROMPT_ROW, PREFERENCE, ("this row is a prompt alone {prompt, answer fields} (data.format=prompts, for "
+                              "objective.name=grpo), but data.format=preference reads")),
+    (PAIR_ROW, SFT, ("this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for "
+                     "objective.name=dpo, simpo or orpo), but data.format=messages reads a chat conversation, for "
+                     "objective.name=cross_entropy; give rows of that shape, or train on these with "
+                     "data.format=preference objective.name=dpo")),
     (PROMPT_ROW, SFT, "this row is a prompt alone"),
     # An SFT format that would read it, ignoring the label, would train on the disliked completions too.
-    (KTO_ROW, ["data.format=prompt_completion"], "this row is an unpaired preference row (prompt, completion, a "
-     "true/false label: TRL's KTO form), which no objective here trains on; to fine-tune on the liked completions "
-     "alone, keep the rows labelled true and drop their 'label' field"),
+    (KTO_ROW, ["data.format=prompt_completion"], ("this row is an unpaired preference row (prompt, completion, a "
+                                                  "true/false label: TRL's KTO form), which no objective here trains "
+                                                  "on; to fine-tune on the liked completions alone, keep the rows "
+                                                  "labelled true and drop their 'label' field")),
 ], ids=["kto-to-dpo", "messages-to-dpo", "prompts-to-dpo", "pairs-to-sft", "prompts-to-sft", "kto-to-sft"])
 def test_data_of_another_shape_says_what_it_is_and_what_takes_it(tmp_path, data_cache, capsys, row, overrides,
                                                                   says):

@@ -349,7 +349,7 @@ def test_overlong_raise(tok, overlong):
 def test_max_prompt_length_keeps_a_prompts_last_tokens_whatever_overlong_says(tok, overlong):
     """data.max_prompt_length (TRL's max_prompt_length): a longer prompt keeps its last tokens, the completions stay
     whole, counted apart from data.overlong's truncations; under overlong=raise too (the user asked for the cut)."""
-    path, seq_len, full, prompts = overlong
+    path, _, full, prompts = overlong
     keep = prompts[0]  # the short pair's prompt is exactly this long: whole
     stats = PreferenceStats()
     pairs = load(tok, cfg(sources=[str(path)], seq_len=1024, max_prompt_length=keep, overlong="raise"), stats)

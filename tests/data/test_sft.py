@@ -395,9 +395,9 @@ BAD = [
     ("empty_content", msgs((S, ""), (U, "x"), (A, "y")), "turn 0 (system) has empty content"),
     # Another format's row: what it is, and the format and objective that take it.
     ("wrong_format", json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}).encode(),
-     "this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for objective.name=dpo, simpo "
-     "or orpo), but data.format=messages reads a chat conversation, for objective.name=cross_entropy; give rows of "
-     "that shape, or train on these with data.format=preference objective.name=dpo"),
+     ("this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for objective.name=dpo, "
+      "simpo or orpo), but data.format=messages reads a chat conversation, for objective.name=cross_entropy; give "
+      "rows of that shape, or train on these with data.format=preference objective.name=dpo")),
 ]
 
 
