@@ -29,11 +29,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from jaxtune.models.sampling import PromptError
     from jaxtune.models.unsupported import UnsupportedModelError
     from jaxtune.sharding import ShardingError
+    from jaxtune.train.distributed import HostError
     from jaxtune.train.rewards import RewardError
     from jaxtune.train.run_dir import RunDirError
 
     return (ConfigError, DataError, ShardingError, CheckpointError, UnsupportedModelError, PromptError,
-            FileNotFoundError, FileExistsError, RunDirError, RewardError, OutputError)
+            FileNotFoundError, FileExistsError, RunDirError, RewardError, OutputError, HostError)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ from jaxtune.train.metrics import Laps, NonFiniteLossError, StepLog, prefetch_pl
 from jaxtune.train.profile import Profiler
 from jaxtune.train.reference import precompute_reference, with_reference
 from jaxtune.train.rollout import make_rollout
-from jaxtune.train.run_dir import claim, make_run_dir
+from jaxtune.train.run_dir import RunDirError, claim, make_run_dir
 from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import run_steps
 
@@ -56,9 +56,12 @@ def train(cfg: Config) -> TrainResult:
     The run directory is locked while it trains (a second run on it is refused), and a write into it that fails
     (read-only, disk full) is one `WriteError` line."""
     multi_host = distributed.initialize(cfg.distributed)  # before anything touches a device
+    if multi_host:
+        distributed.check_same_config(cfg.to_dict())
     backend = backend_of(cfg)
     run_dir = cfg.run_path
-    make_run_dir(run_dir)
+    with distributed.together(multi_host, (RunDirError,)):
+        make_run_dir(run_dir)
     with claim(run_dir, multi_host):
         return _train(cfg, backend, run_dir, multi_host)
 
@@ -78,10 +81,11 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
 
     # Mesh and data.
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    tokenizer = load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data)
-    data = make_training_data(cfg.data, tokenizer, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
-                              eval_batches=cfg.eval.batches, process_index=proc, process_count=jax.process_count(),
-                              max_prompt_tokens=cfg.max_prompt_tokens)
+    with distributed.together(multi_host):  # a file missing on one host stops every host, naming it
+        tokenizer = load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data)
+        data = make_training_data(cfg.data, tokenizer, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
+                                  eval_batches=cfg.eval.batches, process_index=proc,
+                                  process_count=jax.process_count(), max_prompt_tokens=cfg.max_prompt_tokens)
     if proc == 0:
         tokenizer.save(run_dir / "tokenizer")  # after the data: fine-tuning data may set its chat template
 

@@ -132,6 +132,35 @@ def test_a_reward_function_that_raises(grpo, prompts_file, tmp_path, monkeypatch
         assert sum(r.get("reward_errors/flaky", 0) for r in rows) >= 16  # a batch with an odd sum: all 16 zeroed
 
 
+LENGTH_MODULE = """
+def shorter(completion_ids, **kwargs):
+    return [-float(len(ids)) for ids in completion_ids]
+
+
+def longer(completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+"""
+
+
+def test_grpo_moves_the_policy_toward_what_the_reward_prefers(grpo, tmp_path, monkeypatch):
+    """End to end, the direction of learning: from the same weights and sampling keys, a reward for shorter
+    completions makes them shorter than a reward for longer ones does (a sign flipped anywhere between the rewards,
+    the advantages, the rows and the loss, or completions scored against another row's, makes it the other way)."""
+    (tmp_path / "length_rewards.py").write_text(textwrap.dedent(LENGTH_MODULE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "length_rewards", raising=False)
+    lengths = {}
+    for name in ("shorter", "longer"):
+        cfg = load_config(None, [*grpo(f"objective.rewards=[{{name: 'length_rewards:{name}'}}]", "train.steps=8",
+                                       "eval.every=0", "eval.exact_match=0", "checkpoint.every=8",
+                                       "objective.temperature=1.0"), f"run_dir={tmp_path / name}"])
+        train(cfg)
+        lengths[name] = [r["completions/mean_length"] for r in metric_rows(cfg.run_path, "train")]
+    assert lengths["shorter"][0] == lengths["longer"][0]  # step 1: the same weights, the same samples
+    late = {name: float(np.mean(v[-3:])) for name, v in lengths.items()}
+    assert late["shorter"] < lengths["shorter"][0] - 2 and late["shorter"] < late["longer"] - 2, lengths
+
+
 def test_torchax_grpo_lora_samples_with_its_own_generator(grpo, tmp_path):
     cfg = torchax_lora_config(grpo("train.steps=2", "eval.every=0", "eval.exact_match=0"), tmp_path)
     result = train(cfg)

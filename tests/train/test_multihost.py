@@ -42,17 +42,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, overrides: list[str], cwd=None) -> list[subprocess.Popen]:
-    """Two processes of one jax.distributed job on localhost, 2 CPU devices each (4 in all)."""
+# The command line, as a user runs it on each host: a user's mistake is one `error:` line, exit 2.
+CLI_WORKER = textwrap.dedent(
+    """
+    import sys
+    from jaxtune.cli import main
+
+    sys.exit(main(["train", "quickstart", *sys.argv[2:]]))
+    """
+)
+
+
+def _launch(tmp_path, overrides: list[str], cwd=None, worker: str = WORKER,
+            extra: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen]:
+    """Two processes of one jax.distributed job on localhost, 2 CPU devices each (4 in all); ``cwd``: one
+    directory for both, or one each; ``extra``: overrides of each process's own."""
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    cwds = cwd if isinstance(cwd, (list, tuple)) else [cwd, cwd]
     return [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / f"out{i}.json"), *overrides,
+        subprocess.Popen([sys.executable, "-c", worker, str(tmp_path / f"out{i}.json"), *overrides,
                           f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
-                          f"distributed.process_id={i}"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+                          f"distributed.process_id={i}", *extra[i]],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwds[i])
         for i in range(2)
     ]
+
+
+def _error_lines(errs: list[str]) -> list[str]:
+    """Each process's stderr ends with one `error:` line and holds no traceback; the lines."""
+    lines = []
+    for err in errs:
+        assert "Traceback" not in err, err[-3000:]
+        lines.append(err.rstrip("\n").splitlines()[-1])
+        assert lines[-1].startswith("error: "), err[-3000:]
+    return lines
 
 
 def _finish(tmp_path, procs, ok: bool = True) -> list[dict] | list[str]:
@@ -189,7 +213,7 @@ def test_a_reward_failing_on_one_host_stops_every_host_with_its_error(tmp_path, 
                                      cwd=tmp_path), ok=False)
     for err in errs:
         assert "reward 'flaky' raised ZeroDivisionError: no reward on this host" in err, err[-2000:]
-        assert "(on process 1)" in err
+        assert f"(on process 1, host {socket.gethostname()})" in err
 
 
 DPO = ["data.format=preference", "data.chat_template=chatml", "data.seq_len=64", "data.val_fraction=0.1",
@@ -223,3 +247,53 @@ def test_dpo_in_two_processes_trains_as_one(tmp_path, data_cache, precompute):
         [r for r in metric_rows(run_dir, "eval") if r["step"] == 3]
     assert one["rewards/accuracies"] == two["rewards/accuracies"]
     assert two["loss"] == pytest.approx(one["loss"], abs=1e-3)
+
+
+def test_processes_with_different_configs_stop_at_once_naming_the_key_and_host(tmp_path, tiny_overrides):
+    """Every process compares its config with process 0's right after joining: a difference (here a command line
+    changed on one host) is one line on every host, naming the key, both values and the host."""
+    host = socket.gethostname()
+    errs = _finish(tmp_path, _launch(tmp_path, [*tiny_overrides, "train.steps=6"], worker=CLI_WORKER,
+                                     extra=([], ["train.steps=7"])), ok=False)
+    for line in _error_lines(errs):
+        assert line == (f"error: process 1 (host {host}) runs another config than process 0 (host {host}): "
+                        "train.steps=7 there, 6 on process 0; start every process with the same config file and "
+                        "overrides")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_data_file_missing_on_one_host_stops_every_host_naming_it(tmp_path, tiny_overrides):
+    """The same config on both hosts, but data.sources' file exists on host 0 only (each process runs in its own
+    directory here): both stop with the error of process 1, naming it and its host, rather than process 0 waiting
+    in the first collective."""
+    here, there = tmp_path / "host0", tmp_path / "host1"
+    here.mkdir(), there.mkdir()
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{a}?"}, {"role": "assistant", "content": str(2 * a)}]}
+            for a in range(40)]
+    (here / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [o for o in tiny_overrides if not o.startswith("data.sources")]
+    errs = _finish(tmp_path, _launch(tmp_path, [*overrides, "data.sources=[rows.jsonl]", "data.format=messages",
+                                                "data.chat_template=chatml", "data.seq_len=64",
+                                                "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]"], worker=CLI_WORKER, cwd=[here, there]),
+                   ok=False)
+    for line in _error_lines(errs):
+        assert line == ("error: data.sources[0]: no such file or directory: rows.jsonl; give a file, a glob or a "
+                        f"directory (on process 1, host {socket.gethostname()})"), line
+
+
+def test_a_coordinator_that_does_not_answer_is_one_line_after_the_timeout(tmp_path, tiny_overrides, capsys):
+    """Process 1 of 2 whose coordinator never starts: one line naming the address, the process and its host after
+    distributed.timeout, not JAX's fatal abort (a C++ check failure that kills the process with a stack dump)."""
+    from jaxtune.cli import main
+
+    address = f"127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    assert main(["train", "quickstart", *tiny_overrides, f"distributed.coordinator_address={address}",
+                 "distributed.num_processes=2", "distributed.process_id=1", "distributed.timeout=2"]) == 2
+    assert time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error: ") == 1
+    assert err.rstrip().splitlines()[-1] == (
+        f"error: distributed.coordinator_address={address}: process 1 (host {socket.gethostname()}) could not reach "
+        "the coordinator in 2 s (Connection refused (ECONNREFUSED)); start process 0 with the same address, and check "
+        "that this host can reach it (address, port, firewall), or raise distributed.timeout")

@@ -97,6 +97,8 @@ class DistributedConfig(Section):
     coordinator_address: str | None = Field(None, description="host:port of process 0 (or JAX_COORDINATOR_ADDRESS)")
     num_processes: int | None = Field(None, ge=1)
     process_id: int | None = Field(None, ge=0)
+    timeout: float = Field(300.0, gt=0, description="seconds a process waits for the coordinator (process 0) to "
+                           "answer before stopping with an error naming it (JAX's initialization_timeout)")
 
 
 class LoggingConfig(Section):

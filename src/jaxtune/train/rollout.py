@@ -31,12 +31,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxtune.config import Config
 from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.data import PromptRows, Tokenizer, stop_ids
 from jaxtune.data.encoded import shared_row
+from jaxtune.train.distributed import every_process, first_failure
 from jaxtune.train.rewards import RewardError, Rewards, Scores, group_advantages, make_rewards
 from jaxtune.train.state import Sampler
 
@@ -195,27 +195,6 @@ class Rollout:
 def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer) -> Rollout:
     chat = tokenizer.chat_template is not None
     return Rollout(cfg, generator, tokenizer, make_rewards(cfg.objective), chat)
-
-
-def every_process(local: np.ndarray) -> np.ndarray:
-    """This process's (n, ...) values and every other process's (each the same n), in process order:
-    (processes x n, ...). One process: ``local`` itself. Every process must call it together."""
-    if jax.process_count() == 1:
-        return local
-    return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, *local.shape[1:])
-
-
-def first_failure(message: str | None, limit: int = 2000) -> str | None:
-    """The first process's failure (``message`` where this process failed, else None), the same on every process,
-    naming the process: so that an error on one host stops every host with it instead of leaving them waiting."""
-    raw = (message or "").encode()[:limit]
-    mine = np.zeros(limit + 1, np.uint8)  # a flag, then the message's bytes
-    mine[0] = message is not None
-    mine[1:1 + len(raw)] = np.frombuffer(raw, np.uint8)
-    for k, row in enumerate(every_process(mine[None])):
-        if row[0]:
-            return f"{bytes(row[1:]).rstrip(bytes(1)).decode(errors='replace')} (on process {k})"
-    return None
 
 
 def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], logps: list[list[float]],
