@@ -412,3 +412,23 @@ def test_a_cross_field_config_error_names_the_keys_not_the_whole_config(tmp_path
     assert "Traceback" not in err and says in err
     assert "{'" not in err and "input_value" not in err and len(err.splitlines()) <= 3
     assert not (tmp_path / "run").exists()
+
+
+def test_on_a_terminal_the_error_line_replaces_a_bar_left_mid_line(tmp_path, monkeypatch):
+    """A bar redrawn in place (no newline yet) when the error comes: the error clears that line and takes it, instead
+    of being glued to the bar's text."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    err = Terminal()
+    err.write("\r[#####...] step 0: evaluating: 1 / 2 parts")  # a bar mid-line
+    monkeypatch.setattr(sys, "stderr", err)
+    (tmp_path / "a-file").write_text("x")
+    assert main(["train", "quickstart", f"run_dir={tmp_path / 'a-file'}/x", "train.steps=1"]) == 2
+    assert err.getvalue().endswith("\r\x1b[Kerror: run_dir=" + f"{tmp_path / 'a-file'}/x: cannot create it ("
+                                   f"{tmp_path / 'a-file'} is a file, not a directory); set run_dir to a directory "
+                                   "you can write, e.g. run_dir=runs/NAME\n")

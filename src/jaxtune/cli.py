@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
+        # on a terminal, a progress bar may be mid-line: the error line replaces it rather than being glued to it
+        print(("\r\x1b[K" if sys.stderr.isatty() else "") + f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before the training loop (which saves and exits 0 on the first Ctrl-C)
         print("error: interrupted", file=sys.stderr)
