@@ -187,6 +187,51 @@ def test_abstract_batch_is_what_the_data_pipeline_hands_the_step(tiny_cfg, tmp_p
             k: (np.shape(v), np.asarray(v).dtype) for k, v in real.items()}
 
 
+# A tiny Llama (GQA: 4 query and 2 KV heads) trained by GRPO: 4 prompts x 4 completions of at most 24 new tokens.
+GRPO = ["model.family=llama", "model.preset=tiny", "model.vocab_size=512", "data.format=prompts", "data.seq_len=96",
+        "objective.name=grpo", "objective.prompts_per_step=8", "objective.num_generations=4",
+        "objective.max_completion_length=24", "objective.rewards=[{name: exact_number, field: answer}]"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_plan_compiles_the_sampler_beside_the_step_and_splits_the_step_estimate(lora):
+    """GRPO's plan compiles the run's batch-generation program (prefill and decode loop, LoRA sampled from merged
+    weights) for the rollout's shapes, as the sampler buckets them. References: the model's KV cache shape (layers x
+    2 x rows per chip x cache positions x KV heads x head dim, float32), which XLA's memory analysis must find among
+    the program's temporaries; the weights' bytes per chip, which are its arguments but for the prompts; the train
+    step's model FLOPs counting every completion (prompts x num_generations rows). The estimate is the stated
+    formulas of those numbers."""
+    cfg = load_config(None, [*GRPO, *(["model.lora.rank=4"] if lora else [])])
+    d = aot.plan(cfg, "v5e-8")
+    sp, chip = d["sampler"], aot.CHIPS["v5e"]
+    # the buckets the sampler uses for its longest prompt (96 - 24 = 72 tokens at most): a power of two (128) would
+    # leave no room in the 128-position context, so the prompt is 72 and the cache 128
+    assert (sp["prompts"], sp["group"], sp["rows"], sp["prompt_len"], sp["cache_len"], sp["max_new_tokens"]) == (
+        8, 4, 32, 72, 128, 24)
+    model = info(cfg, devices=8)["model"]  # the tiny preset: 2 layers, 4 heads of 16, 2 KV heads
+    assert (model.n_layer, model.n_kv_head, model.d_model // model.n_head) == (2, 2, 16)
+    rows_per_chip, kv = 32 // 8, 2 * 2 * 128 * 2 * 16 * 4
+    assert sp["kv_cache"] == rows_per_chip * kv
+    assert sp["program"]["temporaries"] >= sp["kv_cache"]
+    prompts = 8 // 8 * 72 * (4 + 1)  # each chip's prompt row: tokens int32, valid bool
+    # the TPU lays small arrays out in padded tiles (a (64,) norm scale takes a tile), so at this size XLA's
+    # argument bytes exceed the logical ones by up to a quarter
+    assert sp["weights"] + prompts <= sp["program"]["arguments"] <= 1.25 * (sp["weights"] + prompts)
+    assert sp["lora_merged"] == lora and (sp["merged_kernels"] > 0) == lora
+    assert sp["fits"] and sp["total"] > sp["resident"]
+    e = d["estimate"]
+    assert e["decode"] == pytest.approx(24 * (sp["weights"] + sp["kv_cache"]) / chip.hbm_bw)
+    assert e["step"] == pytest.approx(e["generation"] + max(e["training_roofline"], e["training_at_mfu"]))
+    spec_flops = info(cfg, devices=8)["flops_per_step"]
+    assert d["roofline"]["model_flops"] == pytest.approx(spec_flops)  # 8 prompts x 4 completions x 96 positions
+    assert d["sequences"] == 4 and d["roofline"]["tokens_per_second"] == pytest.approx(
+        8 * 4 * 96 / d["roofline"]["step_seconds"])
+    text = aot.format_plan(d)
+    assert "batch 8 prompts x 4 sequences x 96 tokens" in text
+    assert "sampler:          8 prompts x 4 completions, prompts of 72 positions" in text
+    assert "step estimate:    generation" in text and "% of it generating" in text
+
+
 @pytest.mark.parametrize("name, says", [
     ("v5e-6", "v5e slice sizes count chips; the slices are v5e-1, v5e-4, v5e-8"),
     ("v5p-6", "v5p slice sizes count TensorCores, 2 per chip"),

@@ -50,7 +50,9 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
     trained_b = _bytes_per_device(spec.abstract.params)  # a LoRA run trains only its adapters
     params_b = trained_b + _bytes_per_device(spec.frozen_abstract)
     opt_b = _bytes_per_device(spec.abstract.opt_state)
-    seq, batch = cfg.data.seq_len, cfg.train.batch_size // cfg.train.micro_batches
+    # sequences a step trains on per item of the batch: a preference pair 2, a GRPO prompt its completions
+    per_item = cfg.data.kind.sequences_per_item(cfg.objective)
+    seq, batch = cfg.data.seq_len, cfg.train.batch_size * per_item // cfg.train.micro_batches
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = max(batch // dp, 1)
     act_item = np.dtype(compute_dtype).itemsize
@@ -64,7 +66,7 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
         "params": mcfg.num_params(),
         "params_non_embedding": mcfg.num_params(non_embedding=True),
         "flops_per_token": mcfg.flops_per_token(seq),
-        "flops_per_step": mcfg.flops_per_token(seq) * cfg.train.batch_size * seq,
+        "flops_per_step": mcfg.flops_per_token(seq) * cfg.train.batch_size * per_item * seq,
         "devices": math.prod(mesh.shape.values()),
         "mesh": dict(mesh.shape),
         "trainable_params": sum(math.prod(a.shape) for a in jax.tree.leaves(spec.abstract.params)),

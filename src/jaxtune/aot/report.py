@@ -8,6 +8,7 @@ from typing import Any
 
 from jaxtune import sharding
 from jaxtune.aot.catalog import GiB
+from jaxtune.aot.sampler import compile_sampler, step_estimate
 from jaxtune.aot.step import Program, program
 from jaxtune.config import Config
 
@@ -20,7 +21,7 @@ def roofline(p: Program, compiled: dict[str, Any]) -> dict[str, Any]:
              "ICI": hlo.ici_bytes / chip.ici_axis_bw}
     bound = max(times, key=times.get)
     step = times[bound]
-    tokens = b * p.cfg.data.seq_len
+    tokens = b * p.sequences * p.cfg.data.seq_len  # a pair is 2 sequences, a GRPO prompt num_generations
     model_flops = p.steps.spec.model_cfg.flops_per_token(p.cfg.data.seq_len) * tokens
     return {"seconds": times, "step_seconds": step, "bound": bound, "model_flops": model_flops,
             "mfu": model_flops / (p.slice.chips * step * chip.peak_flops) if step else None,
@@ -76,7 +77,8 @@ def plan(cfg: Config, target: str, search_seconds: float = 0.0) -> dict[str, Any
                   "device_kind": p.mesh.devices.flat[0].device_kind, "peak_flops": chip.peak_flops, "hbm": chip.hbm,
                   "hbm_usable": chip.hbm_usable, "hbm_bw": chip.hbm_bw, "ici_bw": chip.ici_bw,
                   "ici_axis_bw": chip.ici_axis_bw, "source": chip.source},
-        "mesh": dict(p.mesh.shape), "batch_size": b, "seq_len": p.cfg.data.seq_len,
+        "mesh": dict(p.mesh.shape), "batch_size": b, "sequences": p.sequences, "unit": p.cfg.data.kind.unit,
+        "seq_len": p.cfg.data.seq_len,
         "micro_batches": p.cfg.train.micro_batches, "fits": r["fits"], "memory": r["memory"],
         "compile_seconds": r["compile_seconds"], "note": p.note,
     }
@@ -90,6 +92,10 @@ def plan(cfg: Config, target: str, search_seconds: float = 0.0) -> dict[str, Any
         out.update(flops_per_chip=hlo.flops, hbm_bytes_per_chip=hlo.bytes, collective_bytes=hlo.collective_bytes,
                    ici_bytes=hlo.ici_bytes, loops=hlo.loops, loops_unknown=hlo.loops_unknown, xla_cost=r["xla_cost"],
                    roofline=roofline(p, r))
+    if p.cfg.objective.generates:  # GRPO: the sampler beside the train step, and the step split between them
+        out["sampler"] = compile_sampler(p)
+        if "skipped" not in out["sampler"]:
+            out["estimate"] = step_estimate(p, out["sampler"], out.get("roofline"))
     if search_seconds > 0:
         out["largest_batch"] = largest_batch(p, r, search_seconds)
     return out
@@ -103,8 +109,10 @@ def format_plan(d: dict[str, Any]) -> str:
     s, m = d["slice"], d["memory"]
     usable = s["hbm_usable"]
     micro = f" in {d['micro_batches']} micro-batches" if d["micro_batches"] > 1 else ""
+    n = d.get("sequences", 1)
+    batch = f"{d['batch_size']} {d['unit']} x {n} sequences" if n > 1 else f"{d['batch_size']}"
     head = (f"compiled for:     {s['name']}: {s['chips']} chips of {s['device_kind']} (topology {s['topology']}), "
-            f"mesh {d['mesh']}, batch {d['batch_size']} x {d['seq_len']} tokens{micro}; compiled in "
+            f"mesh {d['mesh']}, batch {batch} x {d['seq_len']} tokens{micro}; compiled in "
             f"{d['compile_seconds']:.0f} s")
     lines = [head]
     if d["fits"]:
@@ -133,6 +141,8 @@ def format_plan(d: dict[str, Any]) -> str:
                      f"{1e3 * t['ICI']:.1f} ms: {1e3 * rl['step_seconds']:.1f} ms per step ({rl['bound']}-bound); "
                      f"MFU {100 * rl['mfu']:.1f}% (model FLOPs {rl['model_flops']:.3e}), "
                      f"{rl['tokens_per_second']:,.0f} tokens/s")
+    if "sampler" in d:
+        lines += _sampler_lines(d)
     if "largest_batch" in d:
         lb = d["largest_batch"]
         found = f"{lb['batch_size']} fits" if lb["batch_size"] else f"none fits (not even {lb['unit']})"
@@ -141,3 +151,35 @@ def format_plan(d: dict[str, Any]) -> str:
         lines.append(f"largest batch:    {found}{refused} (multiples of {lb['unit']}; {lb['compiles']} compiles, "
                      f"{lb['compile_seconds']:.0f} s{budget})")
     return "\n".join(lines)
+
+
+def _sampler_lines(d: dict[str, Any]) -> list[str]:
+    """GRPO's sampler: its shapes and memory per chip beside the resident training state, and the step estimate."""
+    sp = d["sampler"]
+    if "skipped" in sp:
+        return [f"sampler:          {sp['skipped']}"]
+    usable, pm = d["slice"]["hbm_usable"], sp["program"]
+    verdict = "fits" if sp["fits"] else f"does not fit (over by {_gib(sp['total'] - usable)})"
+    lines = [f"sampler:          {sp['prompts']} prompts x {sp['group']} completions, prompts of {sp['prompt_len']} "
+             f"positions (each prefilled once for its group), KV cache of {sp['cache_len']} positions, at most "
+             f"{sp['max_new_tokens']} new tokens; one program (prefill and decode loop) compiled in "
+             f"{sp['compile_seconds']:.0f} s",
+             f"sampler / chip:   weights {_gib(sp['weights'])}"
+             + (f" (LoRA merged: {_gib(sp['merged_kernels'])} of adapted kernels computed anew)"
+                if sp["lora_merged"] else "")
+             + f", KV cache {_gib(sp['kv_cache'])}, temporaries {_gib(pm['temporaries'])} (the cache among them), "
+             f"outputs {_gib(pm['outputs'])}, code {_gib(pm['code'])}; with the training state resident "
+             f"({_gib(sp['resident'])}): {_gib(sp['total'])} of {_gib(usable)} usable HBM: {verdict}"]
+    if "estimate" in d:
+        e = d["estimate"]
+        passes = f" x {e['passes']} passes" if e["passes"] > 1 else ""
+        line = (f"step estimate:    generation {e['generation']:.2f} s (prefill {1e3 * e['prefill']:.1f} ms at "
+                f"{100 * e['mfu_assumed']:.0f}% MFU; decode {sp['max_new_tokens']} positions x "
+                f"{e['decode_bytes_per_token'] / 1e6:,.1f} MB read per chip (weights and the full KV cache) / HBM "
+                f"bandwidth = {e['decode']:.2f} s, memory-bound)")
+        if "step" in e:
+            line += (f"; training {e['training_roofline']:.2f} s (roofline{passes}), {e['training_at_mfu']:.2f} s "
+                     f"at {100 * e['mfu_assumed']:.0f}% MFU; about {e['step']:.2f} s per step, "
+                     f"{100 * e['generation'] / e['step']:.0f}% of it generating")
+        lines.append(line)
+    return lines

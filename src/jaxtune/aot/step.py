@@ -51,6 +51,11 @@ class Program:
         return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
     @property
+    def sequences(self) -> int:
+        """Sequences per item of the batch (a preference pair 2, a GRPO prompt its num_generations completions)."""
+        return self.cfg.data.kind.sequences_per_item(self.cfg.objective)
+
+    @property
     def batch_unit(self) -> int:
         """Global batch sizes must be multiples of this: each micro-batch spread evenly over the data axes."""
         return self.data_parallel * self.cfg.train.micro_batches

@@ -66,6 +66,12 @@ def _merged_kernels(adapters: Any, kernels: tuple, spec: LoraSpec) -> tuple:
                  for w, n in zip(kernels, nodes))
 
 
+def adapted_kernels(adapters: Any, base: Any) -> list[Any]:
+    """The base's kernels that ``adapters`` adapt: the arrays `merged_weights` computes anew (arrays or abstract
+    shapes alike)."""
+    return [_node(base, path)["kernel"] for path, _ in _adapter_nodes(adapters)]
+
+
 def merged_weights(adapters: Any, base: Any, spec: LoraSpec) -> Any:
     """`merge_adapters` on device for sampling: only the adapted kernels are computed anew (one compiled program);
     every other array is the base's own, not copied. The trained adapters are untouched."""

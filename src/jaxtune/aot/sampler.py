@@ -1,0 +1,113 @@
+"""GRPO's sampler on a TPU slice: the run's own batch generation (`jaxtune.models.sampling.Generator`: the prefill
+and the decode loop as one program, LoRA sampled from merged weights) compiled by libtpu for the rollout's shapes,
+with the weights sharded as in training; its memory beside the training state that stays resident while it runs,
+and a step estimate split into generation and training.
+
+The estimate, per step: **prefill** = forward FLOPs of the prompts (2 x parameters x prompt tokens, each prompt
+once for its group) / (chips x peak x `MFU_ASSUMED`); **decode** = ``max_completion_length`` positions, each bound
+by HBM bandwidth: a chip reads its share of the weights and of the KV cache (counted full, an upper bound) per
+position; **training** = the train step's roofline (`jaxtune.aot.report.roofline`) and, beside it, its model FLOPs
+at `MFU_ASSUMED`, times the objective's passes per batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtune import sharding
+from jaxtune.aot.step import Program, _shard_bytes
+from jaxtune.models.lora import adapted_kernels
+from jaxtune.models.sampling import Generator, bucket
+
+MFU_ASSUMED = 0.4  # the share of peak FLOP/s the compute-bound parts are assumed to reach (stated in the output)
+
+
+def sampler_shapes(p: Program) -> dict[str, int]:
+    """The rollout's shapes as the loop samples them: ``prompts`` (train.batch_size, each sampled ``group`` times),
+    the prompt bucket and the KV cache's length (`Generator.__call__`'s buckets), and the new tokens at most."""
+    cfg, max_seq = p.cfg, p.steps.spec.model_cfg.max_seq_len
+    o = cfg.objective
+    prompt = min(bucket(cfg.max_prompt_tokens), max_seq)
+    cache = min(bucket(prompt + o.max_completion_length), max_seq)
+    if prompt + o.max_completion_length > cache:
+        prompt = cfg.max_prompt_tokens
+    return {"prompts": cfg.train.batch_size, "group": o.num_generations,
+            "rows": cfg.train.batch_size * o.num_generations, "prompt_len": prompt, "cache_len": cache,
+            "max_new_tokens": o.max_completion_length}
+
+
+def _kv_bytes_per_chip(p: Program, rows: int, cache_len: int) -> int:
+    """The KV cache of ``rows`` rows of ``cache_len`` positions on one chip: rows split over the data axes, heads over
+    the tensor axis (as the batch and the attention weights are)."""
+    m, mesh = p.steps.spec.model_cfg, p.mesh
+    kv_heads = getattr(m, "n_kv_head", None) or m.n_head
+    head_dim = getattr(m, "head_dim", None) or m.d_model // m.n_head
+    per_row = 2 * m.n_layer * cache_len * kv_heads * head_dim * np.dtype(m.compute_dtype).itemsize
+    return math.ceil(rows / p.data_parallel) * per_row // max(1, min(mesh.shape["tensor"], kv_heads))
+
+
+def compile_sampler(p: Program) -> dict[str, Any]:
+    """The batch generation program for the rollout's shapes (`sampler_shapes`), compiled for the slice: memory per
+    chip (and with the resident training state: whether sampling fits), its inputs' shares, and the compile time."""
+    spec, shapes, started = p.steps.spec, sampler_shapes(p), time.perf_counter()
+    gen = spec.generator()
+    if not isinstance(gen, Generator):
+        return {"skipped": f"model.backend={p.cfg.model.backend} samples with its own generator; it is not planned"}
+    lora = gen.plain is not None
+    target, weights = (gen.plain, spec.frozen_abstract[0]) if lora else (gen, spec.abstract.params)
+    o, mesh = p.cfg.objective, p.mesh
+    rows_sh, replicated = sharding.batch_sharding(mesh), NamedSharding(mesh, P())
+    n, plen = shapes["prompts"], shapes["prompt_len"]
+    tokens = jax.ShapeDtypeStruct((n, plen), jnp.int32, sharding=rows_sh)
+    valid = jax.ShapeDtypeStruct((n, plen), jnp.bool_, sharding=rows_sh)
+    lengths = jax.ShapeDtypeStruct((shapes["rows"],), jnp.int32, sharding=rows_sh)
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
+    top_p = None if o.top_p >= 1.0 else float(o.top_p)
+    with sharding.use_mesh(mesh):
+        lowered = Generator._generate.lower(target, weights, tokens, valid, shapes["cache_len"],
+                                            shapes["max_new_tokens"], key, lengths, float(o.temperature), o.top_k,
+                                            top_p, (0,), shapes["group"])
+    compiled = lowered.compile()
+    mem = compiled.memory_analysis()
+    program = {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+               "temporaries": mem.temp_size_in_bytes, "code": mem.generated_code_size_in_bytes}
+    # Resident while sampling: the training state (params, optimizer), the frozen groups (LoRA's base, a reference
+    # copy) and, with LoRA, the merged copies of the adapted kernels (the other arrays are the base's own).
+    resident = sum(_shard_bytes(a) for a in jax.tree.leaves((spec.abstract, spec.frozen_abstract)))
+    if p.steps.reference is not None and p.steps.reference.copy:
+        resident += sum(_shard_bytes(a) for a in jax.tree.leaves(spec.abstract.params))
+    merged = sum(_shard_bytes(a) for a in adapted_kernels(spec.abstract.params, weights)) if lora else 0
+    weights_b = sum(_shard_bytes(a) for a in jax.tree.leaves(weights))
+    total = resident + merged + program["outputs"] + program["temporaries"] + program["code"]
+    if not lora:  # the sampler's weights are the state's params, counted in resident
+        total += program["arguments"] - weights_b
+    return {**shapes, "program": program, "weights": weights_b, "merged_kernels": merged,
+            "kv_cache": _kv_bytes_per_chip(p, shapes["rows"], shapes["cache_len"]), "resident": resident,
+            "total": total, "fits": total <= p.slice.chip.hbm_usable, "lora_merged": lora,
+            "compile_seconds": time.perf_counter() - started}
+
+
+def step_estimate(p: Program, sampler: dict[str, Any], train_roofline: dict[str, Any] | None) -> dict[str, Any]:
+    """Seconds per GRPO step: generation (prefill at `MFU_ASSUMED`, decode bound by HBM bandwidth) and training (the
+    train step's roofline, and its model FLOPs at `MFU_ASSUMED`), times the objective's passes."""
+    chip, chips = p.slice.chip, p.slice.chips
+    params = p.steps.spec.model_cfg.num_params()
+    prefill = 2 * params * sampler["prompts"] * sampler["prompt_len"] / (chips * chip.peak_flops * MFU_ASSUMED)
+    per_token_bytes = sampler["weights"] + sampler["kv_cache"]
+    decode = sampler["max_new_tokens"] * per_token_bytes / chip.hbm_bw
+    passes = p.cfg.objective.passes
+    out = {"mfu_assumed": MFU_ASSUMED, "prefill": prefill, "decode": decode, "generation": prefill + decode,
+           "decode_bytes_per_token": per_token_bytes, "passes": passes}
+    if train_roofline is not None:
+        at_mfu = train_roofline["model_flops"] / (chips * chip.peak_flops * MFU_ASSUMED)
+        out.update(training_roofline=passes * train_roofline["step_seconds"], training_at_mfu=passes * at_mfu)
+        out["step"] = out["generation"] + max(out["training_roofline"], out["training_at_mfu"])
+    return out
