@@ -160,10 +160,10 @@ def _sampler_lines(d: dict[str, Any]) -> list[str]:
         return [f"sampler:          {sp['skipped']}"]
     usable, pm = d["slice"]["hbm_usable"], sp["program"]
     verdict = "fits" if sp["fits"] else f"does not fit (over by {_gib(sp['total'] - usable)})"
-    lines = [f"sampler:          {sp['prompts']} prompts x {sp['group']} completions, prompts of {sp['prompt_len']} "
-             f"positions (each prefilled once for its group), KV cache of {sp['cache_len']} positions, at most "
-             f"{sp['max_new_tokens']} new tokens; one program (prefill and decode loop) compiled in "
-             f"{sp['compile_seconds']:.0f} s",
+    lines = [(f"sampler:          {sp['prompts']} prompts x {sp['group']} completions, prompts of "
+              f"{sp['prompt_len']} positions (each prefilled once for its group), KV cache of {sp['cache_len']} "
+              f"positions, at most {sp['max_new_tokens']} new tokens; one program (prefill and decode loop) compiled "
+              f"in {sp['compile_seconds']:.0f} s"),
              f"sampler / chip:   weights {_gib(sp['weights'])}"
              + (f" (LoRA merged: {_gib(sp['merged_kernels'])} of adapted kernels computed anew)"
                 if sp["lora_merged"] else "")
