@@ -25,6 +25,9 @@ from jaxtune.config import load_config
 
 RECIPES = ("gpt2-124m", "gemma3-1b-lora-dolly", "llama3-8b-fsdp")
 SLICES = ("v5e-8", "v5p-64", "v6e-256")
+# Post-training (--post-training): DPO's train step (pairs: 2 sequences an item), and GRPO's sampler beside its step.
+POST_RECIPES = ("qwen-dpo-ultrafeedback", "gemma3-1b-grpo")
+POST_SLICES = ("v5e-8", "v6e-8")
 
 
 def fitted(recipe: str, slice_name: str) -> tuple[list[str], str]:
@@ -53,13 +56,21 @@ def main() -> None:
     ap.add_argument("--search-seconds", type=float, default=600.0, help="largest-batch search budget per pair "
                     "(0: no search)")
     ap.add_argument("--json", help="also write the rows and run details to this path")
+    ap.add_argument("--post-training", action="store_true", help=f"the post-training table: {', '.join(POST_RECIPES)} "
+                    f"on {', '.join(POST_SLICES)} (no batch search), GRPO's step split into generation and training")
     args = ap.parse_args()
+    if args.post_training:
+        args.recipes = [r for r in args.recipes if r not in RECIPES] or list(POST_RECIPES)
+        args.slices = [s for s in args.slices if s not in SLICES] or list(POST_SLICES)
+        args.search_seconds = 0.0
     runtime.quiet_libtpu()
     import libtpu
 
     rows = []
     head = ["recipe", "slice", "batch x seq", "fits", "memory / chip", "step (roofline)", "bound", "MFU",
             "tokens/s", "suggested batch", "compile"]
+    if args.post_training:
+        head = [*head[:-2], "sampler / chip", "GRPO step: generation + training", "compile"]
     h.print_header(head, text_columns=2)
     for recipe in args.recipes:
         for slice_name in args.slices:
@@ -68,7 +79,7 @@ def main() -> None:
             d = aot.plan(load_config(recipe, overrides), slice_name, args.search_seconds)
             d.update(recipe=recipe, adjusted=changed, seconds=time.perf_counter() - started)
             rows.append(d)
-            print(row(d), flush=True)
+            print(row(d, args.post_training), flush=True)
     print(f"\nmachine: {h.machine()}; jax {jax.__version__}, libtpu {libtpu.__version__}")
     if args.json:
         with open(args.json, "w") as f:
@@ -76,13 +87,15 @@ def main() -> None:
                       indent=1, default=str)
 
 
-def row(d: dict) -> str:
+def row(d: dict, post_training: bool = False) -> str:
     m, s = d["memory"], d["slice"]
     usable = s["hbm_usable"] / aot.GiB
     total = m["total"] / aot.GiB if m["total"] is not None else None
     memory = f"{total:.1f} / {usable:.2f} GiB" if d["fits"] else (
         f">= {total:.1f} / {usable:.2f} GiB" if total is not None else "refused")
-    batch = f"{d['batch_size']} x {d['seq_len']}" + (f" ({d['adjusted']})" if d["adjusted"] else "")
+    n = d.get("sequences", 1)
+    batch = (f"{d['batch_size']} {d['unit']} x {n} x {d['seq_len']}" if n > 1 else f"{d['batch_size']} x {d['seq_len']}") \
+        + (f" ({d['adjusted']})" if d["adjusted"] else "")
     rl = d.get("roofline")
     lb = d.get("largest_batch")
     suggested = "-" if lb is None else str(lb["batch_size"] or "none") + (
@@ -91,6 +104,14 @@ def row(d: dict) -> str:
              f"{1e3 * rl['step_seconds']:.0f} ms" if rl else "-", rl["bound"] if rl else "-",
              f"{100 * rl['mfu']:.0f}%" if rl else "-", f"{rl['tokens_per_second']:,.0f}" if rl else "-", suggested,
              f"{d['seconds']:.0f} s"]
+    if post_training:
+        sp, e = d.get("sampler"), d.get("estimate")
+        sampler = "-" if not sp or "skipped" in sp else (
+            f"{sp['total'] / aot.GiB:.1f} GiB ({'fits' if sp['fits'] else 'does not fit'}; KV cache "
+            f"{sp['kv_cache'] / aot.GiB:.2f})")
+        split = "-" if not e or "step" not in e else (
+            f"{e['step']:.1f} s = {e['generation']:.1f} + {max(e['training_roofline'], e['training_at_mfu']):.1f}")
+        cells = [*cells[:-2], sampler, split, cells[-1]]
     return "| " + " | ".join(cells) + " |"
 
 

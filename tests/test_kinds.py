@@ -70,8 +70,11 @@ def test_each_objective_builds_from_its_record(name):
     obj = make_objective(ObjectiveConfig(name=name, rewards=rewards))
     assert obj.name == name and obj.passes == 1
     assert obj.uses_reference == (spec.reference == "always")
+    needs = {"exo_pair": {"label_smoothing": 1e-3}}  # a loss type's own required key
     for loss_type in spec.loss_types:
-        assert make_objective(ObjectiveConfig(name=name, loss_type=loss_type, rewards=rewards)).loss_type == loss_type
+        built = make_objective(ObjectiveConfig(name=name, loss_type=loss_type, rewards=rewards,
+                                               **needs.get(loss_type, {})))
+        assert (built.loss_types == ((loss_type, 1.0),)) if spec.combines else built.loss_type == loss_type
     # (sigmoid on an objective without loss types is what configs written before GRPO hold: read as unset.)
     for other in sorted(set(LOSS_TYPES) - set(spec.loss_types) - (set() if spec.loss_types else {"sigmoid"})):
         refused = rf"objective.loss_type(={other})? does not apply to objective.name={name}"
@@ -160,3 +163,21 @@ def test_a_batch_kinds_data_module_registers_its_row_format(tmp_path):
         assert stats.drop_lines("rows") == ["dropped rows: missing_field 1, bad_label 2"]
     finally:
         del FORMATS["labelled_test"]
+
+
+@pytest.mark.parametrize("keys, says", [
+    ({"loss_type": ["sigmoid", "sigmoid"]}, r"list each loss type once"),
+    ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, r"loss_weights has 1 weights for the loss types"),
+    ({"loss_type": "exo_pair"}, r"exo_pair needs objective.label_smoothing > 0"),
+    ({"loss_type": ["hinge", "bco_pair"], "label_smoothing": 0.1}, r"label_smoothing applies to loss_type sigmoid"),
+    ({"loss_type": ["sigmoid", "dapo"]}, r"objective.loss_type=dapo does not apply to objective.name=dpo"),
+])
+def test_dpo_loss_type_lists_are_checked(keys, says):
+    with pytest.raises(ValueError, match=says):
+        ObjectiveConfig(name="dpo", **keys)
+    cfg = ObjectiveConfig(name="dpo", loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0])
+    assert cfg.weighted_loss_types == (("sigmoid", 0.8), ("bco_pair", 0.2), ("sft", 1.0))
+    with pytest.raises(ValueError, match=r"objective.name=grpo takes one loss type, not a list"):
+        ObjectiveConfig(name="grpo", loss_type=["dapo", "grpo"], rewards=[{"name": "exact_number"}])
+    with pytest.raises(ValueError, match=r"objective.loss_weights does not apply to objective.name=simpo"):
+        ObjectiveConfig(name="simpo", loss_weights=[1.0])

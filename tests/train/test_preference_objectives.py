@@ -13,7 +13,9 @@ Error measure: rel(ours, ref) = max|ours - ref| / max|ref|, float32 on both side
 nearly cancel on a random model, so their error is measured against the larger operand: ``rewards/margins``
 |ours - ref| / max(|ref|, |rewards/chosen|, |rewards/rejected|), and ORPO's ``log_odds_chosen`` (log odds(chosen) -
 log odds(rejected)) the same with ``logps/chosen`` and ``logps/rejected``. Tolerances:
-  * DPO sigmoid / ipo / hinge vs DPOTrainer (full fine-tuning, reference = a frozen copy):
+  * DPO, every TRL 1.16 loss type (sigmoid, ipo, hinge, robust, bco_pair, sppo_hard, nca_pair, aot,
+    aot_unpaired, apo_zero, apo_down, exo_pair, discopop, sigmoid_norm; sft on chosen completions of one length)
+    and a weighted list (MPO) vs DPOTrainer (full fine-tuning, reference = a frozen copy):
       loss, rewards/chosen, rewards/rejected, rewards/margins, logps/chosen, logps/rejected   rel <= 1e-5
       rewards/accuracies                                                                       equal (float32)
       gradients of the embedding, a q_proj, an mlp down_proj, the final norm and lm_head       rel <= 1e-5
@@ -241,6 +243,38 @@ def test_dpo_matches_trl_dpo_trainer(checkpoints, tokenizer, native, tmp_path, l
     assert_matches(mine, theirs)
 
 
+# TRL 1.16's other DPO loss types, each with the keys it reads (label smoothing where TRL uses it; exo_pair needs
+# it > 0). sft is TRL's token mean over the batch's chosen completions, ours each pair's mean: equal on chosen
+# completions of one length (ORPO_EQUAL). aot and aot_unpaired sort the batch's pairs.
+MORE_LOSS_TYPES = [
+    ("robust", {"beta": 0.5, "label_smoothing": 0.1}, PAIRS),
+    ("bco_pair", {"beta": 0.5}, PAIRS),
+    ("sppo_hard", {"beta": 0.5}, PAIRS),
+    ("nca_pair", {"beta": 0.5}, PAIRS),
+    ("aot", {"beta": 0.5, "label_smoothing": 0.1}, PAIRS),
+    ("aot_unpaired", {"beta": 0.5}, PAIRS),
+    ("apo_zero", {"beta": 0.5}, PAIRS),
+    ("apo_down", {"beta": 0.5}, PAIRS),
+    ("exo_pair", {"beta": 0.5, "label_smoothing": 1e-3}, PAIRS),
+    ("discopop", {"beta": 0.5, "discopop_tau": 0.05}, PAIRS),
+    ("sigmoid_norm", {"beta": 0.5}, PAIRS),
+    ("sft", {"beta": 0.1}, ORPO_EQUAL),
+    (["sigmoid", "bco_pair", "sft"], {"beta": 0.1, "loss_weights": [0.8, 0.2, 1.0]}, ORPO_EQUAL),  # MPO
+]
+
+
+@pytest.mark.parametrize("loss_type, keys, pairs", MORE_LOSS_TYPES,
+                         ids=[t if isinstance(t, str) else "+".join(t) for t, _, _ in MORE_LOSS_TYPES])
+def test_dpo_loss_types_match_trl_dpo_trainer(checkpoints, tokenizer, native, tmp_path, loss_type, keys, pairs):
+    """Every other loss type of TRL 1.16's DPOTrainer, and a weighted list of them (MPO's sigmoid + bco_pair +
+    sft): loss, reward metrics and gradients as DPOTrainer's, the tolerances above."""
+    types = loss_type if isinstance(loss_type, list) else [loss_type]
+    theirs = trl_dpo(checkpoints, tokenizer, tmp_path, pairs, loss_type=types, **keys)  # DPOConfig's own keys
+    mine = ours(native, pairs, "dpo", loss_type=loss_type, **keys)
+    assert mine.count == len(pairs) and np.isfinite(theirs.loss) and theirs.loss != 0
+    assert_matches(mine, theirs)
+
+
 def sequence_logps(model, pairs) -> torch.Tensor:
     """(B, 2) summed completion log-probs from the model's logits, plain PyTorch (no TRL)."""
     out = []
@@ -339,6 +373,10 @@ def test_padding_pair_counts_nothing(checkpoints, tokenizer, native, tmp_path):
         ("simpo", PAIRS[:3], SIMPO, REWARDS,
          lambda: trl_simpo(checkpoints, PAIRS[:3], SIMPO["beta"], SIMPO["gamma"], SIMPO["label_smoothing"])),
         ("orpo", ORPO_EQUAL[:3], {"beta": 0.1}, ORPO_METRICS, lambda: trl_orpo(checkpoints, ORPO_EQUAL[:3], 0.1)),
+        # aot sorts the batch's pairs: a padding pair must not take part
+        ("dpo", PAIRS[:3], {"beta": 0.5, "loss_type": "aot", "label_smoothing": 0.1}, REWARDS,
+         lambda: trl_dpo(checkpoints, tokenizer, tmp_path, PAIRS[:3], loss_type=["aot"], beta=0.5,
+                         label_smoothing=0.1)),
     ]
     for name, pairs, keys, names, theirs in cases:
         mine = ours(native, pairs, name, empty_pairs=1, **keys)

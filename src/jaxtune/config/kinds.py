@@ -119,7 +119,8 @@ PRETOKENIZED_FORMAT = "tokens"  # the WINDOWS format whose sources are token ids
 @dataclass(frozen=True)
 class ObjectiveKind:
     """One objective. ``kinds``: the batch kinds it trains on. ``keys``: the ``objective.*`` keys that apply to it
-    (besides ``name``). ``loss_types``: its ``objective.loss_type`` values, the default first (empty: it has none).
+    (besides ``name``). ``loss_types``: its ``objective.loss_type`` values, the default first (empty: it has none);
+    ``combines``: ``loss_type`` may be a list of them, summed with ``loss_weights`` (TRL's DPO), else one only.
     ``default_beta``: ``objective.beta`` when unset. ``reference``: whether it compares with a reference model,
     ``always`` or ``when_beta`` (> 0). ``passes_key``: the key counting optimisation passes per batch, if any."""
 
@@ -128,6 +129,7 @@ class ObjectiveKind:
     description: str
     keys: frozenset[str] = frozenset()
     loss_types: tuple[str, ...] = ()
+    combines: bool = False
     default_beta: float | None = None
     reference: Literal["never", "always", "when_beta"] = "never"
     passes_key: str | None = None
@@ -146,8 +148,11 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("cross_entropy", (WINDOWS, ROWS), "next-token cross-entropy on the tokens with loss (pretraining "
                   "text, fine-tuning rows)"),
     ObjectiveKind("dpo", (PAIRS,), "direct preference optimisation against a frozen reference model",
-                  frozenset({"beta", "loss_type", "label_smoothing", "precompute_ref_logps"}),
-                  loss_types=("sigmoid", "ipo", "hinge"), default_beta=0.1, reference="always"),
+                  frozenset({"beta", "loss_type", "loss_weights", "label_smoothing", "discopop_tau",
+                             "precompute_ref_logps"}),
+                  loss_types=("sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard", "nca_pair", "aot",
+                              "aot_unpaired", "apo_zero", "apo_down", "exo_pair", "discopop", "sft", "sigmoid_norm"),
+                  combines=True, default_beta=0.1, reference="always"),
     ObjectiveKind("simpo", (PAIRS,), "SimPO: length-normalised, reference-free, with a target margin",
                   frozenset({"beta", "gamma", "label_smoothing"}), default_beta=2.0),
     ObjectiveKind("orpo", (PAIRS,), "ORPO: the chosen reply's NLL plus an odds-ratio term, reference-free",
@@ -164,6 +169,9 @@ def objectives_for(kind: BatchKind) -> list[str]:
 
 
 LOSS_TYPES = tuple(dict.fromkeys(t for o in OBJECTIVES.values() for t in o.loss_types))
+# The loss types label smoothing applies to (the assumed share of flipped labels): dpo's sigmoid (conservative DPO;
+# TRL 1.16's sigmoid has none), robust, exo_pair (which needs it > 0), aot and aot_unpaired; and simpo's loss.
+SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 
 
 
@@ -183,12 +191,21 @@ class ObjectiveConfig(Section):
     beta: float | None = Field(None, ge=0, description="dpo: the KL weight (default 0.1); simpo: the reward scale "
                                "(default 2.0); orpo: the odds-ratio term's weight lambda (TRL's beta, default 0.1); "
                                "grpo: the KL penalty's weight (default 0: no reference model)")
-    loss_type: Literal[LOSS_TYPES] | None = Field(
-        None, description="dpo: sigmoid (the DPO paper, default), ipo (squared, per-token log-ratios) or hinge; grpo: "
-        "how the per-token losses are averaged: grpo (per sequence, then over sequences), dr_grpo (summed, over "
-        "sequences x max_completion_length), dapo (over the whole batch's completion tokens, default)")
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="dpo (sigmoid) and simpo: the assumed share of "
-                                   "flipped labels (conservative DPO)")
+    loss_type: Literal[LOSS_TYPES] | list[Literal[LOSS_TYPES]] | None = Field(
+        None, description="dpo: TRL's loss types: sigmoid (the DPO paper, default), ipo (squared, per-token "
+        "log-ratios), hinge, robust, bco_pair, sppo_hard, nca_pair, aot and aot_unpaired (sorted over the "
+        "micro-batch), apo_zero, apo_down, exo_pair, discopop, sft (each pair's mean NLL of its chosen completion), "
+        "sigmoid_norm (sigmoid on per-token log-ratios); or a list of them, summed with loss_weights (e.g. MPO: "
+        "[sigmoid, bco_pair, sft]); grpo: how the per-token losses are averaged: grpo (per sequence, then over "
+        "sequences), dr_grpo (summed, over sequences x max_completion_length), dapo (over the whole batch's "
+        "completion tokens, default)")
+    loss_weights: list[float] | None = Field(None, description="dpo with a list of loss types: each one's weight, "
+                                             "in order (default 1 each)")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="dpo (sigmoid, robust, exo_pair, aot, "
+                                   "aot_unpaired) and simpo: the assumed share of flipped labels (conservative DPO); "
+                                   "exo_pair needs it > 0 (the EXO paper: 1e-3)")
+    discopop_tau: float = Field(0.05, gt=0, description="dpo discopop: the temperature of its logistic / exponential "
+                                "mix (TRL's default)")
     gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (TRL's simpo_gamma)")
     precompute_ref_logps: bool = Field(False, description="dpo: compute the reference log-probs of every pair once "
                                        "before training (stored in the run directory), so no reference model is "
@@ -272,8 +289,17 @@ class ObjectiveConfig(Section):
         return self.beta if self.beta is not None else (default if default is not None else 0.0)
 
     @property
-    def loss_type_value(self) -> str | None:
+    def loss_type_value(self) -> str | list[str] | None:
         return self.loss_type if self.loss_type is not None else self.spec.default_loss_type
+
+    @property
+    def weighted_loss_types(self) -> tuple[tuple[str, float], ...]:
+        """(loss type, weight) of each term of the loss: one at weight 1, or a list with ``loss_weights``."""
+        types = self.loss_type_value
+        if types is None:
+            return ()
+        types = [types] if isinstance(types, str) else list(types)
+        return tuple(zip(types, self.loss_weights or [1.0] * len(types)))
 
     @model_validator(mode="after")
     def _keys_apply(self) -> ObjectiveConfig:
@@ -285,11 +311,26 @@ class ObjectiveConfig(Section):
         if extra:
             raise ValueError(f"objective.{extra[0]} does not apply to objective.name={self.name}"
                              + (f"; its keys: {', '.join(sorted(applies))}" if applies else ""))
-        if self.loss_type is not None and self.loss_type not in spec.loss_types:
-            raise ValueError(f"objective.loss_type={self.loss_type} does not apply to objective.name={self.name}; "
-                             f"choose one of {', '.join(spec.loss_types)}")
-        if self.label_smoothing and self.loss_type_value not in (None, "sigmoid"):
-            raise ValueError("objective.label_smoothing applies to loss_type=sigmoid only")
+        listed = isinstance(self.loss_type, list)
+        if listed and not spec.combines:
+            raise ValueError(f"objective.loss_type: objective.name={self.name} takes one loss type, not a list")
+        for t in (self.loss_type if listed else [self.loss_type] if self.loss_type is not None else []):
+            if t not in spec.loss_types:
+                raise ValueError(f"objective.loss_type={t} does not apply to objective.name={self.name}; "
+                                 f"choose one of {', '.join(spec.loss_types)}")
+        if listed and (not self.loss_type or len(set(self.loss_type)) < len(self.loss_type)):
+            raise ValueError(f"objective.loss_type={self.loss_type}: list each loss type once (at least one); "
+                             "weight them with objective.loss_weights")
+        types = [t for t, _ in self.weighted_loss_types]
+        if self.loss_weights is not None and len(self.loss_weights) != (len(self.loss_type) if listed else 1):
+            raise ValueError(f"objective.loss_weights has {len(self.loss_weights)} weights for the loss types "
+                             f"{types}: give one per loss type, in order")
+        if self.label_smoothing and spec.loss_types and not set(types) & set(SMOOTHED):
+            raise ValueError(f"objective.label_smoothing applies to loss_type {', '.join(SMOOTHED)}, not "
+                             f"{', '.join(types)}")
+        if "exo_pair" in types and not self.label_smoothing:
+            raise ValueError("objective.loss_type exo_pair needs objective.label_smoothing > 0 (its target "
+                             "distribution; the EXO paper uses 1e-3)")
         if self.beta == 0 and spec.reference != "when_beta":
             raise ValueError(f"objective.beta must be > 0 for objective.name={self.name}")
         lo, hi = self.importance_sampling_min, self.importance_sampling_max

@@ -13,7 +13,16 @@ reference's sequence log-probs, n_c, n_r the completions' token counts, Δ = (c 
 
 * dpo sigmoid: -(1 - ε) log σ(βΔ) - ε log σ(-βΔ) (ε: ``label_smoothing``, conservative DPO; TRL 1.16 has ε = 0)
 * dpo hinge: max(0, 1 - βΔ)
-* dpo ipo: ((c - c_ref) / n_c - (r - r_ref) / n_r - 1 / 2β)²  (TRL's per-token normalisation)
+* dpo ipo: ((c - c_ref) / n_c - (r - r_ref) / n_r - 1 / 2β)²  (TRL's per-token normalisation); sigmoid_norm:
+  -log σ(β((c - c_ref) / n_c - (r - r_ref) / n_r))
+* dpo's other TRL loss types, with ρ_c = c - c_ref, ρ_r = r - r_ref: robust (-(1-ε) log σ(βΔ) + ε log σ(-βΔ)) /
+  (1 - 2ε); bco_pair -log σ(βρ_c) - log σ(-βρ_r); sppo_hard (ρ_c - 1/2β)² + (ρ_r + 1/2β)²; nca_pair -log σ(βρ_c)
+  - ½ log σ(-βρ_c) - ½ log σ(-βρ_r); exo_pair σ(βΔ)(log σ(βΔ) - log(1-ε)) + σ(-βΔ)(log σ(-βΔ) - log ε); apo_zero
+  1 - σ(βρ_c) + σ(βρ_r); apo_down σ(βρ_c) + 1 - σ(βΔ); discopop -log σ(βΔ)(1 - m) + exp(-βΔ) m, m = σ(βΔ/τ); aot
+  and aot_unpaired the smoothed sigmoid of the sorted c - r minus the sorted c_ref - r_ref (sorted ρ_c minus sorted
+  ρ_r), sorted over the micro-batch's real pairs (TRL: the device's batch); sft the chosen completion's mean NLL per
+  pair (TRL: the token mean over the batch's chosen completions; equal when they are of one length). A list of loss
+  types is Σ w_k loss_k per pair (TRL's ``loss_weights``).
 * simpo: as dpo sigmoid on c/n_c - r/n_r - γ/β, without a reference
 * orpo: -c/n_c - β log σ(log odds(c/n_c) - log odds(r/n_r)), odds(p) = p / (1 - p). The NLL term here is each
   pair's mean NLL over its chosen completion, averaged over pairs (the ORPO paper's SFT term, and the unit the step
@@ -100,7 +109,7 @@ class PreferenceObjective:
             ref = safe(self._reference_logps(batch, reference), -1.0)
             logps = pinned(logps, ref, reference)  # exactly the reference's while the policy is the reference
         logps, counts = safe(logps, -1.0), safe(counts, 1.0)
-        losses, metrics = self.pair_losses(logps, counts, ref)
+        losses, metrics = self.pair_losses(logps, counts, ref, valid)
         total = lambda x: jnp.sum(jnp.where(valid, x, 0.0))
         return total(losses), jnp.sum(valid.astype(jnp.float32)), {k: total(v) for k, v in metrics.items()}
 
@@ -114,38 +123,93 @@ class PreferenceObjective:
                              "carries no ref_logps")
         return pair_logps(jax.lax.stop_gradient(reference(flat_pairs(batch))), batch)[0]
 
-    def pair_losses(self, logps: jax.Array, counts: jax.Array,
-                    ref: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(B, 2) sequence log-probs, token counts and reference log-probs -> per-pair losses (B,) and per-pair
-        metrics (B,) (summed over valid pairs by the caller)."""
+    def pair_losses(self, logps: jax.Array, counts: jax.Array, ref: jax.Array | None,
+                    valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(B, 2) sequence log-probs, token counts and reference log-probs, and which pairs are real (B,) -> per-pair
+        losses (B,) and per-pair metrics (B,) (summed over valid pairs by the caller)."""
         raise NotImplementedError
+
+
+def _sorted_in_place(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """``x`` (B,) sorted ascending over the valid entries, which come first (the padding pairs' after them)."""
+    return jnp.sort(jnp.where(valid, x, jnp.inf))
+
+
+def _to_valid_slots(values: jax.Array, valid: jax.Array) -> jax.Array:
+    """Per-position values whose first k (k valid pairs) belong to the valid pairs, put at the valid pairs' indices
+    (the caller sums over them), the rest at the padding pairs'."""
+    order = jnp.argsort(~valid, stable=True)  # the valid pairs' indices first
+    return jnp.zeros_like(values).at[order].set(values)
 
 
 @dataclass(frozen=True)
 class DPO(PreferenceObjective):
+    """DPO with TRL's loss types (`loss_terms`), one or a weighted sum: per pair, ``Σ w_k loss_k``, whose mean over
+    pairs is TRL's ``Σ w_k mean(loss_k)``."""
+
     name: str = "dpo"
-    loss_type: str = "sigmoid"
+    loss_types: tuple[tuple[str, float], ...] = (("sigmoid", 1.0),)  # (loss type, weight)
     label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
     uses_reference: bool = True
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> DPO:
-        return cls(beta=cfg.beta_value, loss_type=cfg.loss_type_value, label_smoothing=cfg.label_smoothing)
+        return cls(beta=cfg.beta_value, loss_types=cfg.weighted_loss_types, label_smoothing=cfg.label_smoothing,
+                   discopop_tau=cfg.discopop_tau)
 
-    def pair_losses(self, logps, counts, ref):
+    def pair_losses(self, logps, counts, ref, valid):
         ratios = logps - ref  # (B, 2): log π/π_ref of chosen, rejected
-        delta = ratios[:, 0] - ratios[:, 1]
-        if self.loss_type == "sigmoid":
-            losses = _smoothed_sigmoid(self.beta * delta, self.label_smoothing)
-        elif self.loss_type == "hinge":
-            losses = jax.nn.relu(1.0 - self.beta * delta)
-        elif self.loss_type == "ipo":
-            per_token = ratios / counts
-            losses = (per_token[:, 0] - per_token[:, 1] - 1.0 / (2.0 * self.beta)) ** 2
-        else:
-            raise ValueError(f"objective.loss_type={self.loss_type!r}")
+        losses = sum(w * self.loss_term(t, logps, counts, ref, valid) for t, w in self.loss_types)
         rewards = self.beta * jax.lax.stop_gradient(ratios)
         return losses, _per_pair(rewards, jax.lax.stop_gradient(logps))
+
+    def loss_term(self, loss_type: str, logps: jax.Array, counts: jax.Array, ref: jax.Array,
+                  valid: jax.Array) -> jax.Array:
+        """One loss type's per-pair losses (B,), as TRL 1.16's ``DPOTrainer._compute_loss`` computes them."""
+        b, eps = self.beta, self.label_smoothing
+        ratios = logps - ref
+        chosen, rejected = ratios[:, 0], ratios[:, 1]
+        delta = chosen - rejected
+        log_sigmoid, sigmoid = jax.nn.log_sigmoid, jax.nn.sigmoid
+        if loss_type == "sigmoid":
+            return _smoothed_sigmoid(b * delta, eps)
+        if loss_type == "hinge":
+            return jax.nn.relu(1.0 - b * delta)
+        if loss_type in ("ipo", "sigmoid_norm"):  # on per-token log-ratios
+            per_token = ratios / counts
+            z = per_token[:, 0] - per_token[:, 1]
+            return (z - 1.0 / (2.0 * b)) ** 2 if loss_type == "ipo" else -log_sigmoid(b * z)
+        if loss_type == "robust":
+            return (-(1 - eps) * log_sigmoid(b * delta) + eps * log_sigmoid(-b * delta)) / (1 - 2 * eps)
+        if loss_type == "exo_pair":
+            return (sigmoid(b * delta) * (log_sigmoid(b * delta) - jnp.log1p(-eps))
+                    + sigmoid(-b * delta) * (log_sigmoid(-b * delta) - jnp.log(eps)))
+        if loss_type == "nca_pair":
+            return -log_sigmoid(b * chosen) - 0.5 * log_sigmoid(-b * chosen) - 0.5 * log_sigmoid(-b * rejected)
+        if loss_type == "bco_pair":
+            return -log_sigmoid(b * chosen) - log_sigmoid(-b * rejected)
+        if loss_type == "sppo_hard":
+            return (chosen - 0.5 / b) ** 2 + (rejected + 0.5 / b) ** 2
+        if loss_type in ("aot", "aot_unpaired"):  # sorted over the micro-batch's pairs, the padding ones left out
+            if loss_type == "aot":
+                z = (_sorted_in_place(logps[:, 0] - logps[:, 1], valid)
+                     - _sorted_in_place(ref[:, 0] - ref[:, 1], valid))
+            else:
+                z = _sorted_in_place(chosen, valid) - _sorted_in_place(rejected, valid)
+            z = jnp.where(jnp.arange(z.shape[0]) < jnp.sum(valid), z, 0.0)
+            return _to_valid_slots(_smoothed_sigmoid(b * z, eps), valid)
+        if loss_type == "apo_zero":
+            return (1 - sigmoid(b * chosen)) + sigmoid(b * rejected)
+        if loss_type == "apo_down":
+            return sigmoid(b * chosen) + (1 - sigmoid(b * delta))
+        if loss_type == "discopop":
+            z = b * delta
+            mix = sigmoid(z / self.discopop_tau)
+            return -log_sigmoid(z) * (1 - mix) + jnp.exp(-z) * mix
+        if loss_type == "sft":  # each pair's mean NLL over its chosen completion (TRL: the batch's token mean)
+            return -logps[:, 0] / counts[:, 0]
+        raise ValueError(f"objective.loss_type={loss_type!r}")
 
 
 @dataclass(frozen=True)
@@ -158,7 +222,7 @@ class SimPO(PreferenceObjective):
     def from_config(cls, cfg: ObjectiveConfig) -> SimPO:
         return cls(beta=cfg.beta_value, gamma=cfg.gamma, label_smoothing=cfg.label_smoothing)
 
-    def pair_losses(self, logps, counts, ref):
+    def pair_losses(self, logps, counts, ref, valid):
         mean = logps / counts
         z = self.beta * (mean[:, 0] - mean[:, 1] - self.gamma / self.beta)
         losses = _smoothed_sigmoid(z, self.label_smoothing)
@@ -171,7 +235,7 @@ class ORPO(PreferenceObjective):
     name: str = "orpo"
     metric_names: tuple[str, ...] = (*REWARD_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
-    def pair_losses(self, logps, counts, ref):
+    def pair_losses(self, logps, counts, ref, valid):
         # A mean log-prob of exactly 0 (every token certain) has infinite odds; TRL's loss is NaN there, ours stays
         # finite by capping it just below 0 (no effect on pairs of any real model's uncertainty).
         mean = jnp.minimum(logps / counts, -1e-6)
