@@ -103,7 +103,7 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
                           if frozen_count else ""))
     if rollout is not None:
         o = cfg.objective
-        data.report.append(f"grpo: {o.prompts_per_step} prompts x {o.num_generations} completions = "
+        data.report.append(f"{o.name}: {o.prompts_per_step} prompts x {o.num_generations} completions = "
                            f"{o.prompts_per_step * o.num_generations} completions a step (objective.prompts_per_step "
                            "x num_generations)")
     ways = mesh.shape["data"] * mesh.shape["fsdp"]  # sharding.BATCH_AXES

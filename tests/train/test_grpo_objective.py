@@ -56,6 +56,7 @@ import math
 from dataclasses import dataclass, replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -66,8 +67,8 @@ from helpers.trl_reference import BOS, EOS, MESH, PAD, TOL, TRL_VERSION, Native,
 from jaxtune import sharding
 from jaxtune.config import ObjectiveConfig, TrainConfig
 from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
-from jaxtune.train.objectives import GRPO, make_objective
-from jaxtune.train.rewards import group_advantages
+from jaxtune.train.objectives import GRPO, RLOO, Reference, make_objective
+from jaxtune.train.rewards import group_advantages, leave_one_out_advantages
 from jaxtune.train.rollout import training_rows
 from jaxtune.train.step import build_steps, per_unit
 
@@ -443,9 +444,9 @@ PREPARED: list[int] = []  # CountedGRPO.prepare's calls
 class CountedGRPO(GRPO):
     """GRPO counting its `prepare` calls (made while tracing: once per traced step)."""
 
-    def prepare(self, forward, weights, batch):
+    def prepare(self, forward, weights, batch, reference=None):
         PREPARED.append(1)
-        return super().prepare(forward, weights, batch)
+        return super().prepare(forward, weights, batch, reference)
 
 
 def test_num_iterations_is_two_updates_with_fixed_old_logps(native):
@@ -547,3 +548,126 @@ def test_trl_reward_functions_score_as_in_grpo_trainer(checkpoints, tokenizer, t
     with pytest.raises(RewardError, match=r"takes 'level', which is not a column of the data \(columns: answer\)"):
         make_rewards(lacking).score(prompts, completions, [{"answer": r["answer"]} for r in rows], [1] * 4,
                                     ["t:1"] * 4, completion_ids=ids)
+
+
+# ---------------------------------------------------------------------------------------------------- RLOO
+# RLOO (`jaxtune.train.objectives.rloo`) against TRL 1.16's RLOOTrainer: the loss (``_compute_loss``, a real trainer
+# as for GRPO) and the advantages (the formulas of its ``_generate_and_score_completions``, transcribed below with
+# its `nanstd`). Tolerances as GRPO's: rel <= 1e-5.
+
+
+def trl_rloo_advantages(rewards: list[float], kl: np.ndarray, beta: float, normalize: bool) -> np.ndarray:
+    """RLOOTrainer's advantages (TRL 1.16, ``_generate_and_score_completions``): the KL penalty in the reward, the
+    leave-one-out baseline over each group's scorable completions (NaN rewards: unscorable), the optional
+    normalisation over the batch, NaN to 0."""
+    from trl.trainer.utils import nanstd
+
+    r = torch.tensor(rewards, dtype=torch.float64) - beta * torch.tensor(kl, dtype=torch.float64)
+    grouped = r.view(-1, GROUP)
+    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baselines = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scorable - 1)
+    advantages = r - baselines.view(-1)
+    if normalize:
+        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0).numpy()
+
+
+RLOO_ADVANTAGES = leave_one_out_advantages(np.array(REWARDS), np.array(REWARDS)[:, None], GROUP)
+
+
+def rloo_cfg(**keys) -> ObjectiveConfig:
+    return ObjectiveConfig(name="rloo", rewards=[{"name": "length"}], num_generations=GROUP,
+                           max_completion_length=MAX_COMPLETION, **keys)
+
+
+def rloo_batch(old_logps: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    return {**our_batch(old_logps), "advantages": RLOO_ADVANTAGES}
+
+
+def trl_rloo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, **config) -> TRLResult:
+    """RLOOTrainer (the perturbed policy): ``compute_loss`` on the rollout with RLOO_ADVANTAGES and ``old_logps`` (a
+    completion's summed log-probs) of the policy itself, or of the old checkpoint (``off_policy``)."""
+    from trl import RLOOConfig, RLOOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    assert trl.__version__ == TRL_VERSION, f"these comparisons were written against TRL {TRL_VERSION}"
+    args = RLOOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+                      per_device_train_batch_size=N, num_generations=GROUP, max_completion_length=MAX_COMPLETION,
+                      **config)
+    data = datasets.Dataset.from_dict({"prompt": ["w5 w9", "w10 w11"]})
+    trainer = RLOOTrainer(model=hf_model(checkpoints["policy"]), reward_funcs=lambda completions, **_: [0.0] * len(
+        completions), args=args, train_dataset=data, processing_class=tokenizer)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = {**trl_inputs(), "advantages": torch.tensor(RLOO_ADVANTAGES)}
+    model = trainer.model
+    if off_policy:
+        model = hf_model(checkpoints["old"])
+        add_fused_lm_head(model, temperature=args.temperature)
+    per_token = trl_logps(trainer, model, inputs)
+    inputs["old_logps"] = (per_token * inputs["completion_mask"]).sum(1)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return GRPOResult(loss.item(), metrics, trl_reference.hf_grads(trainer.model), completion_to_rows(per_token))
+
+
+def rloo_ours(native: Native, batch, **keys) -> Ours:
+    cfg = rloo_cfg(**keys)
+    means = lambda metrics, count: {k: float(v) for k, v in per_unit(metrics, count).items()}
+    return trl_reference.objective_result(native, replace(make_objective(cfg), passes=1), cfg, native.policy, batch,
+                                          means)
+
+
+@pytest.mark.parametrize("off_policy", [False, True], ids=["on-policy", "old-logps"])
+def test_rloo_loss_matches_trl(checkpoints, tokenizer, native, tmp_path, off_policy):
+    """The per-sequence clipped loss: on-policy (ratio 1: the plain leave-one-out policy gradient) and with the old
+    checkpoint's log-probs (some sequence ratios clipped, OFF_POLICY's bounds): loss, gradients and the clip ratios
+    equal RLOOTrainer's."""
+    keys = {"beta": 0.0, **(OFF_POLICY if off_policy else {})}
+    theirs = trl_rloo(checkpoints, tokenizer, tmp_path, off_policy, **keys)
+    mine = rloo_ours(native, rloo_batch(theirs.old_logps if off_policy else None), **keys)
+    assert mine.count == N
+    if off_policy:  # whole-sequence ratios of a checkpoint this far: some fall below 1 - epsilon, none above
+        assert theirs.metrics["clip_ratio/low_mean"] > 0, theirs.metrics
+        assert mine.metrics["clip_ratio/high_mean"] == theirs.metrics["clip_ratio/high_mean"] == 0.0
+    else:  # at ratio 1 the loss is Σ -A, 0 by construction (a group's leave-one-out advantages sum to 0): both ~0,
+        # so the gradients (the policy gradient itself) carry the check
+        assert abs(mine.loss) < 1e-6 and abs(theirs.loss) < 1e-6
+        mine, theirs = replace(mine, loss=1.0), replace(theirs, loss=1.0)
+        assert all(mine.metrics[k] == theirs.metrics[k] == 0.0 for k in CLIP_METRICS)  # nothing clipped at ratio 1
+    assert_matches(mine, theirs, names=("clip_ratio/low_mean", "clip_ratio/region_mean") if off_policy else ())
+
+
+@pytest.fixture(scope="module")
+def old_params(checkpoints):
+    """The "old" checkpoint's params (the policy plus more noise), read as the policy's are."""
+    return trl_reference.tiny_spec(checkpoints["old"], *GRPO_RUN)[1].init(0).params
+
+
+@pytest.mark.parametrize("beta, normalize", [(0.05, False), (0.05, True), (0.0, True)])
+def test_rloo_advantages_match_trl(native, old_params, beta, normalize):
+    """`leave_one_out_advantages` on the host, then `RLOO.prepare` on the whole batch (the KL to the reference in
+    the reward, the normalisation), with one completion unscorable (every reward None): the advantages of
+    RLOOTrainer's formulas on the same rewards and KL (the old checkpoint's log-probs against the reference's)."""
+    rewards = list(REWARDS)
+    rewards[2] = float("nan")  # unscorable: left out of its group's baselines, advantage 0
+    host = leave_one_out_advantages(np.array(rewards), np.array(rewards)[:, None], GROUP)
+    assert np.isnan(host[2]) and np.isfinite(np.delete(host, 2)).all()
+    rows = {k: v for k, v in our_batch().items() if k in ("inputs", "targets", "positions", "segment_ids")}
+    forward = native.spec.forward()
+    with sharding.use_mesh(MESH):
+        old = np.asarray(jax.jit(forward.token_logps)(old_params, rows))
+        ref = np.asarray(jax.jit(forward.token_logps)(native.ref, rows))
+    mask = our_batch()["loss_mask"]
+    kl = ((old - ref) * mask).sum(-1)
+    batch = {**our_batch(sampler_logps=old), "advantages": host}
+    reference = Reference(lambda rows, temperature=1.0: forward.token_logps(native.ref, rows, None, temperature),
+                          jnp.bool_(False))
+    objective = make_objective(rloo_cfg(beta=beta, normalize_advantages=normalize, old_logps="sampler"))
+    assert isinstance(objective, RLOO) and objective.old_from_sampler
+    with sharding.use_mesh(MESH):
+        prepared = objective.prepare(forward, native.policy, jax.tree.map(jnp.asarray, batch), reference)
+    expected = trl_rloo_advantages(rewards, kl, beta, normalize)
+    assert rel(np.asarray(prepared["advantages"]), expected) <= TOL, (prepared["advantages"], expected)
+    assert prepared["advantages"][2] == 0.0

@@ -142,10 +142,12 @@ def longer(completion_ids, **kwargs):
 """
 
 
-def test_grpo_moves_the_policy_toward_what_the_reward_prefers(grpo, tmp_path, monkeypatch):
+@pytest.mark.parametrize("objective", ["grpo", "rloo"])
+def test_grpo_moves_the_policy_toward_what_the_reward_prefers(grpo, tmp_path, monkeypatch, objective):
     """End to end, the direction of learning: from the same weights and sampling keys, a reward for shorter
     completions makes them shorter than a reward for longer ones does (a sign flipped anywhere between the rewards,
-    the advantages, the rows and the loss, or completions scored against another row's, makes it the other way)."""
+    the advantages, the rows and the loss, or completions scored against another row's, makes it the other way).
+    RLOO (its leave-one-out baseline, its per-sequence loss) likewise."""
     (tmp_path / "length_rewards.py").write_text(textwrap.dedent(LENGTH_MODULE))
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "length_rewards", raising=False)
@@ -153,12 +155,29 @@ def test_grpo_moves_the_policy_toward_what_the_reward_prefers(grpo, tmp_path, mo
     for name in ("shorter", "longer"):
         cfg = load_config(None, [*grpo(f"objective.rewards=[{{name: 'length_rewards:{name}'}}]", "train.steps=8",
                                        "eval.every=0", "eval.exact_match=0", "checkpoint.every=8",
-                                       "objective.temperature=1.0"), f"run_dir={tmp_path / name}"])
+                                       "objective.temperature=1.0", f"objective.name={objective}",
+                                       *(["objective.beta=0.0"] if objective == "rloo" else [])),
+                                 f"run_dir={tmp_path / name}"])
         train(cfg)
         lengths[name] = [r["completions/mean_length"] for r in metric_rows(cfg.run_path, "train")]
     assert lengths["shorter"][0] == lengths["longer"][0]  # step 1: the same weights, the same samples
     late = {name: float(np.mean(v[-3:])) for name, v in lengths.items()}
     assert late["shorter"] < lengths["shorter"][0] - 2 and late["shorter"] < late["longer"] - 2, lengths
+
+
+def test_rloo_lora_with_the_kl_in_the_reward_trains_and_compiles_once(grpo, tmp_path):
+    """RLOO, LoRA, beta 0.05 (the KL to the base with the adapters off, put into the rewards before the step's
+    update, on the whole batch), 2 micro-batches: one program per length met, the rollout's and objective's metrics
+    logged and finite, the KL 0 at step 1 (the policy is the reference) and not after an update."""
+    cfg = load_config(None, grpo("objective.name=rloo", "objective.beta=0.05", "model.lora.rank=4", "train.steps=3",
+                                 "train.micro_batches=2", "eval.every=0", "eval.exact_match=0"))
+    result = train(cfg)
+    assert result.step_compiles == len(result.step_lengths)
+    rows = metric_rows(cfg.run_path, "train")
+    assert set(ROLLOUT_METRICS + OBJECTIVE_METRICS) <= set(rows[-1]), rows[-1]
+    assert all(np.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert rows[0]["kl"] == 0.0 and rows[-1]["kl"] != 0.0
+    assert rows[-1]["sampler_logp_diff/max"] <= SAMPLER_TOL
 
 
 def test_torchax_grpo_lora_samples_with_its_own_generator(grpo, tmp_path):

@@ -133,6 +133,10 @@ class ObjectiveKind:
     default_beta: float | None = None
     reference: Literal["never", "always", "when_beta"] = "never"
     passes_key: str | None = None
+    # objectives that sample (PROMPTS): each completion's advantage from its group's rewards, computed when the
+    # completions are scored (`jaxtune.train.rewards`): "group" (GRPO's: less the group's mean, over its std) or
+    # "leave_one_out" (RLOO's: less the mean of the group's other completions)
+    baseline: Literal["group", "leave_one_out"] = "group"
 
     @property
     def default_loss_type(self) -> str | None:
@@ -144,6 +148,9 @@ _GRPO_KEYS = frozenset({"beta", "loss_type", "num_generations", "max_completion_
                         "reward_errors", "prompts_per_step", "old_logps", "importance_sampling", "importance_sampling_max",
                         "importance_sampling_min"})
 IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+_RLOO_KEYS = frozenset({"beta", "num_generations", "max_completion_length", "temperature", "top_p", "top_k",
+                        "epsilon", "epsilon_high", "normalize_advantages", "num_iterations", "rewards",
+                        "reward_errors", "prompts_per_step", "old_logps"})
 OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("cross_entropy", (WINDOWS, ROWS), "next-token cross-entropy on the tokens with loss (pretraining "
                   "text, fine-tuning rows)"),
@@ -160,6 +167,10 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
                   _GRPO_KEYS, loss_types=("dapo", "grpo", "dr_grpo"), default_beta=0.0, reference="when_beta",
                   passes_key="num_iterations"),
+    ObjectiveKind("rloo", (PROMPTS,), "REINFORCE leave-one-out on sampled completions scored by rewards: each "
+                  "completion's baseline the mean reward of its group's others, the KL to the reference in the reward, "
+                  "a clipped ratio per sequence (TRL's RLOOTrainer)", _RLOO_KEYS, default_beta=0.05,
+                  reference="when_beta", passes_key="num_iterations", baseline="leave_one_out"),
 )}
 
 
@@ -190,7 +201,8 @@ class ObjectiveConfig(Section):
         f"{o.name}: {o.description}" for o in OBJECTIVES.values()))
     beta: float | None = Field(None, ge=0, description="dpo: the KL weight (default 0.1); simpo: the reward scale "
                                "(default 2.0); orpo: the odds-ratio term's weight lambda (TRL's beta, default 0.1); "
-                               "grpo: the KL penalty's weight (default 0: no reference model)")
+                               "grpo: the KL penalty's weight (default 0: no reference model); rloo: the weight of the KL to the "
+                               "reference subtracted from each reward (default 0.05, TRL's)")
     loss_type: Literal[LOSS_TYPES] | list[Literal[LOSS_TYPES]] | None = Field(
         None, description="dpo: TRL's loss types: sigmoid (the DPO paper, default), ipo (squared, per-token "
         "log-ratios), hinge, robust, bco_pair, sppo_hard, nca_pair, aot and aot_unpaired (sorted over the "
@@ -212,28 +224,30 @@ class ObjectiveConfig(Section):
                                        "held while training")
     # grpo
     prompts_per_step: int | None = Field(
-        None, ge=1, description="grpo: prompts a step samples, each num_generations times: a step trains on "
+        None, ge=1, description="grpo and rloo: prompts a step samples, each num_generations times: a step trains on "
         "prompts_per_step x num_generations completions (TRL's batch size counts those completions). It is the "
         "run's train.batch_size, which a grpo config does not set (default: train.batch_size's default)")
-    num_generations: int = Field(8, ge=2, description="grpo: completions sampled per prompt (the group)")
-    max_completion_length: int = Field(128, ge=1, description="grpo: new tokens per completion at most")
-    temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature (the log-probs are of the same "
+    num_generations: int = Field(8, ge=2, description="grpo and rloo: completions sampled per prompt (the group)")
+    max_completion_length: int = Field(128, ge=1, description="grpo and rloo: new tokens per completion at most")
+    temperature: float = Field(1.0, gt=0, description="grpo and rloo: sampling temperature (the log-probs are of the same "
                                "tempered distribution, as TRL's)")
-    top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling")
-    top_k: int | None = Field(None, ge=1, description="grpo: sample among the k likeliest tokens")
-    epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: the ratio's lower clip, 1 - epsilon")
-    epsilon_high: float | None = Field(None, gt=0, description="grpo: the ratio's upper clip, 1 + epsilon_high "
+    top_p: float = Field(1.0, gt=0, le=1, description="grpo and rloo: nucleus sampling")
+    top_k: int | None = Field(None, ge=1, description="grpo and rloo: sample among the k likeliest tokens")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="grpo and rloo: the ratio's lower clip, 1 - epsilon")
+    epsilon_high: float | None = Field(None, gt=0, description="grpo and rloo: the ratio's upper clip, 1 + epsilon_high "
                                        "(default epsilon)")
     scale_rewards: bool = Field(True, description="grpo: divide each group's advantages by its reward std "
                                 "(false: Dr. GRPO's unscaled advantages)")
-    num_iterations: int = Field(1, ge=1, description="grpo: optimisation passes over each batch of completions "
+    normalize_advantages: bool = Field(False, description="rloo: normalise the advantages over the whole batch "
+                                       "(less their mean, over their std + 1e-4), after the KL penalty")
+    num_iterations: int = Field(1, ge=1, description="grpo and rloo: optimisation passes over each batch of completions "
                                 "(TRL's mu)")
-    rewards: list[RewardConfig] = Field([], description="grpo: reward functions, summed with their weights")
-    reward_errors: Literal["raise", "zero"] = Field("raise", description="grpo: a reward function that raises or "
+    rewards: list[RewardConfig] = Field([], description="grpo and rloo: reward functions, summed with their weights")
+    reward_errors: Literal["raise", "zero"] = Field("raise", description="grpo and rloo: a reward function that raises or "
                                                     "returns NaN stops training (raise, naming it and the row) or "
                                                     "scores that completion 0, counted (zero)")
     old_logps: Literal["sampler", "trainer"] | None = Field(
-        None, description="grpo with num_iterations > 1: where the old policy's log-probs come from: the sampler's "
+        None, description="grpo and rloo with num_iterations > 1: where the old policy's log-probs come from: the sampler's "
         "own, returned with each token (no extra forward pass), or a trainer forward before the first update "
         "(default: sampler when model.compute_dtype is float32, where the two agree to float rounding; trainer "
         "otherwise). Every step logs sampler_logp_diff/mean and /max, |sampler - trainer| over completion tokens")

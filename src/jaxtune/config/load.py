@@ -14,12 +14,16 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from jaxtune.config.base import ConfigError
+from jaxtune.config.kinds import OBJECTIVES
 from jaxtune.config.model import CHECKPOINT_DECIDES, MODEL_SECTIONS, ModelSection, backend_of
 from jaxtune.config.root import Config
 
 log = logging.getLogger(__name__)
 
 SHIPPED_CONFIGS = Path(__file__).parent.parent / "configs"
+# Objective keys whose value is chosen for one objective (their defaults differ between objectives): dropped from the
+# file when the command line switches objective.name.
+OWN_MEANING = ("beta", "loss_type", "loss_weights")
 
 def resolve_config_path(path: str | Path) -> Path:
     """A YAML path, or the bare name of a shipped config (``quickstart`` -> configs/quickstart.yaml)."""
@@ -57,10 +61,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     name, file_name = _objective_name(given), _objective_name(raw)
     dropped = []
     if name is not None and file_name is not None and name != file_name:
-        # Another objective on the command line: the file's keys were chosen for its own objective (DPO's beta is not
-        # SimPO's), so they yield to the new objective's defaults; keys given on the command line still apply.
-        dropped = sorted(k for k in raw["objective"] if k != "name")
-        base = {**base, "objective": {"name": file_name}}
+        # Another objective on the command line: the file's keys chosen for its own objective (DPO's beta is not
+        # SimPO's, GRPO's is not RLOO's) yield to the new objective's defaults, as do keys the new one does not take;
+        # the keys both share in meaning (GRPO's and RLOO's sampling, rewards, group) carry over; keys given on the
+        # command line still apply.
+        takes = OBJECTIVES[name].keys if name in OBJECTIVES else frozenset()
+        kept = {k: v for k, v in raw["objective"].items() if k in takes and k not in OWN_MEANING}
+        dropped = sorted(k for k in raw["objective"] if k != "name" and k not in kept)
+        base = {**base, "objective": {"name": file_name, **kept}}
     if base is not raw:
         given = _overridden(base, overrides)
     dropped = [k for k in dropped if k not in given["objective"]]  # not given again on the command line

@@ -10,7 +10,7 @@ from pydantic import model_validator
 
 from jaxtune.config.base import Section
 from jaxtune.config.data import DataConfig, TokenizerConfig
-from jaxtune.config.kinds import ObjectiveConfig, objectives_for
+from jaxtune.config.kinds import OBJECTIVES, ObjectiveConfig, objectives_for
 from jaxtune.config.model import ModelConfig, NativeModelConfig
 from jaxtune.config.run import (
     CheckpointConfig,
@@ -63,11 +63,12 @@ class Config(Section):
         if not isinstance(data, dict):
             return data
         obj, train = data.get("objective") or {}, data.get("train") or {}
-        if (isinstance(obj, dict) and obj.get("name") == "grpo" and isinstance(train, dict)
+        spec = OBJECTIVES.get(obj.get("name")) if isinstance(obj, dict) else None
+        if (spec is not None and any(k.generates for k in spec.kinds) and isinstance(train, dict)
                 and train.get("batch_size") is not None and obj.get("prompts_per_step") is None):
             n, g = train["batch_size"], obj.get("num_generations", ObjectiveConfig.model_fields["num_generations"].default)
-            raise ValueError(f"train.batch_size={n} is ambiguous for objective.name=grpo (TRL's batch size counts "
-                             f"completions; here each prompt is sampled num_generations times): set "
+            raise ValueError(f"train.batch_size={n} is ambiguous for objective.name={obj['name']} (TRL's batch size "
+                             f"counts completions; here each prompt is sampled num_generations times): set "
                              f"objective.prompts_per_step={n} instead ({n} prompts x {g} completions a step), and "
                              "leave train.batch_size unset (train.batch_size=null)")
         return data
@@ -82,7 +83,7 @@ class Config(Section):
             return self.model_copy(update={"objective": obj.model_copy(update={"prompts_per_step": train.batch_size})})
         if "batch_size" in train.model_fields_set and train.batch_size != obj.prompts_per_step:
             raise ValueError(f"objective.prompts_per_step={obj.prompts_per_step} and train.batch_size="
-                             f"{train.batch_size} disagree: for grpo they are one number; set prompts_per_step only")
+                             f"{train.batch_size} disagree: for {obj.name} they are one number; set prompts_per_step only")
         return self.model_copy(update={"train": train.model_copy(update={"batch_size": obj.prompts_per_step})})
 
     @model_validator(mode="after")

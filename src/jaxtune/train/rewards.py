@@ -189,6 +189,25 @@ def group_advantages(total: np.ndarray, group: int, scale: bool) -> np.ndarray:
     return advantages.reshape(-1).astype(np.float32)
 
 
+def leave_one_out_advantages(total: np.ndarray, per_function: np.ndarray, group: int) -> np.ndarray:
+    """(N,) float32 RLOO advantages (TRL's RLOOTrainer): each completion's reward less the mean of its group's other
+    scorable completions, each prompt's ``group`` completions contiguous. A completion that every reward function
+    declined (all NaN in ``per_function``, a TRL-form function's None) is unscorable: left out of its group's
+    baselines, and its advantage NaN (zeroed once the KL penalty and the normalisation are applied)."""
+    total = np.asarray(total, np.float64).copy()
+    if total.ndim != 1 or group < 2 or total.size % group:
+        raise ValueError(f"leave_one_out_advantages needs (n_prompts * group,) rewards with group >= 2; got shape "
+                         f"{total.shape} for group={group}")
+    per_function = np.asarray(per_function, np.float64).reshape(total.size, -1)
+    if per_function.shape[1]:
+        total[np.isnan(per_function).all(axis=1)] = np.nan
+    grouped = total.reshape(-1, group)
+    scorable = (~np.isnan(grouped)).sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a group with one scorable completion: 0 / 0, NaN
+        baselines = (np.nansum(grouped, axis=1, keepdims=True) - grouped) / (scorable - 1)
+    return (grouped - baselines).reshape(-1).astype(np.float32)
+
+
 def _exact_number_of(r: RewardConfig, cfg: ObjectiveConfig, key: str, label: str) -> _OneScore:
     return _exact_number(r.field, key, label)
 

@@ -37,7 +37,7 @@ from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.data import PromptRows, Tokenizer, stop_ids
 from jaxtune.data.encoded import shared_row
 from jaxtune.train.distributed import every_process, first_failure
-from jaxtune.train.rewards import RewardError, Rewards, Scores, group_advantages, make_rewards
+from jaxtune.train.rewards import RewardError, Rewards, Scores, group_advantages, leave_one_out_advantages, make_rewards
 from jaxtune.train.state import Sampler
 
 
@@ -154,7 +154,10 @@ class Rollout:
         done = self.sample(weights, source, [int(r) for r in prompts["row"]], group=o.num_generations,
                            temperature=o.temperature, seed=rollout_seed(self.cfg.train.seed, step), step=step,
                            local=True)
-        advantages = group_advantages(done.scores.total, o.num_generations, o.scale_rewards).astype(np.float32)
+        if o.spec.baseline == "leave_one_out":  # RLOO; the KL penalty and normalisation follow in the step
+            advantages = leave_one_out_advantages(done.scores.total, done.scores.per_function, o.num_generations)
+        else:
+            advantages = group_advantages(done.scores.total, o.num_generations, o.scale_rewards).astype(np.float32)
         metrics = self.metrics(done)  # over every process's completions
         if jax.process_count() > 1:  # this process trains on its own prompts' completions
             n = len(prompts["row"]) * o.num_generations

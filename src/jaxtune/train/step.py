@@ -63,8 +63,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
     the whole batch: gradients of summed losses are accumulated over micro-batches and divided once by the total
     count (not a mean of means); so are the objective's metrics.
 
-    ``passes`` > 1: that many optimizer updates on the same batch (GRPO's ``num_iterations``), ``prepare(params,
-    batch, frozen)`` first annotating the batch with the weights as they were; the step's loss and metrics are the
+    ``passes`` > 1: that many optimizer updates on the same batch (GRPO's ``num_iterations``). ``prepare(params,
+    batch, frozen)``, when given, first annotates the whole batch with the weights as they were; the step's loss and metrics are the
     first pass's, and the learning-rate schedule counts updates. A non-finite pass (with ``skip_nonfinite``) keeps
     the state as it was before the step."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -101,12 +101,12 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
     def train_step(state: TrainState, batch: Batch, frozen: tuple = ()):
         """``frozen``: parameters that do not train (a LoRA base): read, never updated, no optimizer state."""
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step) if use_dropout else None
+        if prepare is not None:
+            batch = prepare(state.params, batch, frozen)
         if passes == 1:
             params, opt_state, (loss, count, extra, grad_norm, finite) = update(
                 state.params, state.opt_state, batch, step_key, frozen)
         else:
-            if prepare is not None:
-                batch = prepare(state.params, batch, frozen)
 
             def one_pass(carry, i):
                 params, opt_state, ok = carry
@@ -153,10 +153,11 @@ def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
     loss = objective_loss(objective, forward, spec.weights, reference)
     passes = objective.passes
     prepare = None
-    if passes > 1:
+    if passes > 1 or objective.prepares:
         def prepare(params, batch, frozen):
             model_frozen = frozen if reference is None else reference.model_frozen(frozen)
-            return objective.prepare(forward, spec.weights(params, model_frozen), batch)
+            ref = None if reference is None else reference.bind(params, frozen)
+            return objective.prepare(forward, spec.weights(params, model_frozen), batch, ref)
     step = make_train_step(loss, spec.tx, spec.lr_schedule, micro_batches=train.micro_batches,
                            skip_nonfinite=train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key, passes=passes,
                            prepare=prepare)

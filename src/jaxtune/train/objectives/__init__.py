@@ -10,8 +10,9 @@ from jaxtune.train.objectives.base import Metrics, Objective, Reference
 from jaxtune.train.objectives.cross_entropy import CrossEntropy
 from jaxtune.train.objectives.grpo import GRPO
 from jaxtune.train.objectives.preference import DPO, ORPO, SimPO
+from jaxtune.train.objectives.rloo import RLOO
 
-CLASSES = (CrossEntropy, DPO, SimPO, ORPO, GRPO)
+CLASSES = (CrossEntropy, DPO, SimPO, ORPO, GRPO, RLOO)
 OBJECTIVES: dict[str, type] = {c.name: c for c in CLASSES}
 if set(OBJECTIVES) != set(DECLARED):  # a declared objective without its class, or a class without its record
     raise ImportError(f"objectives declared in jaxtune.config.kinds {sorted(DECLARED)} != implemented "
@@ -23,5 +24,5 @@ def make_objective(cfg: ObjectiveConfig) -> Objective:
     return OBJECTIVES[cfg.name].from_config(cfg)
 
 
-__all__ = ["CLASSES", "DPO", "GRPO", "OBJECTIVES", "ORPO", "CrossEntropy", "Metrics", "Objective", "Reference",
-           "SimPO", "make_objective"]
+__all__ = ["CLASSES", "DPO", "GRPO", "OBJECTIVES", "ORPO", "RLOO", "CrossEntropy", "Metrics", "Objective",
+           "Reference", "SimPO", "make_objective"]

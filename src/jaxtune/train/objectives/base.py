@@ -8,9 +8,10 @@ per unit, at train and eval alike; the loop logs every metric an objective retur
 ``.../min`` is an extreme instead (`EXTREMES`): the largest (smallest) value over the batch, combined across
 micro-batches by max (min) and never divided.
 
-An objective that trains several passes on one batch (``passes`` > 1: GRPO's ``num_iterations``) has its
-``prepare(forward, weights, batch) -> batch`` called once before the first pass with the weights as they were (the
-others return the batch as it is).
+An objective that trains several passes on one batch (``passes`` > 1: GRPO's ``num_iterations``), or that says it
+``prepares`` (RLOO: its advantages need the whole batch and the reference), has its ``prepare(forward, weights,
+batch, reference) -> batch`` called once on the whole batch before the first pass (before micro-batches split it),
+with the weights as they were (the others return the batch as it is).
 
 An objective that compares the policy with a frozen reference model (``uses_reference``: DPO's KL anchor, GRPO's
 KL penalty) is handed a `Reference`: the reference's per-token log-probs of a batch of (N, T) rows (unless the batch
@@ -92,14 +93,16 @@ class Objective(Protocol):
     metric_names: tuple[str, ...]  # the keys of the metrics it returns (logged as they are)
     uses_reference: bool  # reads a reference model's log-probs (a `Reference`, or ``ref_logps`` in the batch)
     passes: int  # optimizer updates on each batch
+    prepares: bool  # `prepare` runs before every step, not only before several passes
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> Objective:
         """The objective with the ``objective`` section's keys."""
         ...
 
-    def prepare(self, forward: Forward, weights: Any, batch: Batch) -> Batch:
-        """Before the first of several passes: what the later passes need of the weights as they were."""
+    def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
+        """Before the first of several passes (or every step, with ``prepares``), on the whole batch: what the passes
+        need of the weights as they were (and of the reference)."""
         ...
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,

@@ -22,12 +22,13 @@ class CrossEntropy:
     metric_names: tuple[str, ...] = ()
     uses_reference: bool = False
     passes: int = 1
+    prepares: bool = False
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> CrossEntropy:
         return cls()
 
-    def prepare(self, forward: Forward, weights: Any, batch: Batch) -> Batch:
+    def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
         return batch
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,

@@ -53,6 +53,7 @@ class GRPO:
     temperature: float = 1.0
     max_completion_length: int = 128
     passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
+    prepares: bool = False  # prepare runs before one pass too (RLOO's advantages); else only before several
     old_from_sampler: bool = False  # passes > 1: the batch's sampler log-probs are the old policy's
     importance_sampling: str = "off"  # TRL's vllm_importance_sampling_mode, or off
     importance_sampling_max: float | None = 3.0
@@ -92,7 +93,7 @@ class GRPO:
         completions = (branch[:, None, :] == jnp.arange(1, adv.shape[1] + 1)[None, :, None]).astype(jnp.float32)
         return of_token, completions
 
-    def prepare(self, forward: Forward, weights: Any, batch: Batch) -> Batch:
+    def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
         """Before the first of several passes: the sampling policy's log-probs, fixed for every pass (``old_logps``):
         the sampler's own (``old_from_sampler``, no forward pass) or the trainer's forward with the weights as they
         were."""

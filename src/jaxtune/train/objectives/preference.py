@@ -89,12 +89,13 @@ class PreferenceObjective:
     metric_names: tuple[str, ...] = REWARD_METRICS
     uses_reference: bool = False
     passes: int = 1
+    prepares: bool = False
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> PreferenceObjective:
         return cls(beta=cfg.beta_value)
 
-    def prepare(self, forward: Forward, weights: Any, batch: Batch) -> Batch:
+    def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
         return batch
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
