@@ -196,9 +196,9 @@ GRPO = ["model.family=llama", "model.preset=tiny", "model.vocab_size=512", "data
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_grpo_plan_compiles_the_sampler_beside_the_step_and_splits_the_step_estimate(lora):
     """GRPO's plan compiles the run's batch-generation program (prefill and decode loop, LoRA sampled from merged
-    weights) for the rollout's shapes, as the sampler buckets them. References: the model's KV cache shape (layers x
-    2 x rows per chip x cache positions x KV heads x head dim, float32), which XLA's memory analysis must find among
-    the program's temporaries; the weights' bytes per chip, which are its arguments but for the prompts; the train
+    weights) for the rollout's shapes, as the sampler buckets them. References: the model's KV cache shape (K and V,
+    each layers x rows per chip x cache positions x KV heads x head dim), which the compiled decode loop must carry;
+    the weights' bytes per chip, which are its arguments but for the prompts; the train
     step's model FLOPs counting every completion (prompts x num_generations rows). The estimate is the stated
     formulas of those numbers."""
     cfg = load_config(None, [*GRPO, *(["model.lora.rank=4"] if lora else [])])
@@ -208,11 +208,13 @@ def test_grpo_plan_compiles_the_sampler_beside_the_step_and_splits_the_step_esti
     # leave no room in the 128-position context, so the prompt is 72 and the cache 128
     assert (sp["prompts"], sp["group"], sp["rows"], sp["prompt_len"], sp["cache_len"], sp["max_new_tokens"]) == (
         8, 4, 32, 72, 128, 24)
-    model = info(cfg, devices=8)["model"]  # the tiny preset: 2 layers, 4 heads of 16, 2 KV heads
+    model = info(cfg, devices=8)["model"]  # the tiny preset: 2 layers, 4 heads of 16, 2 KV heads, float32
     assert (model.n_layer, model.n_kv_head, model.d_model // model.n_head) == (2, 2, 16)
-    rows_per_chip, kv = 32 // 8, 2 * 2 * 128 * 2 * 16 * 4
-    assert sp["kv_cache"] == rows_per_chip * kv
-    assert sp["program"]["temporaries"] >= sp["kv_cache"]
+    # K and V, each (layers, rows per chip, positions, KV heads, head dim), as the compiled decode loop carries them:
+    # the TPU compiler keeps the float32 cache in bfloat16 (its attention matmuls read it at default precision), and
+    # this small, on chip (VMEM) rather than in HBM
+    assert sp["kv_read_from_program"] and sp["kv_dtype"] == "bf16" and sp["kv_on_chip"]
+    assert sp["kv_cache"] == 2 * (2 * 32 // 8 * 128 * 2 * 16) * 2
     prompts = 8 // 8 * 72 * (4 + 1)  # each chip's prompt row: tokens int32, valid bool
     # the TPU lays small arrays out in padded tiles (a (64,) norm scale takes a tile), so at this size XLA's
     # argument bytes exceed the logical ones by up to a quarter
@@ -230,6 +232,25 @@ def test_grpo_plan_compiles_the_sampler_beside_the_step_and_splits_the_step_esti
     assert "batch 8 prompts x 4 sequences x 96 tokens" in text
     assert "sampler:          8 prompts x 4 completions, prompts of 72 positions" in text
     assert "step estimate:    generation" in text and "% of it generating" in text
+
+
+def test_grpo_sampler_memory_grows_with_the_group_and_the_completion_length():
+    """The sampler's KV cache is rows x cache positions (the prompt fixed at 16 tokens by data.max_prompt_length): the
+    buffers the compiled decode loop carries are the shapes computed by hand, doubling with num_generations (4 -> 8)
+    and with the cache bucket that a longer completion needs (24 -> 56 new tokens: 64 -> 128 positions). (At this
+    size the cache is on chip, so XLA's HBM numbers do not show it; a real model's is in HBM.)"""
+    base = [*GRPO, "data.max_prompt_length=16"]
+    plans = {(g, m): aot.plan(load_config(None, [*base, f"objective.num_generations={g}",
+                                                 f"objective.max_completion_length={m}"]), "v5e-8")["sampler"]
+             for g, m in ((4, 24), (8, 24), (4, 56))}
+    per_position = 2 * 2 * 2 * 16 * 2  # K and V x 2 layers x 2 KV heads x head dim 16, bfloat16 in the program
+    for (g, m), sp in plans.items():
+        cache = 64 if m == 24 else 128
+        assert (sp["prompt_len"], sp["cache_len"], sp["rows"]) == (16, cache, 8 * g)
+        assert sp["kv_read_from_program"] and sp["kv_cache"] == 8 * g // 8 * cache * per_position
+    small = plans[4, 24]
+    for bigger in (plans[8, 24], plans[4, 56]):
+        assert bigger["kv_cache"] == 2 * small["kv_cache"]
 
 
 @pytest.mark.parametrize("name, says", [

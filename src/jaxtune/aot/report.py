@@ -167,7 +167,8 @@ def _sampler_lines(d: dict[str, Any]) -> list[str]:
              f"sampler / chip:   weights {_gib(sp['weights'])}"
              + (f" (LoRA merged: {_gib(sp['merged_kernels'])} of adapted kernels computed anew)"
                 if sp["lora_merged"] else "")
-             + f", KV cache {_gib(sp['kv_cache'])}, temporaries {_gib(pm['temporaries'])} (the cache among them), "
+             + f", KV cache {_gib(sp['kv_cache'])} ({sp['kv_dtype']}"
+             + (", on chip" if sp["kv_on_chip"] else "") + f"), temporaries {_gib(pm['temporaries'])}, "
              f"outputs {_gib(pm['outputs'])}, code {_gib(pm['code'])}; with the training state resident "
              f"({_gib(sp['resident'])}): {_gib(sp['total'])} of {_gib(usable)} usable HBM: {verdict}"]
     if "estimate" in d:

@@ -1,6 +1,7 @@
 """GRPO's sampler on a TPU slice: the run's own batch generation (`jaxtune.models.sampling.Generator`: the prefill
 and the decode loop as one program, LoRA sampled from merged weights) compiled by libtpu for the rollout's shapes,
-with the weights sharded as in training; its memory beside the training state that stays resident while it runs,
+with the weights sharded as in training; its memory beside the training state that stays resident while it runs
+(the KV cache as the compiled program holds it: its dtype read from the decode loop, on chip when it is small),
 and a step estimate split into generation and training.
 
 The estimate, per step: **prefill** = forward FLOPs of the prompts (2 x parameters x prompt tokens, each prompt
@@ -13,6 +14,7 @@ at `MFU_ASSUMED`, times the objective's passes per batch.
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any
 
@@ -44,14 +46,28 @@ def sampler_shapes(p: Program) -> dict[str, int]:
             "max_new_tokens": o.max_completion_length}
 
 
-def _kv_bytes_per_chip(p: Program, rows: int, cache_len: int) -> int:
-    """The KV cache of ``rows`` rows of ``cache_len`` positions on one chip: rows split over the data axes, heads over
-    the tensor axis (as the batch and the attention weights are)."""
+_HLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+def _kv_cache(p: Program, rows: int, cache_len: int, hlo: str) -> dict[str, Any]:
+    """The KV cache on one chip: ``rows`` rows of ``cache_len`` positions, rows split over the data axes, KV heads
+    over the tensor axis. Its dtype is the one the compiled program keeps it in, read from the decode loop's carried
+    buffers (the TPU compiler stores a float32 cache in bfloat16 where the attention's matmuls read it at default
+    precision anyway), else the compute dtype; and whether it lives on chip (VMEM, memory space 1: small caches)
+    rather than in HBM."""
     m, mesh = p.steps.spec.model_cfg, p.mesh
     kv_heads = getattr(m, "n_kv_head", None) or m.n_head
     head_dim = getattr(m, "head_dim", None) or m.d_model // m.n_head
-    per_row = 2 * m.n_layer * cache_len * kv_heads * head_dim * np.dtype(m.compute_dtype).itemsize
-    return math.ceil(rows / p.data_parallel) * per_row // max(1, min(mesh.shape["tensor"], kv_heads))
+    dims = (m.n_layer, math.ceil(rows / p.data_parallel), cache_len,
+            max(1, kv_heads // max(1, min(mesh.shape["tensor"], kv_heads))), head_dim)
+    loop = next((line for line in hlo.splitlines() if " while(" in line), "")
+    shape = ",".join(map(str, dims))
+    found = re.findall(rf"(\w+)\[{shape}\]\{{[^}}]*?(S\(1\))?\}}", loop)
+    dtype = found[0][0] if found and found[0][0] in _HLO_BYTES else np.dtype(m.compute_dtype).name.replace(
+        "float", "f")
+    itemsize = _HLO_BYTES.get(dtype, np.dtype(m.compute_dtype).itemsize)
+    return {"bytes": 2 * math.prod(dims) * itemsize, "dtype": dtype, "shape": dims, "read_from_program": bool(found),
+            "on_chip": bool(found) and all(space for _, space in found)}
 
 
 def compile_sampler(p: Program) -> dict[str, Any]:
@@ -76,6 +92,7 @@ def compile_sampler(p: Program) -> dict[str, Any]:
                                             shapes["max_new_tokens"], key, lengths, float(o.temperature), o.top_k,
                                             top_p, (0,), shapes["group"])
     compiled = lowered.compile()
+    kv = _kv_cache(p, shapes["rows"], shapes["cache_len"], compiled.as_text())
     mem = compiled.memory_analysis()
     program = {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
                "temporaries": mem.temp_size_in_bytes, "code": mem.generated_code_size_in_bytes}
@@ -90,7 +107,8 @@ def compile_sampler(p: Program) -> dict[str, Any]:
     if not lora:  # the sampler's weights are the state's params, counted in resident
         total += program["arguments"] - weights_b
     return {**shapes, "program": program, "weights": weights_b, "merged_kernels": merged,
-            "kv_cache": _kv_bytes_per_chip(p, shapes["rows"], shapes["cache_len"]), "resident": resident,
+            "kv_cache": kv["bytes"], "kv_dtype": kv["dtype"], "kv_on_chip": kv["on_chip"],
+            "kv_read_from_program": kv["read_from_program"], "resident": resident,
             "total": total, "fits": total <= p.slice.chip.hbm_usable, "lora_merged": lora,
             "compile_seconds": time.perf_counter() - started}
 
