@@ -208,7 +208,7 @@ def test_max_prompt_length_applies_to_prompts_apart_and_bounds_grpos_prompts():
     assert load_config(None, [*grpo, "data.max_prompt_length=500"]).max_prompt_tokens == 192
     assert load_config(None, ["objective.name=dpo", "data.format=preference",
                               "data.max_prompt_length=64"]).data.max_prompt_length == 64
-    with pytest.raises(ConfigError, match=r"data.max_prompt_length applies to data.format=preference or prompts .*"
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length applies to data.format=preference, unpaired, prompts .*"
                        r"not messages"):
         load_config(None, ["data.format=messages", "data.max_prompt_length=64"])
 

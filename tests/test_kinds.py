@@ -20,6 +20,7 @@ from jaxtune.config import (
     PAIRS,
     PROMPTS,
     ROWS,
+    UNPAIRED,
     WINDOWS,
     ConfigError,
     DataConfig,
@@ -45,7 +46,7 @@ def test_every_kind_has_its_implementation_and_no_more():
     assert set(IMPLEMENTED) == set(OBJECTIVES)
     assert set(FAMILIES) == set(FAMILY_NAMES)
     # Row formats are parsed by data/formats.py; windows are read as text or token ids.
-    assert set(ROW_FORMATS) == {f for k in (ROWS, PAIRS, PROMPTS) for f in k.formats}
+    assert set(ROW_FORMATS) == {f for k in (ROWS, PAIRS, UNPAIRED, PROMPTS) for f in k.formats}
     assert set(WINDOWS.formats) == {"text", "tokens"}
     assert WRITTEN_GGUF_TYPES is GGUF_TYPES
     assert set(EXPORT_FORMATS) == {"hf", "peft", "gguf"}
@@ -147,23 +148,23 @@ def test_a_batch_kinds_data_module_registers_its_row_format(tmp_path):
     from jaxtune.data.rows import BadRow
 
     def parse(record, fields, data_cfg):
-        if record[fields["label"]] not in (True, False):
-            raise BadRow("bad_label", "label must be true or false")
+        if record[fields["score"]] not in (0, 1, 2, 3, 4, 5):
+            raise BadRow("bad_score", "score must be 0 to 5")
         return record
 
-    fmt = Format("labelled_test", {"prompt": "prompt", "completion": "completion", "label": "label"}, "label", parse,
-                 ("bad_label",), chat=False)
+    fmt = Format("scored_test", {"prompt": "prompt", "completion": "completion", "score": "score"}, "score", parse,
+                 ("bad_score",), chat=False)
     register_format(fmt)
     try:
         with pytest.raises(ValueError, match="registered twice"):
             register_format(fmt)
         rows = tmp_path / "rows.jsonl"
-        rows.write_text('{"prompt": "p", "label": true}\n')
-        assert detect_format(str(rows)) == "labelled_test"  # ahead of prompts, whose key the row holds too
-        stats = RowStats(dropped=Counter({"bad_label": 2, "missing_field": 1}))
-        assert stats.drop_lines("rows") == ["dropped rows: missing_field 1, bad_label 2"]
+        rows.write_text('{"prompt": "p", "score": 4}\n')
+        assert detect_format(str(rows)) == "scored_test"  # ahead of prompts, whose key the row holds too
+        stats = RowStats(dropped=Counter({"bad_score": 2, "missing_field": 1}))
+        assert stats.drop_lines("rows") == ["dropped rows: missing_field 1, bad_score 2"]
     finally:
-        del FORMATS["labelled_test"]
+        del FORMATS["scored_test"]
 
 
 @pytest.mark.parametrize("keys, says", [

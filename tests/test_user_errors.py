@@ -332,10 +332,10 @@ SFT = ["data.format=messages", "data.chat_template=chatml"]
 
 
 @pytest.mark.parametrize("row, overrides, says", [
-    (KTO_ROW, PREFERENCE, ("this row is an unpaired preference row (prompt, completion, a true/false label: TRL's "
-                           "KTO form), which no objective here trains on, but data.format=preference reads a "
-                           "preference pair {prompt, chosen, rejected}, for objective.name=dpo, simpo or orpo; pair a "
-                           "liked and a disliked completion")),
+    (KTO_ROW, PREFERENCE, ("this row is an unpaired preference row {prompt, completion, label} "
+                           "(data.format=unpaired, for objective.name=kto), but data.format=preference reads a "
+                           "preference pair {prompt, chosen, rejected}, for objective.name=dpo, simpo or orpo; give "
+                           "rows of that shape, or train on these with data.format=unpaired objective.name=kto")),
     (CHAT_ROW, PREFERENCE, ("this row is a chat conversation (data.format=messages, for "
                             "objective.name=cross_entropy), but data.format=preference reads a preference pair")),
     (PROMPT_ROW, PREFERENCE, ("this row is a prompt alone {prompt, answer fields} (data.format=prompts, for "
@@ -346,10 +346,12 @@ SFT = ["data.format=messages", "data.chat_template=chatml"]
                      "data.format=preference objective.name=dpo")),
     (PROMPT_ROW, SFT, "this row is a prompt alone"),
     # An SFT format that would read it, ignoring the label, would train on the disliked completions too.
-    (KTO_ROW, ["data.format=prompt_completion"], ("this row is an unpaired preference row (prompt, completion, a "
-                                                  "true/false label: TRL's KTO form), which no objective here trains "
-                                                  "on; to fine-tune on the liked completions alone, keep the rows "
-                                                  "labelled true and drop their 'label' field")),
+    (KTO_ROW, ["data.format=prompt_completion"], ("this row is an unpaired preference row {prompt, completion, "
+                                                  "label} (data.format=unpaired, for "
+                                                  "objective.name=kto): fine-tuning on it would train on the "
+                                                  "disliked completions too; train it with data.format=unpaired "
+                                                  "objective.name=kto, or keep the rows labelled true and drop their "
+                                                  "'label' field")),
 ], ids=["kto-to-dpo", "messages-to-dpo", "prompts-to-dpo", "pairs-to-sft", "prompts-to-sft", "kto-to-sft"])
 def test_data_of_another_shape_says_what_it_is_and_what_takes_it(tmp_path, data_cache, capsys, row, overrides,
                                                                   says):
@@ -400,7 +402,7 @@ GRPO = ["objective.name=grpo", "data.format=prompts", "objective.rewards=[{name:
     (GRPO, "train.batch_size=16 is ambiguous for objective.name=grpo"),
     ([*GRPO, "train.batch_size=null", "objective.prompts_per_step=2", "data.seq_len=64",
       "objective.max_completion_length=64"], "objective.max_completion_length=64 leaves no room for a prompt"),
-    (["data.max_prompt_length=8"], "data.max_prompt_length applies to data.format=preference or prompts"),
+    (["data.max_prompt_length=8"], "data.max_prompt_length applies to data.format=preference, unpaired, prompts"),
     (["objective.name=dpo"], "objective.name=dpo trains on pairs"),
     (["objective.name=dpo", "data.format=preference", "objective.loss_type=dapo"],
      "objective.loss_type=dapo does not apply to objective.name=dpo"),

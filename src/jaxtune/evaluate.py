@@ -11,7 +11,7 @@ import jax
 
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
-from jaxtune.config import ConfigError
+from jaxtune.config import REFERENCE_HELD_OUT, ConfigError
 from jaxtune.data import make_sequence_batches, make_training_data, test_sequences
 from jaxtune.models.fits import check_fits
 from jaxtune.run import LoadedRun, load_run
@@ -70,7 +70,7 @@ def _reference_weights(run: LoadedRun, target: str | Path, reference: str | Path
     """(the reference model's params,) from ``reference``, or () to use the run's own; refuses a model directory
     evaluated against itself, and a reference the run cannot take."""
     cfg = run.cfg
-    compares = cfg.objective.uses_reference and cfg.data.kind.held_out == "pairs"
+    compares = cfg.objective.uses_reference and cfg.data.kind.held_out in REFERENCE_HELD_OUT
     if reference is None:
         if compares and run.is_model:
             raise ConfigError(f"{target} is a model, not a run: objective.name={cfg.objective.name} scores it against "

@@ -118,6 +118,12 @@ class Evaluator:
                 scalars = {"loss": loss, **result.metrics}
                 said.append(f"validation loss {loss:.4f}, reward accuracy {record['reward_accuracy']:.1%}, margin "
                             f"{result.metrics['rewards/margins']:.3f}")
+            elif self.cfg.data.kind.held_out == "rewards":  # unpaired rows (KTO): the two labels' mean rewards apart
+                m = result.metrics
+                record["reward_margin"] = m["rewards/chosen"] - m["rewards/rejected"]
+                scalars = {"loss": loss, **m, "rewards/margins": record["reward_margin"]}
+                said.append(f"validation loss {loss:.4f}, rewards desirable {m['rewards/chosen']:.3f}, undesirable "
+                            f"{m['rewards/rejected']:.3f} (margin {record['reward_margin']:.3f}), kl {m['kl']:.3f}")
             else:
                 scalars = {"loss": loss, "perplexity": perplexity(loss), **result.metrics}
                 said.append(f"validation loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
@@ -234,12 +240,14 @@ class Evaluator:
             # Preference objectives: the share of held-out pairs whose chosen reply is rewarded more (their loss is
             # not a log-likelihood: no perplexity).
             rewards = any("reward_accuracy" in e for e in scored)
-            second = " reward accuracy |" if rewards else " perplexity |"
+            margins = any("reward_margin" in e for e in scored)
+            second = " reward accuracy |" if rewards else " reward margin |" if margins else " perplexity |"
             lines += ["| step | held-out loss |" + second + (" exact match |" if n else ""),
                       "|--:|--:|--:|" + ("--:|" if n else "")]
             for e in scored:
                 loss = "" if e["loss"] is None else (
                     f" {e['loss']:.4f} | {e['reward_accuracy']:.1%} |" if rewards
+                    else f" {e['loss']:.4f} | {e['reward_margin']:.3f} |" if margins
                     else f" {e['loss']:.4f} | {perplexity(e['loss']):.2f} |")
                 lines.append(f"| {e['step']} |" + (loss or " | |") + (f" {_score(e['exact_match'], n)} |" if n else ""))
             lines.append("")

@@ -43,6 +43,7 @@ bitwise reference check and the train steps are compiled as training compiles th
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import jax
@@ -456,3 +457,87 @@ def test_dpo_train_step_compiles_once(checkpoints, lora_native, lora):
                 assert float(m["count"]) == len(PAIRS)
     assert steps.compiles == 1
     assert losses[-1] < losses[0] - 1e-3, losses
+
+
+# ---------------------------------------------------------------------------------------------------- KTO
+# KTO (`jaxtune.train.objectives.kto`) vs TRL 1.16's KTOTrainer (a real trainer, its collator, ``compute_loss``,
+# ``_metrics``): unpaired rows of the same ids, each with its KL completion the previous row's (TRL's rotation by one
+# within the batch, as `jaxtune.data.unpaired` makes them). Loss, rewards/chosen, rewards/rejected, logps/chosen,
+# logps/rejected, kl and gradients: rel <= 1e-5 (kl: equal when TRL's clamp makes it 0).
+
+# (prompt, completion, label): 2 desirable, 2 undesirable, of different lengths
+UNPAIRED = [
+    ([BOS, 5, 9, 14], [22, 31, 2], True),
+    ([BOS, 7], [11, 12, 13, 14, 2], False),
+    ([BOS, 60, 61, 62, 63, 64], [70, 2], True),
+    ([BOS, 3, 4], [80, 81, 82, 2], False),
+]
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+
+
+def trl_kto(checkpoints, tokenizer, tmp_path, rows, **config) -> TRLResult:
+    from trl import KTOConfig, KTOTrainer
+
+    assert trl.__version__ == TRL_VERSION, f"these comparisons were written against TRL {TRL_VERSION}"
+    data = datasets.Dataset.from_dict({"prompt": ["w3 w4", "w5"], "completion": [" w5", " w6"],
+                                       "label": [True, False]})
+    args = KTOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+                     per_device_train_batch_size=len(rows), train_sampling_strategy="sequential", **config)
+    trainer = KTOTrainer(model=hf_model(checkpoints["policy"]), ref_model=hf_model(checkpoints["ref"]), args=args,
+                         train_dataset=data, processing_class=tokenizer)
+    trainer.model.train()
+    completions = [c for _, c, _ in rows]
+    kl = [completions[-1], *completions[:-1]]  # TRL's add_kl_completion_ids
+    batch = trainer.data_collator([{"prompt_ids": p, "completion_ids": c, "label": label, "KL_completion_ids": k}
+                                   for (p, c, label), k in zip(rows, kl)])
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    return TRLResult(loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, hf_grads(trainer.model))
+
+
+def unpaired_batch(rows) -> dict[str, np.ndarray]:
+    """``rows`` as the data pipeline lays them out: `UnpairedRows` items (2, T) (the row, its KL row) and labels."""
+    from jaxtune.data.unpaired import EncodedRow, UnpairedRows
+
+    encoded = [EncodedRow(Encoded(np.array(p + c, np.int32), np.array([0] * len(p) + [1] * len(c), bool)), len(p),
+                          label) for p, c, label in rows]
+    items = UnpairedRows.of(encoded, T, chunk=len(rows))
+    return {k: np.stack([items[i][k] for i in range(len(items))]) for k in items[0]}
+
+
+def ours_kto(native: Native, rows, **keys) -> Ours:
+    """KTO as the step runs it: `KTO.prepare` on the whole batch (the KL baseline, with the frozen copy as the
+    reference), then the loss and its gradients."""
+    cfg = ObjectiveConfig(name="kto", **keys)
+    objective = make_objective(cfg)
+    reference = step_reference(native.spec, cfg)
+    with sharding.use_mesh(MESH):
+        batch = sharding.global_batch(MESH, unpaired_batch(rows))
+        prepared = jax.jit(lambda b: objective.prepare(native.spec.forward(), native.policy, b,
+                                                       reference.bind(native.policy, (native.ref,))))(batch)
+    prepared = jax.device_get(prepared)
+    means = lambda metrics, count: {k: float(v[0]) / max(float(v[1]), 1.0) for k, v in metrics.items()}
+    return trl_reference.objective_result(native, objective, cfg, native.policy, prepared, means)
+
+
+@pytest.mark.parametrize("loss_type, keys, swapped", [
+    ("kto", {"beta": 0.1}, False),
+    ("kto", {"beta": 0.5, "desirable_weight": 1.3, "undesirable_weight": 0.7}, True),
+    ("apo_zero_unpaired", {"beta": 0.5}, False),
+])
+def test_kto_matches_trl_kto_trainer(checkpoints, tokenizer, native, tmp_path, loss_type, keys, swapped):
+    """Full fine-tuning, the reference a frozen copy: loss, metrics and gradients equal KTOTrainer's; the KL baseline
+    from each row's prompt with the previous row's completion. The perturbed policy scores the mismatched rows below
+    the reference (TRL clamps that KL to 0); with the two checkpoints' roles swapped (``swapped``) above it, so the
+    baseline is positive and enters every reward."""
+    if swapped:
+        checkpoints = {"policy": checkpoints["ref"], "ref": checkpoints["policy"]}
+        native = replace(native, policy=native.ref, ref=native.policy, compiled={})
+    theirs = trl_kto(checkpoints, tokenizer, tmp_path, UNPAIRED, loss_type=loss_type, **keys)
+    mine = ours_kto(native, UNPAIRED, loss_type=loss_type, **keys)
+    assert mine.count == len(UNPAIRED)
+    assert theirs.metrics["rewards/chosen"] != theirs.metrics["rewards/rejected"]
+    kl = theirs.metrics["kl"]
+    assert (kl > 1e-3) == (swapped and loss_type == "kto"), kl
+    assert mine.metrics["kl"] == pytest.approx(kl, rel=TOL, abs=0.0 if kl else 1e-12), (mine.metrics["kl"], kl)
+    trl_reference.assert_close(mine, theirs, KTO_METRICS, lambda k, a, b: rel(a[k], b[k]))

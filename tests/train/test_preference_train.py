@@ -102,6 +102,42 @@ def test_dpo_quickstart_as_the_readme_runs_it(quickstart_sft_model, tmp_path, da
     assert "--reference " in capsys.readouterr().err
 
 
+def test_kto_quickstart_as_its_header_runs_it(quickstart_sft_model, tmp_path, data_cache, capsys):
+    """kto-quickstart from the fine-tuning quickstart's export, shortened: the step compiles once per length; every
+    row logs KTO's metrics with TRL's names; at step 0 (policy == reference) the loss is exactly 1/2 and the rewards
+    0; the held-out rewards of desirable and undesirable rows then move apart (the margin rises), and report.md
+    tabulates the margin; `jaxtune eval` of the run reports the same metrics on a test file."""
+    from jaxtune.data.synthetic import arithmetic_unpaired
+
+    run = tmp_path / "kto"
+    fast = [f"data.cache_dir={data_cache}", *QUICK]
+    assert main(["train", "kto-quickstart", f"model.from_hf={quickstart_sft_model}", f"run_dir={run}",
+                 "train.steps=24", "optim.lr=1e-4", "eval.every=12", "eval.batches=4", "checkpoint.every=24",
+                 "logging.every=4", *fast]) == 0
+    out = capsys.readouterr().out
+    assert "unpaired preference data: 10000 rows ->" in out and "desirable" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step_compiles"] == len(summary["step_lengths"])
+    metrics = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl")
+    train_rows, eval_rows = metric_rows(run, "train"), metric_rows(run, "eval")
+    assert [r["step"] for r in eval_rows] == [0, 12, 24]
+    for row in train_rows + eval_rows:
+        assert set(metrics) <= set(row) and np.isfinite([row[k] for k in metrics]).all(), row
+    first, last = eval_rows[0], eval_rows[-1]
+    assert first["loss"] == 0.5 and first["rewards/chosen"] == first["rewards/rejected"] == first["kl"] == 0.0
+    assert last["rewards/margins"] > 0.05 and last["rewards/chosen"] > last["rewards/rejected"], last
+    assert "perplexity" not in last
+    report = (run / "report.md").read_text()
+    assert "| step | held-out loss | reward margin |" in report
+    assert f"| 24 | {last['loss']:.4f} | {last['rewards/margins']:.3f} |" in report
+
+    rows = write_jsonl(tmp_path / "test-rows.jsonl", itertools.islice(arithmetic_unpaired(seed=1), 24))
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(rows), f"data.cache_dir={data_cache}"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["rows"] == 24 and set(metrics) <= set(result) and "perplexity" not in result
+
+
 def test_precomputed_reference_equals_the_live_one_and_is_reused(pref, tmp_path):
     live = train(load_config(None, pref("train.steps=3", "eval.every=0", run="live")))
     cfg = load_config(None, pref("train.steps=3", "eval.every=0", "objective.precompute_ref_logps=true", run="pre"))

@@ -61,7 +61,8 @@ class DataConfig(Section):
                                        "completion; default: on for preference pairs (measured faster), off for "
                                        "GRPO groups (slower on CPU when completions outweigh the prompt), and off "
                                        "with model.backend=torchax")
-    max_prompt_length: int | None = Field(None, ge=1, description="preference pairs and GRPO prompts: a prompt of "
+    max_prompt_length: int | None = Field(None, ge=1, description="preference pairs, unpaired rows and GRPO prompts: "
+                                          "a prompt of "
                                           "more tokens keeps its last this many (TRL's left truncation), whatever "
                                           "data.overlong says; counted when training starts. Default: no limit "
                                           "but data.seq_len's")
@@ -93,9 +94,9 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _prompt_limit_applies(self) -> DataConfig:
-        if self.max_prompt_length is not None and not self.kind.shares_prompt:
-            takers = [f for k in BATCH_KINDS.values() if k.shares_prompt for f in k.formats]
-            raise ValueError(f"data.max_prompt_length applies to data.format={' or '.join(takers)} (rows whose prompt "
+        if self.max_prompt_length is not None and not self.kind.prompted:
+            takers = [f for k in BATCH_KINDS.values() if k.prompted for f in k.formats]
+            raise ValueError(f"data.max_prompt_length applies to data.format={', '.join(takers)} (rows whose prompt "
                              f"is apart from the completions), not {self.format}; a fine-tuning row's length is "
                              "data.seq_len")
         return self

@@ -30,7 +30,8 @@ BRANCH_KEY = "branch_ids"  # rows that share a prompt: 0 the prompt, k the k-th 
 SAMPLER_LOGPS_KEY = "sampler_logps"
 FLOAT_ROW_KEYS = ("loss_mask", SAMPLER_LOGPS_KEY)  # the row arrays that are float32 (the others are int32 ids)
 
-HeldOut = Literal["loss", "pairs", "answers"]
+HeldOut = Literal["loss", "pairs", "rewards", "answers"]
+REFERENCE_HELD_OUT = ("pairs", "rewards")  # held-out reports of the objective's loss and rewards (no perplexity)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class BatchKind:
     (B, 2, T) pairs, instead of being flattened to (B * sequences, T) rows. ``extra_keys(objective)``: float32 arrays
     shaped like the rows without T (``advantages`` (B * G,), precomputed ``ref_logps`` (B, 2)). ``held_out``: what an
     evaluation reports: ``loss`` (held-out loss and perplexity), ``pairs`` (the objective's loss and reward metrics
-    on held-out pairs, against a reference: never a perplexity) or ``answers`` (held-out prompts answered and scored
+    on held-out pairs, against a reference: never a perplexity), ``rewards`` (the same without pairs to rank: the
+    rewards of desirable and undesirable rows) or ``answers`` (held-out prompts answered and scored
     by the reward functions; there is no fixed text to score). ``generates``: the loop samples the completions
     itself before each step, from prompts of at most ``data.seq_len - max_completion_length`` tokens. ``buckets``:
     its rows are right-padded, so each batch is cut to a length bucket that holds its longest row
@@ -68,6 +70,7 @@ class BatchKind:
     unit: str = "tokens"  # what a held-out loss averages over (tokens with loss, pairs)
     shares_prompt: bool = False
     shares_prompt_by_default: bool = False  # where ``data.share_prompts`` is unset: measured faster (benchmarks/)
+    prompted: bool = False  # its rows keep the prompt apart from the completion (``data.max_prompt_length`` applies)
 
     def sequences_per_item(self, objective: Any) -> int:
         return objective.num_generations if self.sequences is None else self.sequences
@@ -103,14 +106,19 @@ ROWS = BatchKind(
 PAIRS = BatchKind(
     "pairs", ("preference",), "preference pairs: a prompt with a chosen and a rejected completion, one pair per "
     "item (never packed)", sequences=2, item_axis=True, held_out="pairs", unit="pairs", shares_prompt=True,
+    prompted=True,
     shares_prompt_by_default=True,
     extra_keys=lambda obj: ("ref_logps",) if obj.uses_reference and obj.precompute_ref_logps else ())
+UNPAIRED = BatchKind(
+    "unpaired", ("unpaired",), "unpaired preference rows: a prompt, one completion and whether it is desirable; "
+    "each item the row and its KL row (its prompt with another row's completion), never packed",
+    sequences=2, item_axis=True, held_out="rewards", unit="rows", extra_keys=lambda obj: ("labels",), prompted=True)
 PROMPTS = BatchKind(
     "prompts", ("prompts",), "prompts with their answer fields; the loop samples num_generations completions of each",
     row_keys=(*ROW_KEYS, SAMPLER_LOGPS_KEY), sequences=None, held_out="answers", generates=True,
-    extra_keys=lambda obj: ("advantages",), unit="prompts", shares_prompt=True)
+    extra_keys=lambda obj: ("advantages",), unit="prompts", shares_prompt=True, prompted=True)
 
-BATCH_KINDS: dict[str, BatchKind] = {k.name: k for k in (WINDOWS, ROWS, PAIRS, PROMPTS)}
+BATCH_KINDS: dict[str, BatchKind] = {k.name: k for k in (WINDOWS, ROWS, PAIRS, UNPAIRED, PROMPTS)}
 KIND_OF_FORMAT: dict[str, BatchKind] = {f: k for k in BATCH_KINDS.values() for f in k.formats}
 FORMATS = tuple(KIND_OF_FORMAT)  # data.format's values
 PRETOKENIZED_FORMAT = "tokens"  # the WINDOWS format whose sources are token ids already
@@ -167,6 +175,10 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
                   _GRPO_KEYS, loss_types=("dapo", "grpo", "dr_grpo"), default_beta=0.0, reference="when_beta",
                   passes_key="num_iterations"),
+    ObjectiveKind("kto", (UNPAIRED,), "KTO: unpaired desirable and undesirable completions against a frozen "
+                  "reference, each reward measured from a KL baseline estimated on mismatched rows (TRL's KTOTrainer)",
+                  frozenset({"beta", "loss_type", "desirable_weight", "undesirable_weight"}),
+                  loss_types=("kto", "apo_zero_unpaired"), default_beta=0.1, reference="always"),
     ObjectiveKind("rloo", (PROMPTS,), "REINFORCE leave-one-out on sampled completions scored by rewards: each "
                   "completion's baseline the mean reward of its group's others, the KL to the reference in the reward, "
                   "a clipped ratio per sequence (TRL's RLOOTrainer)", _RLOO_KEYS, default_beta=0.05,
@@ -216,6 +228,9 @@ class ObjectiveConfig(Section):
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="dpo (sigmoid, robust, exo_pair, aot, "
                                    "aot_unpaired) and simpo: the assumed share of flipped labels (conservative DPO); "
                                    "exo_pair needs it > 0 (the EXO paper: 1e-3)")
+    desirable_weight: float = Field(1.0, gt=0, description="kto: the loss weight of desirable rows (label true)")
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: the loss weight of undesirable rows (label "
+                                      "false)")
     discopop_tau: float = Field(0.05, gt=0, description="dpo discopop: the temperature of its logistic / exponential "
                                 "mix (TRL's default)")
     gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (TRL's simpo_gamma)")

@@ -77,6 +77,19 @@ class Pair:
 
 
 @dataclass(frozen=True)
+class Labelled:
+    """An unpaired preference row understood (KTO's): one completion of a prompt (``example``: messages, the first
+    ``prompt_turns`` the prompt; or prompt and completion text) and whether it is desirable (``label``)."""
+
+    example: Example
+    label: bool
+    prompt_turns: int = 0
+
+    def texts(self) -> list[str]:
+        return self.example.texts()
+
+
+@dataclass(frozen=True)
 class Prompt:
     """A prompts row understood: the prompt as ``messages`` ending with a user turn, or as raw ``text``; and the row's
     other ``fields`` as they were (``answer``...), with ``reference`` the content of the assistant turn that ended a
@@ -105,7 +118,7 @@ class Format:
     name: str
     fields: dict[str, str]
     detect_key: str
-    parse: Callable[[dict, dict[str, str], DataConfig], Example | Pair | Prompt]
+    parse: Callable[[dict, dict[str, str], DataConfig], Example | Pair | Prompt | Labelled]
     reasons: tuple[str, ...]
     chat: bool = True
     detect_last: bool = False
@@ -137,8 +150,10 @@ def _string(record: dict, key: str, name: str, required: bool = True) -> str:
 
 def _prompt_completion(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Example:
     if isinstance(record.get("label"), bool):  # fine-tuning on it would train on the disliked completions too
-        raise BadRow("wrong_format", _UNPAIRED + "; to fine-tune on the liked completions alone, keep the rows "
-                     "labelled true and drop their 'label' field")
+        raise BadRow("wrong_format", f"this row is {FORMATS['unpaired'].row_noun} (data.format=unpaired, for "
+                     "objective.name=kto): fine-tuning on it would train on the disliked completions too; train it "
+                     "with data.format=unpaired objective.name=kto, or keep the rows labelled true and drop their "
+                     "'label' field")
     prompt, completion = _string(record, fields["prompt"], "prompt"), _string(record, fields["completion"],
                                                                              "completion")
     if not completion.strip():
@@ -263,6 +278,32 @@ def _preference(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> P
                 Example(messages=tuple(prompt_msgs + rejected_msgs)), len(prompt_msgs))
 
 
+def _unpaired(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Labelled:
+    """A row in TRL's unpaired preference forms (``prompt``, ``completion``, a boolean ``label``: text, or messages
+    whose prompt ends with a user turn and whose completion is the assistant's) as a `Labelled`."""
+    label = record.get(fields["label"])
+    if label is None:
+        raise BadRow("missing_field", f"no {fields['label']!r} field (found {sorted(record)})")
+    if not isinstance(label, bool):
+        raise BadRow("bad_type", f"{fields['label']!r} is {label!r}; it must be true (a desirable completion) or "
+                     "false (an undesirable one)")
+    completion = record.get(fields["completion"])
+    if isinstance(completion, list):
+        roles = {r: r for r in ROLES}
+        prompt_msgs = _prompt_turns(record.get(fields["prompt"]), fields, roles,
+                                    "a non-empty list of messages when the completion is")
+        reply = _turns(completion, fields, roles, what=f"{fields['completion']!r} message")
+        if not reply:
+            raise BadRow("empty_content", "the completion has no message")
+        _check_order([m["role"] for m in (*prompt_msgs, *reply)])
+        return Labelled(Example(messages=tuple(prompt_msgs + reply)), label, len(prompt_msgs))
+    prompt = _string(record, fields["prompt"], "prompt")
+    text = _string(record, fields["completion"], "completion")
+    if not text.strip():
+        raise BadRow("empty_content", "the completion is empty")
+    return Labelled(Example(prompt=prompt, completion=text), label)
+
+
 def _prompts(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Prompt:
     """A row in one of TRL's prompt forms (the module docstring) as a `Prompt`."""
     roles = {r: r for r in ROLES}
@@ -325,6 +366,10 @@ for _format in (
                           "content": "content"}, "chosen", _preference, (*_CONVERSATION_REASONS, "identical",
                                                                           "prompt_mismatch"),
            noun="a preference pair {prompt, chosen, rejected}", keys=("chosen", "rejected")),
+    # Before prompt_completion: its rows hold a completion too.
+    Format("unpaired", {"prompt": "prompt", "completion": "completion", "label": "label", "role": "role",
+                        "content": "content"}, "label", _unpaired, _CONVERSATION_REASONS,
+           noun="an unpaired preference row {prompt, completion, label}"),
     Format("prompt_completion", {"prompt": "prompt", "completion": "completion"}, "completion", _prompt_completion,
            (*_FIELD_REASONS, "wrong_format"), chat=False, noun="a prompt/completion row"),
     # Last: a preference or a prompt/completion row holds a prompt too (a prompts row given as messages ending with
@@ -348,7 +393,7 @@ def field_names(data_cfg: DataConfig) -> dict[str, str]:
     return {**defaults, **data_cfg.fields}
 
 
-def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Example | Pair | Prompt:
+def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Example | Pair | Prompt | Labelled:
     """A row as an `Example` (a `Pair`, a `Prompt`) of ``data.format``, or `BadRow` saying why it is not one;
     ``fields``: `field_names`."""
     if isinstance(record, BadRow):
@@ -364,10 +409,6 @@ def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Exam
         if other is None:
             raise
         raise BadRow("wrong_format", other) from None
-
-
-_UNPAIRED = ("this row is an unpaired preference row (prompt, completion, a true/false label: TRL's KTO form), "
-             "which no objective here trains on")
 
 
 def _takers(fmt: str) -> list[str]:
@@ -390,9 +431,6 @@ def looks_like(record: dict, data_format: str) -> str | None:
                 if f.name != data_format and f.detect_key in record), None)
     if fmt is None or FORMATS[data_format].own_keys & record.keys():  # like none, or this format's, a field lost
         return None
-    if fmt.name == "prompt_completion" and isinstance(record.get("label"), bool):
-        return f"{_UNPAIRED}, but {wanted}; pair a liked and a disliked completion of one prompt as " \
-            "{prompt, chosen, rejected} for objective.name=dpo"
     takers = _takers(fmt.name)
     return (f"this row is {fmt.row_noun} (data.format={fmt.name}{_for(takers)}), but {wanted}; give rows of that "
             f"shape, or train on these with data.format={fmt.name}" + (f" objective.name={takers[0]}" if takers else ""))

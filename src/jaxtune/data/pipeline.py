@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import grain
 import numpy as np
 
-from jaxtune.config import PAIRS, PROMPTS, ROWS, WINDOWS, BatchKind, DataConfig
+from jaxtune.config import PAIRS, PROMPTS, ROWS, UNPAIRED, WINDOWS, BatchKind, DataConfig
 from jaxtune.data.chat import resolve_chat_template
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import Example
@@ -36,6 +36,7 @@ from jaxtune.data.row_policy import completion_settings
 from jaxtune.data.sft import SFTStats, load_examples, prepare_sft, sequences
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
+from jaxtune.data.unpaired import UnpairedRows, UnpairedStats, load_unpaired, prepare_unpaired
 
 Batch = dict[str, np.ndarray]  # {"inputs": int32 (B, T), "targets": int32 (B, T)}
 
@@ -252,6 +253,12 @@ def _pairs(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: in
                         batching)
 
 
+def _unpaired(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: int | None) -> TrainingData:
+    rows = prepare_unpaired(data_cfg, tokenizer, batching.batch_size)
+    return TrainingData(batching.train(rows.train), batching.held_out(rows.val),
+                        rows.stats.lines() + batching.notes(rows.train, rows.val, "rows"), rows.held_out)
+
+
 def _prompts(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching,
              max_prompt_tokens: int | None) -> TrainingData:
     if max_prompt_tokens is None:
@@ -298,6 +305,15 @@ def _test_pairs(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[
     return PairRows.of(pairs, test_cfg.seq_len, test_cfg.shares_prompts), _what_was_read(data, "pairs", "pairs", len(pairs), stats)
 
 
+def _test_unpaired(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
+    completion_settings(test_cfg, tokenizer)
+    stats = UnpairedStats()
+    rows = load_unpaired(test_cfg.sources, test_cfg, tokenizer, stats)
+    # one chunk: each row's KL completion is the row's before it in the file (the first row's, the last row's)
+    return UnpairedRows.of(rows, test_cfg.seq_len, max(1, len(rows))), _what_was_read(data, "rows", "rows", len(rows),
+                                                                                     stats)
+
+
 def _what_was_read(data: str, unit: str, key: str, count: int, stats: Any) -> dict[str, Any]:
     """What `test_sequences` read (rows, ``key``: the ``count`` usable, dropped per reason); an error without any."""
     if not count:
@@ -319,6 +335,7 @@ PIPELINES: dict[BatchKind, KindPipeline] = {
     WINDOWS: KindPipeline(_windows, _test_windows),
     ROWS: KindPipeline(_rows, _test_rows),
     PAIRS: KindPipeline(_pairs, _test_pairs),
+    UNPAIRED: KindPipeline(_unpaired, _test_unpaired),
     PROMPTS: KindPipeline(_prompts, None),
 }
 

@@ -23,6 +23,9 @@ half-trained model makes. A sum with a carry has the carry forgotten::
 and a sum without one has one digit wrong by one, in the ones or the tens (which, and which way, seeded), its working
 agreeing with it ("3+5=8, 2+4=7, so 78." for 23 plus 45): never the right answer.
 
+``synthetic:arithmetic-unpaired`` (generated): the same pairs unpaired (``data.format: unpaired``, TRL's KTO form):
+each sum asked once, its worked answer labelled true on even rows and its slip labelled false on odd ones.
+
 ``synthetic:arithmetic-prompts`` (generated): the same 10,000 sums in the same order and phrasings, as prompts with
 their answer (``data.format: prompts``, TRL's conversational form), for RL with a verifiable reward (``grpo`` with
 the ``exact_number`` reward on ``answer``)::
@@ -91,6 +94,14 @@ def arithmetic_preferences(seed: int = 0) -> Iterator[dict]:
                "rejected": [{"role": "assistant", "content": wrong_sum(a, b, slips)}]}
 
 
+def arithmetic_unpaired(seed: int = 0) -> Iterator[dict]:
+    """The preference pairs unpaired, as KTO's thumbs-up / thumbs-down rows: a sum's worked answer (label true) and,
+    alternately, on odd sums, its slip (label false) in place of it, so each sum is asked once."""
+    for k, row in enumerate(arithmetic_preferences(seed)):
+        wanted = k % 2 == 0
+        yield {"prompt": row["prompt"], "completion": row["chosen" if wanted else "rejected"], "label": wanted}
+
+
 def arithmetic_prompts(seed: int = 0) -> Iterator[dict]:
     for a, b, question in _sums(seed):
         yield {"prompt": [{"role": "user", "content": question}], "answer": str(a + b)}
@@ -103,7 +114,8 @@ def chat_small() -> Iterator[dict]:
 
 
 GENERATORS = {"arithmetic": arithmetic, "arithmetic-preferences": arithmetic_preferences,
-              "arithmetic-prompts": arithmetic_prompts, "chat-small": chat_small}
+              "arithmetic-unpaired": arithmetic_unpaired, "arithmetic-prompts": arithmetic_prompts,
+              "chat-small": chat_small}
 # The data.format of each generator's rows.
-GENERATOR_FORMATS = {"arithmetic": "messages", "arithmetic-preferences": "preference", "arithmetic-prompts": "prompts",
-                     "chat-small": "messages"}
+GENERATOR_FORMATS = {"arithmetic": "messages", "arithmetic-preferences": "preference",
+                     "arithmetic-unpaired": "unpaired", "arithmetic-prompts": "prompts", "chat-small": "messages"}

@@ -1,0 +1,105 @@
+"""Unpaired preference rows (`jaxtune.data.unpaired`, ``data.format: unpaired``, TRL's KTO data): both of TRL's forms
+(text and messages) read and encoded as a preference pair's sequences are, the loss on the completion only; the bad
+rows named; each item its row and its KL row (its prompt, then the previous row's completion in its chunk of a batch),
+as TRL's ``add_kl_completion_ids`` pairs them; prompts cut to data.max_prompt_length; the labels as 1.0 / 0.0."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from helpers.rows import A, U, build_chat_tokenizers, chatml_cfg, fresh, m, write_jsonl
+
+from jaxtune.data import DataError
+from jaxtune.data.formats import detect_format
+from jaxtune.data.row_policy import completion_settings
+from jaxtune.data.synthetic import arithmetic_unpaired
+from jaxtune.data.unpaired import UnpairedRows, UnpairedStats, load_unpaired, prepare_unpaired
+
+IM_END = "<|im_end|>"
+ROWS = [
+    {"prompt": [m(U, "What is 2 plus 2?")], "completion": [m(A, "4")], "label": True},
+    {"prompt": [m(U, "Say hi.")], "completion": [m(A, "Goodbye, then.")], "label": False},
+    {"prompt": "Text prompt:", "completion": " text reply", "label": True},
+    {"prompt": [m(U, "Name a colour.")], "completion": [m(A, "Blue")], "label": False},
+]
+
+
+@pytest.fixture(scope="module")
+def tok_dirs(tmp_path_factory):
+    return build_chat_tokenizers(tmp_path_factory.mktemp("tokenizers"))
+
+
+@pytest.fixture
+def tok(tok_dirs):
+    return fresh(tok_dirs)
+
+
+def load(tok, data_cfg, stats=None):
+    completion_settings(data_cfg, tok)
+    return load_unpaired(data_cfg.sources, data_cfg, tok, stats if stats is not None else UnpairedStats())
+
+
+def test_rows_of_both_forms_encode_with_the_loss_on_the_completion(tok, tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    assert detect_format(str(path)) == "unpaired"
+    rows = load(tok, chatml_cfg("unpaired", sources=[str(path)]))
+    assert [r.label for r in rows] == [True, False, True, False]
+    trained = [tok.decode(r.sequence.ids[r.sequence.mask].tolist()) for r in rows]
+    assert trained == [f"4{IM_END}", f"Goodbye, then.{IM_END}", " text reply" + tok.decode([tok.eos_id]),
+                       f"Blue{IM_END}"]
+    for r in rows:  # the prompt ends where the loss starts
+        assert r.prompt == int(np.argmax(r.sequence.mask)) and not r.sequence.mask[:r.prompt].any()
+
+
+def test_each_item_holds_its_row_and_its_kl_row_from_the_previous_rows_completion(tok, tmp_path):
+    """Chunks of 2 rows (a batch of 2): row 0's KL sequence is its prompt with row 1's completion, row 1's its prompt
+    with row 0's; rows 2 and 3 likewise between them (TRL's rotation by one within a batch)."""
+    rows = load(tok, chatml_cfg("unpaired", sources=[str(write_jsonl(tmp_path / "rows.jsonl", ROWS))]))
+    items = UnpairedRows.of(rows, 64, chunk=2)
+    assert len(items) == 4
+    for i, other in enumerate([1, 0, 3, 2]):
+        item, own, prev = items[i], rows[i], rows[other]
+        assert item["inputs"].shape == (2, 64) and item["labels"].tolist() == [float(own.label)] * 2
+        n = len(own.sequence.ids) - 1
+        assert item["inputs"][0, :n].tolist() == own.sequence.ids[:-1].tolist()
+        kl = np.concatenate([own.sequence.ids[:own.prompt], prev.sequence.ids[prev.prompt:]])
+        k = len(kl) - 1
+        assert item["inputs"][1, :k].tolist() == kl[:-1].tolist() and item["targets"][1, :k].tolist() == kl[1:].tolist()
+        mask = np.concatenate([np.zeros(own.prompt, bool), prev.sequence.mask[prev.prompt:]])
+        assert item["loss_mask"][1, :k].tolist() == mask[1:].astype(np.float32).tolist()
+        assert not item["loss_mask"][:, max(n, k):].any()
+
+
+@pytest.mark.parametrize("row, reason, says", [
+    ({"prompt": "p", "completion": "c", "label": "yes"}, "bad_type", "'label' is 'yes'; it must be true"),
+    ({"prompt": "p", "completion": " ", "label": True}, "empty_content", "the completion is empty"),
+    ({"prompt": [m(A, "x")], "completion": [m(A, "y")], "label": True}, "role_order",
+     "the prompt's last turn is 'assistant', not 'user'"),
+    ({"prompt": "p", "label": True}, "missing_field", "no 'completion' field"),
+])
+def test_bad_rows_are_named(tok, tmp_path, row, reason, says):
+    path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], row])
+    with pytest.raises(DataError, match=rf"bad.jsonl:2: .*{says}"):
+        load(tok, chatml_cfg("unpaired", sources=[str(path)]))
+    stats = UnpairedStats()
+    assert len(load(tok, chatml_cfg("unpaired", sources=[str(path)], bad_rows="drop"), stats)) == 1
+    assert stats.dropped == Counter({reason: 1})
+
+
+def test_max_prompt_length_and_the_synthetic_rows(tok, tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    whole = load(tok, chatml_cfg("unpaired", sources=[str(path)]))
+    stats = UnpairedStats()
+    cut = load(tok, chatml_cfg("unpaired", sources=[str(path)], max_prompt_length=4), stats)
+    assert stats.prompts_cut == sum(r.prompt > 4 for r in whole) > 0
+    for a, b in zip(whole, cut):
+        assert b.prompt == min(a.prompt, 4)
+        assert b.sequence.ids.tolist() == a.sequence.ids[a.prompt - b.prompt:].tolist()
+    data = prepare_unpaired(chatml_cfg("unpaired", sources=["synthetic:arithmetic-unpaired"], val_fraction=0.05),
+                            tok, batch_size=8)
+    assert data.stats.train_rows + data.stats.val_rows == 10_000
+    assert abs(data.stats.desirable - data.stats.train_rows / 2) < 0.05 * data.stats.train_rows
+    first = next(arithmetic_unpaired())
+    assert first["label"] is True and first["completion"][0]["role"] == "assistant"
