@@ -153,7 +153,7 @@ def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
     loss = objective_loss(objective, forward, spec.weights, reference)
     passes = objective.passes
     prepare = None
-    if passes > 1 or objective.prepares:
+    if passes > 1 or getattr(objective, "prepares", False):  # an objective written before `prepares` has none
         def prepare(params, batch, frozen):
             model_frozen = frozen if reference is None else reference.model_frozen(frozen)
             ref = None if reference is None else reference.bind(params, frozen)
