@@ -239,10 +239,12 @@ def test_grpo_sampler_memory_grows_with_the_group_and_the_completion_length():
     buffers the compiled decode loop carries are the shapes computed by hand, doubling with num_generations (4 -> 8)
     and with the cache bucket that a longer completion needs (24 -> 56 new tokens: 64 -> 128 positions). (At this
     size the cache is on chip, so XLA's HBM numbers do not show it; a real model's is in HBM.)"""
+    from jaxtune.aot.sampler import compile_sampler
+
     base = [*GRPO, "data.max_prompt_length=16"]
-    plans = {(g, m): aot.plan(load_config(None, [*base, f"objective.num_generations={g}",
-                                                 f"objective.max_completion_length={m}"]), "v5e-8")["sampler"]
-             for g, m in ((4, 24), (8, 24), (4, 56))}
+    plans = {(g, m): compile_sampler(aot.program(load_config(None, [*base, f"objective.num_generations={g}",
+                                                                    f"objective.max_completion_length={m}"]), "v5e-8"))
+             for g, m in ((4, 24), (8, 24), (4, 56))}  # the sampler alone (no train step compiled)
     per_position = 2 * 2 * 2 * 16 * 2  # K and V x 2 layers x 2 KV heads x head dim 16, bfloat16 in the program
     for (g, m), sp in plans.items():
         cache = 64 if m == 24 else 128
