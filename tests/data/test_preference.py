@@ -20,7 +20,6 @@ from helpers.rows import (
     assert_bad_row_message,
     assert_first_bad_line_named,
     bad_rows_file,
-    build_chat_tokenizers,
     chatml_cfg,
     fresh,
     m,
@@ -40,16 +39,6 @@ from jaxtune.data.sft import question
 from jaxtune.data.synthetic import arithmetic, arithmetic_preferences, worked_sum
 
 IM_END = "<|im_end|>"
-
-
-@pytest.fixture(scope="module")
-def tok_dirs(tmp_path_factory):
-    return build_chat_tokenizers(tmp_path_factory.mktemp("tokenizers"))
-
-
-@pytest.fixture
-def tok(tok_dirs):
-    return fresh(tok_dirs)
 
 
 def cfg(**kw) -> DataConfig:

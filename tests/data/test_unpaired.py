@@ -9,7 +9,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers.rows import A, U, build_chat_tokenizers, chatml_cfg, fresh, m, write_jsonl
+from helpers.rows import A, U, chatml_cfg, m, write_jsonl
 
 from jaxtune.data import DataError
 from jaxtune.data.formats import detect_format
@@ -24,16 +24,6 @@ ROWS = [
     {"prompt": "Text prompt:", "completion": " text reply", "label": True},
     {"prompt": [m(U, "Name a colour.")], "completion": [m(A, "Blue")], "label": False},
 ]
-
-
-@pytest.fixture(scope="module")
-def tok_dirs(tmp_path_factory):
-    return build_chat_tokenizers(tmp_path_factory.mktemp("tokenizers"))
-
-
-@pytest.fixture
-def tok(tok_dirs):
-    return fresh(tok_dirs)
 
 
 def load(tok, data_cfg, stats=None):
