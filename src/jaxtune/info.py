@@ -51,7 +51,7 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
     params_b = trained_b + _bytes_per_device(spec.frozen_abstract)
     opt_b = _bytes_per_device(spec.abstract.opt_state)
     # sequences a step trains on per item of the batch: a preference pair 2, a GRPO prompt its completions
-    per_item = cfg.data.kind.sequences_per_item(cfg.objective)
+    per_item = cfg.data.kind.trained_per_item(cfg.objective)
     seq, batch = cfg.data.seq_len, cfg.train.batch_size * per_item // cfg.train.micro_batches
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = max(batch // dp, 1)

@@ -21,7 +21,7 @@ def roofline(p: Program, compiled: dict[str, Any]) -> dict[str, Any]:
              "ICI": hlo.ici_bytes / chip.ici_axis_bw}
     bound = max(times, key=times.get)
     step = times[bound]
-    tokens = b * p.sequences * p.cfg.data.seq_len  # a pair is 2 sequences, a GRPO prompt num_generations
+    tokens = b * p.trained * p.cfg.data.seq_len  # a pair trains 2 sequences, a GRPO prompt num_generations
     model_flops = p.steps.spec.model_cfg.flops_per_token(p.cfg.data.seq_len) * tokens
     return {"seconds": times, "step_seconds": step, "bound": bound, "model_flops": model_flops,
             "mfu": model_flops / (p.slice.chips * step * chip.peak_flops) if step else None,

@@ -56,6 +56,11 @@ class Program:
         return self.cfg.data.kind.sequences_per_item(self.cfg.objective)
 
     @property
+    def trained(self) -> int:
+        """Of those, the sequences the step trains on (KTO's KL row only runs forward: not counted)."""
+        return self.cfg.data.kind.trained_per_item(self.cfg.objective)
+
+    @property
     def batch_unit(self) -> int:
         """Global batch sizes must be multiples of this: each micro-batch spread evenly over the data axes."""
         return self.data_parallel * self.cfg.train.micro_batches

@@ -71,6 +71,11 @@ class BatchKind:
     shares_prompt: bool = False
     shares_prompt_by_default: bool = False  # where ``data.share_prompts`` is unset: measured faster (benchmarks/)
     prompted: bool = False  # its rows keep the prompt apart from the completion (``data.max_prompt_length`` applies)
+    scored_only: int = 0  # sequences per item that only run forward, without gradient (KTO's KL row)
+
+    def trained_per_item(self, objective: Any) -> int:
+        """Sequences per item the step trains on (what model FLOPs and tokens/s count)."""
+        return self.sequences_per_item(objective) - self.scored_only
 
     def sequences_per_item(self, objective: Any) -> int:
         return objective.num_generations if self.sequences is None else self.sequences
@@ -112,7 +117,8 @@ PAIRS = BatchKind(
 UNPAIRED = BatchKind(
     "unpaired", ("unpaired",), "unpaired preference rows: a prompt, one completion and whether it is desirable; "
     "each item the row and its KL row (its prompt with another row's completion), never packed",
-    sequences=2, item_axis=True, held_out="rewards", unit="rows", extra_keys=lambda obj: ("labels",), prompted=True)
+    sequences=2, item_axis=True, held_out="rewards", unit="rows", extra_keys=lambda obj: ("labels",), prompted=True,
+    scored_only=1)
 PROMPTS = BatchKind(
     "prompts", ("prompts",), "prompts with their answer fields; the loop samples num_generations completions of each",
     row_keys=(*ROW_KEYS, SAMPLER_LOGPS_KEY), sequences=None, held_out="answers", generates=True,
