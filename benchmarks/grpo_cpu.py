@@ -1,4 +1,5 @@
-"""CPU GRPO step throughput: jaxtune's rollout + GRPO train step vs TRL's ``GRPOTrainer`` (transformers generate), on
+"""CPU GRPO (or RLOO: ``--objective rloo``, against ``RLOOTrainer``) step throughput: jaxtune's rollout + GRPO train step
+vs TRL's ``GRPOTrainer`` (transformers generate), on
 the same model, prompts, group size and reward.
 
 One random ``LlamaForCausalLM`` (fp32, seeded, untied head) is written with ``save_pretrained`` into a temp dir with
@@ -196,15 +197,17 @@ def trl_impl(directory: str, a: argparse.Namespace, beta: float, out_dir: str, p
              per_step: int) -> tuple[dict, dict]:
     """A GRPOTrainer over the saved model and tokenizer, its optimizer and scheduler created as ``train()`` would,
     generation and the reward timed from inside."""
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     n = per_step * a.num_generations
-    args = GRPOConfig(output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False,
-                      per_device_train_batch_size=n, num_generations=a.num_generations,
-                      max_completion_length=a.max_completion_length, steps_per_generation=1, num_iterations=1,
-                      temperature=1.0, beta=beta, loss_type="dapo", learning_rate=a.lr, lr_scheduler_type="constant",
-                      weight_decay=0.0, max_grad_norm=1.0, save_strategy="no", disable_tqdm=True, logging_steps=10**6)
+    Config, Trainer = (RLOOConfig, RLOOTrainer) if a.objective == "rloo" else (GRPOConfig, GRPOTrainer)
+    loss = {} if a.objective == "rloo" else {"loss_type": "dapo"}
+    args = Config(output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False,
+                  per_device_train_batch_size=n, num_generations=a.num_generations,
+                  max_completion_length=a.max_completion_length, steps_per_generation=1, num_iterations=1,
+                  temperature=1.0, beta=beta, learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0,
+                  max_grad_norm=1.0, save_strategy="no", disable_tqdm=True, logging_steps=10**6, **loss)
     clock = {"generation": 0.0, "rewards": 0.0, "tokens": 0, "stopped": 0, "prepare": 0.0}
 
     def reward(prompts, completions, **kwargs):
@@ -220,8 +223,8 @@ def trl_impl(directory: str, a: argparse.Namespace, beta: float, out_dir: str, p
     if a.lora:  # PEFT's LoRA on the same projections as jaxtune's default targets; TRL's reference: adapters off
         from peft import LoraConfig
         peft_config = LoraConfig(r=a.lora, lora_alpha=2 * a.lora, lora_dropout=0.0, target_modules=LORA_MODULES)
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=data,
-                          processing_class=tokenizer, peft_config=peft_config)
+    trainer = Trainer(model=model, reward_funcs=[reward], args=args, train_dataset=data, processing_class=tokenizer,
+                      peft_config=peft_config)
     trainer.create_optimizer_and_scheduler(num_training_steps=10**6)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer._run_epoch before each step
     if not a.lora and (trainer.ref_model is not None) != (beta > 0):
@@ -231,11 +234,12 @@ def trl_impl(directory: str, a: argparse.Namespace, beta: float, out_dir: str, p
 
     def timed_generate(*args, **kwargs):
         t0 = time.perf_counter()
-        completion_ids, logprobs = generate(*args, **kwargs)
+        out = generate(*args, **kwargs)  # GRPOTrainer's: (ids, logprobs); RLOOTrainer's: the ids
         clock["generation"] = time.perf_counter() - t0
+        completion_ids = out[0] if isinstance(out, tuple) else out
         clock["tokens"] = sum(len(c) for c in completion_ids)
         clock["stopped"] = sum(len(c) < a.max_completion_length for c in completion_ids)
-        return completion_ids, logprobs
+        return out
 
     prepare = trainer._prepare_inputs
 
@@ -281,6 +285,8 @@ def main(argv=None) -> dict:
     h.add_round_args(ap, rounds=4)
     h.add_common_args(ap, prompts=4, num_generations=8, max_completion_length=64, min_prompt=16, max_prompt=32,
                       layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=2048)
+    ap.add_argument("--objective", choices=["grpo", "rloo"], default="grpo",
+                    help="grpo (dapo loss) against TRL's GRPOTrainer, or rloo against its RLOOTrainer")
     ap.add_argument("--beta", type=float, nargs="+", default=[0.0],
                     help="KL weights, one setup each (0: no reference model)")
     ap.add_argument("--lr", type=float, default=1e-6)
@@ -304,7 +310,8 @@ def main(argv=None) -> dict:
     tmp = tempfile.TemporaryDirectory()
     model_dir = os.path.join(tmp.name, "model")
     n_params = write_hf_model(model_dir, args)
-    base = [f"model.from_hf={model_dir}", "objective.name=grpo", "objective.loss_type=dapo",
+    base = [f"model.from_hf={model_dir}", f"objective.name={args.objective}",
+            *(["objective.loss_type=dapo"] if args.objective == "grpo" else []),
             f"objective.num_generations={args.num_generations}",
             f"objective.max_completion_length={args.max_completion_length}", "objective.temperature=1.0",
             "objective.rewards=[{name: 'grpo_cpu:sevens'}]", "data.format=prompts", "data.sources=[prompts.jsonl]",
@@ -319,7 +326,7 @@ def main(argv=None) -> dict:
     setup_s: dict[str, float] = {}
     torch.manual_seed(0)  # TRL's sampling
     for beta in args.beta:
-        setup = f"beta {beta:g}" + (f", LoRA r{args.lora}" if args.lora else "")
+        setup = f"{args.objective}, beta {beta:g}" + (f", LoRA r{args.lora}" if args.lora else "")
         cfg = load_config(None, base + [f"objective.beta={beta}"])
         jname, tname = f"jaxtune {setup} (jax.jit)", f"TRL {setup} (eager)"
         impls[jname], js = jaxtune_impl(cfg, prompts, args.prompts)
@@ -377,9 +384,9 @@ def main(argv=None) -> dict:
     print(f"Llama (random, fp32, untied head, EOS biased out): {args.layers} layers, hidden {args.d_model}, "
           f"{args.heads} heads ({args.kv_heads} kv), intermediate {args.d_ff}, vocab {args.vocab}, "
           f"{n_params / 1e6:.2f}M params; transformers attention {args.attn}")
-    print(f"GRPO: {args.prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens x {args.num_generations} "
+    print(f"{args.objective.upper()}: {args.prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens x {args.num_generations} "
           f"generations = {completions} completions of {args.max_completion_length} tokens per step, temperature 1.0; "
-          f"dapo, epsilon 0.2, one pass; jaxtune rows (N, {seq_len}); AdamW lr {args.lr:g} betas (0.9, 0.999) eps 1e-8 "
+          f"{'dapo, ' if args.objective == 'grpo' else 'per-sequence ratio, '}epsilon 0.2, one pass; jaxtune rows (N, {seq_len}); AdamW lr {args.lr:g} betas (0.9, 0.999) eps 1e-8 "
           f"wd 0, constant lr, clip 1.0; reward: count of '7' in the text")
     print(f"threads: XLA {threads} / torch {torch.get_num_threads()} (OMP_WAIT_POLICY {omp_wait}); malloc tuning "
           f"{'on' if args.malloc_arena else 'off'}; first step + {args.warmup} warm-up round(s) + {args.rounds} timed "
