@@ -168,7 +168,8 @@ def main(argv=None) -> dict:
     print(f"command: {command}")
     print(f"Llama (random, fp32, untied head): {args.layers} layers, hidden {args.d_model}, {n_params / 1e6:.2f}M "
           f"params; KTO beta {args.beta}, {args.batch} rows x T {args.seq} (+ their KL rows), full fine-tuning, a "
-          f"frozen copy as the reference; threads {threads}; {args.rounds} timed rounds of {args.steps} step(s)")
+          f"frozen copy as the reference; threads {threads}; {args.rounds} timed rounds of {args.steps} step(s) "
+          f"({run['seconds']:.0f} s; load average {run['load_before'][0]:.2f} -> {run['load_after'][0]:.2f})")
     print(f"check: step-1 loss {j1:.7f} (jaxtune) / {t1:.7f} (TRL), step-2 loss {j2:.7f} / {t2:.7f}: "
           f"{'agree' if ok else 'DISAGREE'}")
     h.print_header(["implementation", "ms/step (median)", "min", "CPU ms/step"])
@@ -178,6 +179,7 @@ def main(argv=None) -> dict:
     print(f"ratio (TRL ms / jaxtune ms): **{t['ms_per_step'] / j['ms_per_step']:.2f}x** (best step "
           f"{t['ms_per_step_min'] / j['ms_per_step_min']:.2f}x)")
     result = record | {"machine_lscpu": machine, "command": command, "rows": list(rows.values()),
+                       "loadavg_before_after": [run["load_before"], run["load_after"]],
                        "losses": {"jaxtune": [j1, j2], "trl": [t1, t2]}, "config": vars(args) | {"params": n_params}}
     h.save_json(args.json, result)
     if not ok:
