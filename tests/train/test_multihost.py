@@ -31,7 +31,7 @@ WORKER = textwrap.dedent(
     assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())
     with open(sys.argv[1], "w") as f:
         json.dump({"losses": result.losses, "process": jax.process_index(), "compiles": result.step_compiles,
-                   "step": result.step, "preempted": result.preempted}, f)
+                   "lengths": result.step_lengths, "step": result.step, "preempted": result.preempted}, f)
     """
 )
 
@@ -228,19 +228,28 @@ def test_dpo_in_two_processes_trains_as_one(tmp_path, data_cache, precompute):
     """DPO in 2 processes (mesh data=2 x fsdp=2), its reference a frozen copy of the starting weights or its
     log-probs precomputed once before training (each process computing its rows' share, every process keeping them
     all): step 1's loss equals one process's (one device) to float rounding, the later ones within Adam's amplified
-    rounding, and the held-out evaluation's reward accuracy and loss too."""
+    rounding, and the held-out evaluation's reward accuracy and loss too; the length buckets (and so the compiled
+    programs) are the one-process run's."""
     from helpers.rows import write_jsonl
     from helpers.run_outputs import metric_rows
     from helpers.tiny_runs import MODEL
 
     from jaxtune.data.synthetic import arithmetic_preferences
 
-    pairs = write_jsonl(tmp_path / "pairs.jsonl", itertools.islice(arithmetic_preferences(), 120))
+    rows = list(itertools.islice(arithmetic_preferences(), 120))
+    for k, row in enumerate(rows):  # every 5th prompt long: batches of different lengths, whose longest pair may be
+        if k % 5 == 0:              # on either process
+            row["prompt"][0]["content"] = "Think it through. " * (k % 7 + 1) + row["prompt"][0]["content"]
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", rows)
     base = [*MODEL, *DPO, f"data.sources=[{pairs}]", f"data.cache_dir={data_cache}",
             f"objective.precompute_ref_logps={str(precompute).lower()}"]
     ref = train(load_config(None, [*base, f"run_dir={tmp_path / 'single'}"]))
+    assert len(set(ref.step_lengths)) >= 2, ref.step_lengths  # several buckets met
     run_dir = tmp_path / "two"
     for got in _finish(tmp_path, _launch(tmp_path, [*base, f"run_dir={run_dir}", "mesh.data=2", "mesh.fsdp=2"])):
+        # each process holds half of every batch, yet both cut it to the bucket of the whole batch's longest pair
+        # (agreed across processes): the lengths and programs of one process's run
+        assert got["lengths"] == ref.step_lengths and got["compiles"] == len(ref.step_lengths), got
         assert abs(got["losses"]["1"] - ref.losses[1]) <= 1e-5 * abs(ref.losses[1]), got["losses"]
         assert all(abs(got["losses"][str(s)] - ref.losses[s]) <= 1e-3 for s in (2, 3)), (got["losses"], ref.losses)
     (one,), (two,) = [r for r in metric_rows(tmp_path / "single", "eval") if r["step"] == 3], \
