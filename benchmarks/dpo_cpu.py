@@ -306,17 +306,30 @@ def compare(j: dict, t: dict, beta: float) -> dict[str, tuple[float, float, floa
 
 # ---------------------------------------------------------------- machine
 # ---------------------------------------------------------------- main
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    h.add_round_args(ap, rounds=6)
+def add_preference_args(ap: argparse.ArgumentParser, rounds: int) -> None:
+    """The flags of the preference benchmarks (this one and ``kto_cpu.py``): rounds, the model and batch shape,
+    beta, the learning rate and transformers' attention."""
+    h.add_round_args(ap, rounds=rounds)
     h.add_common_args(ap, batch=8, seq=128, layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=2048,
                       prompt=32, min_completion=32)
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
                     help="transformers' attention (sdpa: its default)")
+
+
+def check_fixed_lengths(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Fixed-length rows (`random_pairs`, ``kto_cpu.random_rows``): a prompt of --prompt ± 8 tokens leaves room for a
+    completion of --min-completion in --seq."""
+    if not (8 < a.prompt and a.prompt + 8 + a.min_completion <= a.seq):
+        ap.error("need --prompt > 8 and --prompt + 8 + --min-completion <= --seq")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_preference_args(ap, rounds=6)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--no-lora", action="store_true", help="skip the LoRA rows")
     ap.add_argument("--no-full", action="store_true", help="skip the full fine-tuning rows (a large model's run "
                     "holds every row's state at once: one setup per run halves the memory)")
@@ -336,8 +349,8 @@ def main(argv=None) -> dict:
     if real and not (args.prompt_median > 0 and args.completion_median > 0 and args.length_sigma >= 0
                      and args.length_buckets >= 0 and args.seq >= 2):
         ap.error("need positive --prompt-median and --completion-median, --length-sigma >= 0, --length-buckets >= 0")
-    if not real and not (8 < args.prompt and args.prompt + 8 + args.min_completion <= args.seq):
-        ap.error("need --prompt > 8 and --prompt + 8 + --min-completion <= --seq")
+    if not real:
+        check_fixed_lengths(ap, args)
     threads = h.start_trainers(args)
 
     n_steps = 1 + (args.warmup + args.rounds) * args.steps  # per implementation, the first step included

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import transformers
 import trl
-from dpo_cpu import jaxtune_dpo, write_hf_model
+from dpo_cpu import add_preference_args, check_fixed_lengths, jaxtune_dpo, write_hf_model
 
 from jaxtune import sharding
 from jaxtune.config import load_config
@@ -118,17 +118,11 @@ def trl_impl(directory: str, a: argparse.Namespace, out_dir: str, row_sets) -> d
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    h.add_round_args(ap, rounds=4)
-    h.add_common_args(ap, batch=8, seq=128, layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=2048,
-                      prompt=32, min_completion=32)
-    ap.add_argument("--beta", type=float, default=0.1)
-    ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
+    add_preference_args(ap, rounds=4)
     h.add_malloc_arg(ap)
     args = ap.parse_args(argv)
     h.check_rounds(ap, args)
-    if not (8 < args.prompt and args.prompt + 8 + args.min_completion <= args.seq):
-        ap.error("need --prompt > 8 and --prompt + 8 + --min-completion <= --seq")
+    check_fixed_lengths(ap, args)
     threads = h.start_trainers(args)
     n_steps = 2 + (args.warmup + args.rounds) * args.steps  # steps 1 and 2 (checked), then the rounds
     rng = np.random.RandomState(0)
