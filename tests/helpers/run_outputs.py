@@ -25,9 +25,10 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["step_loss"] for row in metric_rows(run_dir, "train")}
 
 
-def final_params(cfg, step: int):
-    """(params as numpy arrays, data state) of ``cfg``'s run restored from checkpoint ``step``, on one device."""
-    spec = make_state_spec(cfg, 512, make_mesh(1, 1, 1, jax.devices()[:1]))
+def final_params(cfg, step: int, vocab: int = 512):
+    """(params as numpy arrays, data state) of ``cfg``'s run (its tokenizer's ``vocab``) restored from checkpoint
+    ``step``, on one device."""
+    spec = make_state_spec(cfg, vocab, make_mesh(1, 1, 1, jax.devices()[:1]))
     ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
     got, state, data_state = ckpt.restore(step, spec.abstract)
     assert got == step, f"step {step} did not restore (step {got} did)"

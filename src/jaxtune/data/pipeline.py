@@ -4,9 +4,10 @@ test file (`test_sequences`, for ``jaxtune eval --data``).
 Training order is a pure function of ``seed``: window ``k`` of the global stream is
 ``shuffle(seed, epoch = k // train_windows)[k % train_windows]`` (a fresh permutation each epoch), and
 global batch ``b`` is stream positions ``[b * global_batch, (b + 1) * global_batch)``. Process ``p`` of
-``P`` takes rows ``p::P`` of every global batch, so the processes together see exactly the
-single-process batch, and the iterator position is a checkpointable index (``get_state``/``set_state``),
-restored without replaying the stream.
+``P`` takes the ``p``-th contiguous block of every global batch, so the processes together see exactly the
+single-process batch, in its order (the global array `jaxtune.sharding.global_batch` assembles puts process ``p``'s
+rows after process ``p - 1``'s: the same array, row for row, as one process builds), and the iterator position
+is a checkpointable index (``get_state``/``set_state``), restored without replaying the stream.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def make_train_iterator(
         grain.MapDataset.source(TextWindows(data, "train") if isinstance(data, TokenData) else data)
         .shuffle(seed=_shuffle_seed(seed))
         .repeat()  # forever; shuffle reseeds every epoch because it sees the epoch in the index
-        .slice(slice(process_index, None, process_count))
-        .batch(local_batch, drop_remainder=True)
+        .batch(local_batch, drop_remainder=True)  # global batch b is local batches b*P .. b*P + P-1, in order:
+        .slice(slice(process_index, None, process_count))  # this process's block of each
         # A few threads read ahead; reading is a memcpy from the page cache, so more would only use memory.
         .to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
     )
@@ -102,7 +103,7 @@ def make_train_iterator(
 def make_eval_batches(
     data: TokenData, *, batch_size: int, num_batches: int, process_index: int = 0, process_count: int = 1
 ) -> list[Batch]:
-    """Up to ``num_batches`` batches of validation windows, this process's rows ``p::P`` of each global
+    """Up to ``num_batches`` batches of validation windows, this process's block of rows of each global
     batch of ``batch_size``. The ``n = count * batch_size`` rows are spread evenly over the split, in order:
     global row ``g`` is the middle window of the split's ``g``-th ``n``-th, ``(2g + 1) * val_windows // 2n``,
     so a few batches still sample the whole corpus, both ends included (validation blocks interleave with
@@ -122,7 +123,7 @@ def make_eval_batches(
     for b in range(count):
         picked = [
             source[(2 * (b * batch_size + i) + 1) * data.val_windows // (2 * rows)]
-            for i in range(process_index, batch_size, process_count)
+            for i in _block(batch_size, process_index, process_count)
         ]
         batches.append({name: np.stack([row[name] for row in picked]) for name in ("inputs", "targets")})
     return batches
@@ -130,7 +131,7 @@ def make_eval_batches(
 
 def make_sequence_batches(source: Any, *, batch_size: int, num_batches: int, process_index: int = 0,
                           process_count: int = 1) -> list[Batch]:
-    """The first ``num_batches`` batches of ``source``'s sequences (or pairs) in order (this process's rows ``p::P``
+    """The first ``num_batches`` batches of ``source``'s sequences (or pairs) in order (this process's block of rows
     of each); the last batch is filled with empty ones (all zeros: no counted token, segment 0) so every batch has
     one shape."""
     _local_batch(batch_size, process_index, process_count, key="batch_size")
@@ -139,7 +140,7 @@ def make_sequence_batches(source: Any, *, batch_size: int, num_batches: int, pro
     batches = []
     for b in range(count):
         picked = [source[g] if g < len(source) else empty
-                  for g in range(b * batch_size + process_index, (b + 1) * batch_size, process_count)]
+                  for g in _block(batch_size, process_index, process_count, start=b * batch_size)]
         batches.append({name: np.stack([row[name] for row in picked]) for name in picked[0]})
     return batches
 
@@ -338,6 +339,13 @@ PIPELINES: dict[BatchKind, KindPipeline] = {
     UNPAIRED: KindPipeline(_unpaired, _test_unpaired),
     PROMPTS: KindPipeline(_prompts, None),
 }
+
+
+def _block(global_batch: int, process_index: int, process_count: int, start: int = 0) -> range:
+    """Process ``process_index``'s rows of a global batch of ``global_batch`` rows starting at ``start``: the
+    ``process_index``-th of ``process_count`` equal contiguous blocks."""
+    local = global_batch // process_count
+    return range(start + process_index * local, start + (process_index + 1) * local)
 
 
 def _local_batch(global_batch: int, process_index: int, process_count: int, key: str) -> int:

@@ -129,23 +129,9 @@ def precompute(ref: ReferenceModel, frozen: tuple, batches: Iterable[dict[str, n
     out: list[np.ndarray] = []
     with sharding.use_mesh(mesh):
         for b in batches:
-            out.append(in_source_order(np.asarray(jax.device_get(step(frozen, sharding.global_batch(mesh, b))))))
+            out.append(np.asarray(jax.device_get(step(frozen, sharding.global_batch(mesh, b)))))
             progress(min(count, sum(len(o) for o in out)))
     return np.concatenate(out, axis=0)[:count].astype(np.float32) if out else np.zeros((0, 2), np.float32)
-
-
-def in_source_order(rows: np.ndarray) -> np.ndarray:
-    """A global batch's per-row values in the order of the source's rows. Each process holds rows ``p::P`` of a
-    `make_sequence_batches` batch and the global array puts each process's rows after the previous process's, so
-    global row j is the batch's row ``(j % local) * P + j // local`` (local = rows per process)."""
-    n, p = len(rows), jax.process_count()
-    if p == 1:
-        return rows
-    local = n // p
-    out = np.empty_like(rows)
-    j = np.arange(n)
-    out[(j % local) * p + j // local] = rows
-    return out
 
 
 def fingerprint(source: Any) -> str:
