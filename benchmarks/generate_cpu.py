@@ -42,17 +42,18 @@ from jaxtune.models.sampling import Generator
 def jaxtune_impls(model_dir: str, a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, dict]:
     """{name: {"call": (temperature) -> ids}}: the full model, and with --lora the adapters merged or not."""
     out = {}
-    setups = [("jaxtune", [])] + ([("jaxtune LoRA", [f"model.lora.rank={a.lora}"])] if a.lora else [])
+    setups = [("jaxtune", [])] + ([("jaxtune LoRA", [f"model.lora.rank={a.lora}"])] if a.lora else []) \
+        + ([("jaxtune scan_layers", ["model.scan_layers=true"])] if a.scan else [])
     for name, extra in setups:
         cfg = load_config(None, [f"model.from_hf={model_dir}", "data.format=prompts", "objective.name=grpo",
                                  "objective.rewards=[{name: length}]", *extra])
         spec = make_state_spec(cfg, None, sharding.make_mesh(1, 1, 1))
         params, frozen = spec.init(0).params, spec.load_frozen(0)
-        if extra:  # B != 0, so the adapters change the tokens
+        if a.lora and name.startswith("jaxtune LoRA"):  # B != 0, so the adapters change the tokens
             rng = np.random.default_rng(0)
             params = jax.tree.map(lambda x, r=rng: x + 0.05 * r.standard_normal(x.shape).astype(x.dtype), params)
         weights = spec.weights(params, frozen)
-        generators = {name: spec.generator()} if not extra else {
+        generators = {name: spec.generator()} if not name.startswith("jaxtune LoRA") else {
             f"{name} merged (its sampler)": spec.generator(),
             f"{name} unmerged": Generator(spec.graphdef, spec.model_cfg.max_seq_len)}
         for label, gen in generators.items():
@@ -99,6 +100,8 @@ def main(argv=None) -> dict:
     h.add_common_args(ap, batch=16, max_completion_length=64, min_prompt=16, max_prompt=32, layers=4, d_model=256,
                       heads=4, kv_heads=2, d_ff=688, vocab=2048)
     ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="also a LoRA model of this rank")
+    ap.add_argument("--scan", action="store_true", help="also the model with model.scan_layers=true (its layers one "
+                    "scanned block; the KV cache carried through the scan)")
     h.add_malloc_arg(ap)
     args = ap.parse_args(argv)
     h.check_rounds(ap, args)
@@ -129,6 +132,8 @@ def main(argv=None) -> dict:
                      "ms_per_token": ms / args.max_completion_length, "first_call_s": im["first_s"],
                      "compiles": im["compiles"]() if "compiles" in im else None})
     greedy_same = impls["jaxtune, greedy"]["first"] == impls["transformers, greedy"]["first"]
+    if args.scan and impls["jaxtune scan_layers, greedy"]["first"] != impls["jaxtune, greedy"]["first"]:
+        print("warning: scan_layers' greedy tokens differ from the unrolled layers'")
 
     print(f"machine: {h.machine()}")
     print(f"versions: jax {jax.__version__}, jaxlib {jaxlib.__version__}, torch {torch.__version__}, "
@@ -154,6 +159,9 @@ def main(argv=None) -> dict:
             p = by[f"transformers + PEFT LoRA, {mode}"]
             print(f"{mode} LoRA: merged / unmerged = {m['tokens_per_s'] / u['tokens_per_s']:.2f}x; merged / PEFT = "
                   f"{m['tokens_per_s'] / p['tokens_per_s']:.2f}x")
+        if args.scan:
+            print(f"{mode}: scan_layers / unrolled tokens/s = "
+                  f"{by[f'jaxtune scan_layers, {mode}']['tokens_per_s'] / j['tokens_per_s']:.2f}x")
     result = {"machine": h.machine(), "config": vars(args), "rows": rows, "greedy_equal": greedy_same}
     return h.save_json(args.json, result)
 

@@ -157,13 +157,13 @@ def test_temperature_sampling_is_seeded(model, gen, greedy):
 
 def test_compiles_once_per_bucket(model):
     """Batch generation: one program per (prompt bucket, cache bucket); streaming: one prefill per (prompt bucket,
-    cache bucket), one decode per cache bucket; power-of-two buckets >= 16."""
+    cache bucket), one chunked decode loop per cache bucket; power-of-two buckets >= 16."""
     assert [bucket(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
     gen = Generator(model[0], CTX)
     params = model[1]
 
-    def run(prompt_len, **kw):
-        gen(params, [list(range(1, prompt_len + 1))], max_new_tokens=20, **kw)
+    def run(prompt_len, max_new_tokens=20, **kw):
+        gen(params, [list(range(1, prompt_len + 1))], max_new_tokens=max_new_tokens, **kw)
         return gen.compiles
 
     assert run(5) == 1  # prompt bucket 16, cache bucket bucket(16 + 20) = 64: the whole generation, one program
@@ -172,9 +172,10 @@ def test_compiles_once_per_bucket(model):
     assert run(40) == 3  # prompt bucket 64, cache bucket(64 + 20) = 128
     assert run(33) == 3
     stream = {"on_step": lambda ids: None}
-    assert run(5, **stream) == 5  # streaming: a prefill and a decode step for buckets 16 / 64
+    assert run(5, **stream) == 5  # streaming: a prefill and a decode loop (chunks of 8) for buckets 16 / 64
     assert run(9, **stream) == 5
-    assert run(20, **stream) == 6  # a prefill only: the decode step of cache bucket 64 is there
+    assert run(20, **stream) == 6  # a prefill only: the decode loop of cache bucket 64 is there
+    assert run(20, max_new_tokens=3, **stream) == 6  # fewer new tokens than a chunk: the same loop, ended early
 
 
 def test_batch_and_streaming_generation_sample_the_same_tokens(model):

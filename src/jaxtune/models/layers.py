@@ -392,8 +392,10 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
                cache: dict[str, jax.Array] | None, layer_args: list | None = None):
     """Apply ``body(layer, x, layer_key, kv, arg) -> (x, kv)`` through the stack; returns (x, cache).
 
-    ``cache``: {"k", "v"} (L, B, S, K, H): a scanned stack passes each layer its slice as ``kv``; a loop passes
-    every layer the whole stack and its index, (k, v, i), which the layer writes into (`write_kv`).
+    ``cache``: {"k", "v"} (L, B, S, K, H): every layer is passed the whole stack and its index, (k, v, i), which the
+    layer writes into (`write_kv`): a loop passes them along, a scanned stack carries them (the layer index scanned),
+    so a decode step updates the cache in place under either (a scan over per-layer slices would copy the whole
+    cache out and back every step).
     ``layer_args``: one value per layer (e.g. "sliding"/"full"): a Python value in the loop (so the layer is
     specialised), an array stacked over layers under ``scan``. ``remat`` names a policy in REMAT_POLICIES.
     """
@@ -407,12 +409,19 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
     if scan:
         scanned_args = None if layer_args is None else jnp.asarray(args)
         run = wrap(body)
+        if kvs is None:
+            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry)
+            def scan_fn(layer, x, layer_key, arg):
+                return run(layer, x, layer_key, None, arg)[0]
 
-        @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
-        def scan_fn(layer, x, layer_key, kv, arg):
-            return run(layer, x, layer_key, kv, arg)
+            x = scan_fn(layers, x, keys, scanned_args)
+        else:
+            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, 0), out_axes=nnx.Carry)
+            def scan_cached(layer, carry, layer_key, arg, i):
+                x, kv = run(layer, carry[0], layer_key, (*carry[1:], i), arg)
+                return (x, *kv[:2])
 
-        x, kvs = scan_fn(layers, x, keys, kvs, scanned_args)
+            x, *kvs = scan_cached(layers, (x, *kvs), keys, scanned_args, jnp.arange(n_layer))
     else:
         def bound(arg):  # a closure, not a default argument: remat would treat a default as a traced input
             return lambda lyr, x, k, kv: body(lyr, x, k, kv, arg)

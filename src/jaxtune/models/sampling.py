@@ -27,6 +27,9 @@ from jaxtune.models.registry import merge
 log = logging.getLogger(__name__)
 
 
+STREAM_CHUNK = 8  # positions a streaming program decodes before the host sees them
+
+
 def bucket(n: int, minimum: int = 16) -> int:
     """Smallest power of two >= n (and >= minimum)."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
@@ -111,8 +114,9 @@ class Generator:
     Batch generation (no ``on_step``) is one compiled program per (batch, prompt bucket, cache bucket, new tokens):
     the prefill, then a `jax.lax.while_loop` over positions that samples on device, writes each token and its
     log-prob into (B, max_new_tokens) buffers, tracks which rows have emitted a stop id, and leaves the loop once all
-    have. The host sees the tokens once, at the end. Streaming (``on_step``) keeps one prefill and one decode-step
-    program, the token brought to the host after every position. Both draw position t's token with the key
+    have. The host sees the tokens once, at the end. Streaming (``on_step``) is two programs: the prefill, and the
+    same loop run ``STREAM_CHUNK`` positions at a time (the cache donated, updated in place), the host handing each
+    chunk's tokens to ``on_step`` position by position. Both draw position t's token with the key
     ``fold_in(key(seed), prompt bucket + t)``, so they sample the same tokens.
     """
 
@@ -155,14 +159,33 @@ class Generator:
                                                temperature, top_k, top_p)
         return nxt, cache, key_valid
 
-    @functools.partial(jax.jit, static_argnums=(0, 7, 8, 9), donate_argnums=(2,))
-    def _decode(self, params, cache, key_valid, token, position, index, temperature, top_k, top_p, key):
-        self.traces += 1
-        model = merge(self.graphdef, params)
-        logits, cache = model(token[:, None], positions=position[:, None], cache=cache, index=index,
-                              key_valid=key_valid)
-        nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, index + 1), temperature, top_k, top_p)
-        return nxt, cache
+    def _loop(self, params, state, until, *, p, key, lengths, key_valid, sampling, stops):
+        """Decode from ``state`` = (t, token, cache, done, ids, logps) while ``t < until`` and some row has not
+        stopped: a `jax.lax.while_loop` that feeds position t - 1's token, samples position t's on device (key
+        ``fold_in(key, p + t)``, ``p`` the prompt bucket) and writes it and its log-prob (under the tempered
+        distribution) into column t of ``ids``/``logps``, or of (B, chunk) buffers when those are shorter (column
+        ``t % chunk``: the streaming path's chunks)."""
+        temperature = sampling[0]
+        scale = 1.0 if temperature == 0.0 else temperature
+        stop_ids = jnp.asarray(stops if stops else (-1,), jnp.int32)
+        width = state[4].shape[1]
+
+        def more(carry):
+            t, _, _, done, _, _ = carry
+            return (t < until) & ~jnp.all(done)
+
+        def step(carry):
+            t, token, cache, done, ids, logps = carry
+            model = merge(self.graphdef, params)  # at the loop body's trace level (nnx.scan'd layers check it)
+            logits, cache = model(token[:, None], positions=(lengths + t - 1)[:, None], cache=cache,
+                                  index=p + t - 1, key_valid=key_valid)
+            nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, p + t), *sampling)
+            logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, -1] / scale, -1), nxt[:, None], -1)
+            ids = jax.lax.dynamic_update_slice(ids, nxt[:, None], (0, t % width))
+            logps = jax.lax.dynamic_update_slice(logps, logp, (0, t % width))
+            return t + 1, nxt, cache, done | jnp.isin(nxt, stop_ids), ids, logps
+
+        return jax.lax.while_loop(more, step, state)
 
     @functools.partial(jax.jit, static_argnums=(0, 4, 5, 8, 9, 10, 11, 12))
     def _generate(self, params, tokens, valid, cache_len, max_new, key, lengths, temperature, top_k, top_p, stops,
@@ -176,29 +199,29 @@ class Generator:
         b = tokens.shape[0] * group
         nxt, logits, cache, key_valid = self._start(model, tokens, valid, cache_len, key, temperature, top_k, top_p,
                                                     group)
-        stop_ids = jnp.asarray(stops if stops else (-1,), jnp.int32)
         scale = 1.0 if temperature == 0.0 else temperature
-        logp = lambda lg, tok: jnp.take_along_axis(jax.nn.log_softmax(lg / scale, -1), tok[:, None], -1)[:, 0]
+        first = jnp.take_along_axis(jax.nn.log_softmax(logits / scale, -1), nxt[:, None], -1)[:, 0]
         ids = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(nxt)
-        logps = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(logp(logits, nxt))
-        done = jnp.isin(nxt, stop_ids)
-
-        def more(carry):
-            t, _, _, done, _, _ = carry
-            return (t < max_new) & ~jnp.all(done)
-
-        def step(carry):
-            t, token, cache, done, ids, logps = carry
-            model = merge(self.graphdef, params)  # at the loop body's trace level (nnx.scan'd layers check it)
-            logits, cache = model(token[:, None], positions=(lengths + t - 1)[:, None], cache=cache,
-                                  index=p + t - 1, key_valid=key_valid)
-            nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, p + t), temperature, top_k, top_p)
-            ids = jax.lax.dynamic_update_slice(ids, nxt[:, None], (0, t))
-            logps = jax.lax.dynamic_update_slice(logps, logp(logits[:, -1], nxt)[:, None], (0, t))
-            return t + 1, nxt, cache, done | jnp.isin(nxt, stop_ids), ids, logps
-
-        t, _, _, _, ids, logps = jax.lax.while_loop(more, step, (jnp.int32(1), nxt, cache, done, ids, logps))
+        logps = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(first)
+        done = jnp.isin(nxt, jnp.asarray(stops if stops else (-1,), jnp.int32))
+        t, _, _, _, ids, logps = self._loop(params, (jnp.int32(1), nxt, cache, done, ids, logps), max_new, p=p,
+                                            key=key, lengths=lengths, key_valid=key_valid,
+                                            sampling=(temperature, top_k, top_p), stops=stops)
         return ids, logps, t
+
+    @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10), donate_argnums=(2,))
+    def _chunk(self, params, cache, key_valid, token, p, temperature, top_k, top_p, stops, chunk, t, max_new, key,
+               lengths, done):
+        """Streaming: up to ``chunk`` positions from position ``t`` (token ``token`` at t - 1) in one program, the
+        cache updated in place; (ids (B, chunk) in columns ``t % chunk`` on, the next position, the last token,
+        the cache, the rows done)."""
+        self.traces += 1
+        b = token.shape[0]
+        state = (t, token, cache, done, jnp.zeros((b, chunk), jnp.int32), jnp.zeros((b, chunk), jnp.float32))
+        t, token, cache, done, ids, _ = self._loop(params, state, jnp.minimum(t + chunk, max_new), p=p, key=key,
+                                                   lengths=lengths, key_valid=key_valid,
+                                                   sampling=(temperature, top_k, top_p), stops=stops)
+        return ids, t, token, cache, done
 
     def __call__(self, params: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -253,12 +276,21 @@ class Generator:
                 out.append(row[:end].tolist())
                 self.logps.append(row_logps[:end].tolist())
             return out
+        # streaming: the prefill, then chunks of STREAM_CHUNK positions, each one program on device; the host hands
+        # each chunk's tokens to on_step one position at a time
         nxt, cache, key_valid = self._prefill(params, tokens, valid, cache_len, key, *sampling)
         out = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
-        for t in range(max_new_tokens):
-            if collect(np.asarray(nxt), out, done, eos_id, on_step, keep_stop) or t == max_new_tokens - 1:
-                break
-            nxt, cache = self._decode(params, cache, key_valid, nxt, jnp.asarray(lengths + t), p_len + t,
-                                      *sampling, key)
+        if collect(np.asarray(nxt), out, done, eos_id, on_step, keep_stop):
+            return out
+        t, chunk, stopped = 1, STREAM_CHUNK, jnp.asarray(done)
+        while t < max_new_tokens:
+            ids, t_next, nxt, cache, stopped = self._chunk(
+                params, cache, key_valid, nxt, jnp.int32(p_len), *sampling, stops, chunk, jnp.int32(t),
+                jnp.int32(max_new_tokens), key, jnp.asarray(lengths), stopped)
+            ids, t_next = np.asarray(ids), int(t_next)
+            for pos in range(t, t_next):
+                if collect(ids[:, pos % chunk], out, done, eos_id, on_step, keep_stop):
+                    return out
+            t = t_next
         return out
