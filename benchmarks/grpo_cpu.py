@@ -187,14 +187,24 @@ def jaxtune_impl(cfg, prompts: list[list[int]], per_step: int, merged: bool = Tr
                 "stopped": int(np.sum(lengths < cfg.objective.max_completion_length)), "prepare_s": prepared - t0,
                 "step_s": dt}
 
-    impl = {"step": step, "compiles": lambda: steps.compiles, "sampler_compiles": lambda: rollout.generator.compiles}
+    def held_out(eval_prompts: list[list[int]]) -> dict:
+        """The greedy held-out evaluation the training loop runs (`Rollout.held_out`: one completion per prompt,
+        decoded and scored), on the current weights."""
+        held = PromptRows([EncodedPrompt(f"held:{i}", Prompt(text=text_of(p)), np.asarray(p, np.int32))
+                           for i, p in enumerate(eval_prompts)], cfg.max_prompt_tokens)
+        with sharding.use_mesh(mesh):
+            done, scores = rollout.held_out(steps.weights(box["state"].params, frozen), held, len(held), 0)
+        return {"reward": scores["reward"], "tokens": sum(len(c) for c in done.ids)}
+
+    impl = {"step": step, "compiles": lambda: steps.compiles, "sampler_compiles": lambda: rollout.generator.compiles,
+            "held_out": held_out}
     return impl, {"setup_s": setup_s, "reference": "frozen copy" if reference is not None else "none",
                   "seq_len": cfg.data.seq_len}
 
 
 # ---------------------------------------------------------------- TRL
 def trl_impl(directory: str, a: argparse.Namespace, beta: float, out_dir: str, prompts: list[list[int]],
-             per_step: int) -> tuple[dict, dict]:
+             per_step: int, eval_prompts: list[list[int]] | None = None) -> tuple[dict, dict]:
     """A GRPOTrainer over the saved model and tokenizer, its optimizer and scheduler created as ``train()`` would,
     generation and the reward timed from inside."""
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -207,7 +217,8 @@ def trl_impl(directory: str, a: argparse.Namespace, beta: float, out_dir: str, p
                   per_device_train_batch_size=n, num_generations=a.num_generations,
                   max_completion_length=a.max_completion_length, steps_per_generation=1, num_iterations=1,
                   temperature=1.0, beta=beta, learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0,
-                  max_grad_norm=1.0, save_strategy="no", disable_tqdm=True, logging_steps=10**6, **loss)
+                  max_grad_norm=1.0, save_strategy="no", disable_tqdm=True, logging_steps=10**6,
+                  num_generations_eval=1, per_device_eval_batch_size=len(eval_prompts or [None]), **loss)
     clock = {"generation": 0.0, "rewards": 0.0, "tokens": 0, "stopped": 0, "prepare": 0.0}
 
     def reward(prompts, completions, **kwargs):
@@ -223,8 +234,9 @@ def trl_impl(directory: str, a: argparse.Namespace, beta: float, out_dir: str, p
     if a.lora:  # PEFT's LoRA on the same projections as jaxtune's default targets; TRL's reference: adapters off
         from peft import LoraConfig
         peft_config = LoraConfig(r=a.lora, lora_alpha=2 * a.lora, lora_dropout=0.0, target_modules=LORA_MODULES)
+    held = None if not eval_prompts else datasets.Dataset.from_dict({"prompt": [text_of(p) for p in eval_prompts]})
     trainer = Trainer(model=model, reward_funcs=[reward], args=args, train_dataset=data, processing_class=tokenizer,
-                      peft_config=peft_config)
+                      peft_config=peft_config, eval_dataset=held)
     trainer.create_optimizer_and_scheduler(num_training_steps=10**6)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer._run_epoch before each step
     if not a.lora and (trainer.ref_model is not None) != (beta > 0):
@@ -276,7 +288,33 @@ def trl_impl(directory: str, a: argparse.Namespace, beta: float, out_dir: str, p
                 "generation_s": clock["generation"], "rewards_s": clock["rewards"], "tokens": clock["tokens"],
                 "stopped": clock["stopped"], "prepare_s": clock["prepare"], "step_s": dt}
 
-    return {"step": step}, {"reference": "frozen copy (TRL's)" if trainer.ref_model is not None else "none"}
+    def held_out(_: list[list[int]]) -> dict:
+        """``trainer.evaluate()``: one sampled completion per held-out prompt (TRL has no greedy evaluation),
+        scored, and the loss forward."""
+        out = trainer.evaluate()
+        return {"reward": out.get("eval_reward", float("nan")), "tokens": clock["tokens"]}
+
+    return {"step": step, "held_out": held_out}, \
+        {"reference": "frozen copy (TRL's)" if trainer.ref_model is not None else "none"}
+
+
+def held_out_times(impls: dict[str, dict], setups: dict[str, dict], eval_prompts: list[list[int]]) -> dict:
+    """Each setup's held-out evaluation on both sides, after the training steps: the first call (jaxtune compiles
+    the sampler for the batch of held-out prompts) and the median of 3 more, alternating sides."""
+    names = [n for s in setups.values() for n in (s["jaxtune"], s["TRL"])]
+    out = {}
+    for name in names:
+        t0 = time.perf_counter()
+        first = impls[name]["held_out"](eval_prompts)
+        out[name] = {"first_s": time.perf_counter() - t0, "times": [], **first}
+    for _ in range(3):
+        for name in names:
+            t0 = time.perf_counter()
+            impls[name]["held_out"](eval_prompts)
+            out[name]["times"].append(time.perf_counter() - t0)
+    for e in out.values():
+        e["median_s"] = statistics.median(e["times"])
+    return out
 
 
 # ---------------------------------------------------------------- main
@@ -295,6 +333,10 @@ def main(argv=None) -> dict:
                     "adds a jaxtune row that samples with the adapters unmerged")
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
                     help="transformers' attention (sdpa: its default)")
+    ap.add_argument("--eval", type=int, default=0, metavar="N",
+                    help="also time the held-out evaluation of N prompts after the steps: jaxtune's greedy one (what "
+                    "the training loop runs at eval.every) against TRL's trainer.evaluate() (sampled, one completion "
+                    "each, its loss forward included), each in one batch of N")
     h.add_malloc_arg(ap)
     args = ap.parse_args(argv)
     h.check_rounds(ap, args)
@@ -306,6 +348,7 @@ def main(argv=None) -> dict:
     prompts = random_prompts(np.random.RandomState(0), args, n_steps * args.prompts)
     completions = args.prompts * args.num_generations
     seq_len = args.max_prompt + args.max_completion_length
+    eval_prompts = random_prompts(np.random.RandomState(1), args, args.eval) if args.eval else None
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = os.path.join(tmp.name, "model")
@@ -332,7 +375,7 @@ def main(argv=None) -> dict:
         impls[jname], js = jaxtune_impl(cfg, prompts, args.prompts)
         setup_s[jname] = js["setup_s"]
         impls[tname], ts = trl_impl(model_dir, args, beta, os.path.join(tmp.name, f"trl-{len(impls)}"), prompts,
-                                    args.prompts)
+                                    args.prompts, eval_prompts)
         setups[setup] = {"jaxtune": jname, "TRL": tname, "reference": js["reference"], "trl_reference": ts["reference"]}
         if args.lora:  # the same run sampling through the adapters (no merge): which is faster, measured
             uname = f"jaxtune {setup}, adapters unmerged in sampling (jax.jit)"
@@ -345,6 +388,8 @@ def main(argv=None) -> dict:
                             if "compiles" in im}
     run = h.interleave(impls, range(args.warmup + args.rounds), timed=lambda r: r >= args.warmup)
     load0, load1 = run["load_before"], run["load_after"]
+    compiled = {name: (im["compiles"](), im["sampler_compiles"]()) for name, im in impls.items() if "compiles" in im}
+    evals = held_out_times(impls, setups, eval_prompts) if eval_prompts else {}  # compiles a sampler program more
     tmp.cleanup()
 
     # ---- report (times are per round of --steps steps: per step below)
@@ -368,7 +413,7 @@ def main(argv=None) -> dict:
                "mean_reward": float(np.mean([x["reward"] for x in seq])),
                "losses": [x["loss"] for x in seq], "kl": [x["kl"] for x in seq], "steps_run": len(seq)}
         if "compiles" in im:
-            row["jax_compiles"] = {"train_step": im["compiles"](), "sampler": im["sampler_compiles"](),
+            row["jax_compiles"] = {"train_step": compiled[name][0], "sampler": compiled[name][1],
                                    "after_first_step": compiles_after_first[name]}
         rows[name] = row
 
@@ -434,7 +479,19 @@ def main(argv=None) -> dict:
     if early:
         print(f"warning: some completions stopped early (EOS sampled) for {early}: the sides' token counts differ")
 
+    if evals:
+        h.print_header(["held-out evaluation", f"first call (s)", "median of 3 (s)", "generated tokens",
+                        "tokens/s", "mean reward"])
+        for name, e in evals.items():
+            print(f"| {name} | {e['first_s']:.1f} | {e['median_s']:.2f} | {e['tokens']:,} | "
+                  f"{e['tokens'] / e['median_s']:,.0f} | {e['reward']:.3f} |")
+        for setup, names in setups.items():
+            j, t = evals[names["jaxtune"]], evals[names["TRL"]]
+            print(f"held-out evaluation, {setup}: jaxtune / TRL = {t['median_s'] / j['median_s']:.2f}x (first call "
+                  f"{t['first_s'] / j['first_s']:.2f}x)")
+
     result = record | {
+        "held_out": evals,
         "machine_lscpu": machine, "command": command, "summary": summary, "rows": list(rows.values()),
         "config": vars(args) | {"threads": threads, "completions_per_step": completions, "seq_len": seq_len,
                                 "params": n_params, "loadavg_before_after": [load0, load1],
