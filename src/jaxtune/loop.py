@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxtune import runtime, sharding
-from jaxtune.backends import Backend, backend_of
+from jaxtune.backends import Backend, backend_of, teacher
 from jaxtune.config import Config, ConfigError, dump_config
 from jaxtune.data import load_tokenizer, make_training_data
 from jaxtune.evaluator import Evaluator
@@ -93,7 +93,8 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     spec = backend.build(cfg, tokenizer.vocab_size, mesh)
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
     runtime.release_malloc(4 * spec.model_cfg.num_params())  # a large model: give freed memory back (runtime.py)
-    steps = run_steps(spec, cfg)
+    steps = run_steps(spec, cfg, teacher(cfg, mesh, tokenizer, spec.model_cfg.vocab_size)
+                      if cfg.objective.name == "gkd" else None)
     precomputed = steps.reference is not None and steps.reference.forward is None  # DPO's log-probs, computed below
     rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None
     count = lambda tree: int(sum(np.prod(a.shape) for a in jax.tree.leaves(tree)))

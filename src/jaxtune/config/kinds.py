@@ -165,6 +165,8 @@ IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate
 _RLOO_KEYS = frozenset({"beta", "num_generations", "max_completion_length", "temperature", "top_p", "top_k",
                         "epsilon", "epsilon_high", "normalize_advantages", "num_iterations", "rewards",
                         "reward_errors", "prompts_per_step", "old_logps"})
+_GKD_KEYS = frozenset({"teacher", "beta", "lmbda", "num_generations", "max_completion_length", "temperature",
+                       "top_p", "top_k", "rewards", "reward_errors", "prompts_per_step"})
 OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("cross_entropy", (WINDOWS, ROWS), "next-token cross-entropy on the tokens with loss (pretraining "
                   "text, fine-tuning rows)"),
@@ -189,7 +191,12 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
                   "completion's baseline the mean reward of its group's others, the KL to the reference in the reward, "
                   "a clipped ratio per sequence (TRL's RLOOTrainer)", _RLOO_KEYS, default_beta=0.05,
                   reference="when_beta", passes_key="num_iterations", baseline="leave_one_out"),
+    ObjectiveKind("gkd", (PROMPTS,), "on-policy distillation (TRL's GKD): the student samples completions of the "
+                  "prompts, a frozen teacher model scores every token, and the loss is the generalised Jensen-Shannon "
+                  "divergence of the two next-token distributions (beta 0: KL(teacher || student); 1: the reverse "
+                  "KL)", _GKD_KEYS, default_beta=0.5),
 )}
+GKD_GENERATIONS = 1  # gkd's objective.num_generations when unset: one completion per prompt, as TRL's GKDTrainer
 
 
 def objectives_for(kind: BatchKind) -> list[str]:
@@ -248,7 +255,14 @@ class ObjectiveConfig(Section):
         None, ge=1, description="grpo and rloo: prompts a step samples, each num_generations times: a step trains on "
         "prompts_per_step x num_generations completions (TRL's batch size counts those completions). It is the "
         "run's train.batch_size, which a grpo config does not set (default: train.batch_size's default)")
-    num_generations: int = Field(8, ge=2, description="grpo and rloo: completions sampled per prompt (the group)")
+    num_generations: int = Field(8, ge=1, description="grpo and rloo: completions sampled per prompt (the group; at "
+                                 "least 2); gkd: completions sampled per prompt (default 1)")
+    teacher: str | None = Field(None, description="gkd: the teacher model, a Hugging Face checkpoint directory (a "
+                                "`jaxtune export` of a run too) with the student's tokenizer; frozen, on the "
+                                "student's mesh")
+    lmbda: float = Field(1.0, ge=0.0, le=1.0, description="gkd: the share of steps that train on the student's own "
+                         "samples (on-policy); the others train on each prompt row's completion field (supervised "
+                         "distillation). TRL's lmbda (default 0.5 there)")
     max_completion_length: int = Field(128, ge=1, description="grpo and rloo: new tokens per completion at most")
     temperature: float = Field(1.0, gt=0, description="grpo and rloo: sampling temperature (the log-probs are of the same "
                                "tempered distribution, as TRL's)")
@@ -291,6 +305,8 @@ class ObjectiveConfig(Section):
         spec = OBJECTIVES.get(data.get("name", "cross_entropy")) if isinstance(data, dict) else None
         if spec is not None and data.get("loss_type") == "sigmoid" and not spec.loss_types:
             data = {k: v for k, v in data.items() if k != "loss_type"}
+        if spec is not None and spec.name == "gkd" and "num_generations" not in data:
+            data = {**data, "num_generations": GKD_GENERATIONS}
         return data
 
     @property
@@ -366,8 +382,18 @@ class ObjectiveConfig(Section):
         if "exo_pair" in types and not self.label_smoothing:
             raise ValueError("objective.loss_type exo_pair needs objective.label_smoothing > 0 (its target "
                              "distribution; the EXO paper uses 1e-3)")
-        if self.beta == 0 and spec.reference != "when_beta":
+        if self.name == "gkd":
+            if self.beta is not None and self.beta > 1:
+                raise ValueError(f"objective.beta={self.beta}: gkd's beta interpolates between KL(teacher || student) "
+                                 "(0) and KL(student || teacher) (1); choose it in [0, 1]")
+            if not self.teacher:
+                raise ValueError("objective.name=gkd needs objective.teacher: the teacher model's Hugging Face "
+                                 "directory (e.g. a `jaxtune export` of a fine-tuned run)")
+        elif self.beta == 0 and spec.reference != "when_beta":
             raise ValueError(f"objective.beta must be > 0 for objective.name={self.name}")
+        if self.name in ("grpo", "rloo") and self.num_generations < 2:
+            raise ValueError(f"objective.num_generations={self.num_generations}: {self.name} compares each completion "
+                             "with its group's others; sample at least 2 per prompt")
         lo, hi = self.importance_sampling_min, self.importance_sampling_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"objective.importance_sampling_min={lo} is above importance_sampling_max={hi}")
@@ -375,7 +401,7 @@ class ObjectiveConfig(Section):
         if len(marked) > 1:
             raise ValueError(f"objective.rewards: {len(marked)} rewards set accuracy: true ({', '.join(marked)}); "
                              "held-out accuracy follows one success criterion, so mark one")
-        if self.generates and not self.rewards:
+        if self.generates and not self.rewards and self.name != "gkd":
             raise ValueError(f"objective.name={self.name} needs at least one reward function in objective.rewards, "
                              "e.g. [{name: exact_number, field: answer}]")
         return self

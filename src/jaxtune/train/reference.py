@@ -50,10 +50,20 @@ class ReferenceModel:
     weights: Callable[[tuple], Any]  # the step's frozen groups -> the reference's weights
     copy: bool = False  # the weights are a frozen copy, the last frozen group (else they are the model's own)
     lora: bool = False  # the reference is the model with its adapters (the trained params) zeroed
+    # Another model (gkd's teacher): its weights the last frozen group, placed by ``shardings`` and read by ``load``
+    # (seed -> (weights,)); never the policy
+    teacher: bool = False
+    shardings: Any = None
+    load: Callable[[int], tuple] | None = None
 
     def bind(self, params: Any, frozen: tuple) -> Reference:
         """The reference's per-token log-probs of (N, T) rows (of logits / temperature), deterministic and without
-        gradient, and whether the trained ``params`` are the reference (`jaxtune.train.objectives.base.pinned`)."""
+        gradient, and whether the trained ``params`` are the reference (`jaxtune.train.objectives.base.pinned`); a
+        teacher's whole distributions too."""
+        if self.teacher:
+            weights, forward = self.weights(frozen), self.forward
+            return Reference(self.logps(frozen), jnp.bool_(False), lambda rows: jax.lax.stop_gradient(
+                jax.nn.log_softmax(forward.logits(weights, rows, None).astype(jnp.float32), axis=-1)))
         return Reference(self.logps(frozen), self.is_policy(params, frozen))
 
     def logps(self, frozen: tuple) -> Callable[..., jax.Array] | None:
@@ -110,8 +120,11 @@ def step_reference(spec: ModelSpec, objective: ObjectiveConfig, loss_chunk: int 
 
 
 def with_reference(frozen: tuple, reference: ReferenceModel | None, spec: ModelSpec, seed: int) -> tuple:
-    """The steps' frozen groups: the model's, then the reference's copy of the initial weights if it is one."""
-    return frozen + load_copy(spec, seed) if reference is not None and reference.copy else frozen
+    """The steps' frozen groups: the model's, then the reference's copy of the initial weights if it is one (a
+    teacher's weights, for a teacher)."""
+    if reference is None or not reference.copy:
+        return frozen
+    return frozen + (reference.load(seed) if reference.load is not None else load_copy(spec, seed))
 
 
 def load_copy(spec: ModelSpec, seed: int) -> tuple:

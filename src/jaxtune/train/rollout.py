@@ -151,15 +151,24 @@ class Rollout:
         """The training batch for the prompt batch ``prompts`` at ``step`` (N = prompts × ``num_generations`` rows)
         and the rollout's metrics."""
         o = self.cfg.objective
-        done = self.sample(weights, source, [int(r) for r in prompts["row"]], group=o.num_generations,
-                           temperature=o.temperature, seed=rollout_seed(self.cfg.train.seed, step), step=step,
-                           local=True)
-        if o.spec.baseline == "leave_one_out":  # RLOO; the KL penalty and normalisation follow in the step
+        rows = [int(r) for r in prompts["row"]]
+        distils = o.name == "gkd"
+        on_policy = not distils or on_policy_step(self.cfg.train.seed, step, o.lmbda)
+        if on_policy:
+            done = self.sample(weights, source, rows, group=o.num_generations, temperature=o.temperature,
+                               seed=rollout_seed(self.cfg.train.seed, step), step=step, local=True)
+        else:  # gkd's supervised steps: each prompt row's own completion
+            done = self.given(source, rows, o.num_generations)
+        if distils:  # the teacher, not a reward, says how good a token is; the rewards are logged only
+            advantages = np.zeros(len(done.ids), np.float32)
+        elif o.spec.baseline == "leave_one_out":  # RLOO; the KL penalty and normalisation follow in the step
             advantages = leave_one_out_advantages(done.scores.total, done.scores.per_function, o.num_generations)
         else:
             advantages = group_advantages(done.scores.total, o.num_generations, o.scale_rewards).astype(np.float32)
         metrics = self.metrics(done)  # over every process's completions
-        if jax.process_count() > 1:  # this process trains on its own prompts' completions
+        if distils:
+            metrics["on_policy"] = float(on_policy)
+        if jax.process_count() > 1 and on_policy:  # this process trains on its own prompts' completions
             n = len(prompts["row"]) * o.num_generations
             mine = slice(jax.process_index() * n, (jax.process_index() + 1) * n)
             done = Completions(done.prompt_ids[mine], done.ids[mine], done.texts[mine], done.rows[mine],
@@ -170,6 +179,33 @@ class Rollout:
             return {**rows, "advantages": advantages.reshape(-1, o.num_generations)}, metrics
         rows = training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len)
         return {**rows, "advantages": advantages}, metrics
+
+    def given(self, source: PromptRows, rows: list[int], group: int) -> Completions:
+        """``group`` copies of each prompt row's own completion (its ``completion`` field, or the reply that ended
+        its conversation), ended by the stop id as a sampled one is, unscored: gkd's supervised steps. This
+        process's ``rows`` only (each process trains on its own)."""
+        stop = self.stops[-1]
+        prompt_ids, ids, texts, expanded = [], [], [], []
+        for r in rows:
+            fields = source.fields(r)
+            text = fields.get("completion", fields.get("reference"))
+            if isinstance(text, list):  # a conversational completion: its (one) reply
+                text = text[-1].get("content") if text and isinstance(text[-1], dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"{source.where(r)}: objective.lmbda={self.cfg.objective.lmbda} trains some steps on "
+                                 "each prompt's own completion, and this row has none (a 'completion' field, or a "
+                                 "conversation ending in a reply); add them, or set objective.lmbda=1")
+            completion = self.tokenizer.encode(text)[:self.cfg.objective.max_completion_length - 1] + [stop]
+            for _ in range(group):
+                prompt_ids.append(source.ids(r))
+                ids.append(completion)
+                texts.append(text)
+                expanded.append(r)
+        n = len(ids)
+        self.timings = {"generation": 0.0, "rewards": 0.0, "generated_tokens": 0.0}
+        scores = Scores(per_function=np.zeros((n, len(self.rewards.labels)), np.float32),
+                        total=np.zeros(n, np.float32), errors={}, logged={})
+        return Completions(prompt_ids, ids, texts, expanded, scores, np.ones(n, bool), [[0.0] * len(c) for c in ids])
 
     def metrics(self, done: Completions) -> dict[str, float]:
         """TRL's rollout metrics (rewards, completion lengths), and the time spent sampling and scoring."""
@@ -193,6 +229,12 @@ class Rollout:
         out["time/rewards"] = self.timings["rewards"]
         out["generation_tok_s"] = self.timings["generated_tokens"] / max(gen, 1e-9)
         return out
+
+
+def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
+    """gkd: whether ``step`` trains on the student's own samples (probability ``lmbda``, TRL's draw per step), a
+    function of the run's seed and the step only (a resumed run draws the same)."""
+    return lmbda >= 1.0 or (lmbda > 0.0 and float(np.random.default_rng([seed, step, 17]).random()) < lmbda)
 
 
 def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer) -> Rollout:

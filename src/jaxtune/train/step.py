@@ -218,17 +218,22 @@ def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
 
     mesh = spec.mesh
     batch_sh = sharding.batch_sharding(mesh)
-    frozen_sh = spec.frozen_shardings + ((spec.shardings.params,) if reference is not None and reference.copy else ())
+    copy_sh = None if reference is None or not reference.copy else \
+        reference.shardings if reference.shardings is not None else spec.shardings.params
+    frozen_sh = spec.frozen_shardings + ((copy_sh,) if copy_sh is not None else ())
     steps.train = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh, frozen_sh),
                           out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
     steps.eval = jax.jit(eval_impl, in_shardings=(spec.shardings.params, batch_sh, frozen_sh))
     return steps
 
 
-def run_steps(spec: ModelSpec, cfg: Config) -> Steps:
+def run_steps(spec: ModelSpec, cfg: Config, teacher: ReferenceModel | None = None) -> Steps:
     """The run's steps as `train()` jits them: ``cfg``'s objective, and the reference model it compares with, if
-    the steps hold one (not when its log-probs are precomputed). `jaxtune info --compile-for` compiles this same
-    train step ahead of time."""
+    the steps hold one (not when its log-probs are precomputed), or gkd's ``teacher`` (`jaxtune.backends.teacher`).
+    `jaxtune info --compile-for` compiles this same train step ahead of time."""
+    if cfg.objective.name == "gkd" and teacher is None:
+        raise ValueError("objective.name=gkd: the steps need the teacher model (jaxtune.backends.teacher)")
     precomputed = cfg.objective.uses_reference and cfg.objective.precompute_ref_logps
-    reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk, precomputed)
+    reference = teacher if teacher is not None else step_reference(spec, cfg.objective, cfg.train.loss_chunk,
+                                                                     precomputed)
     return jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)

@@ -8,12 +8,13 @@ from jaxtune.config import OBJECTIVES as DECLARED
 from jaxtune.config import ObjectiveConfig
 from jaxtune.train.objectives.base import Metrics, Objective, Reference
 from jaxtune.train.objectives.cross_entropy import CrossEntropy
+from jaxtune.train.objectives.gkd import GKD
 from jaxtune.train.objectives.grpo import GRPO
 from jaxtune.train.objectives.kto import KTO
 from jaxtune.train.objectives.preference import DPO, ORPO, SimPO
 from jaxtune.train.objectives.rloo import RLOO
 
-CLASSES = (CrossEntropy, DPO, SimPO, ORPO, KTO, GRPO, RLOO)
+CLASSES = (CrossEntropy, DPO, SimPO, ORPO, KTO, GRPO, RLOO, GKD)
 OBJECTIVES: dict[str, type] = {c.name: c for c in CLASSES}
 if set(OBJECTIVES) != set(DECLARED):  # a declared objective without its class, or a class without its record
     raise ImportError(f"objectives declared in jaxtune.config.kinds {sorted(DECLARED)} != implemented "
@@ -25,5 +26,5 @@ def make_objective(cfg: ObjectiveConfig) -> Objective:
     return OBJECTIVES[cfg.name].from_config(cfg)
 
 
-__all__ = ["CLASSES", "DPO", "GRPO", "KTO", "OBJECTIVES", "ORPO", "RLOO", "CrossEntropy", "Metrics", "Objective",
+__all__ = ["CLASSES", "DPO", "GKD", "GRPO", "KTO", "OBJECTIVES", "ORPO", "RLOO", "CrossEntropy", "Metrics", "Objective",
            "Reference", "SimPO", "make_objective"]

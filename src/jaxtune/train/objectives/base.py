@@ -72,6 +72,8 @@ class Reference:
     # None when its log-probs are precomputed (``ref_logps`` in the batch)
     logps: Callable[..., jax.Array] | None
     is_policy: jax.Array  # scalar bool: the policy's weights are the reference's (exactly)
+    # (N, T) rows -> (N, T, V) float32 log-softmax of the reference's logits: a teacher's whole distributions (gkd)
+    log_softmax: Callable[[Batch], jax.Array] | None = None
 
     def __call__(self, rows: Batch, temperature: float = 1.0) -> jax.Array:
         if self.logps is None:

@@ -1,0 +1,154 @@
+"""On-policy distillation (`jaxtune.train.objectives.gkd`) against TRL 1.16's GKD: the loss of
+``GKDTrainer.generalized_jsd_loss`` as its ``compute_loss`` calls it (the student's and the teacher's logits of the
+same rows, shifted; labels -100 off the completions), and its gradients, on a tiny student and a teacher of another
+architecture (3 layers, hidden 96) with one vocabulary; beta 0 (KL(teacher || student)), 0.3 (not 0.5: the mixture is symmetric there) and 1 (reverse KL).
+Then the teacher's refusals (another vocabulary, another tokenizer, no model directory), and a run: the student
+distilled from the teacher on its own samples moves towards it."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers.trl_reference import (
+    BOS,
+    EOS,
+    FAST_COMPILE,
+    GRAD_PARAMS,
+    MESH,
+    PAD,
+    TOL,
+    Ours,
+    assert_close,
+    hf_grads,
+    hf_model,
+    one_torch_thread,
+    save_checkpoints,
+    tiny_spec,
+    word_tokenizer,
+)
+
+from jaxtune import sharding
+from jaxtune.backends import teacher as load_teacher
+from jaxtune.config import ConfigError, TokenizerConfig
+from jaxtune.data import load_tokenizer
+from jaxtune.train.objectives import GKD, make_objective
+from jaxtune.train.rollout import training_rows
+from jaxtune.train.step import objective_loss
+
+pytest.importorskip("trl")
+from trl.experimental.gkd import GKDTrainer  # noqa: E402
+
+VOCAB = 64
+_torch_threads = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
+
+
+def save_teacher(directory, vocab: int = VOCAB, hidden: int = 96) -> None:
+    """A random Llama of another shape than the student's (3 layers), the same word tokenizer unless ``vocab``
+    differs."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=160, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                      tie_word_embeddings=False, initializer_range=0.2, bos_token_id=BOS,
+                                      eos_token_id=EOS, pad_token_id=PAD)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(directory)
+    word_tokenizer(vocab).save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gkd")
+    dirs = save_checkpoints(root, VOCAB, {"student": 0.05})
+    for d in dirs.values():
+        word_tokenizer(VOCAB).save_pretrained(d)
+    save_teacher(root / "teacher")
+    return {"student": dirs["student"], "teacher": root / "teacher", "root": root}
+
+
+def rows() -> dict[str, np.ndarray]:
+    """Four prompts of 3-9 tokens and completions of 2-7 (the last ending in EOS), laid out as the rollout does."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (3, 9, 5, 6)]
+    completions = [rng.integers(3, VOCAB, n).tolist() for n in (2, 7, 4, 5)]
+    completions[3][-1] = EOS
+    return training_rows(prompts, completions, [[0.0] * len(c) for c in completions], 20)
+
+
+def trl_side(models, batch, beta: float):
+    """TRL's loss and gradients: GKDTrainer.compute_loss's forward of both models and its generalized_jsd_loss."""
+    student, teacher = hf_model(models["student"]), hf_model(models["teacher"]).eval()
+    n, t = batch["inputs"].shape
+    lengths = (batch["segment_ids"] > 0).sum(1) + 1  # tokens of each row (inputs shifted by one)
+    ids = np.full((n, t + 1), PAD, np.int64)
+    labels = np.full((n, t + 1), -100, np.int64)
+    for i, m in enumerate(lengths):
+        ids[i, :m - 1], ids[i, m - 1] = batch["inputs"][i, :m - 1], batch["targets"][i, m - 2]
+        done = batch["loss_mask"][i, :m - 1] > 0
+        labels[i, 1:m][done] = batch["targets"][i, :m - 1][done]
+    mask = (np.arange(t + 1)[None] < lengths[:, None]).astype(np.int64)
+    ids, labels, mask = torch.tensor(ids), torch.tensor(labels), torch.tensor(mask)
+    out = student(input_ids=ids, attention_mask=mask).logits
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=ids, attention_mask=mask).logits
+    loss = GKDTrainer.generalized_jsd_loss(out[:, :-1, :], teacher_logits[:, :-1, :], labels=labels[:, 1:], beta=beta)
+    loss.backward()
+    return loss.item(), hf_grads(student)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_loss_and_gradients_match_trl(models, beta):
+    cfg, spec = tiny_spec(models["student"], "objective.name=gkd", f"objective.teacher={models['teacher']}",
+                          f"objective.beta={beta}", "data.format=prompts")
+    tokenizer = load_tokenizer(TokenizerConfig.of_checkpoint(str(models["student"])), cfg.data)
+    teacher = load_teacher(cfg, MESH, tokenizer, VOCAB)
+    objective = make_objective(cfg.objective)
+    assert isinstance(objective, GKD) and objective.beta == beta
+    loss_fn = objective_loss(objective, spec.forward(), spec.weights, teacher)
+    batch = rows()
+    with sharding.use_mesh(MESH):
+        (total, (count, metrics)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True),
+                                                   compiler_options=FAST_COMPILE)(
+            spec.init(0).params, sharding.global_batch(MESH, batch), None, teacher.load(0))
+    n = float(count)
+    assert n == batch["loss_mask"].sum() == 2 + 7 + 4 + 5
+    mine = Ours(float(total) / n, n, {}, jax.tree.map(lambda g: np.asarray(g) / n, grads))
+    loss, their_grads = trl_side(models, batch, beta)
+    errors = assert_close(mine, type("TRL", (), {"loss": loss, "metrics": {}, "grads": their_grads})(), (),
+                          lambda *_: 0.0)
+    assert set(errors) == {"loss", *(name for name, _ in GRAD_PARAMS.values())} and mine.loss > 0.05
+    # the teacher's mean log-prob of the completion tokens, computed apart
+    teacher_model = hf_model(models["teacher"])
+    with torch.no_grad():
+        logp = torch.log_softmax(teacher_model(torch.tensor(batch["inputs"])).logits, -1).numpy()
+    picked = np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    want = float((picked * batch["loss_mask"]).sum() / n)
+    assert abs(float(metrics["teacher_logp"]) / n - want) <= TOL * abs(want)
+
+
+def test_the_teacher_must_share_the_students_tokens(models, tmp_path):
+    base = [f"model.from_hf={models['student']}", "objective.name=gkd", "data.format=prompts"]
+    cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={models['teacher']}")
+    tokenizer = load_tokenizer(TokenizerConfig.of_checkpoint(str(models["student"])), cfg.data)
+    other = tmp_path / "wide"
+    save_teacher(other, vocab=VOCAB + 8)
+    cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={other}")
+    with pytest.raises(ConfigError, match=rf"objective.teacher={other}: its vocabulary has {VOCAB + 8} tokens, the "
+                                          rf"student's {VOCAB}"):
+        load_teacher(cfg, MESH, tokenizer, VOCAB)
+    shuffled = tmp_path / "shuffled"  # the same size, another tokenizer
+    save_teacher(shuffled)
+    tok = json.loads((shuffled / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["w3"], vocab["w4"] = vocab["w4"], vocab["w3"]
+    (shuffled / "tokenizer.json").write_text(json.dumps(tok))
+    tokenizer = load_tokenizer(TokenizerConfig.of_checkpoint(str(models["student"])), cfg.data)
+    cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={shuffled}")
+    with pytest.raises(ConfigError, match="its tokenizer splits text differently"):
+        load_teacher(cfg, MESH, tokenizer, VOCAB)
+    cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={tmp_path / 'nowhere'}")
+    with pytest.raises(ConfigError, match="no Hugging Face model directory there"):
+        load_teacher(cfg, MESH, tokenizer, VOCAB)
