@@ -339,7 +339,7 @@ SFT = ["data.format=messages", "data.chat_template=chatml"]
     (CHAT_ROW, PREFERENCE, ("this row is a chat conversation (data.format=messages, for "
                             "objective.name=cross_entropy), but data.format=preference reads a preference pair")),
     (PROMPT_ROW, PREFERENCE, ("this row is a prompt alone {prompt, answer fields} (data.format=prompts, for "
-                              "objective.name=grpo or rloo), but data.format=preference reads")),
+                              "objective.name=grpo, rloo or gkd), but data.format=preference reads")),
     (PAIR_ROW, SFT, ("this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for "
                      "objective.name=dpo, simpo or orpo), but data.format=messages reads a chat conversation, for "
                      "objective.name=cross_entropy; give rows of that shape, or train on these with "

@@ -93,7 +93,7 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     spec = backend.build(cfg, tokenizer.vocab_size, mesh)
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
     runtime.release_malloc(4 * spec.model_cfg.num_params())  # a large model: give freed memory back (runtime.py)
-    steps = run_steps(spec, cfg, teacher(cfg, mesh, tokenizer, spec.model_cfg.vocab_size)
+    steps = run_steps(spec, cfg, teacher(cfg, mesh, spec.model_cfg.vocab_size, tokenizer)
                       if cfg.objective.name == "gkd" else None)
     precomputed = steps.reference is not None and steps.reference.forward is None  # DPO's log-probs, computed below
     rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None

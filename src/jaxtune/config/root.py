@@ -96,7 +96,7 @@ class Config(Section):
             raise ValueError("objective.importance_sampling corrects the sampler's log-probs with the trainer's: "
                              "with num_iterations > 1 it needs objective.old_logps=trainer (sampler makes every "
                              "ratio 1)")
-        if not obj.generates or obj.old_logps is not None:
+        if "old_logps" not in obj.spec.keys or obj.old_logps is not None:
             return self
         source = "sampler" if self.model.compute_dtype == "float32" and not corrects else "trainer"
         return self.model_copy(update={"objective": obj.model_copy(update={"old_logps": source})})
@@ -113,6 +113,9 @@ class Config(Section):
                 f"(data.format {formats}), but data.format={self.data.format} makes {kind.name} ({kind.description}); "
                 f"set data.format to one of {formats}, or objective.name to "
                 + (f"one of {', '.join(takers)}" if len(takers) > 1 else takers[0]))
+        if obj.name == "gkd" and not obj.teacher:
+            raise ValueError("objective.name=gkd needs objective.teacher: the teacher model's Hugging Face "
+                             "directory (e.g. a `jaxtune export` of a fine-tuned run) or .gguf file")
         if obj.generates and obj.max_completion_length >= self.data.seq_len:
             raise ValueError(f"objective.max_completion_length={obj.max_completion_length} leaves no room "
                              f"for a prompt in data.seq_len={self.data.seq_len} (prompt and completion together); "

@@ -55,6 +55,7 @@ class ReferenceModel:
     teacher: bool = False
     shardings: Any = None
     load: Callable[[int], tuple] | None = None
+    abstract: Any = None  # a teacher's params as ShapeDtypeStructs (ahead-of-time plans)
 
     def bind(self, params: Any, frozen: tuple) -> Reference:
         """The reference's per-token log-probs of (N, T) rows (of logits / temperature), deterministic and without
