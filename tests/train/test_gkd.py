@@ -257,3 +257,39 @@ def test_gkd_config_refusals():
     cfg = load_config(None, [*base, "objective.teacher=t"])
     assert cfg.objective.num_generations == 1 and cfg.objective.beta_value == 0.5 and cfg.objective.lmbda == 1.0
     assert not cfg.objective.uses_reference
+
+
+def test_gkd_quickstart_as_its_header_runs_it(quickstart_sft_model, tmp_path, data_cache, capsys):
+    """gkd-quickstart as its header runs it, shortened: the fine-tuning quickstart's export as the teacher, a student
+    of half its layers and width (a short SFT of its own, exported), then the recipe: every step on-policy, the
+    teacher's and the student's log-probs logged, the train step compiled once per length, held-out accuracy before
+    and after in report.md, and `jaxtune eval` of the run answers the held-out prompts."""
+    from helpers.run_outputs import metric_rows
+    from helpers.tiny_config import QUICK
+
+    from jaxtune.cli import main
+
+    fast = [f"data.cache_dir={data_cache}", *QUICK]
+    student = tmp_path / "student"
+    assert main(["train", "finetune-quickstart", "model.n_layer=2", "model.d_model=64", "model.d_ff=192",
+                 "train.steps=10", "eval.every=0", "data.val_fraction=0", f"run_dir={tmp_path / 'student-run'}",
+                 *fast]) == 0
+    assert main(["export", str(tmp_path / "student-run"), str(student)]) == 0
+    run = tmp_path / "gkd"
+    assert main(["train", "gkd-quickstart", *fast, f"model.from_hf={student}",
+                 f"objective.teacher={quickstart_sft_model}", f"run_dir={run}", "train.steps=6",
+                 "objective.prompts_per_step=8", "optim.warmup_steps=0", "eval.every=6", "eval.exact_match=8",
+                 "checkpoint.every=6", "logging.every=1"]) == 0
+    out = capsys.readouterr().out
+    assert "gkd: 8 prompts x 1 completions = 8 completions a step" in out
+    rows = metric_rows(run, "train")
+    assert [r["on_policy"] for r in rows] == [1.0] * 6
+    assert all(np.isfinite([r["loss"], r["teacher_logp"], r["student_logp"]]).all() for r in rows)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step_compiles"] == len(summary["step_lengths"])
+    report = (run / "report.md").read_text()
+    assert "before (step 0)" in report and "after (step 6)" in report
+    capsys.readouterr()
+    assert main(["eval", str(run), f"data.cache_dir={data_cache}"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["prompts"] == 8 and "accuracy" in result
