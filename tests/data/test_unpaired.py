@@ -93,3 +93,35 @@ def test_max_prompt_length_and_the_synthetic_rows(tok, tmp_path):
     assert abs(data.stats.desirable - data.stats.train_rows / 2) < 0.05 * data.stats.train_rows
     first = next(arithmetic_unpaired())
     assert first["label"] is True and first["completion"][0]["role"] == "assistant"
+
+
+def test_pairs_unpaired_with_data_unpair_are_trls_unpair_preference_dataset(tok, tmp_path, monkeypatch):
+    """data.unpair reads preference pairs (text and conversational, extra fields kept) as TRL 1.16's
+    unpair_preference_dataset makes them: per batch of rows the chosen halves labelled true, then the rejected ones
+    labelled false: the same rows in the same order (batches of 2 here, as TRL's map with batch_size=2), each
+    encoded as an unpaired row is; a row already unpaired passes as it is. Without the flag a pair is refused,
+    naming the flag; the flag with another format is refused."""
+    import datasets
+    from trl.data_utils import unpair_preference_dataset
+
+    from jaxtune.config import ConfigError, load_config
+    from jaxtune.data import row_policy
+
+    pairs = [{"prompt": [m(U, "What is 2 plus 2?")], "chosen": [m(A, "4")], "rejected": [m(A, "5")], "id": 1},
+             {"prompt": [m(U, "Say hi.")], "chosen": [m(A, "Hi!")], "rejected": [m(A, "No.")], "id": 2},
+             {"prompt": [m(U, "Name a colour.")], "chosen": [m(A, "Blue")], "rejected": [m(A, "Seven")], "id": 3}]
+    path = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    monkeypatch.setattr(row_policy, "UNPAIR_BATCH", 2)
+    cfg = chatml_cfg("unpaired", sources=[str(path)]).model_copy(update={"unpair": True})
+    stats = UnpairedStats()
+    rows = load(tok, cfg, stats)
+    theirs = unpair_preference_dataset(datasets.Dataset.from_list(pairs), batch_size=2).to_list()
+    assert [t["label"] for t in theirs] == [True, True, False, False, True, False]
+    expected = load(tok, chatml_cfg("unpaired", sources=[str(write_jsonl(tmp_path / "theirs.jsonl", theirs))]))
+    assert [(r.sequence.ids.tolist(), r.label, r.prompt) for r in rows] == \
+        [(r.sequence.ids.tolist(), r.label, r.prompt) for r in expected]
+    assert stats.rows == 6
+    with pytest.raises(DataError, match=r"this row is a preference pair .* or set data.unpair=true"):
+        load(tok, chatml_cfg("unpaired", sources=[str(path)]))
+    with pytest.raises(ConfigError, match="data.unpair reads preference pairs as unpaired rows"):
+        load_config(None, ["data.format=preference", "objective.name=dpo", "data.unpair=true"])

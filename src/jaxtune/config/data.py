@@ -66,6 +66,9 @@ class DataConfig(Section):
                                           "more tokens keeps its last this many (TRL's left truncation), whatever "
                                           "data.overlong says; counted when training starts. Default: no limit "
                                           "but data.seq_len's")
+    unpair: bool = Field(False, description="unpaired rows (kto): read preference pairs {prompt, chosen, rejected} "
+                         "too, each as two rows: its chosen completion desirable (label true) and its rejected one "
+                         "undesirable (TRL's unpair_preference_dataset)")
     cache_dir: str = "~/.cache/jaxtune"
     num_workers: int = Field(0, ge=0, description="grain worker processes; 0 reads in the main process")
     num_proc: int | None = Field(None, ge=1, description="processes tokenizing the corpus; default all cores (the "
@@ -91,6 +94,14 @@ class DataConfig(Section):
     def pretokenized(self) -> bool:
         """``format: tokens``: the sources are token ids already."""
         return self.format == PRETOKENIZED_FORMAT
+
+    @model_validator(mode="after")
+    def _unpair_applies(self) -> DataConfig:
+        if self.unpair and self.format != "unpaired":
+            raise ValueError(f"data.unpair reads preference pairs as unpaired rows (data.format=unpaired, for "
+                             f"objective.name=kto), not with data.format={self.format}; drop it, or set "
+                             "data.format=unpaired")
+        return self
 
     @model_validator(mode="after")
     def _prompt_limit_applies(self) -> DataConfig:

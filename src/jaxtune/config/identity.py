@@ -20,7 +20,7 @@ IDENTITY_KEYS = (
     "model.compute_dtype", "model.scan_layers", "model.lora",
     "data.sources", "data.format", "data.text_field", "data.fields", "data.roles", "data.chat_template", "data.loss_on",
     "data.overlong", "data.packing", "data.val_sources", "data.val_fraction", "data.hf_split", "data.hf_config",
-    "data.max_bytes", "data.seq_len", "data.max_prompt_length", "data.num_workers",
+    "data.max_bytes", "data.seq_len", "data.max_prompt_length", "data.unpair", "data.num_workers",
     "tokenizer", "optim", "objective",
     "train.seed", "train.batch_size", "train.micro_batches",
 )

@@ -432,8 +432,11 @@ def looks_like(record: dict, data_format: str) -> str | None:
     if fmt is None or FORMATS[data_format].own_keys & record.keys():  # like none, or this format's, a field lost
         return None
     takers = _takers(fmt.name)
+    unpair = ("; or set data.unpair=true to read each pair as a desirable and an undesirable row (TRL's "
+              "unpair_preference_dataset)") if (fmt.name, data_format) == ("preference", "unpaired") else ""
     return (f"this row is {fmt.row_noun} (data.format={fmt.name}{_for(takers)}), but {wanted}; give rows of that "
-            f"shape, or train on these with data.format={fmt.name}" + (f" objective.name={takers[0]}" if takers else ""))
+            f"shape, or train on these with data.format={fmt.name}" + (f" objective.name={takers[0]}" if takers else "")
+            + unpair)
 
 
 def iter_turn_texts(data_cfg: DataConfig) -> Iterator[str]:

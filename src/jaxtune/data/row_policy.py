@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from jaxtune.config import DataConfig
 from jaxtune.data.chat import resolve_chat_template
@@ -55,7 +55,8 @@ def parsed_rows(sources: list[str], data_cfg: DataConfig, stats: RowStats,
     only once the chunk before it is consumed, so an earlier row's error (its length) comes first."""
     fields = field_names(data_cfg)
     pending: list[tuple[str, Example | Pair | Prompt]] = []
-    for where, record in read_rows(sources, data_cfg):
+    rows = read_rows(sources, data_cfg)
+    for where, record in unpaired_records(rows) if data_cfg.unpair else rows:
         stats.rows += 1
         try:
             pending.append((where, parse_row(record, data_cfg, fields)))
@@ -69,6 +70,36 @@ def parsed_rows(sources: list[str], data_cfg: DataConfig, stats: RowStats,
             yield pending
             pending = []
     yield pending
+
+
+UNPAIR_BATCH = 1000  # TRL's unpair_preference_dataset maps batches of this many rows (datasets' default)
+
+
+def unpaired_records(rows: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """``data.unpair``: each preference pair {prompt, chosen, rejected} as two unpaired rows, its chosen completion
+    labelled true and its rejected one false, other fields kept on both; any other row as it is. In TRL's order
+    (``unpair_preference_dataset``, a batched map): per batch of `UNPAIR_BATCH` rows, the chosen halves, then the
+    rejected ones; so the KL rows (each row's prompt with the previous row's completion) mismatch prompts as TRL's do,
+    where interleaving would pair a rejected row's prompt with its own chosen completion."""
+    batch: list[tuple[str, Any]] = []
+    for item in rows:
+        batch.append(item)
+        if len(batch) == UNPAIR_BATCH:
+            yield from _halves(batch)
+            batch = []
+    yield from _halves(batch)
+
+
+def _halves(batch: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    later = []
+    for where, record in batch:
+        if not isinstance(record, dict) or not {"chosen", "rejected"} <= record.keys() or "completion" in record:
+            yield where, record
+            continue
+        rest = {k: v for k, v in record.items() if k not in ("chosen", "rejected")}
+        yield where, {**rest, "completion": record["chosen"], "label": True}
+        later.append((where, {**rest, "completion": record["rejected"], "label": False}))
+    yield from later
 
 
 def completion_settings(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:
