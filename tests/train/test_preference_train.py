@@ -152,6 +152,29 @@ def test_precomputed_reference_equals_the_live_one_and_is_reused(pref, tmp_path)
     assert resumed.step == 5 and resumed.step_compiles == len(resumed.step_lengths)
 
 
+def test_kto_precomputed_reference_equals_the_live_one(tmp_path, data_cache):
+    """KTO with objective.precompute_ref_logps: each row's and its KL row's reference log-probs computed once before
+    training (as DPO's pairs are) give the live reference's losses, KL baselines and held-out rewards; they are
+    stored in the run directory, (rows, 2)."""
+    from jaxtune.data.synthetic import arithmetic_unpaired
+
+    rows = write_jsonl(tmp_path / "rows.jsonl", itertools.islice(arithmetic_unpaired(), 160))
+    rest = [r for r in REST if not r.startswith(("data.format", "objective.name"))]
+    make = run_overrides([*rest, "data.format=unpaired", "objective.name=kto"], rows, tmp_path, data_cache)
+    live = train(load_config(None, make("train.steps=3", "eval.every=3", run="live")))
+    cfg = load_config(None, make("train.steps=3", "eval.every=3", "objective.precompute_ref_logps=true", run="pre"))
+    pre = train(cfg)
+    assert pre.step_compiles == len(pre.step_lengths)
+    for s in live.losses:
+        assert pre.losses[s] == pytest.approx(live.losses[s], rel=1e-5, abs=1e-6)
+    (a, b) = [[r for r in metric_rows(tmp_path / run, "train")] for run in ("live", "pre")]
+    assert [r["kl"] for r in a] == pytest.approx([r["kl"] for r in b], rel=1e-5, abs=1e-6)
+    (ea,), (eb,) = [[r for r in metric_rows(tmp_path / run, "eval") if r["step"] == 3] for run in ("live", "pre")]
+    assert eb["rewards/margins"] == pytest.approx(ea["rewards/margins"], rel=1e-4, abs=1e-6)
+    stored = np.load(cfg.run_path / REF_LOGPS_FILE)
+    assert stored["train"].ndim == 2 and stored["train"].shape[1] == 2 and (stored["train"] < 0).all()
+
+
 def test_precomputed_reference_is_read_back_on_resume(pref, capsys):
     """And while it is computed, a progress bar counts the pairs (here without a terminal: plain lines)."""
     over = pref("train.steps=2", "eval.every=0", "objective.precompute_ref_logps=true", "logging.progress=true")

@@ -117,7 +117,8 @@ PAIRS = BatchKind(
 UNPAIRED = BatchKind(
     "unpaired", ("unpaired",), "unpaired preference rows: a prompt, one completion and whether it is desirable; "
     "each item the row and its KL row (its prompt with another row's completion), never packed",
-    sequences=2, item_axis=True, held_out="rewards", unit="rows", extra_keys=lambda obj: ("labels",), prompted=True,
+    sequences=2, item_axis=True, held_out="rewards", unit="rows", prompted=True,
+    extra_keys=lambda obj: ("labels",) + (("ref_logps",) if obj.uses_reference and obj.precompute_ref_logps else ()),
     scored_only=1)
 PROMPTS = BatchKind(
     "prompts", ("prompts",), "prompts with their answer fields; the loop samples num_generations completions of each",
@@ -185,7 +186,7 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
                   passes_key="num_iterations"),
     ObjectiveKind("kto", (UNPAIRED,), "KTO: unpaired desirable and undesirable completions against a frozen "
                   "reference, each reward measured from a KL baseline estimated on mismatched rows (TRL's KTOTrainer)",
-                  frozenset({"beta", "loss_type", "desirable_weight", "undesirable_weight"}),
+                  frozenset({"beta", "loss_type", "desirable_weight", "undesirable_weight", "precompute_ref_logps"}),
                   loss_types=("kto", "apo_zero_unpaired"), default_beta=0.1, reference="always"),
     ObjectiveKind("rloo", (PROMPTS,), "REINFORCE leave-one-out on sampled completions scored by rewards: each "
                   "completion's baseline the mean reward of its group's others, the KL to the reference in the reward, "
@@ -247,9 +248,9 @@ class ObjectiveConfig(Section):
     discopop_tau: float = Field(0.05, gt=0, description="dpo discopop: the temperature of its logistic / exponential "
                                 "mix (TRL's default)")
     gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (TRL's simpo_gamma)")
-    precompute_ref_logps: bool = Field(False, description="dpo: compute the reference log-probs of every pair once "
-                                       "before training (stored in the run directory), so no reference model is "
-                                       "held while training")
+    precompute_ref_logps: bool = Field(False, description="dpo and kto: compute the reference log-probs of every "
+                                       "pair (kto: every row and its KL row) once before training (stored in the run "
+                                       "directory), so no reference model is held while training")
     # grpo
     prompts_per_step: int | None = Field(
         None, ge=1, description="grpo and rloo: prompts a step samples, each num_generations times: a step trains on "

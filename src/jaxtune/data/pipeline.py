@@ -37,7 +37,7 @@ from jaxtune.data.row_policy import completion_settings
 from jaxtune.data.sft import SFTStats, load_examples, prepare_sft, sequences
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
-from jaxtune.data.unpaired import UnpairedRows, UnpairedStats, load_unpaired, prepare_unpaired
+from jaxtune.data.unpaired import UnpairedData, UnpairedRows, UnpairedStats, load_unpaired, prepare_unpaired
 
 Batch = dict[str, np.ndarray]  # {"inputs": int32 (B, T), "targets": int32 (B, T)}
 
@@ -159,7 +159,7 @@ class TrainingData:
     eval_batches: list[Batch]
     report: list[str]
     eval_examples: list[Example] = field(default_factory=list)
-    pairs: PreferenceData | None = None
+    pairs: PreferenceData | UnpairedData | None = None  # pairs, or KTO's unpaired rows (each with its KL row)
     batching: Batching | None = None  # how the pairs were batched (to batch them again with reference log-probs)
     prompts: PromptData | None = None
 
@@ -257,7 +257,8 @@ def _pairs(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: in
 def _unpaired(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: int | None) -> TrainingData:
     rows = prepare_unpaired(data_cfg, tokenizer, batching.batch_size)
     return TrainingData(batching.train(rows.train), batching.held_out(rows.val),
-                        rows.stats.lines() + batching.notes(rows.train, rows.val, "rows"), rows.held_out)
+                        rows.stats.lines() + batching.notes(rows.train, rows.val, "rows"), rows.held_out, rows,
+                        batching)
 
 
 def _prompts(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching,

@@ -59,11 +59,21 @@ def kl_sequences(rows: list[EncodedRow], chunk: int, limit: int) -> list[Encoded
 
 class UnpairedRows:
     """Grain random-access source: item ``i`` is row ``i``, {"inputs", "targets", "positions", "segment_ids"}: int32
-    (2, T), "loss_mask": float32 (2, T) (row 0 the sequence, row 1 its KL sequence) and "labels": float32 (2,)."""
+    (2, T), "loss_mask": float32 (2, T) (row 0 the sequence, row 1 its KL sequence) and "labels": float32 (2,); with
+    reference log-probs (`with_reference`) also "ref_logps": float32 (2,)."""
 
-    def __init__(self, rows: PackedRows, labels: np.ndarray):
+    def __init__(self, rows: PackedRows, labels: np.ndarray, ref_logps: np.ndarray | None = None):
         self.rows = rows  # sequence 2i is row i's, 2i + 1 its KL sequence
         self.labels = labels  # float32 (len,)
+        self.ref_logps = ref_logps  # float32 (len, 2): the reference's summed completion log-probs of both, or None
+
+    def with_reference(self, logps: np.ndarray) -> UnpairedRows:
+        """These rows with the reference model's log-probs, ``logps``: (len, 2), the summed completion log-probs of
+        each row's sequence and of its KL sequence (objective.precompute_ref_logps)."""
+        logps = np.asarray(logps, np.float32)
+        if logps.shape != (len(self), 2):
+            raise ValueError(f"reference log-probs have shape {logps.shape}; {len(self)} rows need ({len(self)}, 2)")
+        return UnpairedRows(self.rows, self.labels, logps)
 
     @classmethod
     def of(cls, rows: list[EncodedRow], seq_len: int, chunk: int) -> UnpairedRows:
@@ -79,6 +89,8 @@ class UnpairedRows:
         own, kl = self.rows[2 * i], self.rows[2 * i + 1]
         out = {k: np.stack([own[k], kl[k]]) for k in own}
         out["labels"] = np.full(2, self.labels[i], np.float32)
+        if self.ref_logps is not None:
+            out["ref_logps"] = self.ref_logps[i].copy()
         return out
 
 

@@ -66,7 +66,7 @@ class KTO:
             raise ValueError("kto needs the reference model's log-probs")
         rows, mask = _row(batch, 1)
         policy = jnp.sum(jax.lax.stop_gradient(forward.token_logps(weights, rows, None)) * mask, axis=-1)
-        ref = jnp.sum(reference(rows) * mask, axis=-1)
+        ref = _reference_logps(batch, 1, rows, mask, reference)
         real = (jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)  # a padding item (a held-out batch's tail) has none
         kl = jnp.sum((policy - ref) * real) / jnp.maximum(jnp.sum(real), 1.0)
         kl = jnp.where(reference.is_policy, 0.0, jnp.maximum(kl, 0.0))  # exactly 0 while the policy is the reference
@@ -78,7 +78,7 @@ class KTO:
             raise ValueError("kto needs the reference model's log-probs")
         rows, mask = _row(batch, 0)
         logps = jnp.sum(forward.token_logps(weights, rows, key) * mask, axis=-1)  # (B,)
-        ref = jnp.sum(reference(rows) * mask, axis=-1)
+        ref = _reference_logps(batch, 0, rows, mask, reference)
         logps = pinned(logps, ref, reference)
         ratio = logps - ref
         real = (jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)
@@ -102,3 +102,11 @@ class KTO:
             "kl": (jnp.sum(fixed(z) * real), n),
         }
         return jnp.sum(losses), n, metrics
+
+
+def _reference_logps(batch: Batch, k: int, rows: Batch, mask: jax.Array, reference: Reference) -> jax.Array:
+    """(B,) the reference's summed completion log-probs of each item's sequence ``k`` (0: the row, 1: its KL row):
+    precomputed in the batch (``ref_logps``, objective.precompute_ref_logps), else from the reference model."""
+    if "ref_logps" in batch:
+        return batch["ref_logps"][:, k].astype(jnp.float32)
+    return jnp.sum(reference(rows) * mask, axis=-1)
