@@ -480,7 +480,7 @@ def main(argv=None) -> dict:
         print(f"warning: some completions stopped early (EOS sampled) for {early}: the sides' token counts differ")
 
     if evals:
-        h.print_header(["held-out evaluation", f"first call (s)", "median of 3 (s)", "generated tokens",
+        h.print_header(["held-out evaluation", "first call (s)", "median of 3 (s)", "generated tokens",
                         "tokens/s", "mean reward"])
         for name, e in evals.items():
             print(f"| {name} | {e['first_s']:.1f} | {e['median_s']:.2f} | {e['tokens']:,} | "

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     for cmd in commands:
         print("$ " + shlex.join(cmd), flush=True)
         done = subprocess.run([sys.executable, "-m", "jaxtune.cli", *cmd[1:], "logging.progress=false"]
-                              if cmd[1] == "train" else [sys.executable, "-m", "jaxtune.cli", *cmd[1:]], cwd=work)
+                              if cmd[1] == "train" else [sys.executable, "-m", "jaxtune.cli", *cmd[1:]], cwd=work,
+                              check=False)
         if done.returncode:
             print(f"error: `{shlex.join(cmd)}` exited with {done.returncode}")
             return 2

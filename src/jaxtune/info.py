@@ -16,11 +16,7 @@ from jaxtune.models.resolve import planned_section
 
 def _bytes_per_device(abstract: Any) -> int:
     """Bytes one device holds for a tree of sharded ShapeDtypeStructs."""
-    total = 0
-    for a in jax.tree.leaves(abstract):
-        shard = a.sharding.shard_shape(a.shape)
-        total += math.prod(shard) * np.dtype(a.dtype).itemsize
-    return total
+    return sum(sharding.shard_bytes(a) for a in jax.tree.leaves(abstract))
 
 
 def planned(cfg: Config, vocab_size: int | None = None) -> tuple[Config, int | None, str | None]:

@@ -131,6 +131,11 @@ def param_shardings(mesh: Mesh, abstract_params: Any, axes: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, abstract_params, axes, is_leaf=lambda n: isinstance(n, tuple))
 
 
+def shard_bytes(a: jax.ShapeDtypeStruct) -> int:
+    """Bytes one device holds of ``a`` (sharded): 4-bit types (QLoRA's nf4 and int4) count two values a byte."""
+    return math.prod(a.sharding.shard_shape(a.shape)) * jax.dtypes.itemsize_bits(a.dtype) // 8
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batches are (batch, ...) arrays sharded over the data-parallel axes."""
     return NamedSharding(mesh, P(BATCH_AXES))

@@ -41,7 +41,7 @@ from jaxtune.train.rollout import training_rows
 from jaxtune.train.step import objective_loss
 
 pytest.importorskip("trl")
-from trl.experimental.gkd import GKDTrainer  # noqa: E402
+from trl.experimental.gkd import GKDTrainer
 
 VOCAB = 64
 _torch_threads = pytest.fixture(autouse=True, scope="module")(one_torch_thread)

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtune import sharding
-from jaxtune.aot.step import Program, _shard_bytes
+from jaxtune.aot.step import Program
 from jaxtune.models.lora import adapted_kernels
 from jaxtune.models.sampling import Generator, bucket
 
@@ -77,8 +77,13 @@ def compile_sampler(p: Program) -> dict[str, Any]:
     gen = spec.generator()
     if not isinstance(gen, Generator):
         return {"skipped": f"model.backend={p.cfg.model.backend} samples with its own generator; it is not planned"}
-    lora = gen.plain is not None
-    target, weights = (gen.plain, spec.frozen_abstract[0]) if lora else (gen, spec.abstract.params)
+    lora = gen.plain is not None  # LoRA sampled merged: the graph without adapters over the merged base
+    if lora:
+        target, weights = gen.plain, spec.frozen_abstract[0]
+    elif spec.frozen_abstract:  # QLoRA: the adapters on the quantized base, unmerged
+        target, weights = gen, (spec.abstract.params, *spec.frozen_abstract)
+    else:
+        target, weights = gen, spec.abstract.params
     o, mesh = p.cfg.objective, p.mesh
     rows_sh, replicated = sharding.batch_sharding(mesh), NamedSharding(mesh, P())
     n, plen = shapes["prompts"], shapes["prompt_len"]
@@ -98,11 +103,11 @@ def compile_sampler(p: Program) -> dict[str, Any]:
                "temporaries": mem.temp_size_in_bytes, "code": mem.generated_code_size_in_bytes}
     # Resident while sampling: the training state (params, optimizer), the frozen groups (LoRA's base, a reference
     # copy) and, with LoRA, the merged copies of the adapted kernels (the other arrays are the base's own).
-    resident = sum(_shard_bytes(a) for a in jax.tree.leaves((spec.abstract, spec.frozen_abstract)))
+    resident = sum(sharding.shard_bytes(a) for a in jax.tree.leaves((spec.abstract, spec.frozen_abstract)))
     if p.steps.reference is not None and p.steps.reference.copy:
-        resident += sum(_shard_bytes(a) for a in jax.tree.leaves(spec.abstract.params))
-    merged = sum(_shard_bytes(a) for a in adapted_kernels(spec.abstract.params, weights)) if lora else 0
-    weights_b = sum(_shard_bytes(a) for a in jax.tree.leaves(weights))
+        resident += sum(sharding.shard_bytes(a) for a in jax.tree.leaves(spec.abstract.params))
+    merged = sum(sharding.shard_bytes(a) for a in adapted_kernels(spec.abstract.params, weights)) if lora else 0
+    weights_b = sum(sharding.shard_bytes(a) for a in jax.tree.leaves(weights))
     total = resident + merged + program["outputs"] + program["temporaries"] + program["code"]
     if not lora:  # the sampler's weights are the state's params, counted in resident
         total += program["arguments"] - weights_b

@@ -5,7 +5,6 @@ cost analysis."""
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass
@@ -13,7 +12,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxtune import sharding
 from jaxtune.aot.catalog import TpuSlice, slice_devices, tpu_slice
@@ -75,7 +73,7 @@ class Program:
             frozen = (*frozen, ref.abstract if ref.abstract is not None else spec.abstract.params)
         with sharding.use_mesh(self.mesh):
             lowered = self.steps.train.lower(spec.abstract, abstract_batch(self.cfg, batch_size, self.mesh), frozen)
-        args = sum(_shard_bytes(a) for a in jax.tree.leaves((spec.abstract, frozen)))
+        args = sum(sharding.shard_bytes(a) for a in jax.tree.leaves((spec.abstract, frozen)))
         out: dict[str, Any] = {"batch_size": batch_size, "usable_hbm": self.slice.chip.hbm_usable}
         try:
             compiled = lowered.compile()
@@ -100,9 +98,6 @@ class Program:
                    compile_seconds=time.perf_counter() - started)
         return out
 
-
-def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
-    return math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
 
 
 def _oom_bytes(message: str) -> float | None:

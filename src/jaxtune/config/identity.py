@@ -17,7 +17,7 @@ from jaxtune.config.root import Config
 IDENTITY_KEYS = (
     "model.backend", "model.from_hf", "model.hf_config", "model.family", "model.preset",
     *(f"model.{k}" for k in STRUCTURAL), "model.max_seq_len", "model.dropout", "model.param_dtype",
-    "model.compute_dtype", "model.scan_layers", "model.lora",
+    "model.compute_dtype", "model.scan_layers", "model.lora", "model.quantize",
     "data.sources", "data.format", "data.text_field", "data.fields", "data.roles", "data.chat_template", "data.loss_on",
     "data.overlong", "data.packing", "data.val_sources", "data.val_fraction", "data.hf_split", "data.hf_config",
     "data.max_bytes", "data.seq_len", "data.max_prompt_length", "data.unpair", "data.num_workers",

@@ -89,6 +89,17 @@ class NativeModelConfig(ModelSection):
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
     scan_layers: bool = False
     attention: Literal["auto", "xla", "cudnn"] = "auto"
+    quantize: Literal["nf4", "int8", "int4"] | None = Field(
+        None, description="QLoRA: keep the frozen base's adapted kernels (model.lora.targets) quantized on the device, "
+        "in blocks of 64 inputs with a float32 scale each (nf4: QLoRA's 4-bit NormalFloat; int8; int4), dequantized "
+        "per matmul; the adapters and optimizer state stay float32. Needs model.lora.rank > 0")
+
+    @model_validator(mode="after")
+    def _quantize_needs_lora(self) -> NativeModelConfig:
+        if self.quantize and not self.lora.rank:
+            raise ValueError(f"model.quantize={self.quantize} quantizes the frozen base of a LoRA run, and a full "
+                             "fine-tune trains every weight; set model.lora.rank (e.g. 8), or drop model.quantize")
+        return self
 
 
 class TorchaxModelConfig(ModelSection):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtune.models.quantize import dequantize, is_quantized
 from jaxtune.sharding import constrain
 
 Axes = tuple[str | None, ...]
@@ -64,7 +65,8 @@ class Dense(nnx.Module):
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``key``: LoRA dropout (None: none)."""
-        y = x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)
+        kernel = self.kernel.get_value()  # an array, or QLoRA's quantized kernel (`jaxtune.models.quantize`)
+        y = x.astype(self.dtype) @ (dequantize(kernel, self.dtype) if is_quantized(kernel) else kernel.astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora is not None:

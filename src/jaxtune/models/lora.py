@@ -21,6 +21,7 @@ from jaxtune.io import atomic_dir, check_out_dir, host, write_safetensors
 from jaxtune.models.family import Family
 from jaxtune.models.hf import match_param
 from jaxtune.models.layers import LoraSpec
+from jaxtune.models.quantize import dequantize, is_quantized
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -55,7 +56,8 @@ def merge_adapters(adapters: Any, base: Any, spec: LoraSpec) -> Any:
     for path, node in _adapter_nodes(adapters):
         target = _node(merged, path)
         w = target["kernel"]
-        target["kernel"] = (w.astype(jnp.float32) + lora_delta(node["lora_a"], node["lora_b"], spec)).astype(w.dtype)
+        dtype = jnp.float32 if is_quantized(w) else w.dtype  # QLoRA: the merged kernel dequantized (float32)
+        target["kernel"] = (dequantize(w, jnp.float32) + lora_delta(node["lora_a"], node["lora_b"], spec)).astype(dtype)
     return merged
 
 

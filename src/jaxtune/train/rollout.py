@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxtune.config import Config
 from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
-from jaxtune.data import PromptRows, Tokenizer, stop_ids
+from jaxtune.data import DataError, PromptRows, Tokenizer, stop_ids
 from jaxtune.data.encoded import shared_row
 from jaxtune.train.distributed import every_process, first_failure
 from jaxtune.train.rewards import RewardError, Rewards, Scores, group_advantages, leave_one_out_advantages, make_rewards
@@ -192,7 +192,7 @@ class Rollout:
             if isinstance(text, list):  # a conversational completion: its (one) reply
                 text = text[-1].get("content") if text and isinstance(text[-1], dict) else None
             if not isinstance(text, str):
-                raise ValueError(f"{source.where(r)}: objective.lmbda={self.cfg.objective.lmbda} trains some steps on "
+                raise DataError(f"{source.where(r)}: objective.lmbda={self.cfg.objective.lmbda} trains some steps on "
                                  "each prompt's own completion, and this row has none (a 'completion' field, or a "
                                  "conversation ending in a reply); add them, or set objective.lmbda=1")
             completion = self.tokenizer.encode(text)[:self.cfg.objective.max_completion_length - 1] + [stop]

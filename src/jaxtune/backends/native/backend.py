@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from jaxtune.config.kinds import BRANCH_KEY
 from jaxtune.models import FAMILIES, model_config
 from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
 from jaxtune.models.lora import merge_adapters, write_adapter
+from jaxtune.models.quantize import quantize_base, quantized_layout
 from jaxtune.models.registry import adapters, init_params, merge, model_layout
 from jaxtune.models.sampling import Generator
 from jaxtune.models.unsupported import UnsupportedModelError
@@ -69,6 +71,9 @@ class NativeSpec:
     from_hf: str | None = None  # initial weights: this HuggingFace checkpoint instead of the family's init
     frozen_abstract: tuple = ()
     frozen_shardings: tuple = ()
+    # QLoRA (``model.quantize``): the kind, and the base's layout before quantization (what a checkpoint reads into)
+    quantize: str | None = None
+    base_layout: tuple = ()
 
     def init(self, seed: int) -> TrainState:
         """A fresh state, created sharded (each device computes or reads only its own shards)."""
@@ -89,6 +94,13 @@ class NativeSpec:
         """The frozen params, placed on the mesh: the checkpoint's (``from_hf``) or the seed's initial ones."""
         if not self.frozen_abstract:
             return ()
+        if self.quantize:  # QLoRA: the base read (or initialised) as it is, then its adapted kernels quantized
+            abstract, shardings = self.base_layout
+            with sharding.use_mesh(self.mesh):
+                base = (self._read_hf(abstract, shardings) if self.from_hf else
+                        jax.jit(lambda: init_params(self.model_cfg, seed)[1], out_shardings=shardings)())
+                quantize = functools.partial(quantize_base, self.abstract.params, kind=self.quantize)
+                return (jax.jit(quantize, out_shardings=self.frozen_shardings[0], donate_argnums=0)(base),)
         if self.from_hf:
             return (self._read_hf(self.frozen_abstract[0], self.frozen_shardings[0]),)
         with sharding.use_mesh(self.mesh):
@@ -107,6 +119,8 @@ class NativeSpec:
         """The KV-cache sampler for eval prompts, `jaxtune generate` and GRPO; with LoRA it samples the model
         without adapters from weights with the adapters merged in (measured faster: benchmarks/RESULTS.md)."""
         lora = adapters(self.model_cfg)
+        if self.quantize:  # QLoRA: merging would dequantize the whole base; the adapters run on it instead
+            return Generator(self.graphdef, self.model_cfg.max_seq_len)
         plain = None if lora is None else model_layout(dataclasses.replace(self.model_cfg, lora=None), None)[0]
         return Generator(self.graphdef, self.model_cfg.max_seq_len, None if lora is None else (plain, lora))
 
@@ -126,8 +140,13 @@ class NativeBackend:
         tx = make_optimizer(cfg.optim, cfg.optimizer_updates)
         graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
         shardings, abstract, frozen = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed)
+        frozen_sh, kind, base = tuple(group_sh[1:]), cfg.model.quantize, ()
+        if kind:  # QLoRA: the base group as it is stored, quantized
+            base = (frozen[0], frozen_sh[0])
+            quantized, placed = quantized_layout(abstract.params, frozen[0], frozen_sh[0], kind)
+            frozen, frozen_sh = (quantized,), (placed,)
         return NativeSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.optimizer_updates), mesh, shardings, abstract,
-                          cfg.model.from_hf, frozen, tuple(group_sh[1:]))
+                          cfg.model.from_hf, frozen, frozen_sh, kind, base)
 
     def runs(self, config_json: dict[str, Any]) -> bool:
         try:

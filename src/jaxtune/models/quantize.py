@@ -1,0 +1,80 @@
+"""QLoRA's frozen base: the adapted projections' kernels stored quantized, dequantized per matmul.
+
+``model.quantize`` (with LoRA): every kernel that carries adapters (``model.lora.targets``) is kept on the device as
+a `qwix.QArray` (qwix, the JAX stack's quantization library): its values in the chosen type (``nf4``: the 16
+NormalFloat levels of QLoRA in 4 bits; ``int8``; ``int4``) and one float32 absmax scale per block of `BLOCK`
+consecutive inputs of each output (QLoRA's 64-element blocks, along the input axis). `jaxtune.models.layers.Dense`
+dequantizes its kernel inside the jitted forward, in the compute dtype, right where the matmul reads it; the adapters
+and the optimizer state stay in float32. Everything else of the base (embeddings, norms, the output layer, kernels
+without adapters) keeps ``model.param_dtype``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import qwix
+from jax.sharding import NamedSharding, PartitionSpec
+
+BLOCK = 64  # inputs per scale, as QLoRA's NF4 blocks
+QTYPES: dict[str, Any] = {"nf4": "nf4", "int8": jnp.int8, "int4": jnp.int4}
+
+
+def is_quantized(x: Any) -> bool:
+    return isinstance(x, qwix.QArray)
+
+
+def quantize_kernel(w: jax.Array, kind: str) -> qwix.QArray:
+    """``w`` (in, out), or (layers, in, out) stacked, in blocks of `BLOCK` inputs per output (per layer)."""
+    lead = w.ndim - 2
+    if w.shape[-2] % BLOCK:
+        raise ValueError(f"model.quantize={kind}: a kernel of {w.shape[-2]} inputs does not split into blocks of "
+                         f"{BLOCK}")
+    tiles = {**{i: 1 for i in range(lead)}, lead: BLOCK, lead + 1: 1}
+    return qwix.quantize(w, QTYPES[kind], tiled_axes=tiles)
+
+
+def dequantize(x: Any, dtype: Any = None) -> jax.Array:
+    """A kernel as an array: a QArray dequantized (in ``dtype``, default its scale's float32), else as it is."""
+    if not is_quantized(x):
+        return x if dtype is None else x.astype(dtype)
+    w = qwix.dequantize(x)
+    return w if dtype is None else w.astype(dtype)
+
+
+def _adapted(adapters: Any, base: Any, fn) -> Any:
+    """``base`` (a pure dict) with ``fn`` applied to the kernel of every node that has adapters in ``adapters``."""
+    if isinstance(adapters, dict) and "lora_a" in adapters:
+        return {**base, "kernel": fn(base["kernel"])}
+    if isinstance(adapters, dict):
+        return {k: _adapted(adapters[k], v, fn) if k in adapters else v for k, v in base.items()}
+    return base
+
+
+def quantize_base(adapters: Any, base: Any, kind: str) -> Any:
+    """The frozen base with the adapted kernels quantized (``adapters``: the adapters tree, or its abstract)."""
+    return _adapted(adapters, base, lambda w: quantize_kernel(w, kind))
+
+
+def dequantize_base(base: Any, dtype: Any = None) -> Any:
+    """A base with every quantized kernel dequantized (to ``dtype``): for exports and merges."""
+    return jax.tree.map(lambda x: dequantize(x, dtype), base, is_leaf=is_quantized)
+
+
+def quantized_layout(adapters: Any, abstract: Any, shardings: Any, kind: str) -> tuple[Any, Any]:
+    """(abstract, shardings) of the quantized base: a quantized kernel's values placed as the kernel was, its scales
+    (blocks, out) sharded along the outputs only (a count of blocks need not divide by a mesh axis)."""
+    quantized = jax.eval_shape(lambda b: quantize_base(adapters, b, kind), abstract)
+
+    def place(kernel_sharding: NamedSharding, q: Any) -> Any:
+        if not is_quantized(q):
+            return kernel_sharding
+        spec = tuple(kernel_sharding.spec) + (None,) * (q.qvalue.ndim - len(kernel_sharding.spec))
+        scale = NamedSharding(kernel_sharding.mesh, PartitionSpec(*spec[:-2], None, spec[-1]))
+        return q.replace(qvalue=kernel_sharding, scale=scale)
+
+    placed = jax.tree.map(place, shardings, quantized, is_leaf=lambda x: isinstance(x, NamedSharding))
+    with_shardings = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), quantized, placed)
+    return with_shardings, placed
