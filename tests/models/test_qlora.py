@@ -69,6 +69,32 @@ def test_round_trip_error_stays_within_the_formats_bound_on_real_weights(smollm2
         assert rel(d, w) <= {"nf4": 0.11, "int8": 0.008, "int4": 0.12}[kind], (name, rel(d, w))
 
 
+@needs_smollm2
+def test_the_base_is_quantized_kernel_by_kernel_as_it_is_read(smollm2, monkeypatch):
+    """From a checkpoint, each adapted kernel is quantized right after it is read (`load_params`' transform), before
+    the next is read, so the float base is never on the device whole; the result is bitwise the float base quantized
+    whole, and the quantizing programs are a handful (per kernel shape and layout), not one per kernel."""
+    from jaxtune.models import quantize as q
+
+    _, _, _, (base,) = smollm2
+    q_spec = make_state_spec(load_config(None, [*SMOLLM2, "model.quantize=nf4"]), None, MESH)
+    calls, kernel = [], q.quantize_kernel
+
+    def counted(w, kind):
+        calls.append(w.shape)
+        return kernel(w, kind)
+
+    monkeypatch.setattr(q, "quantize_kernel", counted)
+    streamed = q_spec.load_frozen(0)[0]
+    traced = list(calls)
+    whole = q.quantize_base(q_spec.abstract.params, base, "nf4")
+    leaves = lambda t: jax.tree.leaves(t)
+    assert len(leaves(streamed)) == len(leaves(whole))
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves(streamed), leaves(whole)))
+    # programs per kernel shape and layout (q and o share one, k and v, gate and up), not one per kernel (210)
+    assert sorted(set(traced)) == sorted([(576, 576), (576, 192), (576, 1536), (1536, 576)]) and len(traced) <= 8
+
+
 def compiled_bytes(tree) -> int:
     """The bytes XLA holds for ``tree`` as a program's arguments (4-bit values packed two to a byte)."""
     touch = jax.jit(lambda t: [x.reshape(-1)[:1].astype(jnp.float32) for x in jax.tree.leaves(t)])

@@ -11,6 +11,7 @@ import json
 import math
 import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -160,9 +161,12 @@ def _hf_tensor(x: np.ndarray, m: Map) -> np.ndarray:
     return x.T if m.transpose else x
 
 
-def load_params(ckpt: HFCheckpoint, fam: Family, abstract: Any, shardings: Any = None) -> Any:
+def load_params(ckpt: HFCheckpoint, fam: Family, abstract: Any, shardings: Any = None,
+                transform: Callable[[tuple, jax.Array], Any] | None = None) -> Any:
     """Fill a pure-dict tree of ShapeDtypeStructs from the checkpoint, each leaf placed with its sharding
-    (default: the first device), converted to the leaf's dtype shard by shard."""
+    (default: the first device), converted to the leaf's dtype shard by shard. ``transform(path, array)``, when
+    given, replaces each leaf as soon as it is placed (QLoRA quantizes a kernel there, so the base is never held
+    whole in float)."""
     available = ckpt.names()
     used: set[str] = set()
     missing: list[str] = []
@@ -210,7 +214,8 @@ def load_params(ckpt: HFCheckpoint, fam: Family, abstract: Any, shardings: Any =
             return np.asarray(srcs[0][index]).astype(dtype)
 
         sh = sh_leaves[k] if sh_leaves is not None else SingleDeviceSharding(jax.devices()[0])
-        out.append(jax.make_array_from_callback(a.shape, sh, region))
+        placed = jax.make_array_from_callback(a.shape, sh, region)
+        out.append(placed if transform is None else transform(leaves[k][0], placed))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -78,3 +78,23 @@ def quantized_layout(adapters: Any, abstract: Any, shardings: Any, kind: str) ->
     placed = jax.tree.map(place, shardings, quantized, is_leaf=lambda x: isinstance(x, NamedSharding))
     with_shardings = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), quantized, placed)
     return with_shardings, placed
+
+
+def streaming_quantizer(quantized_abstract: Any, quantized_shardings: Any, kind: str):
+    """``transform(path, array)`` for `jaxtune.models.hf.load_params`: each kernel the quantized layout holds as a
+    QArray is quantized as soon as it is read (its float copy then let go), every other leaf kept as read; so the
+    float base is never on the device whole, only one kernel of it at a time."""
+    layout = dict(jax.tree_util.tree_flatten_with_path(quantized_abstract, is_leaf=is_quantized)[0])
+    placed = dict(jax.tree_util.tree_flatten_with_path(quantized_shardings, is_leaf=is_quantized)[0])
+    programs: dict[Any, Any] = {}
+
+    def transform(path: tuple, array: jax.Array) -> Any:
+        if not is_quantized(layout.get(path)):
+            return array
+        key = (array.shape, array.dtype, array.sharding, jax.tree.leaves(placed[path]) and str(placed[path]))
+        if key not in programs:  # one program per kernel shape and layout (q and o share one, k and v another...)
+            programs[key] = jax.jit(lambda w: quantize_kernel(w, kind), out_shardings=placed[path],
+                                    donate_argnums=0)
+        return programs[key](array)
+
+    return transform

@@ -20,7 +20,7 @@ from jaxtune.config.kinds import BRANCH_KEY
 from jaxtune.models import FAMILIES, model_config
 from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
 from jaxtune.models.lora import merge_adapters, write_adapter
-from jaxtune.models.quantize import quantize_base, quantized_layout
+from jaxtune.models.quantize import quantize_base, quantized_layout, streaming_quantizer
 from jaxtune.models.registry import adapters, init_params, merge, model_layout
 from jaxtune.models.sampling import Generator
 from jaxtune.models.unsupported import UnsupportedModelError
@@ -94,11 +94,13 @@ class NativeSpec:
         """The frozen params, placed on the mesh: the checkpoint's (``from_hf``) or the seed's initial ones."""
         if not self.frozen_abstract:
             return ()
-        if self.quantize:  # QLoRA: the base read (or initialised) as it is, then its adapted kernels quantized
+        if self.quantize:  # QLoRA: each adapted kernel quantized as it is read (or, from the seed, after init)
             abstract, shardings = self.base_layout
             with sharding.use_mesh(self.mesh):
-                base = (self._read_hf(abstract, shardings) if self.from_hf else
-                        jax.jit(lambda: init_params(self.model_cfg, seed)[1], out_shardings=shardings)())
+                if self.from_hf:
+                    quantize = streaming_quantizer(self.frozen_abstract[0], self.frozen_shardings[0], self.quantize)
+                    return (self._read_hf(abstract, shardings, quantize),)
+                base = jax.jit(lambda: init_params(self.model_cfg, seed)[1], out_shardings=shardings)()
                 quantize = functools.partial(quantize_base, self.abstract.params, kind=self.quantize)
                 return (jax.jit(quantize, out_shardings=self.frozen_shardings[0], donate_argnums=0)(base),)
         if self.from_hf:
@@ -124,9 +126,9 @@ class NativeSpec:
         plain = None if lora is None else model_layout(dataclasses.replace(self.model_cfg, lora=None), None)[0]
         return Generator(self.graphdef, self.model_cfg.max_seq_len, None if lora is None else (plain, lora))
 
-    def _read_hf(self, abstract: Any, shardings: Any) -> Any:
+    def _read_hf(self, abstract: Any, shardings: Any, transform: Any = None) -> Any:
         ckpt = HFCheckpoint(self.from_hf)
-        return load_params(ckpt, family_of(ckpt.config), abstract, shardings)
+        return load_params(ckpt, family_of(ckpt.config), abstract, shardings, transform)
 
 
 class NativeBackend:
