@@ -55,6 +55,21 @@ SHORT = [f"data.sources=[{INSTRUCTIONS}]", "data.seq_len=128", "data.val_fractio
          "optim.warmup_steps=1", "logging.progress=false", "logging.tensorboard=false"]
 
 
+def merged_export_matches(run_dir, tmp_path):
+    """The run exported merged (float32) and reloaded by transformers: its logits on a chat prompt are our model's
+    (rel <= 1e-4). Returns (the loaded run, the prompt's ids, our logits)."""
+    out = export(run_dir, tmp_path / "merged", dtype="float32")
+    run = load_run(run_dir)
+    ids = np.asarray([run.tokenizer.encode("<|im_start|>user\nName three colours.<|im_end|>\n"
+                                           "<|im_start|>assistant\n")], np.int64)
+    ours = np.asarray(merge(run.spec.graphdef, run.weights)(jnp.asarray(ids, jnp.int32)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(ids)).logits.float().numpy()
+    assert rel(ours, theirs) <= 1e-4, rel(ours, theirs)
+    return run, ids, ours
+
+
 @needs_smollm2
 def test_lora_sft_lowers_held_out_loss(lora_run):
     """LoRA on the real weights learns the real instructions: held-out loss falls within 6 steps (step 0 is the
@@ -70,15 +85,7 @@ def test_lora_sft_lowers_held_out_loss(lora_run):
 def test_merged_export_reloads_in_transformers(lora_run, tmp_path):
     """The trained run exported merged (float32) loads in transformers with our LoRA model's logits."""
     cfg, _ = lora_run
-    out = export(cfg.run_path, tmp_path / "merged", dtype="float32")
-    run = load_run(cfg.run_path)
-    ids = np.asarray([run.tokenizer.encode("<|im_start|>user\nName three colours.<|im_end|>\n"
-                                           "<|im_start|>assistant\n")], np.int64)
-    ours = np.asarray(merge(run.spec.graphdef, run.weights)(jnp.asarray(ids, jnp.int32)))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-    with torch.no_grad():
-        theirs = hf(torch.from_numpy(ids)).logits.float().numpy()
-    assert rel(ours, theirs) <= 1e-4, rel(ours, theirs)
+    _, ids, ours = merged_export_matches(cfg.run_path, tmp_path)
     # The comparison can fail: the checkpoint before training is measurably different.
     base = transformers.AutoModelForCausalLM.from_pretrained(
         resolve_hf_dir(cfg.model.from_hf), attn_implementation="eager").eval()
@@ -105,15 +112,7 @@ def test_qlora_sft_tracks_lora_and_its_exports_reload(lora_run, tmp_path):
     gap = {s: qlora[s] - lora[s] for s in lora}
     assert 0 < gap[0] <= 0.3 and gap[6] <= gap[0] + 0.02, (lora, qlora)
 
-    merged = export(run_dir, tmp_path / "merged", dtype="float32")
-    run = load_run(run_dir)
-    ids = np.asarray([run.tokenizer.encode("<|im_start|>user\nName three colours.<|im_end|>\n"
-                                           "<|im_start|>assistant\n")], np.int64)
-    ours = np.asarray(merge(run.spec.graphdef, run.weights)(jnp.asarray(ids, jnp.int32)))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
-    with torch.no_grad():
-        theirs = hf(torch.from_numpy(ids)).logits.float().numpy()
-    assert rel(ours, theirs) <= 1e-4, rel(ours, theirs)
+    run, ids, ours = merged_export_matches(run_dir, tmp_path)
     adapter = export(run_dir, tmp_path / "adapter", adapter=True)
     base = transformers.AutoModelForCausalLM.from_pretrained(resolve_hf_dir(run.cfg.model.from_hf),
                                                              attn_implementation="eager").eval()
