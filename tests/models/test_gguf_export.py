@@ -337,6 +337,25 @@ def test_lora_run_command(lora_run, tiny, root, capsys):
     assert sorted(p.name for p in out.parent.iterdir()) == ["lora.gguf"]
 
 
+
+def test_qlora_run_exports_dequantized(tiny, root):
+    """A QLoRA run (model.quantize=nf4, rank 4, 2 steps) from the tiny Llama exported to GGUF (f32): transformers'
+    logits of the file equal our model's, the adapters merged into the dequantized base (rel <= 1e-5)."""
+    text = root / "train.txt"
+    text.write_text("\n".join(TEXTS * 20))
+    cfg = load_config(None, [f"model.from_hf={tiny('llama').directory}", "model.lora.rank=4", "model.lora.alpha=8",
+                             "model.quantize=nf4", f"data.sources=[{text}]", f"data.cache_dir={root / 'data-cache'}",
+                             "data.seq_len=16", "data.val_fraction=0", "train.steps=2", "train.batch_size=2",
+                             "optim.lr=3e-2", "optim.warmup_steps=1", "eval.every=0", "checkpoint.every=2",
+                             "logging.progress=false", "logging.tensorboard=false", f"run_dir={root / 'qlora-run'}"])
+    train(cfg)
+    out = root / "exports" / "qlora.gguf"
+    assert main(["export", str(cfg.run_path), str(out), "--gguf", "--gguf-type", "f32"]) == 0
+    run = load_run(cfg.run_path)
+    ids = np.asarray(IDS[:, :16])
+    ours = np.asarray(merge(run.spec.graphdef, run.weights)(jnp.asarray(ids, jnp.int32)))
+    assert rel(torch_logits(hf_from_gguf(out), ids), ours) <= 1e-5
+
 def test_errors_and_warnings(tiny, root, monkeypatch, caplog):
     """A model type with no GGUF export (a torchax run's Phi-3), a Gemma 3 whose layer pattern llama.cpp would not follow (it fixes one
     global layer in six), a pre-tokenizer llama.cpp has no name for, a .gguf name without --gguf, and a missing gguf

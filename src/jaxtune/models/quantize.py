@@ -3,7 +3,8 @@
 ``model.quantize`` (with LoRA): every kernel that carries adapters (``model.lora.targets``) is kept on the device as
 a `qwix.QArray` (qwix, the JAX stack's quantization library): its values in the chosen type (``nf4``: the 16
 NormalFloat levels of QLoRA in 4 bits; ``int8``; ``int4``) and one float32 absmax scale per block of `BLOCK`
-consecutive inputs of each output (QLoRA's 64-element blocks, along the input axis). `jaxtune.models.layers.Dense`
+consecutive inputs of each output (QLoRA's 64-element blocks, along the input axis; a kernel whose inputs 64 does not
+divide takes the largest block below that does, at least 16). `jaxtune.models.layers.Dense`
 dequantizes its kernel inside the jitted forward, in the compute dtype, right where the matmul reads it; the adapters
 and the optimizer state stay in float32. Everything else of the base (embeddings, norms, the output layer, kernels
 without adapters) keeps ``model.param_dtype``.
@@ -18,7 +19,10 @@ import jax.numpy as jnp
 import qwix
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxtune.config import ConfigError
+
 BLOCK = 64  # inputs per scale, as QLoRA's NF4 blocks
+MIN_BLOCK = 16  # the finest block a kernel whose inputs 64 does not divide may fall back to
 QTYPES: dict[str, Any] = {"nf4": "nf4", "int8": jnp.int8, "int4": jnp.int4}
 
 
@@ -26,13 +30,22 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, qwix.QArray)
 
 
+def block_size(inputs: int, kind: str) -> int:
+    """The block of a kernel with ``inputs`` inputs: `BLOCK`, or where it does not divide them the largest size
+    below it that does (96 inputs: 48), down to `MIN_BLOCK` (a finer block is more accurate, its scales a larger
+    share of the bytes); a `ConfigError` below that."""
+    size = next(b for b in range(min(BLOCK, inputs), 0, -1) if inputs % b == 0)
+    if size < MIN_BLOCK:
+        raise ConfigError(f"model.quantize={kind}: a kernel of {inputs} inputs splits into no block of "
+                          f"{MIN_BLOCK} to {BLOCK} inputs; quantize a model whose widths are multiples of 16, or drop "
+                          "model.quantize")
+    return size
+
+
 def quantize_kernel(w: jax.Array, kind: str) -> qwix.QArray:
-    """``w`` (in, out), or (layers, in, out) stacked, in blocks of `BLOCK` inputs per output (per layer)."""
+    """``w`` (in, out), or (layers, in, out) stacked, in blocks of `block_size` inputs per output (per layer)."""
     lead = w.ndim - 2
-    if w.shape[-2] % BLOCK:
-        raise ValueError(f"model.quantize={kind}: a kernel of {w.shape[-2]} inputs does not split into blocks of "
-                         f"{BLOCK}")
-    tiles = {**{i: 1 for i in range(lead)}, lead: BLOCK, lead + 1: 1}
+    tiles = {**{i: 1 for i in range(lead)}, lead: block_size(w.shape[-2], kind), lead + 1: 1}
     return qwix.quantize(w, QTYPES[kind], tiled_axes=tiles)
 
 
