@@ -146,7 +146,8 @@ def test_refusals():
     """A full fine-tune quantized, and a quantize key on the torchax backend, are one line each."""
     with pytest.raises(ConfigError, match="model.quantize=nf4 quantizes the frozen base of a LoRA run"):
         load_config(None, ["model.quantize=nf4"])
-    with pytest.raises(ConfigError, match="quantize"):
+    with pytest.raises(ConfigError, match=r"model.quantize does not apply to model.backend=torchax \(QLoRA's quantized "
+                                          r"base runs on the native families only \(gpt2, llama"):
         load_config(None, ["model.backend=torchax", "model.hf_config=x", "model.quantize=nf4", "model.lora.rank=8"])
 
 

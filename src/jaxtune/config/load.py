@@ -166,7 +166,7 @@ def _unknown_key(loc: list[str], section: type[BaseModel] | None) -> str:
     owners = [b for b, cls in MODEL_SECTIONS.items() if name in cls.model_fields] if loc[:1] == ["model"] else []
     if owners and section is not None:
         tag = section.model_fields["backend"].default
-        hint = section.HINT if issubclass(section, ModelSection) else ""
+        hint = section.KEY_HINTS.get(name, section.HINT) if issubclass(section, ModelSection) else ""
         return (f"model.{name} does not apply to model.backend={tag}{f' ({hint})' if hint else ''}; "
                 f"model.{name} is for model.backend={owners[0]}")
     near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)

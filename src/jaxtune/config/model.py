@@ -61,6 +61,7 @@ class ModelSection(Section):
     key of another backend's section should be done with instead (said in that key's error)."""
 
     HINT: ClassVar[str] = ""
+    KEY_HINTS: ClassVar[dict[str, str]] = {}  # a key's own hint, where the section's would mislead
 
     from_hf: str | None = Field(None, description="start from a HuggingFace checkpoint directory (config.json + "
                                 "safetensors) or hub name; it decides the family and shapes")
@@ -107,6 +108,9 @@ class TorchaxModelConfig(ModelSection):
     the architecture."""
 
     HINT: ClassVar[str] = "the transformers config decides the architecture; edit its config.json instead"
+    KEY_HINTS: ClassVar[dict[str, str]] = {
+        "quantize": f"QLoRA's quantized base runs on the native families only ({', '.join(FAMILY_NAMES)}): train a "
+                    "checkpoint of one of them with model.backend=native, or this one with LoRA and no model.quantize"}
 
     backend: Literal["torchax"] = "torchax"
     hf_config: str | None = Field(None, description="a transformers config.json (or its directory) to build a "
