@@ -127,14 +127,17 @@ def test_the_pipeline_makes_the_batch_the_record_declares(kind, tok_dirs, tmp_pa
 
 def test_grpo_rows_are_the_batch_the_prompts_record_declares():
     """GRPO's step batch: the rollout's rows of B x G completions plus the advantages the loop adds."""
-    objective = ObjectiveConfig(name="grpo", num_generations=2, rewards=[{"name": "exact_number"}])
+    objective = ObjectiveConfig(name="grpo", num_generations=2, max_completion_length=4,
+                                rewards=[{"name": "exact_number"}])
     completions = [[6, 7], [8], [9, 9, 9], [1]]
     logps = [[-0.5] * len(c) for c in completions]  # the sampler's, per completion token
     rows = training_rows([[1, 2, 3], [4, 5]] * 2, completions, logps, 16)
     batch = {**rows, "advantages": np.zeros(4, np.float32)}
     assert _shapes(batch) == PROMPTS.step_arrays(2, 16, objective)
-    # shared prompts: a row per prompt holding its group, the advantages per prompt and completion
-    rows = shared_rows([[1, 2, 3]] * 2 + [[4, 5]] * 2, completions, logps, 2, 16)
+    # shared prompts: a row per prompt holding its group in regions (12 prompt slots, then 4 per completion), the
+    # advantages per prompt and completion
+    rows = shared_rows([[1, 2, 3]] * 2 + [[4, 5]] * 2, completions, logps, 2, 16, 4)
+    assert rows["inputs"].shape == (2, 12 + 2 * 4) and rows["branch_slots"].shape == (2, 2, 4)
     batch = {**rows, "advantages": np.zeros((2, 2), np.float32)}
     assert _shapes(batch) == PROMPTS.step_arrays(2, 16, objective, shared=True)
 

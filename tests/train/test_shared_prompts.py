@@ -28,6 +28,7 @@ from jaxtune.train.objectives import GRPO
 from jaxtune.train.objectives.base import Reference
 from jaxtune.train.objectives.preference import flat_pairs, pair_logps
 from jaxtune.train.rollout import shared_rows, training_rows
+from jaxtune.train.shapes import BatchShapes
 
 T, V = 64, 512
 FAMILIES = {
@@ -136,6 +137,49 @@ def test_shared_prompts_follow_the_backend():
         load_config(None, [*base, *hf, "data.share_prompts=true"])
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_grpo_groups_in_regions_give_the_separate_rows_logps_and_gradients(name):
+    """A prompt's G completions in regions (`shared_rows`: the prompt's slots, then each completion's 16 of its own,
+    attention per region, `RegionMask`) against a row per completion: the same log-probs and gradients for every
+    family (Gemma 3's window of 16 positions is shorter than the rows), whatever the prompt's bucket cuts."""
+    spec = _spec(name)
+    forward, frozen = spec.forward(), spec.load_frozen(0)
+    rng = np.random.default_rng(3)
+    params = jax.tree.map(lambda x: x + jnp.asarray(0.02 * rng.standard_normal(x.shape), x.dtype), spec.init(0).params)
+    g, width, prompts = 3, 16, [rng.integers(1, V, n).tolist() for n in (1, 12, 39)]
+    prompt_ids = [p for p in prompts for _ in range(g)]
+    completions = [rng.integers(1, V, width if i == 8 else rng.integers(1, width)).tolist()
+                   for i in range(len(prompt_ids))]
+    zeros = [[0.0] * len(c) for c in completions]
+    plain = {k: jnp.asarray(v) for k, v in training_rows(prompt_ids, completions, zeros, T).items()}
+    regions = shared_rows(prompt_ids, completions, zeros, g, T, width)
+    shapes = BatchShapes(T - width + g * width, 4, ("inputs", "targets", "positions", "segment_ids", "loss_mask",
+                                                    "branch_ids", "sampler_logps"), regions=(T - width, g * width))
+    cut, shape = shapes.fit(regions)
+    assert shape.length == 40 + g * width and cut["inputs"].shape == (3, 40 + g * width)  # 38 prompt slots: bucket 40
+    rows = lambda batch: {k: batch[k] for k in ("inputs", "targets", "positions", "segment_ids", "branch_ids",
+                                                "branch_slots") if k in batch}
+
+    def per_completion(p, batch):  # (completions,) log-prob sums: each row's, or each region's
+        lp = forward.token_logps(spec.weights(p, frozen), rows(batch)) * batch["loss_mask"]
+        if "branch_ids" not in batch:
+            return jnp.sum(lp, -1)
+        of = batch["branch_ids"][:, None, :] == jnp.arange(1, g + 1)[None, :, None]
+        return jnp.sum(lp[:, None, :] * of, -1).reshape(-1)
+
+    weight = jnp.asarray(rng.standard_normal(len(prompt_ids)), jnp.float32)
+    objective = lambda p, batch: jnp.sum(per_completion(p, batch) * weight)
+    a = jax.jit(per_completion)(params, plain)
+    for batch in (regions, cut):
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        b = jax.jit(per_completion)(params, batch)
+        assert rel(b, a) <= 1e-5, rel(b, a)
+    ga, gb = (jax.jit(jax.grad(objective))(params, batch) for batch in (plain, {k: jnp.asarray(v) for k, v in
+                                                                                cut.items()}))
+    for x, y in zip(jax.tree.leaves(gb), jax.tree.leaves(ga), strict=True):
+        assert rel(x, y) <= 1e-4, rel(x, y)
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])  # dr_grpo is dapo's sum over another constant
 def test_grpo_groups_in_one_row_give_the_separate_rows_loss_and_gradients(loss_type):
     """GRPO's G completions of a prompt as one row (`shared_rows`, advantages (prompts, G)) against a row per
@@ -159,8 +203,9 @@ def test_grpo_groups_in_one_row_give_the_separate_rows_loss_and_gradients(loss_t
     sampled = [(old_rows[i, len(p) - 1:len(p) - 1 + len(c)] + 0.1 * rng.standard_normal(len(c))).tolist()
                for i, (p, c) in enumerate(zip(prompt_ids, completions))]
     plain = {**training_rows(prompt_ids, completions, sampled, T), "advantages": adv}
-    shared = {**shared_rows(prompt_ids, completions, sampled, g, T), "advantages": adv.reshape(-1, g)}
-    assert shared["inputs"].shape == (3, g * T) and plain["inputs"].shape == (3 * g, T)
+    shared = {**shared_rows(prompt_ids, completions, sampled, g, T, 20), "advantages": adv.reshape(-1, g)}
+    assert shared["inputs"].shape == (3, T - 20 + g * 20) and plain["inputs"].shape == (3 * g, T)
+    assert shared["branch_slots"].shape == (3, g, 20)
     # grpo: a per-completion (sequence) ratio, summed per branch; dapo: per token
     objective = GRPO(beta=0.04, loss_type=loss_type, max_completion_length=20, passes=2,
                      importance_sampling="sequence_truncate" if loss_type == "grpo" else "token_mask",

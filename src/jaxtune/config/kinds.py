@@ -25,6 +25,9 @@ from jaxtune.config.rewards import RewardConfig
 WINDOW_KEYS = ("inputs", "targets")
 ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 BRANCH_KEY = "branch_ids"  # rows that share a prompt: 0 the prompt, k the k-th sequence's completion
+# Sampled completions' shared rows are laid out in regions (the prompt, then each completion in C slots of its own):
+# (B, G, C), k where the k-th completion's slot holds a token (`jaxtune.models.layers.RegionMask`).
+BRANCH_SLOTS_KEY = "branch_slots"
 # Sampled completions' rows add, at each completion target, its log-prob under the distribution the sampler drew it
 # from (0 elsewhere): GRPO compares them with the trainer's and may use them as the old log-probs.
 SAMPLER_LOGPS_KEY = "sampler_logps"
@@ -86,6 +89,15 @@ class BatchKind:
         n = self.sequences_per_item(objective)
         return (items,) if shared else (items, n) if self.item_axis else (items * n,)
 
+    def regions(self, seq_len: int, objective: Any, shared: bool = False) -> tuple[int, int] | None:
+        """(P, C) where the step's shared rows are laid out in regions, a prompt of P slots then each completion in
+        C of its own (`jaxtune.models.layers.RegionMask`): sampled completions (``generates``), whose length is
+        capped by ``max_completion_length``; None for rows packed one branch after the other (pairs)."""
+        if not (shared and self.generates):
+            return None
+        width = objective.max_completion_length
+        return seq_len - width, width
+
     def step_keys(self, shared: bool = False) -> tuple[str, ...]:
         """The row arrays of the step's batch; a shared prompt's rows add ``branch_ids``."""
         return (*self.row_keys, BRANCH_KEY) if shared else self.row_keys
@@ -94,11 +106,14 @@ class BatchKind:
                     shared: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
         """{key: (shape, dtype name)} of the batch the train step takes for ``items`` items of ``seq_len``-position
         rows (``shared``: rows of the item's prompt once and its completions, ``sequences x seq_len`` positions)."""
-        rows = self.rows(items, objective, shared)
-        length = seq_len * self.sequences_per_item(objective) if shared else seq_len
+        rows, n = self.rows(items, objective, shared), self.sequences_per_item(objective)
+        regions = self.regions(seq_len, objective, shared)
+        length = seq_len if not shared else seq_len * n if regions is None else regions[0] + n * regions[1]
         out = {k: ((*rows, length), "float32" if k in FLOAT_ROW_KEYS else "int32") for k in self.step_keys(shared)}
-        extra_rows = (items, self.sequences_per_item(objective)) if shared else self.rows(items, objective)
+        extra_rows = (items, n) if shared else self.rows(items, objective)
         out.update({k: (extra_rows, "float32") for k in self.extra_keys(objective)})
+        if regions is not None:
+            out[BRANCH_SLOTS_KEY] = ((items, n, regions[1]), "int32")
         return out
 
 

@@ -43,6 +43,10 @@ def real_tokens(batch: dict[str, np.ndarray]) -> int:
     return int(np.asarray(batch["inputs"]).size)
 
 
-def cut(batch: dict[str, np.ndarray], length: int, row_keys: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """The batch with its ``row_keys`` arrays, (..., T), cut to their first ``length`` positions."""
-    return {k: np.ascontiguousarray(v[..., :length]) if k in row_keys else v for k, v in batch.items()}
+def cut(batch: dict[str, np.ndarray], length: int, row_keys: tuple[str, ...], keep: int = 0) -> dict[str, np.ndarray]:
+    """The batch with its ``row_keys`` arrays, (..., T), cut to their first ``length`` positions (and, ``keep``,
+    their last ``keep``: rows in regions keep every completion's slots whatever their prompt's bucket)."""
+    def rows(v: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(v[..., :length]) if not keep else np.concatenate(
+            [v[..., :length], v[..., v.shape[-1] - keep:]], -1)
+    return {k: rows(v) if k in row_keys else v for k, v in batch.items()}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxtune.config.kinds import BRANCH_KEY
+from jaxtune.config.kinds import BRANCH_KEY, BRANCH_SLOTS_KEY
 from jaxtune.data.formats import Example
 
 
@@ -76,7 +76,8 @@ class PackedRows:
 
 
 def shared_row(sequences: list[tuple[np.ndarray, np.ndarray]], prompt: int, length: int,
-               values: dict[str, list[np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+               values: dict[str, list[np.ndarray]] | None = None,
+               regions: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
     """Sequences (ids, loss mask) that start with the same ``prompt`` tokens, as one row of ``length`` positions: the
     prompt's positions once (branch 0), then each sequence's own (branch k = 1, 2, ...), then padding (segment 0).
 
@@ -86,7 +87,11 @@ def shared_row(sequences: list[tuple[np.ndarray, np.ndarray]], prompt: int, leng
     numbers, inputs, targets and loss as its own row would have. Under the branch mask
     (`jaxtune.models.layers.attention_mask`) each position sees exactly what it sees in its own row, so the
     log-probs are the separate rows' (to float rounding). ``values``: {key: per sequence, a float per token like its
-    ids}, placed at the positions whose target that token is, like the loss mask (0 elsewhere)."""
+    ids}, placed at the positions whose target that token is, like the loss mask (0 elsewhere).
+
+    ``regions`` (P, C): the row in regions instead (`jaxtune.models.layers.RegionMask`), ``length`` = P + G C: the
+    prompt's positions in slots 0.., each sequence's own from slot P + (k - 1) C, and ``branch_slots`` (G, C), the
+    branch's number where its slot holds a token."""
     values = values or {}
     out = {k: np.zeros(length, np.int32) for k in ("inputs", "targets", "positions", "segment_ids", BRANCH_KEY)}
     out.update({k: np.zeros(length, np.float32) for k in ("loss_mask", *values)})
@@ -106,6 +111,12 @@ def shared_row(sequences: list[tuple[np.ndarray, np.ndarray]], prompt: int, leng
         return at + n
 
     at = put(0, 0, 0, start, 0)
+    if regions is not None:
+        slots, width = regions
+        out[BRANCH_SLOTS_KEY] = np.zeros((len(sequences), width), np.int32)
     for branch, (ids, _) in enumerate(sequences, 1):
+        if regions is not None:
+            at = slots + (branch - 1) * width
+            out[BRANCH_SLOTS_KEY][branch - 1, :len(ids) - 1 - start] = branch
         at = put(at, branch - 1, start, len(ids) - 1, branch)
     return out

@@ -233,13 +233,14 @@ class Decoder(nnx.Module):
                                  param_dtype=pd, dtype=cd)
 
     def __call__(self, tokens, positions=None, key=None, cache=None, index=None, key_valid=None, segment_ids=None,
-                 return_hidden=False, branch_ids=None):
+                 return_hidden=False, branch_ids=None, branch_slots=None):
         """tokens: (B, T) int -> logits (B, T, V) float32 (the same interface as `GPT`).
 
         positions: (B, T) RoPE positions, default 0..T-1. key: dropout key. cache: {"k", "v"} (L, B, S, K, H)
         written at slot ``index``, returns (logits, cache). key_valid: (B, S) real-token key slots.
         segment_ids: (B, T) packed sequences. return_hidden: final normalised hidden states instead of logits.
         branch_ids: (B, T) completions after a shared prompt (`jaxtune.models.layers.attention_mask`).
+        branch_slots: (B, G, C), rows in regions: a prompt, then G completions of C slots (`RegionMask`).
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -254,7 +255,7 @@ class Decoder(nnx.Module):
         x = constrain(x, ("batch", "seq", "act_embed"))
 
         types = cfg.types
-        branches = {"branch_ids": branch_ids, "positions": positions}
+        branches = {"branch_ids": branch_ids, "positions": positions, "branch_slots": branch_slots}
         full_rope = cfg.rope.sincos(positions, cfg.hd)
         ctx = {"full": (full_rope, layer_mask(t, cache, index, key_valid, segment_ids, **branches))}
         if "sliding" in types:

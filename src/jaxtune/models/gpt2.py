@@ -132,7 +132,7 @@ class GPT(nnx.Module):
         self.ln_f = LayerNorm(cfg.d_model, eps=cfg.ln_eps, param_dtype=pd, dtype=cd)
 
     def __call__(self, tokens, positions=None, key=None, cache=None, index=None, key_valid=None, segment_ids=None,
-                 return_hidden=False, branch_ids=None):
+                 return_hidden=False, branch_ids=None, branch_slots=None):
         """tokens: (B, T) int -> logits (B, T, V) in float32.
 
         positions: (B, T), default 0..T-1. key: dropout PRNG key (None: deterministic).
@@ -141,6 +141,7 @@ class GPT(nnx.Module):
         segment_ids: (B, T) packed-sequence ids (no attention across segments).
         return_hidden: return the final normalised hidden states (B, T, D) instead of logits (see `logits`).
         branch_ids: (B, T) completions after a shared prompt (`jaxtune.models.layers.attention_mask`).
+        branch_slots: (B, G, C), rows in regions: a prompt, then G completions of C slots (`RegionMask`).
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -153,7 +154,8 @@ class GPT(nnx.Module):
             key, k_embed = jax.random.split(key)
             x = dropout(x, cfg.dropout, k_embed)
         x = constrain(x, ("batch", "seq", "act_embed"))
-        mask = layer_mask(t, cache, index, key_valid, segment_ids, branch_ids=branch_ids, positions=positions)
+        mask = layer_mask(t, cache, index, key_valid, segment_ids, branch_ids=branch_ids, positions=positions,
+                          branch_slots=branch_slots)
         x, cache = run_layers(self.blocks, x, lambda blk, x, k, kv, _: blk(x, mask, k, kv, index),
                               n_layer=cfg.n_layer, scan=cfg.scan_layers, remat=cfg.remat, key=key, cache=cache)
         x = self.ln_f(x)

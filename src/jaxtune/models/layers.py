@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -235,6 +236,36 @@ def attention_mask(q_slots: jax.Array, k_slots: jax.Array, *, window: int | None
     return mask
 
 
+class RegionMask(NamedTuple):
+    """The attention of a row laid out in regions (`jaxtune.train.rollout.region_rows`): a prompt of P slots, then
+    G completions of C slots each, every completion after the same prompt. A prompt query sees the prompt's earlier
+    keys; a completion's query sees the prompt's keys and its own completion's earlier ones, never another
+    completion's. So the attention is computed per region, (P x P) + G x (C x (P + C)) scores, where a dense mask over
+    the row would compute (P + G C)^2 and throw most away. ``prompt`` (B, 1, P, P) and ``branches`` (B, G, 1, 1, C,
+    P + C) are the allowed pairs (padding, windows); the shapes carry P, G and C."""
+
+    prompt: jax.Array
+    branches: jax.Array
+
+
+def region_mask(branch_slots: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+                window: int | None = None) -> RegionMask:
+    """The `RegionMask` of rows of T = P + G C slots: ``branch_slots`` (B, G, C) > 0 where a completion's slot holds
+    a real token, ``segment_ids`` (B, T) > 0 where any slot does (the prompt's), ``positions`` (B, T) each slot's
+    position (a completion's continue its prompt's), which a sliding ``window`` is measured in."""
+    b, g, c = branch_slots.shape
+    p = segment_ids.shape[1] - g * c
+    prompt_valid, real = segment_ids[:, :p] > 0, branch_slots > 0
+    prompt = attention_mask(jnp.arange(p), jnp.arange(p), window=window, key_valid=prompt_valid)
+    own = (jnp.arange(c)[None, :] <= jnp.arange(c)[:, None])[None, None] & real[:, :, None, :]  # (B, G, C, C)
+    branches = jnp.concatenate([jnp.broadcast_to(prompt_valid[:, None, None, :], (b, g, c, p)), own], -1)
+    if window is not None:
+        at = positions[:, p:].reshape(b, g, c)
+        keys = jnp.concatenate([jnp.broadcast_to(positions[:, None, :p], (b, g, p)), at], -1)  # (B, G, P + C)
+        branches = branches & (at[..., :, None] - keys[..., None, :] < window)
+    return RegionMask(prompt, branches[:, :, None, None])
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, implementation: str | None, *,
               scale: float | None = None, softcap: float | None = None):
     """Scaled dot-product attention, (B, T, N, H) x (B, S, K, H) -> (B, T, N, H); K divides N (grouped-query).
@@ -247,6 +278,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     small GPT-2 train step) two changes pay: no grouped-query vmap (its layout copies of the scores cost ~3%),
     and causal queries in blocks that skip the all-masked keys (~5%).
     """
+    if isinstance(mask, RegionMask):
+        return _attend_regions(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, softcap)
     if implementation == "cudnn" and softcap is None:
         if mask is None:
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
@@ -291,6 +324,32 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
     return out.reshape(b, t, n, h)
 
 
+def _attend_regions(q, k, v, mask: RegionMask, scale: float, softcap: float | None) -> jax.Array:
+    """`_attend` over a row in regions (`RegionMask`): the prompt's queries over its keys, then each completion's
+    queries over the prompt's keys (not copied per completion) and its own, under one softmax."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    g, c = mask.branches.shape[1], mask.branches.shape[-2]
+    p = t - g * c
+    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
+    dot = functools.partial(jnp.einsum, precision=precision, preferred_element_type=jnp.float32)
+    qc = q[:, p:].reshape(b, g, c, kh, n // kh, h)
+    kp, vp = k[:, :p], v[:, :p]
+    kc, vc = (x[:, p:].reshape(b, g, c, kh, h) for x in (k, v))
+    logits = jnp.concatenate([dot("bgckrh,bpkh->bgkrcp", qc, kp), dot("bgckrh,bgskh->bgkrcs", qc, kc)], -1)
+    logits = logits * jnp.float32(scale)
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
+    logits = jnp.where(mask.branches, logits, jnp.float32(-0.7 * jnp.finfo(jnp.float32).max))
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # (B, G, K, R, C, P + C)
+    out = jnp.einsum("bgkrcp,bpkh->bgckrh", probs[..., :p], vp) + jnp.einsum("bgkrcs,bgskh->bgckrh",
+                                                                             probs[..., p:], vc)
+    out = out.reshape(b, g * c, n, h)
+    if p == 0:
+        return out
+    return jnp.concatenate([_attend(q[:, :p], kp, vp, mask.prompt, scale, softcap), out], axis=1)
+
+
 @jax.custom_vjp
 def residual_fence(x: jax.Array) -> jax.Array:
     """Identity on a residual-stream activation; its gradient is computed once instead of in every consumer.
@@ -326,11 +385,14 @@ def cache_mask(key_valid: jax.Array, index: jax.Array, t: int, window: int | Non
 
 
 def layer_mask(t: int, cache, index, key_valid, segment_ids, window: int | None = None,
-               explicit: bool = False, branch_ids=None, positions=None) -> jax.Array | None:
+               explicit: bool = False, branch_ids=None, positions=None,
+               branch_slots=None) -> jax.Array | RegionMask | None:
     """The attention mask of a forward pass over ``t`` new tokens: None for plain causal training (the fast
     path; ``explicit`` asks for the array instead), else (B|1, 1, t, S) from the cache slots, padding
     (``key_valid``), packing (``segment_ids``), a shared prompt's branches (``branch_ids``, with ``positions``) and
-    a sliding ``window``."""
+    a sliding ``window``; rows in regions (``branch_slots``, (B, G, C)) get a `RegionMask`."""
+    if branch_slots is not None and cache is None:
+        return region_mask(branch_slots, segment_ids, positions, window)
     if (cache is None and key_valid is None and segment_ids is None and branch_ids is None and window is None
             and not explicit):
         return None

@@ -175,7 +175,8 @@ class Rollout:
                                done.scores, done.stopped[mine], done.logps[mine])
             advantages = advantages[mine]
         if self.cfg.data.shares_prompts:  # a row per prompt: its prompt once, then its group's completions
-            rows = shared_rows(done.prompt_ids, done.ids, done.logps, o.num_generations, self.cfg.data.seq_len)
+            rows = shared_rows(done.prompt_ids, done.ids, done.logps, o.num_generations, self.cfg.data.seq_len,
+                               o.max_completion_length)
             return {**rows, "advantages": advantages.reshape(-1, o.num_generations)}, metrics
         rows = training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len)
         return {**rows, "advantages": advantages}, metrics
@@ -265,10 +266,11 @@ def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], 
 
 
 def shared_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], logps: list[list[float]], group: int,
-                seq_len: int) -> dict[str, np.ndarray]:
-    """(N / group, group x seq_len) rows, one per prompt: the prompt's positions once, then each of its ``group``
-    completions as a branch (`jaxtune.data.encoded.shared_row`), the loss mask and ``sampler_logps`` on the
-    completions' tokens."""
+                seq_len: int, width: int) -> dict[str, np.ndarray]:
+    """(N / group, P + group x ``width``) rows in regions, one per prompt: the prompt's positions once in its P =
+    ``seq_len - width`` slots, then each of its ``group`` completions (at most ``width`` tokens) as a branch in
+    ``width`` slots of its own (`jaxtune.data.encoded.shared_row`, `jaxtune.models.layers.RegionMask`), the loss
+    mask and ``sampler_logps`` on the completions' tokens, and ``branch_slots`` (N / group, group, width)."""
     n = len(prompt_ids)
     rows = []
     for g in range(0, n, group):
@@ -276,9 +278,12 @@ def shared_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], lo
         for i in range(g, g + group):
             p, c = prompt_ids[i], completion_ids[i]
             _check_fits(i, p, c, seq_len)
+            if len(c) > width:
+                raise ValueError(f"rollout row {i}: {len(c)} completion tokens exceed max_completion_length={width}")
             sequences.append((np.asarray([*p, *c], np.int32), np.arange(len(p) + len(c)) >= len(p)))
             sampled.append(np.concatenate([np.zeros(len(p), np.float32), np.asarray(logps[i], np.float32)]))
-        rows.append(shared_row(sequences, len(prompt_ids[g]), group * seq_len, {SAMPLER_LOGPS_KEY: sampled}))
+        rows.append(shared_row(sequences, len(prompt_ids[g]), seq_len - width + group * width,
+                               {SAMPLER_LOGPS_KEY: sampled}, regions=(seq_len - width, width)))
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 

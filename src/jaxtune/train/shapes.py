@@ -42,23 +42,37 @@ class BatchShapes:
     per_octave: int
     row_keys: tuple[str, ...]
     lengths: set[int] = field(default_factory=set)  # lengths the train step has met
+    # (P, G x C) of rows in regions (`BatchKind.regions`): only the prompt's P slots are cut to a bucket
+    regions: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, cfg: Config) -> BatchShapes:
         data, kind = cfg.data, cfg.data.kind
-        cap = data.seq_len * (kind.sequences_per_item(cfg.objective) if data.shares_prompts else 1)
-        return cls(cap, data.length_buckets if kind.buckets else 0, kind.step_keys(data.shares_prompts))
+        n = kind.sequences_per_item(cfg.objective)
+        regions = kind.regions(data.seq_len, cfg.objective, data.shares_prompts)
+        if regions is not None:
+            regions = (regions[0], n * regions[1])
+        cap = data.seq_len * (n if data.shares_prompts else 1) if regions is None else sum(regions)
+        return cls(cap, data.length_buckets if kind.buckets else 0, kind.step_keys(data.shares_prompts),
+                   regions=regions)
 
     def fit(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], Shape]:
         """This process's rows cut to the global batch's bucket, and the global batch's `Shape`."""
         rows = int(np.prod(np.shape(batch["inputs"])[:-1]))
-        local = np.array([longest_row(batch) if self.per_octave else self.cap, real_tokens(batch), rows], np.int64)
+        prompt = self.regions[0] if self.regions else None
+        longest = longest_row({"segment_ids": batch["segment_ids"][..., :prompt]}) if self.per_octave else self.cap
+        local = np.array([longest, real_tokens(batch), rows], np.int64)
         if jax.process_count() > 1 and (self.per_octave or "segment_ids" in batch):  # windows: all real, all alike
             every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
             local = np.array([every[:, 0].max(), every[:, 1].sum(), every[:, 2].sum()])
         else:
             local = local * np.array([1, jax.process_count(), jax.process_count()])
         longest, tokens, rows = (int(x) for x in local)
+        if self.regions:  # the prompt's slots cut to their bucket, every completion's kept
+            prompt = bucket_length(longest, self.regions[0], self.per_octave)
+            length = prompt + self.regions[1]
+            return (cut(batch, prompt, self.row_keys, keep=self.regions[1]) if length < self.cap else batch), Shape(
+                length, tokens, rows * length)
         length = bucket_length(longest, self.cap, self.per_octave)
         return (cut(batch, length, self.row_keys) if length < self.cap else batch), Shape(length, tokens,
                                                                                           rows * length)

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jaxtune import sharding
 from jaxtune.backends.base import ParityModel
 from jaxtune.config import Config, ConfigError
-from jaxtune.config.kinds import BRANCH_KEY
+from jaxtune.config.kinds import BRANCH_KEY, BRANCH_SLOTS_KEY
 from jaxtune.models import FAMILIES, model_config
 from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
 from jaxtune.models.lora import merge_adapters, write_adapter
@@ -40,7 +40,7 @@ class NativeForward:
     def _run(self, weights: Any, batch: Batch, key: jax.Array | None, **kw: Any):
         model = merge(self.graphdef, weights)
         out = model(batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                    branch_ids=batch.get(BRANCH_KEY), key=key, **kw)
+                    branch_ids=batch.get(BRANCH_KEY), branch_slots=batch.get(BRANCH_SLOTS_KEY), key=key, **kw)
         return model, out
 
     def logits(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:

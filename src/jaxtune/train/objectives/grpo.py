@@ -35,12 +35,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import OBJECTIVES, ObjectiveConfig
-from jaxtune.config.kinds import BRANCH_KEY, SAMPLER_LOGPS_KEY
+from jaxtune.config.kinds import BRANCH_KEY, BRANCH_SLOTS_KEY, SAMPLER_LOGPS_KEY
 from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
 LOSS_TYPES = OBJECTIVES["grpo"].loss_types
-ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask", BRANCH_KEY)
+ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask", BRANCH_KEY, BRANCH_SLOTS_KEY)
 
 
 @dataclass(frozen=True)
