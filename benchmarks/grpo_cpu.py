@@ -100,6 +100,7 @@ from jaxtune.models.sampling import Generator
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import step_reference, with_reference
 from jaxtune.train.rollout import make_rollout
+from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import jit_steps
 
 EOS_DIM, EOS_SHIFT, EOS_WEIGHT = 0, 8.0, -4.0  # see the module docstring: EOS's logit is about -64 everywhere
@@ -155,6 +156,7 @@ def jaxtune_impl(cfg, prompts: list[list[int]], per_step: int, merged: bool = Tr
     spec = make_state_spec(cfg, None, mesh)
     reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk)
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
+    shapes = BatchShapes.of(cfg)  # each batch cut to its length bucket, as the loop does
     generator = spec.generator() if merged else Generator(spec.graphdef, spec.model_cfg.max_seq_len)
     rollout = make_rollout(cfg, generator, tokenizer)
     frozen = with_reference(spec.load_frozen(cfg.train.seed), reference, spec, cfg.train.seed)
@@ -170,10 +172,11 @@ def jaxtune_impl(cfg, prompts: list[list[int]], per_step: int, merged: bool = Tr
     box = {"state": state, "i": 0}
 
     def step() -> dict:
-        i = box["i"]
+        i, programs = box["i"], (steps.compiles, rollout.generator.compiles)
         with sharding.use_mesh(mesh):
             t0 = time.perf_counter()
             batch, sampled = rollout.batch(steps.weights(box["state"].params, frozen), source, batches[i], i)
+            batch, _ = shapes.fit(batch)
             prepared = time.perf_counter()
             box["state"], metrics = steps.train(box["state"], sharding.global_batch(mesh, batch), frozen)
             jax.block_until_ready((box["state"], metrics))
@@ -181,11 +184,13 @@ def jaxtune_impl(cfg, prompts: list[list[int]], per_step: int, merged: bool = Tr
             dt = time.perf_counter() - t0
         box["i"] += 1
         t = rollout.timings
-        lengths = batch["loss_mask"].sum(axis=1)  # completion tokens per row (a stop id would be one of them)
+        # completion tokens per completion (a stop id would be one of them); shared rows hold a group each
+        lengths = ((batch["branch_slots"] > 0).sum(-1).reshape(-1) if "branch_slots" in batch
+                   else batch["loss_mask"].sum(axis=1))
         return {"loss": float(m["loss"]), "reward": sampled["reward"], "kl": float(m["kl"]),
                 "generation_s": t["generation"], "rewards_s": t["rewards"], "tokens": t["generated_tokens"],
                 "stopped": int(np.sum(lengths < cfg.objective.max_completion_length)), "prepare_s": prepared - t0,
-                "step_s": dt}
+                "step_s": dt, "compiled": programs != (steps.compiles, rollout.generator.compiles)}
 
     def held_out(eval_prompts: list[list[int]]) -> dict:
         """The greedy held-out evaluation the training loop runs (`Rollout.held_out`: one completion per prompt,
@@ -333,6 +338,9 @@ def main(argv=None) -> dict:
                     "adds a jaxtune row that samples with the adapters unmerged")
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
                     help="transformers' attention (sdpa: its default)")
+    ap.add_argument("--share-prompts", action="store_true",
+                    help="add a jaxtune row per setup with data.share_prompts=true: each prompt's group one row in "
+                    "regions (the prompt once, each completion attending to it and itself)")
     ap.add_argument("--eval", type=int, default=0, metavar="N",
                     help="also time the held-out evaluation of N prompts after the steps: jaxtune's greedy one (what "
                     "the training loop runs at eval.every) against TRL's trainer.evaluate() (sampled, one completion "
@@ -370,13 +378,17 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)  # TRL's sampling
     for beta in args.beta:
         setup = f"{args.objective}, beta {beta:g}" + (f", LoRA r{args.lora}" if args.lora else "")
-        cfg = load_config(None, base + [f"objective.beta={beta}"])
+        cfg = load_config(None, base + [f"objective.beta={beta}", "data.share_prompts=false"])
         jname, tname = f"jaxtune {setup} (jax.jit)", f"TRL {setup} (eager)"
         impls[jname], js = jaxtune_impl(cfg, prompts, args.prompts)
         setup_s[jname] = js["setup_s"]
         impls[tname], ts = trl_impl(model_dir, args, beta, os.path.join(tmp.name, f"trl-{len(impls)}"), prompts,
                                     args.prompts, eval_prompts)
         setups[setup] = {"jaxtune": jname, "TRL": tname, "reference": js["reference"], "trl_reference": ts["reference"]}
+        if args.share_prompts:  # the same run with each group in one row, the prompt once
+            sname = f"jaxtune {setup}, groups in regions (jax.jit)"
+            impls[sname], _ = jaxtune_impl(load_config(None, base + [f"objective.beta={beta}",
+                                                                     "data.share_prompts=true"]), prompts, args.prompts)
         if args.lora:  # the same run sampling through the adapters (no merge): which is faster, measured
             uname = f"jaxtune {setup}, adapters unmerged in sampling (jax.jit)"
             impls[uname], _ = jaxtune_impl(cfg, prompts, args.prompts, merged=False)
@@ -395,10 +407,15 @@ def main(argv=None) -> dict:
     # ---- report (times are per round of --steps steps: per step below)
     rows = {}
     for name, im in impls.items():
-        im["times"] = [t / args.steps for t in im["times"]]
-        im["cpu"] = [c / args.steps for c in im["cpu"]]
+        # a timed round in which jaxtune met a new length bucket (a new prompt length) compiled a program: left
+        # out of the medians (counted in the report), unless every round did
+        rounds = [out for r, out in enumerate(im["outputs"]) if r >= args.warmup]
+        warm = [k for k, out in enumerate(rounds) if not any(x.get("compiled") for x in out)] or list(range(len(rounds)))
+        im["compiling_rounds"] = len(rounds) - len(warm)
+        im["times"] = [im["times"][k] / args.steps for k in warm]
+        im["cpu"] = [im["cpu"][k] / args.steps for k in warm]
         seq = [im["first"]] + [x for out in im["outputs"] for x in out]
-        timed = [x for r, out in enumerate(im["outputs"]) if r >= args.warmup for x in out]
+        timed = [x for k in warm for x in rounds[k]]
         gen = statistics.median(x["generation_s"] for x in timed)
         tokens = statistics.median(x["tokens"] for x in timed)
         timing = h.timing_row(im, completions * args.max_completion_length)
@@ -414,7 +431,8 @@ def main(argv=None) -> dict:
                "losses": [x["loss"] for x in seq], "kl": [x["kl"] for x in seq], "steps_run": len(seq)}
         if "compiles" in im:
             row["jax_compiles"] = {"train_step": compiled[name][0], "sampler": compiled[name][1],
-                                   "after_first_step": compiles_after_first[name]}
+                                   "after_first_step": compiles_after_first[name],
+                                   "timed_rounds_left_out": im["compiling_rounds"]}
         rows[name] = row
 
     omp_wait = os.environ.get("OMP_WAIT_POLICY", "unset")
@@ -474,7 +492,9 @@ def main(argv=None) -> dict:
                   if "jax_compiles" in r and (r["jax_compiles"]["train_step"], r["jax_compiles"]["sampler"])
                   != r["jax_compiles"]["after_first_step"]]
     if recompiled:
-        print(f"warning: jax compiled again after the first step for {recompiled}")
+        left = {name: rows[name]["jax_compiles"]["timed_rounds_left_out"] for name in recompiled}
+        print(f"warning: jax compiled again after the first step for {recompiled} (a new length bucket); timed rounds "
+              f"that compiled, left out of the medians: {left}")
     early = [r["implementation"] for r in rows.values() if r["stopped_early"]]
     if early:
         print(f"warning: some completions stopped early (EOS sampled) for {early}: the sides' token counts differ")

@@ -66,6 +66,20 @@ def train(cfg: Config) -> TrainResult:
         return _train(cfg, backend, run_dir, multi_host)
 
 
+def rows_per_device(cfg: Config, ways: int) -> Config:
+    """GRPO groups laid out one row per prompt (``data.share_prompts``) need a multiple of the ``ways`` data-parallel
+    devices of prompts a step: where the key is unset the run takes a row per completion instead, where it is set a
+    `ConfigError` says what to change."""
+    if not (cfg.data.kind.generates and cfg.data.shares_prompts and cfg.train.batch_size % ways):
+        return cfg
+    if cfg.data.share_prompts is None:
+        return cfg.model_copy(update={"data": cfg.data.model_copy(update={"share_prompts": False})})
+    raise ConfigError(f"objective.prompts_per_step={cfg.train.batch_size}: with data.share_prompts each prompt's "
+                      f"group is one row, and {ways} data-parallel devices need a multiple of {ways} rows; set "
+                      f"objective.prompts_per_step to a multiple of {ways}, or data.share_prompts=false (a row per "
+                      "completion)")
+
+
 def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> TrainResult:
     laps = Laps()  # where the wall time goes (summary.json "seconds")
     if cfg.train.compile_cache_dir:  # JAX keys entries by program, options, flags, device kind and versions
@@ -81,6 +95,7 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
 
     # Mesh and data.
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    cfg = rows_per_device(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     with distributed.together(multi_host):  # a file missing on one host stops every host, naming it
         tokenizer = load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data)
         data = make_training_data(cfg.data, tokenizer, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
@@ -107,12 +122,6 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
         data.report.append(f"{o.name}: {o.prompts_per_step} prompts x {o.num_generations} completions = "
                            f"{o.prompts_per_step * o.num_generations} completions a step (objective.prompts_per_step "
                            "x num_generations)")
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]  # sharding.BATCH_AXES
-    if rollout is not None and cfg.data.shares_prompts and cfg.train.batch_size % ways:
-        raise ConfigError(f"objective.prompts_per_step={cfg.train.batch_size}: with data.share_prompts each prompt's "
-                          f"group is one row, and {ways} data-parallel devices need a multiple of {ways} rows; set "
-                          f"objective.prompts_per_step to a multiple of {ways}, or data.share_prompts=false (a row per "
-                          "completion)")
 
     # Frozen params (a LoRA base, a reference copy) are not in the checkpoint: they are read again. Reference
     # log-probs computed once go into the batches before the data position is restored.

@@ -23,7 +23,7 @@ from jaxtune.backends import make_state_spec
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data.encoded import Encoded
 from jaxtune.data.preference import PairRows
-from jaxtune.loop import train
+from jaxtune.loop import rows_per_device, train
 from jaxtune.train.objectives import GRPO
 from jaxtune.train.objectives.base import Reference
 from jaxtune.train.objectives.preference import flat_pairs, pair_logps
@@ -228,3 +228,16 @@ def test_grpo_groups_in_one_row_give_the_separate_rows_loss_and_gradients(loss_t
         assert abs(float(mb[k] - ma[k])) <= 1e-5 * max(abs(float(ma[k])), 1e-6), (k, mb[k], ma[k])
     for x, y in zip(jax.tree.leaves(gb), jax.tree.leaves(ga), strict=True):
         assert rel(x, y) <= 1e-4, rel(x, y)
+
+
+def test_grpo_groups_as_rows_need_a_multiple_of_the_data_parallel_devices():
+    """One row per prompt splits over the data-parallel devices only in whole prompts: with the key unset the run
+    falls back to a row per completion, with it set the error names the key and what to change."""
+    base = ["objective.name=grpo", "data.format=prompts", "objective.prompts_per_step=3", "objective.num_generations=4",
+            "objective.rewards=[{name: exact_number}]"]
+    assert rows_per_device(load_config(None, base), 1).data.shares_prompts == load_config(None, base).data.shares_prompts
+    assert not rows_per_device(load_config(None, base), 2).data.shares_prompts  # 3 prompts over 2 devices: rows
+    assert rows_per_device(load_config(None, [*base, "objective.prompts_per_step=4"]), 2).data.shares_prompts == (
+        load_config(None, base).data.shares_prompts)
+    with pytest.raises(ConfigError, match=r"objective.prompts_per_step=3: .* multiple of 2 .* data.share_prompts=false"):
+        rows_per_device(load_config(None, [*base, "data.share_prompts=true"]), 2)
