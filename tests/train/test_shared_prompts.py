@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers.compare import rel
+
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
 from jaxtune.config import ConfigError, load_config

@@ -58,9 +58,10 @@ class DataConfig(Section):
     share_prompts: bool | None = Field(None, description="lay out the completions of one prompt as one row, the "
                                        "prompt once then each completion, attending to the prompt and itself only "
                                        "(prefix sharing; log-probs equal to a row per completion); false: a row per "
-                                       "completion; default: on for preference pairs (measured faster), off for "
-                                       "GRPO groups (slower on CPU when completions outweigh the prompt), and off "
-                                       "with model.backend=torchax")
+                                       "completion; default: on (measured faster for preference pairs and GRPO "
+                                       "groups, benchmarks/RESULTS.md), off with model.backend=torchax, and for "
+                                       "GRPO off where objective.prompts_per_step does not divide over the "
+                                       "data-parallel devices")
     max_prompt_length: int | None = Field(None, ge=1, description="preference pairs, unpaired rows and GRPO prompts: "
                                           "a prompt of "
                                           "more tokens keeps its last this many (TRL's left truncation), whatever "

@@ -138,7 +138,8 @@ UNPAIRED = BatchKind(
 PROMPTS = BatchKind(
     "prompts", ("prompts",), "prompts with their answer fields; the loop samples num_generations completions of each",
     row_keys=(*ROW_KEYS, SAMPLER_LOGPS_KEY), sequences=None, held_out="answers", generates=True,
-    extra_keys=lambda obj: ("advantages",), unit="prompts", shares_prompt=True, prompted=True)
+    extra_keys=lambda obj: ("advantages",), unit="prompts", shares_prompt=True, prompted=True,
+    shares_prompt_by_default=True)
 
 BATCH_KINDS: dict[str, BatchKind] = {k.name: k for k in (WINDOWS, ROWS, PAIRS, UNPAIRED, PROMPTS)}
 KIND_OF_FORMAT: dict[str, BatchKind] = {f: k for k in BATCH_KINDS.values() for f in k.formats}

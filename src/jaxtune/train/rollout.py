@@ -17,10 +17,11 @@ process (`first_failure`), so none is left waiting.
 
 A completion ends at the first stop id (EOS, and for chat prompts the template's end-of-turn token), which it keeps
 and is trained on, or at ``max_completion_length`` tokens. Its text (without the stop id) is what reward functions
-read. The batch's rows are prompt then completion, right-padded to ``data.seq_len``, the loss mask on the
-completion; ``advantages`` are the group-normalised total rewards (`jaxtune.train.rewards.group_advantages`). With
-``data.share_prompts: true`` (off by default for GRPO) a prompt's group is one row instead: the prompt once, then
-each completion as a branch (`shared_rows`), and ``advantages`` are (prompts, ``num_generations``).
+read. With ``data.share_prompts`` (the default with native models) a prompt's group is one row in regions: the
+prompt's slots once, then each completion in ``max_completion_length`` slots of its own (`shared_rows`), attended
+per region (`jaxtune.models.layers.RegionMask`), and ``advantages`` are (prompts, ``num_generations``) group-
+normalised total rewards (`jaxtune.train.rewards.group_advantages`). With ``data.share_prompts: false`` the rows are
+prompt then completion, one per completion, right-padded to ``data.seq_len``, the loss mask on the completion.
 """
 
 from __future__ import annotations
