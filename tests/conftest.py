@@ -34,6 +34,16 @@ def quickstart_sft_model(tmp_path_factory, data_cache) -> Path:
     return model
 
 
+@pytest.fixture(scope="module")
+def gguf_module_root(tmp_path_factory, request):
+    """A directory of the test module's own, jaxtune's GGUF import cache in it (``JAXTUNE_GGUF_CACHE``, for the
+    module's tests): its conversions are made (and checked) apart from other modules'."""
+    root = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXTUNE_GGUF_CACHE", str(root / "cache"))
+        yield root
+
+
 @pytest.fixture
 def tiny_overrides(tmp_path, data_cache) -> list[str]:
     return TINY + [f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}"]

@@ -114,13 +114,9 @@ def sentencepiece_style(directory: Path, prefix_space: bool) -> int:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def root(gguf_module_root):
     """The module's directory, jaxtune's GGUF import cache in it."""
-    d = tmp_path_factory.mktemp("gguf-export")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("JAXTUNE_GGUF_CACHE", str(d / "cache"))
-    yield d
-    mp.undo()
+    return gguf_module_root
 
 
 @pytest.fixture(scope="module")

@@ -135,12 +135,9 @@ def retyped(src: Path, dst: Path, types: dict[str, str], seed: int = 0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qlora-gguf")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("JAXTUNE_GGUF_CACHE", str(d / "cache"))
-    yield d
-    mp.undo()
+def root(gguf_module_root):
+    """The module's directory, jaxtune's GGUF import cache in it."""
+    return gguf_module_root
 
 
 @pytest.fixture(scope="module")
