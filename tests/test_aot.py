@@ -199,8 +199,8 @@ def test_grpo_plan_compiles_the_sampler_beside_the_step_and_splits_the_step_esti
     weights) for the rollout's shapes, as the sampler buckets them. References: the model's KV cache shape (K and V,
     each layers x rows per chip x cache positions x KV heads x head dim), which the compiled decode loop must carry;
     the weights' bytes per chip, which are its arguments but for the prompts; the train
-    step's model FLOPs counting every completion (prompts x num_generations rows). The estimate is the stated
-    formulas of those numbers."""
+    step's model FLOPs counting the positions it computes (each prompt's group one row in regions: the prompt's
+    72 slots once, then 4 completions of 24). The estimate is the stated formulas of those numbers."""
     cfg = load_config(None, [*GRPO, *(["model.lora.rank=4"] if lora else [])])
     d = aot.plan(cfg, "v5e-8")
     sp, chip = d["sampler"], aot.CHIPS["v5e"]
@@ -225,9 +225,10 @@ def test_grpo_plan_compiles_the_sampler_beside_the_step_and_splits_the_step_esti
     assert e["decode"] == pytest.approx(24 * (sp["weights"] + sp["kv_cache"]) / chip.hbm_bw)
     assert e["step"] == pytest.approx(e["generation"] + max(e["training_roofline"], e["training_at_mfu"]))
     spec_flops = info(cfg, devices=8)["flops_per_step"]
-    assert d["roofline"]["model_flops"] == pytest.approx(spec_flops)  # 8 prompts x 4 completions x 96 positions
+    assert d["roofline"]["model_flops"] == pytest.approx(spec_flops)  # 8 rows of 72 + 4 x 24 positions
     assert d["sequences"] == 4 and d["roofline"]["tokens_per_second"] == pytest.approx(
-        8 * 4 * 96 / d["roofline"]["step_seconds"])
+        8 * (72 + 4 * 24) / d["roofline"]["step_seconds"])
+    assert spec_flops == pytest.approx(model.flops_per_token(96) * 8 * (72 + 4 * 24))
     text = aot.format_plan(d)
     assert "batch 8 prompts x 4 sequences x 96 tokens" in text
     assert "sampler:          8 prompts x 4 completions, prompts of 72 positions" in text

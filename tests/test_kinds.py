@@ -190,14 +190,18 @@ def test_dpo_loss_type_lists_are_checked(keys, says):
 
 def test_model_flops_count_the_sequences_a_step_trains():
     """`jaxtune info`'s FLOPs per step (and the TPU plan's MFU, from the same count): a DPO pair trains 2 sequences,
-    a GRPO prompt num_generations, a KTO row 1 (its KL row only runs forward, without gradient)."""
+    a GRPO prompt num_generations, a KTO row 1 (its KL row only runs forward, without gradient); a GRPO group that
+    shares its prompt (the default) is one row in regions: 64 - 16 prompt slots, then 3 completions of 16."""
     from jaxtune.info import info
 
     tiny = ["model.preset=tiny", "model.vocab_size=512", "data.seq_len=64", "train.batch_size=4"]
     cases = {("objective.name=dpo", "data.format=preference"): 2, ("objective.name=kto", "data.format=unpaired"): 1,
              ("objective.name=grpo", "data.format=prompts", "objective.num_generations=3", "train.batch_size=null",
               "objective.prompts_per_step=4", "objective.max_completion_length=16",
-              "objective.rewards=[{name: length}]"): 3, (): 1}
+              "objective.rewards=[{name: length}]", "data.share_prompts=false"): 3, (): 1}
     for overrides, sequences in cases.items():
         d = info(load_config(None, [*tiny, *overrides]), devices=1)
         assert d["flops_per_step"] == d["flops_per_token"] * 4 * sequences * 64, overrides
+    grpo = [o for o in next(k for k, v in cases.items() if v == 3) if o != "data.share_prompts=false"]
+    d = info(load_config(None, [*tiny, *grpo]), devices=1)
+    assert d["flops_per_step"] == d["flops_per_token"] * 4 * (64 - 16 + 3 * 16)

@@ -62,7 +62,8 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
         "params": mcfg.num_params(),
         "params_non_embedding": mcfg.num_params(non_embedding=True),
         "flops_per_token": mcfg.flops_per_token(seq),
-        "flops_per_step": mcfg.flops_per_token(seq) * cfg.train.batch_size * per_item * seq,
+        "flops_per_step": mcfg.flops_per_token(seq) * cfg.data.kind.trained_positions(
+            cfg.train.batch_size, seq, cfg.objective, cfg.data.shares_prompts),
         "devices": math.prod(mesh.shape.values()),
         "mesh": dict(mesh.shape),
         "trainable_params": sum(math.prod(a.shape) for a in jax.tree.leaves(spec.abstract.params)),

@@ -21,7 +21,9 @@ def roofline(p: Program, compiled: dict[str, Any]) -> dict[str, Any]:
              "ICI": hlo.ici_bytes / chip.ici_axis_bw}
     bound = max(times, key=times.get)
     step = times[bound]
-    tokens = b * p.trained * p.cfg.data.seq_len  # a pair trains 2 sequences, a GRPO prompt num_generations
+    # a pair trains 2 sequences, a GRPO prompt num_generations; sharing its prompt, a row holds it once
+    c = p.cfg
+    tokens = c.data.kind.trained_positions(b, c.data.seq_len, c.objective, c.data.shares_prompts)
     model_flops = p.steps.spec.model_cfg.flops_per_token(p.cfg.data.seq_len) * tokens
     return {"seconds": times, "step_seconds": step, "bound": bound, "model_flops": model_flops,
             "mfu": model_flops / (p.slice.chips * step * chip.peak_flops) if step else None,

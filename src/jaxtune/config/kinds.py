@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import math
 from pydantic import Field, model_validator
 
 from jaxtune.config.base import Section
@@ -79,6 +80,14 @@ class BatchKind:
     def trained_per_item(self, objective: Any) -> int:
         """Sequences per item the step trains on (what model FLOPs and tokens/s count)."""
         return self.sequences_per_item(objective) - self.scored_only
+
+    def trained_positions(self, items: int, seq_len: int, objective: Any, shared: bool = False) -> int:
+        """Positions the step trains on for ``items`` items at ``seq_len``: every trained sequence's, or with
+        ``shared`` each shared row's (the prompt once), what the step computes (model FLOPs, tokens/s, MFU)."""
+        if not shared:
+            return items * self.trained_per_item(objective) * seq_len
+        rows_and_length = self.step_arrays(items, seq_len, objective, shared)["inputs"][0]
+        return math.prod(rows_and_length)
 
     def sequences_per_item(self, objective: Any) -> int:
         return objective.num_generations if self.sequences is None else self.sequences
