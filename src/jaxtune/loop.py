@@ -42,7 +42,8 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> train loss, for the steps run here
     eval_loss: float | None = None
     step_compiles: int = 0
-    step_lengths: list[int] = field(default_factory=list)  # the batch lengths the train step met (one program each)
+    # the batch lengths the train step met, one program each (rows in regions: (prompt slots, completion slots))
+    step_lengths: list[int | tuple[int, int]] = field(default_factory=list)
     sampler_compiles: int = 0  # GRPO: programs the rollout sampler compiled (one per prompt and cache bucket)
     nan_skipped: int = 0
     preempted: bool = False

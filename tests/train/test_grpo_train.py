@@ -220,7 +220,9 @@ def test_grpo_with_shared_prompts_trains_as_a_row_per_completion(grpo, tmp_path)
     shared = load_config(None, [*grpo(*base, "data.share_prompts=true"), f"run_dir={tmp_path / 'shared'}"])
     plain = load_config(None, [*grpo(*base, "data.share_prompts=false"), f"run_dir={tmp_path / 'plain'}"])
     a, b = train(shared), train(plain)
-    assert a.step_compiles == len(a.step_lengths) and max(a.step_lengths) > 48  # rows longer than data.seq_len
+    # one program per (prompt slots, completion slots) met, rows in regions longer than data.seq_len
+    assert a.step_compiles == len(a.step_lengths) and all(isinstance(k, tuple) for k in a.step_lengths)
+    assert max(p + 4 * c for p, c in a.step_lengths) > 48
     (ra,), (rb,) = metric_rows(shared.run_path, "train"), metric_rows(plain.run_path, "train")
     assert ra["completions/mean_length"] == rb["completions/mean_length"] and ra["reward"] == rb["reward"]
     assert abs(ra["step_loss"] - rb["step_loss"]) <= 1e-6 + 1e-5 * abs(rb["step_loss"])  # a mean of ~0 advantages

@@ -139,24 +139,19 @@ def test_shared_prompts_follow_the_backend():
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_grpo_groups_in_regions_give_the_separate_rows_logps_and_gradients(name):
-    """A prompt's G completions in regions (`shared_rows`: the prompt's slots, then each completion's 16 of its own,
-    attention per region, `RegionMask`) against a row per completion: the same log-probs and gradients for every
-    family (Gemma 3's window of 16 positions is shorter than the rows), whatever the prompt's bucket cuts."""
+    """A prompt's G completions in regions (`shared_rows`: the prompt's 32 slots, then each completion's 32 of its
+    own, attention per region, `RegionMask`) against a row per completion: the same log-probs and gradients for every
+    family (Gemma 3's window of 16 positions is shorter than the rows), as laid out and as `BatchShapes.fit` cuts
+    them: the prompt's slots to the bucket of its longest (24 of 32), and each completion's to the bucket of the
+    longest completion (all 32 when one fills them; 16 when none is longer than 10)."""
     spec = _spec(name)
     forward, frozen = spec.forward(), spec.load_frozen(0)
     rng = np.random.default_rng(3)
     params = jax.tree.map(lambda x: x + jnp.asarray(0.02 * rng.standard_normal(x.shape), x.dtype), spec.init(0).params)
-    g, width, prompts = 3, 16, [rng.integers(1, V, n).tolist() for n in (1, 12, 39)]
+    g, width, prompts = 3, 32, [rng.integers(1, V, n).tolist() for n in (1, 12, 25)]
     prompt_ids = [p for p in prompts for _ in range(g)]
-    completions = [rng.integers(1, V, width if i == 8 else rng.integers(1, width)).tolist()
-                   for i in range(len(prompt_ids))]
-    zeros = [[0.0] * len(c) for c in completions]
-    plain = {k: jnp.asarray(v) for k, v in training_rows(prompt_ids, completions, zeros, T).items()}
-    regions = shared_rows(prompt_ids, completions, zeros, g, T, width)
-    shapes = BatchShapes(T - width + g * width, 4, ("inputs", "targets", "positions", "segment_ids", "loss_mask",
-                                                    "branch_ids", "sampler_logps"), regions=(T - width, g * width))
-    cut, shape = shapes.fit(regions)
-    assert shape.length == 40 + g * width and cut["inputs"].shape == (3, 40 + g * width)  # 38 prompt slots: bucket 40
+    keys = ("inputs", "targets", "positions", "segment_ids", "loss_mask", "branch_ids", "sampler_logps")
+    shapes = BatchShapes(T - width + g * width, 4, keys, regions=(T - width, g, width))
     rows = lambda batch: {k: batch[k] for k in ("inputs", "targets", "positions", "segment_ids", "branch_ids",
                                                 "branch_slots") if k in batch}
 
@@ -169,15 +164,23 @@ def test_grpo_groups_in_regions_give_the_separate_rows_logps_and_gradients(name)
 
     weight = jnp.asarray(rng.standard_normal(len(prompt_ids)), jnp.float32)
     objective = lambda p, batch: jnp.sum(per_completion(p, batch) * weight)
-    a = jax.jit(per_completion)(params, plain)
-    for batch in (regions, cut):
-        batch = {k: jnp.asarray(v) for k, v in batch.items()}
-        b = jax.jit(per_completion)(params, batch)
-        assert rel(b, a) <= 1e-5, rel(b, a)
-    ga, gb = (jax.jit(jax.grad(objective))(params, batch) for batch in (plain, {k: jnp.asarray(v) for k, v in
-                                                                                cut.items()}))
-    for x, y in zip(jax.tree.leaves(gb), jax.tree.leaves(ga), strict=True):
-        assert rel(x, y) <= 1e-4, rel(x, y)
+    on_device = lambda batch: {k: jnp.asarray(v) for k, v in batch.items()}
+    for longest, completion_slots in ((width, width), (10, 16)):
+        completions = [rng.integers(1, V, longest if i == 8 else rng.integers(1, longest)).tolist()
+                       for i in range(len(prompt_ids))]
+        zeros = [[0.0] * len(c) for c in completions]
+        plain = on_device(training_rows(prompt_ids, completions, zeros, T))
+        regions = shared_rows(prompt_ids, completions, zeros, g, T, width)
+        cut, shape = shapes.fit(regions)
+        assert shape.regions == (24, completion_slots) and shape.length == 24 + g * completion_slots
+        assert cut["inputs"].shape == (3, shape.length) and cut["branch_slots"].shape == (3, g, completion_slots)
+        a = jax.jit(per_completion)(params, plain)
+        for batch in (regions, cut):
+            b = jax.jit(per_completion)(params, on_device(batch))
+            assert rel(b, a) <= 1e-5, rel(b, a)
+        ga, gb = (jax.jit(jax.grad(objective))(params, batch) for batch in (plain, on_device(cut)))
+        for x, y in zip(jax.tree.leaves(gb), jax.tree.leaves(ga), strict=True):
+            assert rel(x, y) <= 1e-4, rel(x, y)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])  # dr_grpo is dapo's sum over another constant

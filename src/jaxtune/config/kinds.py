@@ -101,7 +101,9 @@ class BatchKind:
     def regions(self, seq_len: int, objective: Any, shared: bool = False) -> tuple[int, int] | None:
         """(P, C) where the step's shared rows are laid out in regions, a prompt of P slots then each completion in
         C of its own (`jaxtune.models.layers.RegionMask`): sampled completions (``generates``), whose length is
-        capped by ``max_completion_length``; None for rows packed one branch after the other (pairs)."""
+        capped by ``max_completion_length``; None for rows packed one branch after the other (pairs). The widest
+        layout: a batch is cut to its longest prompt's and longest completion's buckets
+        (`jaxtune.train.shapes.BatchShapes`)."""
         if not (shared and self.generates):
             return None
         width = objective.max_completion_length

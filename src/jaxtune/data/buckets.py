@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxtune.config.kinds import BRANCH_SLOTS_KEY
+
 MIN_BUCKET = 16
 
 
@@ -43,10 +45,24 @@ def real_tokens(batch: dict[str, np.ndarray]) -> int:
     return int(np.asarray(batch["inputs"]).size)
 
 
-def cut(batch: dict[str, np.ndarray], length: int, row_keys: tuple[str, ...], keep: int = 0) -> dict[str, np.ndarray]:
-    """The batch with its ``row_keys`` arrays, (..., T), cut to their first ``length`` positions (and, ``keep``,
-    their last ``keep``: rows in regions keep every completion's slots whatever their prompt's bucket)."""
+def cut(batch: dict[str, np.ndarray], length: int, row_keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The batch with its ``row_keys`` arrays, (..., T), cut to their first ``length`` positions."""
+    return {k: np.ascontiguousarray(v[..., :length]) if k in row_keys else v for k, v in batch.items()}
+
+
+def cut_regions(batch: dict[str, np.ndarray], regions: tuple[int, int, int], widths: tuple[int, int],
+                row_keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Rows in regions (`jaxtune.models.layers.RegionMask`), (..., P + G C) with ``regions`` (P, G, C), cut to
+    ``widths`` (p, c): the prompt's first p slots, then each completion's first c (``branch_slots`` (..., G, C) to
+    (..., G, c)). Only padding goes: each region is right-padded."""
+    p, g, c = regions
+    keep_p, keep_c = widths
+
     def rows(v: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(v[..., :length]) if not keep else np.concatenate(
-            [v[..., :length], v[..., v.shape[-1] - keep:]], -1)
-    return {k: rows(v) if k in row_keys else v for k, v in batch.items()}
+        lead = v.shape[:-1]
+        completions = v[..., p:].reshape(*lead, g, c)[..., :keep_c].reshape(*lead, g * keep_c)
+        return np.concatenate([v[..., :keep_p], completions], -1)
+
+    out = {k: rows(v) if k in row_keys else v for k, v in batch.items()}
+    out[BRANCH_SLOTS_KEY] = np.ascontiguousarray(batch[BRANCH_SLOTS_KEY][..., :keep_c])
+    return out

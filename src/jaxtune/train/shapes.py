@@ -14,7 +14,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxtune.config import Config
-from jaxtune.data.buckets import bucket_length, cut, longest_row, real_tokens
+from jaxtune.config.kinds import BRANCH_SLOTS_KEY
+from jaxtune.data.buckets import bucket_length, cut, cut_regions, longest_row, real_tokens
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,14 @@ class Shape:
     length: int
     tokens: int
     positions: int
+    # rows in regions (`BatchShapes.regions`): the prompt's slots and each completion's, which the program is
+    # compiled for (two cuts may sum to the same length)
+    regions: tuple[int, int] | None = None
+
+    @property
+    def program(self) -> int | tuple[int, int]:
+        """What the train step compiles one program per: the length, or the regions' two widths."""
+        return self.length if self.regions is None else self.regions
 
     @property
     def pad_fraction(self) -> float:
@@ -41,9 +50,10 @@ class BatchShapes:
     cap: int
     per_octave: int
     row_keys: tuple[str, ...]
-    lengths: set[int] = field(default_factory=set)  # lengths the train step has met
-    # (P, G x C) of rows in regions (`BatchKind.regions`): only the prompt's P slots are cut to a bucket
-    regions: tuple[int, int] | None = None
+    lengths: set = field(default_factory=set)  # the programs (`Shape.program`) the train step has met
+    # (P, G, C) of rows in regions (`BatchKind.regions`): the prompt's P slots and each completion's C are cut to
+    # their own buckets (the longest prompt's, the longest completion's)
+    regions: tuple[int, int, int] | None = None
 
     @classmethod
     def of(cls, cfg: Config) -> BatchShapes:
@@ -51,8 +61,8 @@ class BatchShapes:
         n = kind.sequences_per_item(cfg.objective)
         regions = kind.regions(data.seq_len, cfg.objective, data.shares_prompts)
         if regions is not None:
-            regions = (regions[0], n * regions[1])
-        cap = data.seq_len * (n if data.shares_prompts else 1) if regions is None else sum(regions)
+            regions = (regions[0], n, regions[1])
+        cap = data.seq_len * (n if data.shares_prompts else 1) if regions is None else regions[0] + n * regions[2]
         return cls(cap, data.length_buckets if kind.buckets else 0, kind.step_keys(data.shares_prompts),
                    regions=regions)
 
@@ -61,18 +71,20 @@ class BatchShapes:
         rows = int(np.prod(np.shape(batch["inputs"])[:-1]))
         prompt = self.regions[0] if self.regions else None
         longest = longest_row({"segment_ids": batch["segment_ids"][..., :prompt]}) if self.per_octave else self.cap
-        local = np.array([longest, real_tokens(batch), rows], np.int64)
+        completion = int(np.max(np.sum(batch[BRANCH_SLOTS_KEY] > 0, -1), initial=1)) if self.regions else 0
+        local = np.array([longest, completion, real_tokens(batch), rows], np.int64)
         if jax.process_count() > 1 and (self.per_octave or "segment_ids" in batch):  # windows: all real, all alike
-            every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
-            local = np.array([every[:, 0].max(), every[:, 1].sum(), every[:, 2].sum()])
+            every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 4)
+            local = np.array([every[:, 0].max(), every[:, 1].max(), every[:, 2].sum(), every[:, 3].sum()])
         else:
-            local = local * np.array([1, jax.process_count(), jax.process_count()])
-        longest, tokens, rows = (int(x) for x in local)
-        if self.regions:  # the prompt's slots cut to their bucket, every completion's kept
-            prompt = bucket_length(longest, self.regions[0], self.per_octave)
-            length = prompt + self.regions[1]
-            return (cut(batch, prompt, self.row_keys, keep=self.regions[1]) if length < self.cap else batch), Shape(
-                length, tokens, rows * length)
+            local = local * np.array([1, 1, jax.process_count(), jax.process_count()])
+        longest, completion, tokens, rows = (int(x) for x in local)
+        if self.regions:
+            p, g, c = self.regions
+            widths = (bucket_length(longest, p, self.per_octave), bucket_length(completion, c, self.per_octave))
+            length = widths[0] + g * widths[1]
+            cut_batch = cut_regions(batch, self.regions, widths, self.row_keys) if length < self.cap else batch
+            return cut_batch, Shape(length, tokens, rows * length, widths)
         length = bucket_length(longest, self.cap, self.per_octave)
         return (cut(batch, length, self.row_keys) if length < self.cap else batch), Shape(length, tokens,
                                                                                           rows * length)
@@ -80,10 +92,12 @@ class BatchShapes:
     def step(self, train: Callable[[], Any], shape: Shape, step: int, say: Callable[[str], None]) -> Any:
         """``train()`` (the step's dispatch), saying so when ``shape``'s length is new: its program compiles (or is
         read from the compilation cache) before the dispatch returns."""
-        if shape.length in self.lengths:
+        if shape.program in self.lengths:
             return train()
-        self.lengths.add(shape.length)
-        say(f"step {step}: compiling the train step for batches of {shape.length} positions ...")
+        self.lengths.add(shape.program)
+        split = "" if shape.regions is None else (f" (a prompt's {shape.regions[0]} slots, then "
+                                                   f"{self.regions[1]} completions of {shape.regions[1]})")
+        say(f"step {step}: compiling the train step for batches of {shape.length} positions{split} ...")
         started = time.perf_counter()
         out = train()
         say(f"step {step}: compiled in {time.perf_counter() - started:.1f} s")
