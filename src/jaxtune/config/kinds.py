@@ -11,11 +11,11 @@ Adding a kind is one record here (an objective's keys too) plus its implementati
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import math
 from pydantic import Field, model_validator
 
 from jaxtune.config.base import Section
