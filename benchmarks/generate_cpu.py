@@ -56,6 +56,9 @@ def jaxtune_impls(model_dir: str, a: argparse.Namespace, prompts: list[list[int]
         generators = {name: spec.generator()} if not name.startswith("jaxtune LoRA") else {
             f"{name} merged (its sampler)": spec.generator(),
             f"{name} unmerged": Generator(spec.graphdef, spec.model_cfg.max_seq_len)}
+        if a.padded_prefill and name == "jaxtune":  # the same sampler, its prompts prefilled left-padded
+            generators[f"{name} padded prefill"] = padded = spec.generator()
+            (padded.plain or padded).pack = False
         for label, gen in generators.items():
             out[label] = {"call": lambda t, g=gen, w=weights: g(w, prompts, max_new_tokens=a.max_completion_length,
                                                                  temperature=t, seed=1),
@@ -102,6 +105,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="also a LoRA model of this rank")
     ap.add_argument("--scan", action="store_true", help="also the model with model.scan_layers=true (its layers one "
                     "scanned block; the KV cache carried through the scan)")
+    ap.add_argument("--padded-prefill", action="store_true", help="also jaxtune's sampler with its prompts "
+                    "prefilled left-padded to their bucket, as before packed prefill (Generator.pack = False)")
     h.add_malloc_arg(ap)
     args = ap.parse_args(argv)
     h.check_rounds(ap, args)
@@ -159,6 +164,9 @@ def main(argv=None) -> dict:
             p = by[f"transformers + PEFT LoRA, {mode}"]
             print(f"{mode} LoRA: merged / unmerged = {m['tokens_per_s'] / u['tokens_per_s']:.2f}x; merged / PEFT = "
                   f"{m['tokens_per_s'] / p['tokens_per_s']:.2f}x")
+        if args.padded_prefill:
+            print(f"{mode}: packed / padded prefill tokens/s = "
+                  f"{j['tokens_per_s'] / by[f'jaxtune padded prefill, {mode}']['tokens_per_s']:.2f}x")
         if args.scan:
             print(f"{mode}: scan_layers / unrolled tokens/s = "
                   f"{by[f'jaxtune scan_layers, {mode}']['tokens_per_s'] / j['tokens_per_s']:.2f}x")

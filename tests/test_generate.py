@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxtune.models.gpt2 import GPT, PRESETS
-from jaxtune.models.sampling import Generator, bucket, sample_logits
+from jaxtune.models.sampling import Generator, bucket, pack_prompts, sample_logits
 
 CFG = PRESETS["tiny"]()  # 128-token context
 CTX = CFG.max_seq_len
@@ -176,6 +176,28 @@ def test_compiles_once_per_bucket(model):
     assert run(9, **stream) == 5
     assert run(20, **stream) == 6  # a prefill only: the decode loop of cache bucket 64 is there
     assert run(20, max_new_tokens=3, **stream) == 6  # fewer new tokens than a chunk: the same loop, ended early
+
+
+def test_packed_prefill_generates_what_the_padded_one_does(model):
+    """Distinct prompts of varied lengths are prefilled packed several to a row (`pack_prompts`: no padding, each
+    prompt attending to itself only) and their keys and values placed as the left-padded rows': the same greedy
+    and sampled tokens as the padded prefill, log-probs to 1e-5 (float32, sums in another order); the rows round up
+    to a quarter, half, 5/8 or 3/4 of the padded positions, one program each (measured here: 16 prompts of 4-60
+    tokens need 5/8: 5 rows of 128), and a batch of one is not packed."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in rng.integers(4, 61, 16)]
+    packed = pack_prompts(prompts, 64)
+    assert packed["tokens"].shape == (5, 128) and sorted(np.unique(packed["segments"]))[0] == 0
+    assert int(np.count_nonzero(packed["segments"])) == sum(len(p) for p in prompts)  # every token once
+    assert pack_prompts(prompts[:1], 64) is None and pack_prompts([[1] * 60] * 16, 64) is None
+    padded, packing = Generator(model[0], CTX), Generator(model[0], CTX)
+    padded.pack = False
+    for kw in ({"temperature": 0.0}, {"temperature": 1.0, "top_p": 0.9, "seed": 2}):
+        want, got = padded(model[1], prompts, max_new_tokens=8, **kw), packing(model[1], prompts, max_new_tokens=8,
+                                                                                **kw)
+        assert got == want and len({tuple(r) for r in got}) > 8
+        assert max(abs(a - b) for x, y in zip(packing.logps, padded.logps) for a, b in zip(x, y)) <= 1e-5
+    assert packing.compiles == padded.compiles == 2  # greedy and top-p: one program each
 
 
 def test_batch_and_streaming_generation_sample_the_same_tokens(model):

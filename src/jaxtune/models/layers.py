@@ -397,7 +397,10 @@ def layer_mask(t: int, cache, index, key_valid, segment_ids, window: int | None 
             and not explicit):
         return None
     if cache is not None:
-        return cache_mask(key_valid, index, t, window)
+        mask = cache_mask(key_valid, index, t, window)
+        if segment_ids is not None:  # a packed prefill (the whole cache at once, rows of several prompts each)
+            mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+        return mask
     slots = jnp.arange(t)
     return attention_mask(slots, slots, window=window, key_valid=key_valid, q_segments=segment_ids,
                           k_segments=segment_ids, branches=branch_ids, positions=positions)

@@ -1,6 +1,7 @@
 """Sampling: token choice from logits (greedy, temperature, top-k, top-p), stop handling, length buckets, and the
 native models' KV-cache generator: one prefill over the (left-padded) prompts, then one token per position, all on
-device (`Generator`).
+device (`Generator`). A batch of distinct prompts of varied lengths is prefilled packed, several to a row without
+their padding (`pack_prompts`), its keys and values then placed where the left-padded rows' would be.
 
 Shapes are static per length bucket (powers of two), so a session compiles one program per (batch, prompt bucket,
 cache bucket, new tokens), whatever the prompts. Sampling: greedy (temperature 0), temperature, top-k, top-p;
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,6 +110,48 @@ def collect(ids: np.ndarray, out: list[list[int]], done: np.ndarray, eos_id: int
     return bool(done.all())
 
 
+PACKED_SPAN = 2  # a packed row holds this many prompt buckets' positions (two prompts of the bucket, or more shorter)
+PACKED_SHARES = (1 / 4, 1 / 2, 5 / 8, 3 / 4)  # of the padded positions, what a packed prefill rounds up to
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], bucket_len: int) -> dict[str, np.ndarray] | None:
+    """The prefill of ``prompts`` (each at most ``bucket_len`` tokens, left-padded to it otherwise) packed without
+    their padding: first-fit decreasing into rows of W = `PACKED_SPAN` x ``bucket_len`` positions, the row count
+    rounded up so that the rows hold 1/4, 1/2, 5/8 or 3/4 of the padded batch's positions (at most four programs
+    per batch and prompt bucket, not one per packing); None when 3/4 do not hold them (too little saved to pay a
+    program). Arrays: ``tokens``, ``positions`` (restarting per prompt) and ``segments`` (1, 2, ... per prompt in
+    its row, 0 padding), each (R, W); ``gather`` (B, ``bucket_len``), for each left-padded slot of each prompt the
+    flat (R x W) index of its token (0 where padding); ``last`` (B,), each prompt's last token's index."""
+    b, width = len(prompts), PACKED_SPAN * bucket_len
+    order = sorted(range(b), key=lambda i: -len(prompts[i]))
+    free: list[int] = []  # positions left per row
+    where = [(0, 0)] * b  # prompt -> (row, first slot)
+    for i in order:
+        n = len(prompts[i])
+        row = next((r for r, f in enumerate(free) if f >= n), None)
+        if row is None:
+            free.append(width)
+            row = len(free) - 1
+        where[i] = (row, width - free[row])
+        free[row] -= n
+    rows = next((r for r in (math.ceil(b * k / PACKED_SPAN) for k in PACKED_SHARES) if r >= len(free)), None)
+    if rows is None or rows * width >= b * bucket_len:  # a batch of one or two: nothing to save
+        return None
+    out = {k: np.zeros((rows, width), np.int32) for k in ("tokens", "positions", "segments")}
+    gather, last = np.zeros((b, bucket_len), np.int32), np.zeros(b, np.int32)
+    segment = [0] * rows
+    for i, p in enumerate(prompts):
+        row, at = where[i]
+        n = len(p)
+        segment[row] += 1
+        out["tokens"][row, at:at + n] = p
+        out["positions"][row, at:at + n] = np.arange(n)
+        out["segments"][row, at:at + n] = segment[row]
+        gather[i, bucket_len - n:] = row * width + at + np.arange(n)
+        last[i] = row * width + at + n - 1
+    return {**out, "gather": gather, "last": last}
+
+
 class Generator:
     """Jitted generation for one model graph; reuse it to keep compiled buckets.
 
@@ -130,27 +174,51 @@ class Generator:
         # (`merged_weights`) and sampled by that graph, without the adapters' matmuls on every token
         self.plain = None if merged is None else Generator(merged[0], max_seq_len)
         self.lora = None if merged is None else merged[1]
+        # batch generation of distinct prompts prefills them packed (`pack_prompts`) where that saves positions
+        self.pack = True
 
     @property
     def compiles(self) -> int:
         return self.traces + (self.plain.compiles if self.plain is not None else 0)
 
-    def _start(self, model, tokens, valid, cache_len, key, temperature, top_k, top_p, group=1):
+    def _start(self, model, tokens, valid, cache_len, key, temperature, top_k, top_p, group=1, packed=None):
         """The prefill: the cache of the left-padded prompts, the valid key slots and the first sampled token with
         its logits. ``group`` > 1: each prompt is prefilled once and its cache and logits repeated for its ``group``
-        rows, which then sample apart."""
+        rows, which then sample apart. ``packed`` (`pack_prompts`): the prompts computed packed several to a row
+        instead, without their padding, and their keys and values then placed as the left-padded rows' would be."""
         b, p = tokens.shape
         key_valid = jnp.concatenate([valid, jnp.ones((b, cache_len - p), bool)], axis=1)  # (B, S)
-        positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-        cache = model.init_cache(b, cache_len)
-        hidden, cache = model(tokens, positions=positions, cache=cache, index=0, key_valid=key_valid,
-                              return_hidden=True)
-        last = model.logits(hidden[:, -1:])[:, 0]  # the head on the last position only (prompts end there)
+        if packed is not None:
+            last, cache = self._prefill_packed(model, packed, b, p, cache_len)
+        else:
+            positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+            cache = model.init_cache(b, cache_len)
+            hidden, cache = model(tokens, positions=positions, cache=cache, index=0, key_valid=key_valid,
+                                  return_hidden=True)
+            last = model.logits(hidden[:, -1:])[:, 0]  # the head on the last position only (prompts end there)
         if group > 1:  # (L, B, S, K, H) caches: rows are axis 1
             last, key_valid = jnp.repeat(last, group, axis=0), jnp.repeat(key_valid, group, axis=0)
             cache = jax.tree.map(lambda c: jnp.repeat(c, group, axis=1), cache)
         nxt = sample_logits(last, jax.random.fold_in(key, p), temperature, top_k, top_p)
         return nxt, last, cache, key_valid
+
+    @staticmethod
+    def _prefill_packed(model, packed: dict[str, jax.Array], b: int, p: int, cache_len: int):
+        """(last-token logits (B, V), the (L, B, ``cache_len``, K, H) cache) of prompts packed into (R, W) rows
+        (`pack_prompts`): one forward over the rows, each prompt attending to itself only (its segment), then each
+        prompt's keys and values gathered into its own row's slots p - len .. p - 1 (left padding)."""
+        tokens, segments = packed["tokens"], packed["segments"]
+        r, w = tokens.shape
+        cache = model.init_cache(r, w)
+        hidden, cache = model(tokens, positions=packed["positions"], cache=cache, index=0, key_valid=segments > 0,
+                              segment_ids=segments, return_hidden=True)
+        last = model.logits(hidden.reshape(r * w, hidden.shape[-1])[packed["last"]][:, None])[:, 0]
+
+        def place(c):  # (L, R, W, K, H) -> (L, B, cache_len, K, H)
+            rows = c.reshape(c.shape[0], r * w, *c.shape[3:])[:, packed["gather"]]
+            return jnp.concatenate([rows, jnp.zeros((c.shape[0], b, cache_len - p, *c.shape[3:]), c.dtype)], 2)
+
+        return last, jax.tree.map(place, cache)
 
     @functools.partial(jax.jit, static_argnums=(0, 4, 6, 7, 8))
     def _prefill(self, params, tokens, valid, cache_len, key, temperature, top_k, top_p):
@@ -189,7 +257,7 @@ class Generator:
 
     @functools.partial(jax.jit, static_argnums=(0, 4, 5, 8, 9, 10, 11, 12))
     def _generate(self, params, tokens, valid, cache_len, max_new, key, lengths, temperature, top_k, top_p, stops,
-                  group):
+                  group, packed=None):
         """(B, max_new) tokens, (B, max_new) their log-probs under the tempered distribution (logits / temperature,
         before top-k/top-p: the distribution a policy-gradient trainer scores), and the positions generated.
         ``tokens``: the B / ``group`` distinct prompts, each generating ``group`` rows."""
@@ -198,7 +266,7 @@ class Generator:
         p = tokens.shape[1]
         b = tokens.shape[0] * group
         nxt, logits, cache, key_valid = self._start(model, tokens, valid, cache_len, key, temperature, top_k, top_p,
-                                                    group)
+                                                    group, packed)
         scale = 1.0 if temperature == 0.0 else temperature
         first = jnp.take_along_axis(jax.nn.log_softmax(logits / scale, -1), nxt[:, None], -1)[:, 0]
         ids = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(nxt)
@@ -267,8 +335,9 @@ class Generator:
         stops = () if eos_id is None else (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
         if on_step is None:
             # host(): every process of a multi-host run gets the whole (replicated) result
+            packed = pack_prompts(distinct, p_len) if group == 1 and self.pack else None
             ids, logps, n = (host(x) for x in self._generate(params, tokens, valid, cache_len, max_new_tokens, key,
-                                                             lengths, *sampling, stops, group))
+                                                             lengths, *sampling, stops, group, packed))
             out, self.logps = [], []
             for row, row_logps in zip(ids[:, :int(n)], logps[:, :int(n)]):
                 hit = np.flatnonzero(np.isin(row, stops)) if stops else []
