@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers.compare import hf_from_gguf, jax_logits, rel, torch_logits
+from helpers.gguf_files import finish_gguf
 from helpers.real_models import SMOLLM2_INSTALL, smollm2_gguf
 from helpers.tiny_hf import IDS, tiny_gpt2, tiny_llama
 
@@ -85,10 +86,7 @@ def write_gguf(path: Path, hf_dir: Path, qtype: str, arch: str = "llama", tensor
             raw_done = True
         else:
             w.add_tensor(gguf_name(name, names), gguf.quants.quantize(x, Q[qtype]), raw_dtype=Q[qtype])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers.compare import hf_from_gguf, jax_logits, rel, torch_logits
+from helpers.gguf_files import finish_gguf
 from helpers.real_models import GEMMA3_270M_INSTALL, gemma3_270m_gguf
 from helpers.tiny_gemma3 import HEAD_DIM, IDS, SPECIALS, TEMPLATE, tiny_gemma, tiny_tokenizer
 
@@ -116,10 +117,7 @@ def write_gemma_gguf(path: Path, hf_dir: Path, qtype: str, drop: str | None = No
             w.add_tensor(gguf_name(name), x)
         else:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(x, Q[qtype]), raw_dtype=Q[qtype])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.compare import rel
+from helpers.gguf_files import finish_gguf
 from helpers.real_models import GEMMA3_270M_INSTALL, SMOLLM2_INSTALL, gemma3_270m_gguf, smollm2_gguf
 from helpers.tiny_hf import IDS, TEXTS, save_chatml_tokenizer, save_perturbed
 
@@ -127,10 +128,7 @@ def retyped(src: Path, dst: Path, types: dict[str, str], seed: int = 0) -> Path:
         else:
             x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
             w.add_tensor(t.name, gguf.quants.quantize(np.ascontiguousarray(x), Q[kind]), raw_dtype=Q[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return dst
 
 

@@ -90,6 +90,21 @@ def pinned(policy: jax.Array, ref: jax.Array, reference: Reference | None) -> ja
     return jax.lax.stop_gradient(value) + (policy - jax.lax.stop_gradient(policy))
 
 
+class Unprepared:
+    """For an objective whose passes need nothing computed beforehand: `prepare` hands the batch on as it is."""
+
+    def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
+        return batch
+
+
+class BetaOnly(Unprepared):
+    """For an objective whose only key is ``objective.beta`` (its default per objective: ``beta_value``)."""
+
+    @classmethod
+    def from_config(cls, cfg: ObjectiveConfig):
+        return cls(beta=cfg.beta_value)
+
+
 class Objective(Protocol):
     name: str
     metric_names: tuple[str, ...]  # the keys of the metrics it returns (logged as they are)

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ObjectiveConfig
-from jaxtune.train.objectives.base import Metrics, Reference
+from jaxtune.train.objectives.base import Metrics, Reference, Unprepared
 from jaxtune.train.state import Batch, Forward
 
 
 @dataclass(frozen=True)
-class CrossEntropy:
+class CrossEntropy(Unprepared):
     """-sum(loss_mask * log p(targets)) over the batch, counted in tokens with loss (all of them without a
     ``loss_mask``)."""
 
@@ -27,9 +27,6 @@ class CrossEntropy:
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> CrossEntropy:
         return cls()
-
-    def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
-        return batch
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:

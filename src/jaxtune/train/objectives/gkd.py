@@ -22,8 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxtune.config import ObjectiveConfig
-from jaxtune.train.objectives.base import Metrics, Reference
+from jaxtune.train.objectives.base import BetaOnly, Metrics, Reference
 from jaxtune.train.objectives.grpo import ROW_KEYS
 from jaxtune.train.state import Batch, Forward
 
@@ -40,20 +39,13 @@ def generalized_jsd(student: jax.Array, teacher: jax.Array, beta: float) -> jax.
 
 
 @dataclass(frozen=True)
-class GKD:
+class GKD(BetaOnly):
     name: str = "gkd"
     beta: float = 0.5
     metric_names: tuple[str, ...] = ("teacher_logp", "student_logp")
     uses_reference: bool = False  # no reference model: the teacher, another model, comes as the step's `Reference`
     passes: int = 1
     prepares: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: ObjectiveConfig) -> GKD:
-        return cls(beta=cfg.beta_value)
-
-    def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
-        return batch
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:

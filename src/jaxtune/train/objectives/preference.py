@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from jaxtune.config import ObjectiveConfig
 from jaxtune.config.kinds import BRANCH_KEY
-from jaxtune.train.objectives.base import Metrics, Reference, pinned
+from jaxtune.train.objectives.base import BetaOnly, Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -81,7 +81,7 @@ def log1mexp(x: jax.Array) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class PreferenceObjective:
+class PreferenceObjective(BetaOnly):
     """The shared part: one forward of both rows of every pair, the pairs' log-probs, what counts."""
 
     beta: float
@@ -90,13 +90,6 @@ class PreferenceObjective:
     uses_reference: bool = False
     passes: int = 1
     prepares: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: ObjectiveConfig) -> PreferenceObjective:
-        return cls(beta=cfg.beta_value)
-
-    def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
-        return batch
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
