@@ -70,8 +70,9 @@ def test_each_objective_builds_from_its_record(name):
     rewards = [{"name": "exact_number"}] if any(k.generates for k in spec.kinds) else []
     obj = make_objective(ObjectiveConfig(name=name, rewards=rewards))
     assert obj.name == name and obj.passes == 1
-    assert obj.uses_reference == (spec.reference == "always" or (spec.reference == "when_beta"
-                                                                 and (spec.default_beta or 0.0) > 0))
+    assert obj.uses_reference == (spec.companion == "reference" and (spec.companion_when == "always"
+                                                                      or (spec.default_beta or 0.0) > 0))
+    assert getattr(obj, "prepares", False) == spec.prepares
     needs = {"exo_pair": {"label_smoothing": 1e-3}}  # a loss type's own required key
     for loss_type in spec.loss_types:
         built = make_objective(ObjectiveConfig(name=name, loss_type=loss_type, rewards=rewards,

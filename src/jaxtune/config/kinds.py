@@ -160,11 +160,14 @@ PRETOKENIZED_FORMAT = "tokens"  # the WINDOWS format whose sources are token ids
 
 @dataclass(frozen=True)
 class ObjectiveKind:
-    """One objective. ``kinds``: the batch kinds it trains on. ``keys``: the ``objective.*`` keys that apply to it
-    (besides ``name``). ``loss_types``: its ``objective.loss_type`` values, the default first (empty: it has none);
-    ``combines``: ``loss_type`` may be a list of them, summed with ``loss_weights`` (TRL's DPO), else one only.
-    ``default_beta``: ``objective.beta`` when unset. ``reference``: whether it compares with a reference model,
-    ``always`` or ``when_beta`` (> 0). ``passes_key``: the key counting optimisation passes per batch, if any."""
+    """One objective, and everything the rest of jaxtune needs to know about it, as data: the loop, the step, the
+    rollout, the evaluation and the TPU plan ask this record, never the objective's name.
+
+    ``kinds``: the batch kinds it trains on. ``keys``: the ``objective.*`` keys that apply to it (besides ``name``).
+    ``loss_types``: its ``objective.loss_type`` values, the default first (empty: it has none); ``combines``:
+    ``loss_type`` may be a list of them, summed with ``loss_weights`` (TRL's DPO), else one only. ``default_beta``:
+    ``objective.beta`` when unset; ``beta_range``: which values it takes (``positive``; ``nonnegative``, where 0 turns
+    the companion off; ``unit``, [0, 1]). ``passes_key``: the key counting optimisation passes per batch, if any."""
 
     name: str
     kinds: tuple[BatchKind, ...]
@@ -173,12 +176,31 @@ class ObjectiveKind:
     loss_types: tuple[str, ...] = ()
     combines: bool = False
     default_beta: float | None = None
-    reference: Literal["never", "always", "when_beta"] = "never"
+    beta_range: Literal["positive", "nonnegative", "unit"] = "positive"
     passes_key: str | None = None
-    # objectives that sample (PROMPTS): each completion's advantage from its group's rewards, computed when the
-    # completions are scored (`jaxtune.train.rewards`): "group" (GRPO's: less the group's mean, over its std) or
-    # "leave_one_out" (RLOO's: less the mean of the group's other completions)
-    baseline: Literal["group", "leave_one_out"] = "group"
+    # The second model the step holds beside the policy: none; the frozen ``reference`` it compares with (LoRA's base
+    # with the adapters off, a frozen copy, or log-probs computed once), held ``always`` or only while beta > 0
+    # (``companion_when``); or a ``teacher`` (another model, ``objective.teacher``) whose distributions it matches.
+    companion: Literal["none", "reference", "teacher"] = "none"
+    companion_when: Literal["always", "beta"] = "always"
+    # Where the completions it trains on come from: ``given`` by the data; ``sampled`` by the policy inside the loop
+    # (`jaxtune.train.rollout`); ``mixed``: sampled on a share of steps, the data's on the others (GKD's lmbda).
+    completions: Literal["given", "sampled", "mixed"] = "given"
+    # Objectives that sample: each completion's advantage from its group's rewards, computed when the completions are
+    # scored (`jaxtune.train.rewards`): "group" (GRPO's: less the group's mean, over its std), "leave_one_out"
+    # (RLOO's: less the mean of the group's other completions), or "none" (the companion, not a reward, says how good
+    # a token is: the rewards are logged only, and none need be configured).
+    baseline: Literal["none", "group", "leave_one_out"] = "group"
+    min_generations: int = 1  # completions per prompt at least (a group baseline compares each with the others)
+    default_generations: int = 8  # ``objective.num_generations`` when unset
+    # `Objective.prepare` runs on the whole batch before every step (RLOO's advantages need the batch and the
+    # reference), not only before the second of several passes
+    prepares: bool = False
+
+    @property
+    def needs_rewards(self) -> bool:
+        """Whether its completions are scored into advantages, so that ``objective.rewards`` must name one."""
+        return self.completions != "given" and self.baseline != "none"
 
     @property
     def default_loss_type(self) -> str | None:
@@ -203,28 +225,31 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
                              "precompute_ref_logps"}),
                   loss_types=("sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard", "nca_pair", "aot",
                               "aot_unpaired", "apo_zero", "apo_down", "exo_pair", "discopop", "sft", "sigmoid_norm"),
-                  combines=True, default_beta=0.1, reference="always"),
+                  combines=True, default_beta=0.1, companion="reference"),
     ObjectiveKind("simpo", (PAIRS,), "SimPO: length-normalised, reference-free, with a target margin",
                   frozenset({"beta", "gamma", "label_smoothing"}), default_beta=2.0),
     ObjectiveKind("orpo", (PAIRS,), "ORPO: the chosen reply's NLL plus an odds-ratio term, reference-free",
                   frozenset({"beta"}), default_beta=0.1),
     ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
-                  _GRPO_KEYS, loss_types=("dapo", "grpo", "dr_grpo"), default_beta=0.0, reference="when_beta",
-                  passes_key="num_iterations"),
+                  _GRPO_KEYS, loss_types=("dapo", "grpo", "dr_grpo"), default_beta=0.0, beta_range="nonnegative",
+                  companion="reference", companion_when="beta", passes_key="num_iterations", completions="sampled",
+                  min_generations=2),
     ObjectiveKind("kto", (UNPAIRED,), "KTO: unpaired desirable and undesirable completions against a frozen "
                   "reference, each reward measured from a KL baseline estimated on mismatched rows (TRL's KTOTrainer)",
                   frozenset({"beta", "loss_type", "desirable_weight", "undesirable_weight", "precompute_ref_logps"}),
-                  loss_types=("kto", "apo_zero_unpaired"), default_beta=0.1, reference="always"),
+                  loss_types=("kto", "apo_zero_unpaired"), default_beta=0.1, companion="reference",
+                  prepares=True),
     ObjectiveKind("rloo", (PROMPTS,), "REINFORCE leave-one-out on sampled completions scored by rewards: each "
                   "completion's baseline the mean reward of its group's others, the KL to the reference in the reward, "
                   "a clipped ratio per sequence (TRL's RLOOTrainer)", _RLOO_KEYS, default_beta=0.05,
-                  reference="when_beta", passes_key="num_iterations", baseline="leave_one_out"),
+                  beta_range="nonnegative", companion="reference", companion_when="beta", passes_key="num_iterations",
+                  completions="sampled", baseline="leave_one_out", min_generations=2, prepares=True),
     ObjectiveKind("gkd", (PROMPTS,), "on-policy distillation (TRL's GKD): the student samples completions of the "
                   "prompts, a frozen teacher model scores every token, and the loss is the generalised Jensen-Shannon "
                   "divergence of the two next-token distributions (beta 0: KL(teacher || student); 1: the reverse "
-                  "KL)", _GKD_KEYS, default_beta=0.5),
+                  "KL)", _GKD_KEYS, default_beta=0.5, beta_range="unit", companion="teacher", completions="mixed",
+                  baseline="none", default_generations=1),
 )}
-GKD_GENERATIONS = 1  # gkd's objective.num_generations when unset: one completion per prompt, as TRL's GKDTrainer
 
 
 def objectives_for(kind: BatchKind) -> list[str]:
@@ -333,8 +358,8 @@ class ObjectiveConfig(Section):
         spec = OBJECTIVES.get(data.get("name", "cross_entropy")) if isinstance(data, dict) else None
         if spec is not None and data.get("loss_type") == "sigmoid" and not spec.loss_types:
             data = {k: v for k, v in data.items() if k != "loss_type"}
-        if spec is not None and spec.name == "gkd" and "num_generations" not in data:
-            data = {**data, "num_generations": GKD_GENERATIONS}
+        if spec is not None and "num_generations" not in data:
+            data = {**data, "num_generations": spec.default_generations}
         return data
 
     @property
@@ -359,8 +384,8 @@ class ObjectiveConfig(Section):
 
     @property
     def uses_reference(self) -> bool:
-        ref = self.spec.reference
-        return ref == "always" or (ref == "when_beta" and self.beta_value > 0)
+        spec = self.spec
+        return spec.companion == "reference" and (spec.companion_when == "always" or self.beta_value > 0)
 
     @property
     def beta_value(self) -> float:
@@ -410,15 +435,14 @@ class ObjectiveConfig(Section):
         if "exo_pair" in types and not self.label_smoothing:
             raise ValueError("objective.loss_type exo_pair needs objective.label_smoothing > 0 (its target "
                              "distribution; the EXO paper uses 1e-3)")
-        if self.name == "gkd":
-            if self.beta is not None and self.beta > 1:
-                raise ValueError(f"objective.beta={self.beta}: gkd's beta interpolates between KL(teacher || student) "
-                                 "(0) and KL(student || teacher) (1); choose it in [0, 1]")
-        elif self.beta == 0 and spec.reference != "when_beta":
+        if spec.beta_range == "unit" and self.beta is not None and self.beta > 1:
+            raise ValueError(f"objective.beta={self.beta}: {self.name}'s beta interpolates between KL(teacher || "
+                             "student) (0) and KL(student || teacher) (1); choose it in [0, 1]")
+        if spec.beta_range == "positive" and self.beta == 0:
             raise ValueError(f"objective.beta must be > 0 for objective.name={self.name}")
-        if self.name in ("grpo", "rloo") and self.num_generations < 2:
+        if self.num_generations < spec.min_generations:
             raise ValueError(f"objective.num_generations={self.num_generations}: {self.name} compares each completion "
-                             "with its group's others; sample at least 2 per prompt")
+                             f"with its group's others; sample at least {spec.min_generations} per prompt")
         lo, hi = self.importance_sampling_min, self.importance_sampling_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"objective.importance_sampling_min={lo} is above importance_sampling_max={hi}")
@@ -426,7 +450,7 @@ class ObjectiveConfig(Section):
         if len(marked) > 1:
             raise ValueError(f"objective.rewards: {len(marked)} rewards set accuracy: true ({', '.join(marked)}); "
                              "held-out accuracy follows one success criterion, so mark one")
-        if self.generates and not self.rewards and self.name != "gkd":
+        if spec.needs_rewards and not self.rewards:
             raise ValueError(f"objective.name={self.name} needs at least one reward function in objective.rewards, "
                              "e.g. [{name: exact_number, field: answer}]")
         return self

@@ -113,8 +113,8 @@ class Config(Section):
                 f"(data.format {formats}), but data.format={self.data.format} makes {kind.name} ({kind.description}); "
                 f"set data.format to one of {formats}, or objective.name to "
                 + (f"one of {', '.join(takers)}" if len(takers) > 1 else takers[0]))
-        if obj.name == "gkd" and not obj.teacher:
-            raise ValueError("objective.name=gkd needs objective.teacher: the teacher model's Hugging Face "
+        if obj.spec.companion == "teacher" and not obj.teacher:
+            raise ValueError(f"objective.name={obj.name} needs objective.teacher: the teacher model's Hugging Face "
                              "directory (e.g. a `jaxtune export` of a fine-tuned run) or .gguf file")
         if obj.generates and obj.max_completion_length >= self.data.seq_len:
             raise ValueError(f"objective.max_completion_length={obj.max_completion_length} leaves no room "

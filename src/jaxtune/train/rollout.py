@@ -27,6 +27,7 @@ prompt then completion, one per completion, right-padded to ``data.seq_len``, th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,21 +154,16 @@ class Rollout:
         and the rollout's metrics."""
         o = self.cfg.objective
         rows = [int(r) for r in prompts["row"]]
-        distils = o.name == "gkd"
-        on_policy = not distils or on_policy_step(self.cfg.train.seed, step, o.lmbda)
+        mixed = o.spec.completions == "mixed"  # some steps train on the data's completions (gkd's lmbda)
+        on_policy = not mixed or on_policy_step(self.cfg.train.seed, step, o.lmbda)
         if on_policy:
             done = self.sample(weights, source, rows, group=o.num_generations, temperature=o.temperature,
                                seed=rollout_seed(self.cfg.train.seed, step), step=step, local=True)
-        else:  # gkd's supervised steps: each prompt row's own completion
-            done = self.given(source, rows, o.num_generations)
-        if distils:  # the teacher, not a reward, says how good a token is; the rewards are logged only
-            advantages = np.zeros(len(done.ids), np.float32)
-        elif o.spec.baseline == "leave_one_out":  # RLOO; the KL penalty and normalisation follow in the step
-            advantages = leave_one_out_advantages(done.scores.total, done.scores.per_function, o.num_generations)
         else:
-            advantages = group_advantages(done.scores.total, o.num_generations, o.scale_rewards).astype(np.float32)
+            done = self.given(source, rows, o.num_generations)
+        advantages = ADVANTAGES[o.spec.baseline](done, o)
         metrics = self.metrics(done)  # over every process's completions
-        if distils:
+        if mixed:
             metrics["on_policy"] = float(on_policy)
         if jax.process_count() > 1 and on_policy:  # this process trains on its own prompts' completions
             n = len(prompts["row"]) * o.num_generations
@@ -231,6 +227,17 @@ class Rollout:
         out["time/rewards"] = self.timings["rewards"]
         out["generation_tok_s"] = self.timings["generated_tokens"] / max(gen, 1e-9)
         return out
+
+
+# Each completion's advantage by the objective's baseline (`jaxtune.config.kinds.ObjectiveKind.baseline`), from its
+# group's scores: "none" when a companion, not a reward, says how good a token is (the rewards are logged only);
+# RLOO's KL penalty and normalisation follow in the step.
+ADVANTAGES: dict[str, Callable[[Completions, Any], np.ndarray]] = {
+    "none": lambda done, o: np.zeros(len(done.ids), np.float32),
+    "group": lambda done, o: group_advantages(done.scores.total, o.num_generations, o.scale_rewards).astype(np.float32),
+    "leave_one_out": lambda done, o: leave_one_out_advantages(done.scores.total, done.scores.per_function,
+                                                              o.num_generations),
+}
 
 
 def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
