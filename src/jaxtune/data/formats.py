@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jaxtune.config import DataConfig
+from jaxtune.config import PAIRS, UNPAIRED, DataConfig
 from jaxtune.config.kinds import KIND_OF_FORMAT, objectives_for
 from jaxtune.data.errors import DataError
 from jaxtune.data.rows import READ_REASONS, BadRow, file_rows, read_rows
@@ -128,7 +128,7 @@ class Format:
     @property
     def own_keys(self) -> set[str]:
         """The fields only rows of this format hold (``keys``, default ``detect_key``): a row with none of them is
-        another format's (`looks_like`), else one of this format's that lost a field."""
+        another format's (`other_format_hint`), else one of this format's that lost a field."""
         return set(self.keys or (self.detect_key,))
 
     @property
@@ -405,38 +405,40 @@ def parse_row(record: Any, data_cfg: DataConfig, fields: dict[str, str]) -> Exam
     except BadRow as bad:
         if bad.reason != "missing_field" or data_cfg.fields:
             raise
-        other = looks_like(record, data_cfg.format)
+        other = other_format_hint(record, data_cfg.format)
         if other is None:
             raise
         raise BadRow("wrong_format", other) from None
 
 
-def _takers(fmt: str) -> list[str]:
+def _objectives_of(fmt: str) -> list[str]:
     """The objectives that train on rows of ``fmt``."""
     return objectives_for(KIND_OF_FORMAT[fmt]) if fmt in KIND_OF_FORMAT else []
 
 
-def _for(names: list[str]) -> str:
+def _objectives_clause(names: list[str]) -> str:
     """", for objective.name=X" (X, Y or Z); empty for none."""
     return f", for objective.name={', '.join(names[:-1]) + ' or ' + names[-1] if len(names) > 1 else names[0]}" \
         if names else ""
 
 
-def looks_like(record: dict, data_format: str) -> str | None:
+def other_format_hint(record: dict, data_format: str) -> str | None:
     """Why a row that ``data.format`` cannot read is in the wrong shape, when it is a row of another format (or of
     TRL's unpaired preference form, which no objective here takes): what it looks like, what ``data.format`` reads,
     and which format and objective take it. None when it looks like no other format (a row broken on its own)."""
-    wanted = f"data.format={data_format} reads {FORMATS[data_format].row_noun}{_for(_takers(data_format))}"
+    wanted = f"data.format={data_format} reads {FORMATS[data_format].row_noun}"
+    wanted += _objectives_clause(_objectives_of(data_format))
     fmt = next((f for f in sorted(FORMATS.values(), key=lambda f: f.detect_last)
                 if f.name != data_format and f.detect_key in record), None)
     if fmt is None or FORMATS[data_format].own_keys & record.keys():  # like none, or this format's, a field lost
         return None
-    takers = _takers(fmt.name)
+    takers = _objectives_of(fmt.name)
+    pairs_for_unpaired = (KIND_OF_FORMAT.get(fmt.name), KIND_OF_FORMAT.get(data_format)) == (PAIRS, UNPAIRED)
     unpair = ("; or set data.unpair=true to read each pair as a desirable and an undesirable row (TRL's "
-              "unpair_preference_dataset)") if (fmt.name, data_format) == ("preference", "unpaired") else ""
-    return (f"this row is {fmt.row_noun} (data.format={fmt.name}{_for(takers)}), but {wanted}; give rows of that "
-            f"shape, or train on these with data.format={fmt.name}" + (f" objective.name={takers[0]}" if takers else "")
-            + unpair)
+              "unpair_preference_dataset)") if pairs_for_unpaired else ""
+    return (f"this row is {fmt.row_noun} (data.format={fmt.name}{_objectives_clause(takers)}), but {wanted}; give "
+            f"rows of that shape, or train on these with data.format={fmt.name}"
+            + (f" objective.name={takers[0]}" if takers else "") + unpair)
 
 
 def iter_turn_texts(data_cfg: DataConfig) -> Iterator[str]:

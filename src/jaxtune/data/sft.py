@@ -61,7 +61,6 @@ from jaxtune.data.formats import Example
 from jaxtune.data.row_policy import RowStats, overlong_error, parsed_rows, split_rows
 from jaxtune.data.tokenizer import Tokenizer
 
-
 # --- conversations -> token ids + loss mask ---
 
 class Encoder:

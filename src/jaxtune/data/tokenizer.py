@@ -202,8 +202,11 @@ def load_tokenizer_dir(directory: Path) -> Tokenizer:
 
 def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
     """Trains once per (corpus, vocab_size, train_bytes); later runs load the cached directory."""
+    # Chat and instruction rows teach the BPE their turns, read by the format, and its special tokens; text documents
+    # teach it themselves alone, so their key names neither.
+    documents = data_cfg.kind is WINDOWS and not data_cfg.pretokenized
     key_src = json.dumps([sources_fingerprint(data_cfg), tok_cfg.vocab_size, tok_cfg.train_bytes, _BPE_VERSION,
-                          *([data_cfg.format, tok_cfg.special_tokens] if data_cfg.format != "text" else [])])
+                          *([] if documents else [data_cfg.format, tok_cfg.special_tokens])])
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     directory = Path(data_cfg.cache_dir).expanduser() / f"bpe-{key}"
     if not (directory / META_FILE).is_file():

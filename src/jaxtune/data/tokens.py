@@ -47,6 +47,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from jaxtune.config import DataConfig
+from jaxtune.config.kinds import PRETOKENIZED_FORMAT
 from jaxtune.data import shards, sources
 from jaxtune.data.errors import DataError
 from jaxtune.data.sources import is_pretokenized, sources_fingerprint
@@ -138,8 +139,8 @@ def prepare_tokens(data_cfg: DataConfig, tokenizer: Tokenizer) -> TokenData:
     cache = Path(data_cfg.cache_dir).expanduser()
     bos = list(tokenizer.bos_prefix) if not is_pretokenized(data_cfg) else []
     key_src = json.dumps([sources_fingerprint(data_cfg), tokenizer.fingerprint, _FORMAT, sources.BLOCK_BYTES,
-                          *(["tokens", data_cfg.token_eos_id] if is_pretokenized(data_cfg) else []),
-                          *(["bos", bos] if bos else [])])  # no BOS: the key of caches made before BOS was added
+                          *([PRETOKENIZED_FORMAT, data_cfg.token_eos_id] if is_pretokenized(data_cfg) else []),
+                          *(["bos", bos] if bos else [])])  # no BOS adds nothing: such a cache keeps its key
     path = cache / f"tokens-{hashlib.sha256(key_src.encode()).hexdigest()[:20]}.bin"
     meta = _read_meta(path)
     if meta is None:
