@@ -66,8 +66,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from jaxtune.config import ConfigError
-    from jaxtune.run import load_run
     from jaxtune.generate import sample
+    from jaxtune.run import load_run
 
     run = load_run(args.run_dir)
     tok = run.tokenizer
@@ -168,15 +168,14 @@ def _parity(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxtune", description="Train language models with JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _train_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train or resume the run a config describes")
     p.add_argument("config", help="YAML file, or a shipped config name (quickstart, gpt2-124m, ...)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
     p.set_defaults(fn=_train)
 
+
+def _eval_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="held-out loss/perplexity of a run's latest checkpoint or of a model directory")
     p.add_argument("target", help="run directory, HuggingFace model directory (e.g. an export), .gguf file or config")
     p.add_argument("overrides", nargs="*")
@@ -187,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                    "directory, e.g. the model it was trained from; a run's own is its starting weights)")
     p.set_defaults(fn=_eval)
 
+
+def _generate_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
     p.add_argument("run_dir")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                    "is an error, and fewer new tokens are made)")
     p.set_defaults(fn=_generate)
 
+
+def _info_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="parameters, FLOPs per token and memory per device for a config")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
@@ -219,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(fn=_info)
 
+
+def _export_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a run's latest checkpoint as a HuggingFace model directory, or as a GGUF "
                        "file (--gguf)")
     p.add_argument("run_dir")
@@ -235,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --gguf: the matrices' type (default f16; norms and biases stay f32)")
     p.set_defaults(fn=_export)
 
+
+def _parity_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("parity", help="compare the native model with transformers on a HuggingFace checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("--batch", type=int, default=2)
@@ -246,12 +253,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="torchax: also run the transformers model through torchax (native vs torchax vs eager)")
     p.set_defaults(fn=_parity)
 
+
+# Each subcommand's arguments, in the order ``jaxtune --help`` lists them; each sets ``fn``, the function it runs.
+COMMANDS = (_train_command, _eval_command, _generate_command, _info_command, _export_command, _parity_command)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line's arguments; key=value overrides after an option (jaxtune eval M --data F
+    objective.name=dpo) are overrides too."""
+    parser = argparse.ArgumentParser(prog="jaxtune", description="Train language models with JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command(sub)
     args, extra = parser.parse_known_args(argv)
-    # key=value overrides after an option (jaxtune eval M --data F objective.name=dpo) are overrides too
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     runtime.tune_malloc()  # before JAX allocates: see jaxtune.runtime
     runtime.quiet_libtpu()  # before JAX loads libtpu
     try:
