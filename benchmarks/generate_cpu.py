@@ -61,7 +61,7 @@ def jaxtune_impls(model_dir: str, a: argparse.Namespace, prompts: list[list[int]
             (padded.plain or padded).pack = False
         for label, gen in generators.items():
             out[label] = {"call": lambda t, g=gen, w=weights: g(w, prompts, max_new_tokens=a.max_completion_length,
-                                                                 temperature=t, seed=1),
+                                                                 temperature=t, seed=1).ids,
                           "compiles": lambda g=gen: g.compiles}
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -12,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxtune.models.gpt2 import GPT, PRESETS
-from jaxtune.models.sampling import Generator, bucket, pack_prompts, sample_logits
+from jaxtune.models.sampling import Generator, Sampling, bucket, pack_prompts, sample_logits
 
 CFG = PRESETS["tiny"]()  # 128-token context
 CTX = CFG.max_seq_len
@@ -70,15 +71,15 @@ def greedy(model) -> list[list[int]]:
 
 
 def test_greedy_matches_naive_full_forward(model, gen, greedy):
-    out = gen(model[1], [PROMPTS[0]], max_new_tokens=N_NEW)
+    out = gen(model[1], [PROMPTS[0]], max_new_tokens=N_NEW).ids
     assert out == [greedy[0]]
     assert len(set(greedy[0])) > 3  # the model's continuation depends on context (see the fixture)
 
 
 def test_batch_rows_equal_each_prompt_alone(model, gen, greedy):
     """Prompts of lengths 5, 11, 3 are left-padded into one batch; each row is what that prompt gives alone."""
-    batch = gen(model[1], PROMPTS, max_new_tokens=N_NEW)
-    alone = [gen(model[1], [p], max_new_tokens=N_NEW)[0] for p in PROMPTS]
+    batch = gen(model[1], PROMPTS, max_new_tokens=N_NEW).ids
+    alone = [gen(model[1], [p], max_new_tokens=N_NEW).ids[0] for p in PROMPTS]
     assert batch == alone
     assert batch == greedy
 
@@ -89,7 +90,7 @@ def test_eos_stops_only_its_row(model, gen, greedy):
     expected = [g[:g.index(eos)] if eos in g else g for g in greedy]
     assert len(expected[1]) == N_NEW or len(expected[2]) == N_NEW  # another row runs to the end
     steps = []
-    out = gen(model[1], PROMPTS, max_new_tokens=N_NEW, eos_id=eos, on_step=lambda ids: steps.append(ids.copy()))
+    out = gen(model[1], PROMPTS, max_new_tokens=N_NEW, eos_id=eos, on_step=lambda ids: steps.append(ids.copy())).ids
     assert out == expected
     assert len(out[0]) == 3 and eos not in out[0]
     assert steps[3][0] == -1  # streaming marks the finished row
@@ -114,11 +115,11 @@ def draws() -> dict[str, np.ndarray]:
     @jax.vmap
     def draw(key):
         return {
-            "top_k=1": sample_logits(jnp.asarray(SPREAD), key, 1.0, 1, None),
-            "top_k": sample_logits(jnp.asarray(SPREAD), key, 1.0, TOP_K, None),
-            "unfiltered": sample_logits(jnp.asarray(SPREAD), key, 1.0, None, None),
-            "top_p=0.1": sample_logits(jnp.asarray(NUCLEUS), key, 1.0, None, 0.1),
-            "top_p=0.7": sample_logits(jnp.asarray(NUCLEUS), key, 1.0, None, 0.7),
+            "top_k=1": sample_logits(jnp.asarray(SPREAD), key, Sampling(1.0, 1)),
+            "top_k": sample_logits(jnp.asarray(SPREAD), key, Sampling(1.0, TOP_K)),
+            "unfiltered": sample_logits(jnp.asarray(SPREAD), key, Sampling(1.0)),
+            "top_p=0.1": sample_logits(jnp.asarray(NUCLEUS), key, Sampling(1.0, top_p=0.1)),
+            "top_p=0.7": sample_logits(jnp.asarray(NUCLEUS), key, Sampling(1.0, top_p=0.7)),
         }
 
     return {k: np.asarray(v) for k, v in draw(jax.random.split(jax.random.key(0), 2000)).items()}
@@ -143,7 +144,7 @@ def test_top_p_keeps_the_nucleus(draws):
 
 def test_temperature_sampling_is_seeded(model, gen, greedy):
     def run(seed):
-        return gen(model[1], PROMPTS, max_new_tokens=N_NEW, temperature=1.0, seed=seed)
+        return gen(model[1], PROMPTS, max_new_tokens=N_NEW, temperature=1.0, seed=seed).ids
 
     a = run(3)
     assert run(3) == a
@@ -195,8 +196,8 @@ def test_packed_prefill_generates_what_the_padded_one_does(model):
     for kw in ({"temperature": 0.0}, {"temperature": 1.0, "top_p": 0.9, "seed": 2}):
         want, got = padded(model[1], prompts, max_new_tokens=8, **kw), packing(model[1], prompts, max_new_tokens=8,
                                                                                 **kw)
-        assert got == want and len({tuple(r) for r in got}) > 8
-        assert max(abs(a - b) for x, y in zip(packing.logps, padded.logps) for a, b in zip(x, y)) <= 1e-5
+        assert got.ids == want.ids and len({tuple(r) for r in got.ids}) > 8
+        assert max(abs(a - b) for x, y in zip(got.logps, want.logps) for a, b in zip(x, y)) <= 1e-5
     assert packing.compiles == padded.compiles == 2  # greedy and top-p: one program each
 
 
@@ -207,13 +208,14 @@ def test_batch_and_streaming_generation_sample_the_same_tokens(model):
     params = model[1]
     prompts = [list(range(1, 6)), list(range(3, 20)), [7]]
     for kw in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 5}, {"temperature": 1.3, "top_k": 20, "seed": 1}):
-        first = gen(params, prompts, max_new_tokens=12, **kw)
+        first = gen(params, prompts, max_new_tokens=12, **kw).ids
         eos = first[1][3]  # a token the second row samples: it stops there (and maybe others do earlier)
-        batch = gen(params, prompts, max_new_tokens=12, eos_id=[eos, 10_000], keep_stop=True, **kw)
-        logps = gen.logps
+        batch, logps = dataclasses.astuple(gen(params, prompts, max_new_tokens=12, eos_id=[eos, 10_000],
+                                               keep_stop=True, **kw))
         streamed = gen(params, prompts, max_new_tokens=12, eos_id=[eos, 10_000], keep_stop=True,
                        on_step=lambda ids: None, **kw)
-        assert batch == streamed == [r[:r.index(eos) + 1] if eos in r else r for r in first]
+        assert batch == streamed.ids == [r[:r.index(eos) + 1] if eos in r else r for r in first]
+        np.testing.assert_allclose(np.concatenate(streamed.logps), np.concatenate(logps), rtol=1e-5, atol=1e-5)
         assert len(first[0]) == 12 and batch[1][-1] == eos
         assert [len(x) for x in logps] == [len(x) for x in batch]
         scale = kw["temperature"] or 1.0
@@ -234,7 +236,7 @@ def test_prompt_longer_than_context_raises(model, gen):
 def test_max_new_tokens_clamped_to_context(model, gen, caplog):
     prompt = np.random.default_rng(1).integers(0, CFG.vocab_size, CTX - 8).tolist()
     with caplog.at_level(logging.WARNING, logger="jaxtune.generate"):
-        out = gen(model[1], [prompt], max_new_tokens=50)
+        out = gen(model[1], [prompt], max_new_tokens=50).ids
     assert out == [naive_greedy(model, prompt, 8)]  # prompt + output fill the context exactly
     assert "limiting new tokens to 8" in caplog.text
 
@@ -245,8 +247,8 @@ def test_a_group_is_prefilled_once_and_samples_as_its_rows(model):
     gen = Generator(model[0], CTX)
     prompts = [p for p in (list(range(1, 6)), list(range(3, 20))) for _ in range(3)]
     kw = {"max_new_tokens": 10, "temperature": 1.0, "seed": 3}
-    rows, row_logps = gen(model[1], prompts, **kw), gen.logps
-    grouped, grouped_logps = gen(model[1], prompts, group=3, **kw), gen.logps
+    rows, row_logps = dataclasses.astuple(gen(model[1], prompts, **kw))
+    grouped, grouped_logps = dataclasses.astuple(gen(model[1], prompts, group=3, **kw))
     assert grouped == rows and len({tuple(r) for r in rows}) == 6  # the draws differ within a group
     np.testing.assert_allclose(grouped_logps, row_logps, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="runs of 3 equal ones"):
@@ -276,11 +278,11 @@ def test_lora_samples_with_its_adapters_merged(scan):
     assert merged_gen.plain is not None
     prompts = [rng.integers(1, 256, n).tolist() for n in (4, 9, 13)]
     for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 5}):
-        ids = merged_gen(weights, prompts, max_new_tokens=12, **kw)
-        assert ids == adapter_gen(weights, prompts, max_new_tokens=12, **kw)
-        np.testing.assert_allclose(np.concatenate(merged_gen.logps), np.concatenate(adapter_gen.logps),
+        merged, adapted = (g(weights, prompts, max_new_tokens=12, **kw) for g in (merged_gen, adapter_gen))
+        assert merged.ids == adapted.ids
+        np.testing.assert_allclose(np.concatenate(merged.logps), np.concatenate(adapted.logps),
                                    rtol=1e-5, atol=1e-5)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(weights)),
                                                      jax.tree.leaves(before), strict=True))
-    base_only = merged_gen.plain(base, prompts, max_new_tokens=12)
-    assert base_only != merged_gen(weights, prompts, max_new_tokens=12)
+    base_only = merged_gen.plain(base, prompts, max_new_tokens=12).ids
+    assert base_only != merged_gen(weights, prompts, max_new_tokens=12).ids

@@ -92,12 +92,12 @@ def test_truncate_left_keeps_the_last_tokens(run_dir, capsys, caplog):
     assert (f"generate: prompt 1 has {len(ids)} tokens; keeping its last {keep} so that {new} new tokens fit the "
             f"{CONTEXT}-token context") in caplog.text
     gen = run.spec.generator()
-    expected = gen(run.weights, [ids[-keep:]], max_new_tokens=new, eos_id=stop_ids(tok))[0]
+    expected = gen(run.weights, [ids[-keep:]], max_new_tokens=new, eos_id=stop_ids(tok)).ids[0]
     assert captured.out == LONG_PROMPT + tok.decode(expected) + "\n"
     assert sample(gen, run.weights, tok, [LONG_PROMPT], chat=False, max_new_tokens=new, truncate="left") == [expected]
     # A prompt that leaves room is not cut.
     short = tok.encode("import os")
-    unchanged = gen(run.weights, [short], max_new_tokens=new, eos_id=stop_ids(tok))
+    unchanged = gen(run.weights, [short], max_new_tokens=new, eos_id=stop_ids(tok)).ids
     assert sample(gen, run.weights, tok, ["import os"], chat=False, max_new_tokens=new, truncate="left") == unchanged
 
 

@@ -243,7 +243,7 @@ class ExactMatch(Part):
         s = self.sampler
         answers = s.generator(s.steps.weights(params, frozen), [ids for ids, _ in self.questions],
                               max_new_tokens=self.max_new_tokens, temperature=0.0,
-                              eos_id=stop_ids(s.tokenizer, s.chat), seed=step)
+                              eos_id=stop_ids(s.tokenizer, s.chat), seed=step).ids
         score = exact_match([s.tokenizer.decode(a) for a in answers], [reference for _, reference in self.questions])
         return Outcome({"exact_match": score}, {"exact_match": score},
                        f"held-out exact match {_score(score, len(self.questions))}")

@@ -30,5 +30,5 @@ def sample(generator: Sampler, weights: Any, tokenizer: Any, prompts: list[str],
     if truncate == "left":
         ids = truncate_left(ids, generator.max_seq_len, max_new_tokens)
     return generator(weights, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                     eos_id=stop_ids(tokenizer, chat), seed=seed, on_step=on_step)
+                     eos_id=stop_ids(tokenizer, chat), seed=seed, on_step=on_step).ids
 

@@ -278,7 +278,7 @@ def test_smollm2_logits_and_greedy(smollm2):
     assert err <= 3e-5
     graphdef, state = nnx.split(model, nnx.Param)
     ours = Generator(graphdef, 64 + len(ids))(nnx.to_pure_dict(state), [ids], max_new_tokens=16,
-                                              eos_id=tok.eos_token_id, keep_stop=True)[0]
+                                              eos_id=tok.eos_token_id, keep_stop=True).ids[0]
     with torch.no_grad():  # stops at the EOS of its generation_config.json (the GGUF's eos id)
         ref = ref_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
     print("SmolLM2 says:", repr(tok.decode(ours)))

@@ -286,7 +286,7 @@ def test_gemma3_270m_logits_and_greedy_past_window(gemma270m):
     assert err <= 3e-5
     np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
     graphdef, state = nnx.split(model, nnx.Param)
-    generated = Generator(graphdef, len(ids) + 8)(nnx.to_pure_dict(state), [ids], max_new_tokens=8)[0]
+    generated = Generator(graphdef, len(ids) + 8)(nnx.to_pure_dict(state), [ids], max_new_tokens=8).ids[0]
     print("Gemma 3 270M continues:", repr(tok.decode(generated)))
     assert generated == greedy
 

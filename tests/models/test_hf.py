@@ -327,7 +327,7 @@ def test_export_dtype_cast(zoo, tmp_path):
 def generate(model, prompts=PROMPTS) -> list[list[int]]:
     """jaxtune's Generator: the prompts left-padded into one batch, KV cache, greedy, 32 new tokens, no EOS."""
     graphdef, state = nnx.split(model, nnx.Param)
-    return Generator(graphdef, model.cfg.max_seq_len)(nnx.to_pure_dict(state), prompts, max_new_tokens=32)
+    return Generator(graphdef, model.cfg.max_seq_len)(nnx.to_pure_dict(state), prompts, max_new_tokens=32).ids
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -37,10 +37,11 @@ for lora in (False, True):  # data parallelism (8x1x1) replicates the weights: L
         sharded = any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves((params, frozen)))
         gen = spec.generator()
         with sharding.use_mesh(mesh):
-            greedy = gen(spec.weights(params, frozen), prompts, max_new_tokens=8)
+            greedy = gen(spec.weights(params, frozen), prompts, max_new_tokens=8).ids
             sampled = gen(spec.weights(params, frozen), prompts, max_new_tokens=8, temperature=1.0, seed=3)
         out[f"{'lora' if lora else 'full'}-{'x'.join(map(str, shape))}"] = {
-            "greedy": greedy, "sampled": sampled, "logps": gen.logps, "sharded": sharded, "compiles": gen.compiles}
+            "greedy": greedy, "sampled": sampled.ids, "logps": sampled.logps, "sharded": sharded,
+            "compiles": gen.compiles}
 print("RESULT " + json.dumps(out))
 """
 

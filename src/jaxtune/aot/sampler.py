@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtune import sharding
 from jaxtune.aot.step import Program
 from jaxtune.models.lora import adapted_kernels
-from jaxtune.models.sampling import Generator, bucket
+from jaxtune.models.sampling import Decode, Generator, Sampling, bucket
 
 MFU_ASSUMED = 0.4  # the share of peak FLOP/s the compute-bound parts are assumed to reach (stated in the output)
 
@@ -91,11 +91,10 @@ def compile_sampler(p: Program) -> dict[str, Any]:
     valid = jax.ShapeDtypeStruct((n, plen), jnp.bool_, sharding=rows_sh)
     lengths = jax.ShapeDtypeStruct((shapes["rows"],), jnp.int32, sharding=rows_sh)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
-    top_p = None if o.top_p >= 1.0 else float(o.top_p)
+    decode = Decode(Sampling.of(o.temperature, o.top_k, None if o.top_p >= 1.0 else o.top_p), (0,),
+                    shapes["cache_len"], shapes["max_new_tokens"], shapes["group"])
     with sharding.use_mesh(mesh):
-        lowered = Generator._generate.lower(target, weights, tokens, valid, shapes["cache_len"],
-                                            shapes["max_new_tokens"], key, lengths, float(o.temperature), o.top_k,
-                                            top_p, (0,), shapes["group"])
+        lowered = Generator._generate.lower(target, weights, tokens, valid, key, lengths, decode=decode)
     compiled = lowered.compile()
     kv = _kv_cache(p, shapes["rows"], shapes["cache_len"], compiled.as_text())
     mem = compiled.memory_analysis()

@@ -10,11 +10,12 @@ stops at EOS (or any of several stop ids) per sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,31 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
-def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None, top_p: float | None):
-    """(B, V) float32 logits -> (B,) int32 token ids."""
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a token is drawn from a row's logits: greedy (``temperature`` 0), else from logits / ``temperature``
+    kept to the ``top_k`` likeliest and to the ``top_p`` nucleus (None: no filter). Hashable: sampling programs are
+    compiled for it."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @classmethod
+    def of(cls, temperature: float, top_k: int | None, top_p: float | None) -> Sampling:
+        """The record of these settings, normalised so that equal settings are one record (0 and 0.0 alike)."""
+        return cls(float(temperature), None if top_k is None else int(top_k), None if top_p is None else float(top_p))
+
+    def logps(self, logits: jax.Array, ids: jax.Array) -> jax.Array:
+        """(B, V) logits, (B,) drawn ids -> (B,) their log-probs under the tempered distribution (logits /
+        temperature, before top-k/top-p: the distribution a policy-gradient trainer scores; greedy: temperature 1)."""
+        scale = 1.0 if self.temperature == 0.0 else self.temperature
+        return jnp.take_along_axis(jax.nn.log_softmax(logits / scale, -1), ids[:, None], -1)[:, 0]
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """(B, V) float32 logits -> (B,) int32 token ids drawn as ``sampling`` says."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     if temperature == 0.0:
         return jnp.argmax(logits, -1).astype(jnp.int32)
     logits = logits / temperature
@@ -55,6 +79,28 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: 
         drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
         logits = jnp.where(drop, -jnp.inf, logits)
     return jax.random.categorical(key, logits, -1).astype(jnp.int32)
+
+
+def stop_tuple(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """The stop ids as a (hashable) tuple: none, one or several."""
+    return () if eos_id is None else (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What a generator returns, per prompt: ``ids``, the new token ids (the stop id excluded, unless
+    ``keep_stop``), and ``logps``, each of those ids' log-prob under the tempered distribution it was drawn from
+    (`Sampling.logps`)."""
+
+    ids: list[list[int]]
+    logps: list[list[float]]
+
+
+def row_logps(drawn: Sequence[np.ndarray], ids: Sequence[Sequence[int]]) -> list[list[float]]:
+    """Each row's log-probs from ``drawn``, the (B,) log-probs of each generated position: a row's ids are its first
+    len(ids) positions."""
+    by_row = np.stack(drawn, axis=1)
+    return [by_row[i, :len(row)].tolist() for i, row in enumerate(ids)]
 
 
 class PromptError(ValueError):
@@ -152,6 +198,52 @@ def pack_prompts(prompts: Sequence[Sequence[int]], bucket_len: int) -> dict[str,
     return {**out, "gather": gather, "last": last}
 
 
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    """What one generation program is compiled for, its one static argument: the ``sampling``, the ``stops`` that
+    end a row, and the shapes: ``cache_len`` KV-cache slots, ``max_new`` positions (batch generation's buffers),
+    ``group`` rows per distinct prompt, ``chunk`` positions per streaming program. A program's record holds only
+    what that program reads, the rest at their defaults: it compiles once per value it depends on."""
+
+    sampling: Sampling
+    stops: tuple[int, ...] = ()
+    cache_len: int = 0
+    max_new: int = 0
+    group: int = 1
+    chunk: int = 0
+
+    def stopped(self, ids: jax.Array) -> jax.Array:
+        """(B,) ids -> (B,) whether each is a stop id."""
+        return jnp.isin(ids, jnp.asarray(self.stops if self.stops else (-1,), jnp.int32))
+
+
+class Prompts(NamedTuple):
+    """The distinct prompts left-padded into one (P, ``p_len``) block, every prompt ending at slot p_len - 1:
+    ``tokens``, ``valid`` (the real slots), ``lengths`` (B,) of every row's prompt, and the cache's ``cache_len``."""
+
+    tokens: np.ndarray
+    valid: np.ndarray
+    lengths: np.ndarray
+    cache_len: int
+
+    @classmethod
+    def left_padded(cls, prompts: Sequence[Sequence[int]], group: int, max_new_tokens: int,
+                    max_seq_len: int) -> Prompts:
+        """The block of ``prompts[::group]`` in power-of-two buckets (`bucket`) that hold ``max_new_tokens`` more."""
+        longest = max(len(p) for p in prompts)
+        p_len = min(bucket(longest), max_seq_len)
+        cache_len = min(bucket(p_len + max_new_tokens), max_seq_len)
+        if p_len + max_new_tokens > cache_len:  # a short context: bucket the prompt exactly
+            p_len = longest
+        distinct = prompts[::group]
+        tokens = np.zeros((len(distinct), p_len), np.int32)
+        valid = np.zeros((len(distinct), p_len), bool)
+        for i, p in enumerate(distinct):
+            tokens[i, p_len - len(p):] = p
+            valid[i, p_len - len(p):] = True
+        return cls(tokens, valid, np.array([len(p) for p in prompts], np.int32), cache_len)
+
+
 class Generator:
     """Jitted generation for one model graph; reuse it to keep compiled buckets.
 
@@ -161,7 +253,8 @@ class Generator:
     have. The host sees the tokens once, at the end. Streaming (``on_step``) is two programs: the prefill, and the
     same loop run ``STREAM_CHUNK`` positions at a time (the cache donated, updated in place), the host handing each
     chunk's tokens to ``on_step`` position by position. Both draw position t's token with the key
-    ``fold_in(key(seed), prompt bucket + t)``, so they sample the same tokens.
+    ``fold_in(key(seed), prompt bucket + t)``, so they sample the same tokens. Every program takes its static
+    settings as one `Decode` record.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, max_seq_len: int,
@@ -169,7 +262,6 @@ class Generator:
         self.graphdef = graphdef
         self.max_seq_len = max_seq_len
         self.traces = 0  # traced programs (whole generations, or prefill + decode), for compile-count checks
-        self.logps: list[list[float]] = []  # after a batch generation: each returned token's sampling log-prob
         # LoRA: (the graph without adapters, their spec): weights (adapters, base) are merged once per call
         # (`merged_weights`) and sampled by that graph, without the adapters' matmuls on every token
         self.plain = None if merged is None else Generator(merged[0], max_seq_len)
@@ -181,12 +273,14 @@ class Generator:
     def compiles(self) -> int:
         return self.traces + (self.plain.compiles if self.plain is not None else 0)
 
-    def _start(self, model, tokens, valid, cache_len, key, temperature, top_k, top_p, group=1, packed=None):
+    def _start(self, model, tokens, valid, key, decode: Decode, packed=None):
         """The prefill: the cache of the left-padded prompts, the valid key slots and the first sampled token with
-        its logits. ``group`` > 1: each prompt is prefilled once and its cache and logits repeated for its ``group``
-        rows, which then sample apart. ``packed`` (`pack_prompts`): the prompts computed packed several to a row
-        instead, without their padding, and their keys and values then placed as the left-padded rows' would be."""
+        its logits. ``decode.group`` > 1: each prompt is prefilled once and its cache and logits repeated for its
+        ``group`` rows, which then sample apart. ``packed`` (`pack_prompts`): the prompts computed packed several to
+        a row instead, without their padding, and their keys and values then placed as the left-padded rows' would
+        be."""
         b, p = tokens.shape
+        cache_len, group = decode.cache_len, decode.group
         key_valid = jnp.concatenate([valid, jnp.ones((b, cache_len - p), bool)], axis=1)  # (B, S)
         if packed is not None:
             last, cache = self._prefill_packed(model, packed, b, p, cache_len)
@@ -199,7 +293,7 @@ class Generator:
         if group > 1:  # (L, B, S, K, H) caches: rows are axis 1
             last, key_valid = jnp.repeat(last, group, axis=0), jnp.repeat(key_valid, group, axis=0)
             cache = jax.tree.map(lambda c: jnp.repeat(c, group, axis=1), cache)
-        nxt = sample_logits(last, jax.random.fold_in(key, p), temperature, top_k, top_p)
+        nxt = sample_logits(last, jax.random.fold_in(key, p), decode.sampling)
         return nxt, last, cache, key_valid
 
     @staticmethod
@@ -220,22 +314,19 @@ class Generator:
 
         return last, jax.tree.map(place, cache)
 
-    @functools.partial(jax.jit, static_argnums=(0, 4, 6, 7, 8))
-    def _prefill(self, params, tokens, valid, cache_len, key, temperature, top_k, top_p):
+    @functools.partial(jax.jit, static_argnames=("self", "decode"))
+    def _prefill(self, params, tokens, valid, key, *, decode: Decode):
+        """Streaming's first program: (the first token (B,), its log-prob, the cache, the valid key slots)."""
         self.traces += 1
-        nxt, _, cache, key_valid = self._start(merge(self.graphdef, params), tokens, valid, cache_len, key,
-                                               temperature, top_k, top_p)
-        return nxt, cache, key_valid
+        nxt, logits, cache, key_valid = self._start(merge(self.graphdef, params), tokens, valid, key, decode)
+        return nxt, decode.sampling.logps(logits, nxt), cache, key_valid
 
-    def _loop(self, params, state, until, *, p, key, lengths, key_valid, sampling, stops):
+    def _loop(self, params, state, until, *, p, key, lengths, key_valid, decode: Decode):
         """Decode from ``state`` = (t, token, cache, done, ids, logps) while ``t < until`` and some row has not
         stopped: a `jax.lax.while_loop` that feeds position t - 1's token, samples position t's on device (key
-        ``fold_in(key, p + t)``, ``p`` the prompt bucket) and writes it and its log-prob (under the tempered
-        distribution) into column t of ``ids``/``logps``, or of (B, chunk) buffers when those are shorter (column
-        ``t % chunk``: the streaming path's chunks)."""
-        temperature = sampling[0]
-        scale = 1.0 if temperature == 0.0 else temperature
-        stop_ids = jnp.asarray(stops if stops else (-1,), jnp.int32)
+        ``fold_in(key, p + t)``, ``p`` the prompt bucket) and writes it and its log-prob (`Sampling.logps`) into
+        column t of ``ids``/``logps``, or of (B, chunk) buffers when those are shorter (column ``t % chunk``: the
+        streaming path's chunks)."""
         width = state[4].shape[1]
 
         def more(carry):
@@ -247,119 +338,109 @@ class Generator:
             model = merge(self.graphdef, params)  # at the loop body's trace level (nnx.scan'd layers check it)
             logits, cache = model(token[:, None], positions=(lengths + t - 1)[:, None], cache=cache,
                                   index=p + t - 1, key_valid=key_valid)
-            nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, p + t), *sampling)
-            logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, -1] / scale, -1), nxt[:, None], -1)
+            nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, p + t), decode.sampling)
+            logp = decode.sampling.logps(logits[:, -1], nxt)[:, None]
             ids = jax.lax.dynamic_update_slice(ids, nxt[:, None], (0, t % width))
             logps = jax.lax.dynamic_update_slice(logps, logp, (0, t % width))
-            return t + 1, nxt, cache, done | jnp.isin(nxt, stop_ids), ids, logps
+            return t + 1, nxt, cache, done | decode.stopped(nxt), ids, logps
 
         return jax.lax.while_loop(more, step, state)
 
-    @functools.partial(jax.jit, static_argnums=(0, 4, 5, 8, 9, 10, 11, 12))
-    def _generate(self, params, tokens, valid, cache_len, max_new, key, lengths, temperature, top_k, top_p, stops,
-                  group, packed=None):
-        """(B, max_new) tokens, (B, max_new) their log-probs under the tempered distribution (logits / temperature,
-        before top-k/top-p: the distribution a policy-gradient trainer scores), and the positions generated.
-        ``tokens``: the B / ``group`` distinct prompts, each generating ``group`` rows."""
+    @functools.partial(jax.jit, static_argnames=("self", "decode"))
+    def _generate(self, params, tokens, valid, key, lengths, packed=None, *, decode: Decode):
+        """(B, max_new) tokens, (B, max_new) their log-probs (`Sampling.logps`), and the positions generated.
+        ``tokens``: the B / ``decode.group`` distinct prompts, each generating ``group`` rows."""
         self.traces += 1
         model = merge(self.graphdef, params)
-        p = tokens.shape[1]
-        b = tokens.shape[0] * group
-        nxt, logits, cache, key_valid = self._start(model, tokens, valid, cache_len, key, temperature, top_k, top_p,
-                                                    group, packed)
-        scale = 1.0 if temperature == 0.0 else temperature
-        first = jnp.take_along_axis(jax.nn.log_softmax(logits / scale, -1), nxt[:, None], -1)[:, 0]
-        ids = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(nxt)
-        logps = jnp.zeros((b, max_new), jnp.float32).at[:, 0].set(first)
-        done = jnp.isin(nxt, jnp.asarray(stops if stops else (-1,), jnp.int32))
-        t, _, _, _, ids, logps = self._loop(params, (jnp.int32(1), nxt, cache, done, ids, logps), max_new, p=p,
-                                            key=key, lengths=lengths, key_valid=key_valid,
-                                            sampling=(temperature, top_k, top_p), stops=stops)
+        p, b = tokens.shape[1], tokens.shape[0] * decode.group
+        nxt, logits, cache, key_valid = self._start(model, tokens, valid, key, decode, packed)
+        ids = jnp.zeros((b, decode.max_new), jnp.int32).at[:, 0].set(nxt)
+        logps = jnp.zeros((b, decode.max_new), jnp.float32).at[:, 0].set(decode.sampling.logps(logits, nxt))
+        state = (jnp.int32(1), nxt, cache, decode.stopped(nxt), ids, logps)
+        t, _, _, _, ids, logps = self._loop(params, state, decode.max_new, p=p, key=key, lengths=lengths,
+                                            key_valid=key_valid, decode=decode)
         return ids, logps, t
 
-    @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10), donate_argnums=(2,))
-    def _chunk(self, params, cache, key_valid, token, p, temperature, top_k, top_p, stops, chunk, t, max_new, key,
-               lengths, done):
-        """Streaming: up to ``chunk`` positions from position ``t`` (token ``token`` at t - 1) in one program, the
-        cache updated in place; (ids (B, chunk) in columns ``t % chunk`` on, the next position, the last token,
-        the cache, the rows done)."""
+    @functools.partial(jax.jit, static_argnames=("self", "decode"), donate_argnames=("cache",))
+    def _chunk(self, params, cache, key_valid, token, p, t, max_new, key, lengths, done, *, decode: Decode):
+        """Streaming: up to ``decode.chunk`` positions from position ``t`` (token ``token`` at t - 1) in one program,
+        the cache updated in place; (ids and log-probs (B, chunk) in columns ``t % chunk`` on, the next position,
+        the last token, the cache, the rows done)."""
         self.traces += 1
-        b = token.shape[0]
+        b, chunk = token.shape[0], decode.chunk
         state = (t, token, cache, done, jnp.zeros((b, chunk), jnp.int32), jnp.zeros((b, chunk), jnp.float32))
-        t, token, cache, done, ids, _ = self._loop(params, state, jnp.minimum(t + chunk, max_new), p=p, key=key,
-                                                   lengths=lengths, key_valid=key_valid,
-                                                   sampling=(temperature, top_k, top_p), stops=stops)
-        return ids, t, token, cache, done
+        t, token, cache, done, ids, logps = self._loop(params, state, jnp.minimum(t + chunk, max_new), p=p, key=key,
+                                                       lengths=lengths, key_valid=key_valid, decode=decode)
+        return ids, logps, t, token, cache, done
 
     def __call__(self, params: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  eos_id: int | Sequence[int] | None = None, seed: int = 0,
                  on_step: Callable[[np.ndarray], None] | None = None, keep_stop: bool = False,
-                 group: int = 1) -> list[list[int]]:
-        """Generate continuations of ``prompts`` (token ids); returns the new ids per prompt (the stop id excluded,
-        unless ``keep_stop``). Without ``on_step``, ``self.logps`` holds each returned token's log-prob under the
-        tempered distribution it was sampled from.
+                 group: int = 1) -> Generation:
+        """Generate continuations of ``prompts`` (token ids): the new ids per prompt (the stop id excluded, unless
+        ``keep_stop``) and each one's log-prob under the tempered distribution it was sampled from.
 
-        ``params``: the model's params, or (adapters, base) for LoRA (merged first, with ``merged``). ``eos_id``: one or several stop ids.
-        on_step(tokens (B,)) is called after each generated position, for streaming. ``group``: the prompts come in
-        runs of ``group`` equal ones (GRPO's completions of a prompt): each run is prefilled once (the same tokens as
-        prefilling every row: the rows' logits are equal, the draws are per row).
+        ``params``: the model's params, or (adapters, base) for LoRA (merged first, with ``merged``). ``eos_id``: one
+        or several stop ids. on_step(tokens (B,)) is called after each generated position, for streaming.
+        ``group``: the prompts come in runs of ``group`` equal ones (GRPO's completions of a prompt): each run is
+        prefilled once (the same tokens as prefilling every row: the rows' logits are equal, the draws are per row).
         """
         if self.plain is not None and isinstance(params, (tuple, list)):  # LoRA: merged into a temporary copy
-            out = self.plain(merged_weights(params[0], params[1], self.lora), prompts, max_new_tokens=max_new_tokens,
-                             temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed,
-                             on_step=on_step, keep_stop=keep_stop, group=group)
-            self.logps = self.plain.logps
-            return out
+            return self.plain(merged_weights(params[0], params[1], self.lora), prompts, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed,
+                              on_step=on_step, keep_stop=keep_stop, group=group)
         max_new_tokens = check_prompts(prompts, self.max_seq_len, max_new_tokens)
-        if group > 1 and on_step is None:
-            if len(prompts) % group or any(list(prompts[i]) != list(prompts[i - i % group])
-                                           for i in range(len(prompts))):
-                raise ValueError(f"generate: group={group} needs the prompts in runs of {group} equal ones")
-        else:
-            group = 1
-        longest = max(len(p) for p in prompts)
-        p_len = min(bucket(longest), self.max_seq_len)
-        cache_len = min(bucket(p_len + max_new_tokens), self.max_seq_len)
-        if p_len + max_new_tokens > cache_len:  # a short context: bucket the prompt exactly
-            p_len = longest
-        distinct = prompts[::group]
-        tokens = np.zeros((len(distinct), p_len), np.int32)
-        valid = np.zeros((len(distinct), p_len), bool)
-        for i, p in enumerate(distinct):  # left padding: every prompt ends at slot p_len - 1
-            tokens[i, p_len - len(p):] = p
-            valid[i, p_len - len(p):] = True
-        key = jax.random.key(seed)
-        sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        stops = () if eos_id is None else (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
+        group = 1 if on_step is not None else _checked_group(prompts, group)
+        block = Prompts.left_padded(prompts, group, max_new_tokens, self.max_seq_len)
+        sampling, stops, key = Sampling.of(temperature, top_k, top_p), stop_tuple(eos_id), jax.random.key(seed)
         if on_step is None:
-            # host(): every process of a multi-host run gets the whole (replicated) result
-            packed = pack_prompts(distinct, p_len) if group == 1 and self.pack else None
-            ids, logps, n = (host(x) for x in self._generate(params, tokens, valid, cache_len, max_new_tokens, key,
-                                                             lengths, *sampling, stops, group, packed))
-            out, self.logps = [], []
-            for row, row_logps in zip(ids[:, :int(n)], logps[:, :int(n)]):
-                hit = np.flatnonzero(np.isin(row, stops)) if stops else []
-                end = len(row) if not len(hit) else int(hit[0]) + (1 if keep_stop else 0)
-                out.append(row[:end].tolist())
-                self.logps.append(row_logps[:end].tolist())
-            return out
-        # streaming: the prefill, then chunks of STREAM_CHUNK positions, each one program on device; the host hands
-        # each chunk's tokens to on_step one position at a time
-        nxt, cache, key_valid = self._prefill(params, tokens, valid, cache_len, key, *sampling)
-        out = [[] for _ in prompts]
-        done = np.zeros(len(prompts), bool)
-        if collect(np.asarray(nxt), out, done, eos_id, on_step, keep_stop):
-            return out
-        t, chunk, stopped = 1, STREAM_CHUNK, jnp.asarray(done)
-        while t < max_new_tokens:
-            ids, t_next, nxt, cache, stopped = self._chunk(
-                params, cache, key_valid, nxt, jnp.int32(p_len), *sampling, stops, chunk, jnp.int32(t),
-                jnp.int32(max_new_tokens), key, jnp.asarray(lengths), stopped)
-            ids, t_next = np.asarray(ids), int(t_next)
+            decode = Decode(sampling, stops, block.cache_len, max_new_tokens, group)
+            return self._batch(params, prompts, block, key, decode, keep_stop)
+        return self._stream(params, prompts, block, key, Decode(sampling, stops, chunk=STREAM_CHUNK), max_new_tokens,
+                            on_step, keep_stop)
+
+    def _batch(self, params, prompts, block: Prompts, key, decode: Decode, keep_stop: bool) -> Generation:
+        """Batch generation: one program, the host reading its tokens and log-probs once, at the end."""
+        packed = pack_prompts(prompts, block.tokens.shape[1]) if decode.group == 1 and self.pack else None
+        # host(): every process of a multi-host run gets the whole (replicated) result
+        ids, logps, n = (host(x) for x in self._generate(params, block.tokens, block.valid, key, block.lengths,
+                                                         packed, decode=decode))
+        ends = []
+        for row in ids[:, :int(n)]:
+            hit = np.flatnonzero(np.isin(row, decode.stops)) if decode.stops else []
+            ends.append(len(row) if not len(hit) else int(hit[0]) + (1 if keep_stop else 0))
+        return Generation([row[:end].tolist() for row, end in zip(ids, ends)],
+                          [row[:end].tolist() for row, end in zip(logps, ends)])
+
+    def _stream(self, params, prompts, block: Prompts, key, decode: Decode, max_new_tokens: int,
+                on_step: Callable[[np.ndarray], None], keep_stop: bool) -> Generation:
+        """Streaming: the prefill, then chunks of ``decode.chunk`` positions, each one program on device; the host
+        hands each chunk's tokens to ``on_step`` one position at a time."""
+        p_len = block.tokens.shape[1]
+        nxt, first, cache, key_valid = self._prefill(params, block.tokens, block.valid, key,
+                                                     decode=Decode(decode.sampling, cache_len=block.cache_len))
+        out, done, drawn = [[] for _ in prompts], np.zeros(len(prompts), bool), [np.asarray(first)]
+        finished = collect(np.asarray(nxt), out, done, decode.stops, on_step, keep_stop)
+        t, stopped = 1, jnp.asarray(done)
+        while not finished and t < max_new_tokens:
+            ids, logps, t_next, nxt, cache, stopped = self._chunk(
+                params, cache, key_valid, nxt, jnp.int32(p_len), jnp.int32(t), jnp.int32(max_new_tokens), key,
+                jnp.asarray(block.lengths), stopped, decode=decode)
+            ids, logps, t_next = np.asarray(ids), np.asarray(logps), int(t_next)
             for pos in range(t, t_next):
-                if collect(ids[:, pos % chunk], out, done, eos_id, on_step, keep_stop):
-                    return out
+                drawn.append(logps[:, pos % decode.chunk])
+                if collect(ids[:, pos % decode.chunk], out, done, decode.stops, on_step, keep_stop):
+                    finished = True
+                    break
             t = t_next
-        return out
+        return Generation(out, row_logps(drawn, out))
+
+
+def _checked_group(prompts: Sequence[Sequence[int]], group: int) -> int:
+    """``group``, once the prompts are seen to come in runs of ``group`` equal ones (a `ValueError` otherwise)."""
+    if group <= 1:
+        return 1
+    if len(prompts) % group or any(list(p) != list(prompts[i - i % group]) for i, p in enumerate(prompts)):
+        raise ValueError(f"generate: group={group} needs the prompts in runs of {group} equal ones")
+    return group

@@ -101,9 +101,11 @@ class Rollout:
         jax.block_until_ready(weights)  # the previous update: its time is the step's, not the sampler's
         t0 = time.perf_counter()
         greedy = temperature == 0.0
-        ids = self.generator(weights, prompt_ids, max_new_tokens=o.max_completion_length, temperature=temperature,
-                             top_k=None if greedy else o.top_k, top_p=None if greedy or o.top_p >= 1.0 else o.top_p,
-                             eos_id=self.stops, seed=seed, keep_stop=True, group=group)
+        sampled = self.generator(weights, prompt_ids, max_new_tokens=o.max_completion_length,
+                                 temperature=temperature, top_k=None if greedy else o.top_k,
+                                 top_p=None if greedy or o.top_p >= 1.0 else o.top_p, eos_id=self.stops, seed=seed,
+                                 keep_stop=True, group=group)
+        ids = sampled.ids
         t1 = time.perf_counter()
         stops = set(self.stops)
         stopped = np.array([bool(c) and c[-1] in stops for c in ids])
@@ -129,7 +131,7 @@ class Rollout:
             scores = self._shared(scores)
         self.timings = {"generation": t1 - t0, "rewards": time.perf_counter() - t1,
                         "generated_tokens": float(sum(len(c) for c in ids))}
-        return Completions(prompt_ids, ids, texts, expanded, scores, stopped, self.generator.logps)
+        return Completions(prompt_ids, ids, texts, expanded, scores, stopped, sampled.logps)
 
     def _shared(self, scores: Scores) -> Scores:
         """Every process's scores in process order (each scored its own completions)."""

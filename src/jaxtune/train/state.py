@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxtune import sharding
+from jaxtune.models.sampling import Generation
 
 Batch = dict[str, jax.Array]  # (B, T) arrays: inputs, targets; optionally positions, segment_ids, loss_mask
 
@@ -98,15 +99,15 @@ class Forward(Protocol):
 
 class Sampler(Protocol):
     """Token generation for eval prompts, `jaxtune generate` and GRPO's rollouts: called with `ModelSpec.weights` and
-    prompt ids; returns the new ids per prompt, the stop id excluded (or, ``keep_stop``, kept as the last id)."""
+    prompt ids; returns a `Generation`: the new ids per prompt, the stop id excluded (or, ``keep_stop``, kept as the
+    last id), and each id's log-prob under the (tempered) distribution it was sampled from."""
 
     compiles: int
     max_seq_len: int  # the context prompt and new tokens share
-    logps: list[list[float]]  # after a call: each returned id's log-prob under the (tempered) distribution sampled
 
     def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,
-                 seed: int = 0, on_step: Any = None, keep_stop: bool = False, group: int = 1) -> list[list[int]]:
+                 seed: int = 0, on_step: Any = None, keep_stop: bool = False, group: int = 1) -> Generation:
         """``group``: the prompts come in runs of ``group`` equal ones, which a sampler may prefill once."""
         ...
 

@@ -194,7 +194,7 @@ class NativeBackend:
         params = nnx.to_pure_dict(state)
         generator = Generator(graphdef, read_hf_config(directory)[1].max_seq_len)
         return ParityModel(lambda tokens: native(jax.numpy.asarray(tokens)),
-                           lambda prompts, n: generator(params, prompts, max_new_tokens=n))
+                           lambda prompts, n: generator(params, prompts, max_new_tokens=n).ids)
 
 
 BACKEND = NativeBackend()

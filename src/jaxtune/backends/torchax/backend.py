@@ -29,7 +29,16 @@ from jaxtune.backends.torchax.model import (
 from jaxtune.config import Config, ConfigError, TorchaxModelConfig
 from jaxtune.io import atomic_dir
 from jaxtune.models.fits import check_fits
-from jaxtune.models.sampling import bucket, check_prompts, collect, sample_logits
+from jaxtune.models.sampling import (
+    Generation,
+    Sampling,
+    bucket,
+    check_prompts,
+    collect,
+    row_logps,
+    sample_logits,
+    stop_tuple,
+)
 from jaxtune.train.logprobs import tempered, token_logps
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout
@@ -98,20 +107,20 @@ class TorchaxGenerator:
         self.model = model
         self.max_seq_len = max_seq_len
         self.compiles = 0
-        self.logps: list[list[float]] = []  # after a call: each returned id's log-prob (tempered distribution)
-        self._next = jax.jit(self._next_impl, static_argnums=(4, 5, 6))
+        self._next = jax.jit(self._next_impl, static_argnames="sampling")
 
-    def _next_impl(self, weights, tokens, lengths, key, temperature, top_k, top_p):
+    def _next_impl(self, weights, tokens, lengths, key, *, sampling: Sampling):
         self.compiles += 1
         logits = self.model.logits(weights, tokens)  # (B, L, V)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        ids = sample_logits(last, key, temperature, top_k, top_p)
-        return ids, token_logps(tempered(last.astype(jnp.float32), temperature or 1.0), ids)
+        ids = sample_logits(last, key, sampling)
+        return ids, token_logps(tempered(last.astype(jnp.float32), sampling.temperature or 1.0), ids)
 
     def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,
-                 seed: int = 0, on_step: Any = None, keep_stop: bool = False, group: int = 1) -> list[list[int]]:
-        # ``group`` is a hint this sampler does not use: it recomputes every row's prefix at every token anyway
+                 seed: int = 0, on_step: Any = None, keep_stop: bool = False, group: int = 1) -> Generation:
+        """The new ids per prompt and each one's log-prob under the tempered distribution (`Generation`).
+        ``group`` is a hint this sampler does not use: it recomputes every row's prefix at every token anyway."""
         max_new_tokens = check_prompts(prompts, self.max_seq_len, max_new_tokens)
         longest = max(len(p) for p in prompts)
         length = min(bucket(longest + max_new_tokens), self.max_seq_len)
@@ -119,21 +128,19 @@ class TorchaxGenerator:
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
-        key = jax.random.key(seed)
-        sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
+        key, sampling, stops = jax.random.key(seed), Sampling.of(temperature, top_k, top_p), stop_tuple(eos_id)
         out: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
-        logps = []  # (B,) per position
+        drawn = []  # (B,) log-probs per position
         for t in range(max_new_tokens):
-            ids, logp = jax.device_get(self._next(weights, tokens, lengths, jax.random.fold_in(key, t), *sampling))
-            logps.append(logp)
-            if collect(ids, out, done, eos_id, on_step, keep_stop) or t == max_new_tokens - 1:
+            ids, logp = jax.device_get(self._next(weights, tokens, lengths, jax.random.fold_in(key, t),
+                                                  sampling=sampling))
+            drawn.append(logp)
+            if collect(ids, out, done, stops, on_step, keep_stop) or t == max_new_tokens - 1:
                 break
             tokens[np.arange(len(prompts)), lengths] = ids
             lengths = lengths + 1
-        by_row = np.stack(logps, axis=1)  # a row's ids are its first len(ids) sampled positions
-        self.logps = [by_row[i, :len(ids)].tolist() for i, ids in enumerate(out)]
-        return out
+        return Generation(out, row_logps(drawn, out))
 
 
 class TorchaxBackend:
@@ -202,7 +209,7 @@ class TorchaxBackend:
         logits = jax.jit(model.logits)
         generator = TorchaxGenerator(model, model.info.max_seq_len)
         return ParityModel(lambda tokens: logits(weights, tokens),
-                           lambda prompts, n: generator(weights, prompts, max_new_tokens=n))
+                           lambda prompts, n: generator(weights, prompts, max_new_tokens=n).ids)
 
 
 BACKEND = TorchaxBackend()
