@@ -151,10 +151,11 @@ def jaxtune_step(cfg: Any) -> dict[str, Any]:
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     spec = make_state_spec(cfg, None, mesh)
     state = spec.init(cfg.train.seed)
-    frozen = spec.load_frozen(cfg.train.seed)
+    steps = jit_steps(spec, make_objective(cfg.objective), cfg.train)
+    frozen = steps.frozen(spec.load_frozen(cfg.train.seed), cfg.train.seed)
     jax.block_until_ready((state, frozen))
     setup_s = time.perf_counter() - t0
-    train_step = jit_steps(spec, make_objective(cfg.objective), cfg.train).train
+    train_step = steps.train
     return {"spec": spec, "mesh": mesh, "state": state, "frozen": frozen, "train_step": train_step,
             "setup_s": setup_s}
 

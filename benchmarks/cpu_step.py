@@ -43,6 +43,7 @@ from jaxtune import sharding
 from jaxtune.backends import make_state_spec
 from jaxtune.config import load_config
 from jaxtune.train.objectives import make_objective
+from jaxtune.train.reference import Frozen
 from jaxtune.train.step import jit_steps
 
 LOSS_RTOL = 1e-5  # same weights and batch: first-step losses agree to float32 reduction-order noise
@@ -186,7 +187,7 @@ def main(argv=None) -> dict:
         box = {"state": state}
 
         def jax_step(i):
-            box["state"], metrics = steps.train(box["state"], jax_batches[i], ())
+            box["state"], metrics = steps.train(box["state"], jax_batches[i], Frozen())
             jax.block_until_ready((box["state"], metrics))
             return float(metrics["loss"])
 

@@ -10,7 +10,7 @@ schedule, which is constant here on both sides).
 - jaxtune: a config with ``model.from_hf=<dir>`` and ``objective.name=dpo``, built as ``train()`` builds it
   (``loop.py``): ``make_state_spec`` → ``step_reference`` (full fine-tuning: a frozen copy of the initial weights;
   LoRA: the base with the adapters off) → ``jit_steps`` (``jax.jit`` with explicit shardings, the state donated)
-  → ``load_frozen`` + ``with_reference`` → ``init``. The batch is laid out as the data pipeline lays out pairs
+  → ``load_frozen`` + ``steps.frozen`` → ``init``. The batch is laid out as the data pipeline lays out pairs
   (`PairRows`: (B, 2, T), each sequence from position 0, right-padded, segment 0 on the padding). Timed: one call of
   the jitted step plus ``block_until_ready`` on the new state and the metrics, and reading the metrics to the host.
 - TRL: a real ``DPOTrainer`` (``bf16=False``: TRL defaults to True even on CPU; ``gradient_checkpointing=False``:
@@ -114,7 +114,7 @@ from jaxtune.data.preference import PairRows
 from jaxtune.models.lora import peft_tensors
 from jaxtune.models.registry import FAMILIES
 from jaxtune.train.objectives import make_objective
-from jaxtune.train.reference import step_reference, with_reference
+from jaxtune.train.reference import FrozenCopy, step_reference
 from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import jit_steps
 
@@ -186,7 +186,7 @@ def jaxtune_dpo(cfg) -> dict:
     spec = make_state_spec(cfg, None, mesh)
     reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk)
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
-    frozen = with_reference(spec.load_frozen(cfg.train.seed), reference, spec, cfg.train.seed)
+    frozen = steps.frozen(spec.load_frozen(cfg.train.seed), cfg.train.seed)
     state = spec.init(cfg.train.seed)
     jax.block_until_ready((state, frozen))
     return {"mesh": mesh, "state": state, "frozen": frozen, "steps": steps, "reference": reference,
@@ -388,7 +388,7 @@ def main(argv=None) -> dict:
         jname = f"jaxtune {setup} (jax.jit" + (f", buckets {args.length_buckets})" if real else ")")
         impls[jname], js = jaxtune_impl(cfg, host_batches, fit=real)
         setup_s[jname] = js["setup_s"]
-        ref_kind = "frozen copy" if js["reference"].copy else "adapters off"
+        ref_kind = "frozen copy" if isinstance(js["reference"], FrozenCopy) else "adapters off"
         adapters = jax.device_get(js["state"].params) if lora else None  # before the first step donates the state
         rows_of[setup] = {"jaxtune": jname, "reference": ref_kind}
         if real:  # the default layout, prompts shared, against a row per completion (above)

@@ -23,7 +23,7 @@ the completions that ended before ``--max-completion-length`` are counted per si
 
 - jaxtune: a config with ``model.from_hf=<dir>``, ``objective.name=grpo`` and ``data.format=prompts``, built as
   ``train()`` builds it (``loop.py``): the checkpoint's tokenizer (``load_tokenizer``), ``make_state_spec`` →
-  ``step_reference`` → ``jit_steps`` → ``load_frozen`` + ``with_reference`` → ``init``, and
+  ``step_reference`` → ``jit_steps`` → ``load_frozen`` + ``steps.frozen`` → ``init``, and
   ``make_rollout(cfg, spec.generator(), tokenizer)`` (the native KV-cache sampler, the reward imported as
   ``grpo_cpu:sevens``). The prompts are a `PromptRows` made from the token ids directly, and a step's prompt batch is
   its items stacked ({"prompt", "prompt_len", "row"}), as the data pipeline yields them. ``data.seq_len`` is
@@ -98,7 +98,7 @@ from jaxtune.data.formats import Prompt
 from jaxtune.data.prompts import EncodedPrompt
 from jaxtune.models.sampling import Generator
 from jaxtune.train.objectives import make_objective
-from jaxtune.train.reference import step_reference, with_reference
+from jaxtune.train.reference import step_reference
 from jaxtune.train.rollout import make_rollout
 from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import jit_steps
@@ -159,7 +159,7 @@ def jaxtune_impl(cfg, prompts: list[list[int]], per_step: int, merged: bool = Tr
     shapes = BatchShapes.of(cfg)  # each batch cut to its length bucket, as the loop does
     generator = spec.generator() if merged else Generator(spec.graphdef, spec.model_cfg.max_seq_len)
     rollout = make_rollout(cfg, generator, tokenizer)
-    frozen = with_reference(spec.load_frozen(cfg.train.seed), reference, spec, cfg.train.seed)
+    frozen = steps.frozen(spec.load_frozen(cfg.train.seed), cfg.train.seed)
     state = spec.init(cfg.train.seed)
     jax.block_until_ready((state, frozen))
     setup_s = time.perf_counter() - t0

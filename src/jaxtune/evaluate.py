@@ -17,7 +17,7 @@ from jaxtune.models.fits import check_fits
 from jaxtune.run import LoadedRun, load_run
 from jaxtune.train.metrics import perplexity
 from jaxtune.train.objectives import make_objective
-from jaxtune.train.reference import step_reference, with_reference
+from jaxtune.train.reference import Frozen, step_reference
 from jaxtune.train.rollout import make_rollout
 from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import jit_steps
@@ -55,7 +55,7 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     # A reference model is held here even where training precomputed its log-probs: --data pairs have none stored.
     reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk)
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
-    frozen = run.frozen + ref_copy if ref_copy else with_reference(run.frozen, reference, spec, cfg.train.seed)
+    frozen = Frozen(run.frozen, ref_copy[0]) if ref_copy else steps.frozen(run.frozen, cfg.train.seed)
     shapes = BatchShapes.of(cfg)
     eval_batches = [shapes.fit(b)[0] for b in eval_batches]  # each at its length bucket
     with sharding.use_mesh(spec.mesh):

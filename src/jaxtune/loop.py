@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from jaxtune import runtime, sharding
-from jaxtune.backends import Backend, backend_of, teacher
+from jaxtune.backends import Backend, backend_of
+from jaxtune.companions import loaded_companion
 from jaxtune.config import Config, ConfigError, dump_config
 from jaxtune.data import load_tokenizer, make_training_data
 from jaxtune.evaluator import Evaluator
@@ -26,7 +27,7 @@ from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import Laps, NonFiniteLossError, StepLog, prefetch_plotting, write_loss_plot, write_summary
 from jaxtune.train.profile import Profiler
-from jaxtune.train.reference import precompute_reference, with_reference
+from jaxtune.train.reference import Precomputed, precompute_reference
 from jaxtune.train.rollout import make_rollout
 from jaxtune.train.run_dir import RunDirError, claim, make_run_dir
 from jaxtune.train.shapes import BatchShapes
@@ -109,9 +110,8 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     spec = backend.build(cfg, tokenizer.vocab_size, mesh)
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
     runtime.release_malloc(4 * spec.model_cfg.num_params())  # a large model: give freed memory back (runtime.py)
-    steps = run_steps(spec, cfg, teacher(cfg, mesh, spec.model_cfg.vocab_size, tokenizer)
-                      if cfg.objective.name == "gkd" else None)
-    precomputed = steps.reference is not None and steps.reference.forward is None  # DPO's log-probs, computed below
+    steps = run_steps(spec, cfg, loaded_companion(cfg, mesh, spec.model_cfg.vocab_size, tokenizer))
+    precomputed = isinstance(steps.companion, Precomputed)  # the reference's log-probs, computed below
     rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None
     count = lambda tree: int(sum(np.prod(a.shape) for a in jax.tree.leaves(tree)))
     trained, frozen_count = count(spec.abstract.params), count(spec.frozen_abstract)
@@ -124,14 +124,14 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
                            f"{o.prompts_per_step * o.num_generations} completions a step (objective.prompts_per_step "
                            "x num_generations)")
 
-    # Frozen params (a LoRA base, a reference copy) are not in the checkpoint: they are read again. Reference
-    # log-probs computed once go into the batches before the data position is restored.
+    # Frozen weights (a LoRA base, a reference copy, a teacher) are not in the checkpoint: they are read again.
+    # Reference log-probs computed once go into the batches before the data position is restored.
     frozen = spec.load_frozen(cfg.train.seed)
     if precomputed:
         logps, note = precompute_reference(run_dir, spec, cfg, data, frozen)
         data = data.with_reference(logps)
         data.report.append(note)
-    frozen = with_reference(frozen, steps.reference, spec, cfg.train.seed)
+    frozen = steps.frozen(frozen, cfg.train.seed)
 
     # Restore or init.
     if start:

@@ -22,7 +22,7 @@ from helpers.compare import rel
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
 from jaxtune.config import Config, ObjectiveConfig, load_config
-from jaxtune.train.reference import step_reference
+from jaxtune.train.reference import Frozen, FrozenCopy, step_reference
 from jaxtune.train.step import objective_loss
 
 torch = pytest.importorskip("torch", reason="the TRL comparisons run PyTorch")
@@ -143,16 +143,16 @@ def objective_result(native: Native, objective, cfg: ObjectiveConfig, params, ba
                      means: Callable[[dict, jax.Array], dict[str, float]]) -> Ours:
     """``objective`` (made from ``cfg``) on ``params`` and ``batch`` as the train step forms it: `objective_loss`'s
     sums and their gradients divided by the objective's count, the metric sums by ``means(metrics, count)``. A
-    reference is the unperturbed checkpoint, as the frozen copy (the last frozen group). `objective_loss`'s
+    reference is the unperturbed checkpoint, as the frozen copy (`Frozen.companion`). `objective_loss`'s
     value_and_grad is jitted once per objective."""
     reference = step_reference(native.spec, cfg)
-    assert reference is None or reference.copy  # full fine-tuning: a frozen copy of the weights
+    assert reference is None or isinstance(reference, FrozenCopy)  # full fine-tuning: a frozen copy of the weights
     if objective not in native.compiled:
         loss_fn = objective_loss(objective, native.spec.forward(), native.spec.weights, reference)
         native.compiled[objective] = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), compiler_options=FAST_COMPILE)
     with sharding.use_mesh(MESH):
         (total, (count, metrics)), grads = native.compiled[objective](
-            params, sharding.global_batch(MESH, batch), None, () if reference is None else (native.ref,))
+            params, sharding.global_batch(MESH, batch), None, Frozen((), None if reference is None else native.ref))
     n = float(count)
     return Ours(float(total) / n, n, means(metrics, count), jax.tree.map(lambda g: np.asarray(g) / n, grads))
 

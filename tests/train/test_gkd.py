@@ -33,11 +33,12 @@ from helpers.trl_reference import (
 )
 
 from jaxtune import sharding
-from jaxtune.backends import teacher as load_teacher
+from jaxtune.companions import load_teacher
 from jaxtune.config import ConfigError, TokenizerConfig
 from jaxtune.data import load_tokenizer
 from jaxtune.train.objectives import GKD, make_objective
 from jaxtune.train.rollout import training_rows
+from jaxtune.train.reference import Frozen
 from jaxtune.train.step import objective_loss
 
 pytest.importorskip("trl")
@@ -112,7 +113,7 @@ def test_loss_and_gradients_match_trl(models, beta):
     with sharding.use_mesh(MESH):
         (total, (count, metrics)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True),
                                                    compiler_options=FAST_COMPILE)(
-            spec.init(0).params, sharding.global_batch(MESH, batch), None, teacher.load(0))
+            spec.init(0).params, sharding.global_batch(MESH, batch), None, Frozen((), teacher.load(0)))
     n = float(count)
     assert n == batch["loss_mask"].sum() == 2 + 7 + 4 + 5
     mine = Ours(float(total) / n, n, {}, jax.tree.map(lambda g: np.asarray(g) / n, grads))
@@ -230,7 +231,7 @@ def test_a_gguf_teacher_scores_as_transformers_does(tmp_path):
     loss_fn = objective_loss(make_objective(cfg.objective), spec.forward(), spec.weights, teacher)
     with sharding.use_mesh(MESH):
         (total, (count, metrics)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
-            spec.init(0).params, sharding.global_batch(MESH, batch), None, teacher.load(0))
+            spec.init(0).params, sharding.global_batch(MESH, batch), None, Frozen((), teacher.load(0)))
     n = float(count)
     hf = transformers.LlamaForCausalLM.from_pretrained(converted, dtype=torch.float32)
     with torch.no_grad():

@@ -303,7 +303,7 @@ def native(checkpoints) -> Native:
 def ours(native: Native, params, batch, **keys) -> Ours:
     """``objective.name=grpo`` (with ``keys``) on ``params`` as the train step forms it: `objective_loss`'s sums and
     their gradients divided by the objective's count, the metrics by `per_unit`. With beta > 0 the reference is the
-    unperturbed checkpoint, as the frozen copy (the last frozen group)."""
+    unperturbed checkpoint, as the frozen copy (`Frozen.companion`)."""
     cfg = objective_cfg(**keys)
     means = lambda metrics, count: {k: float(v) for k, v in per_unit(metrics, count).items()}
     return trl_reference.objective_result(native, replace(make_objective(cfg), passes=1), cfg, params, batch, means)

@@ -17,6 +17,7 @@ from jaxtune.sharding import make_mesh
 from jaxtune.train import step as step_module
 from jaxtune.train.logprobs import token_logps
 from jaxtune.train.objectives import CrossEntropy
+from jaxtune.train.reference import Frozen
 from jaxtune.train.step import jit_steps, make_eval_step, objective_loss
 
 V = 512
@@ -31,12 +32,13 @@ class CrossEntropyWithAccuracy:
     metric_names: tuple[str, ...] = ("accuracy",)
     uses_reference: bool = False
     passes: int = 1
+    prepares: bool = False
 
     @classmethod
     def from_config(cls, cfg):
         return cls()
 
-    def prepare(self, forward, weights, batch):
+    def prepare(self, forward, weights, batch, reference=None):
         return batch
 
     def __call__(self, forward, weights, batch, key, reference=None):
@@ -70,7 +72,7 @@ def test_objective_metrics_are_per_unit_and_accumulate_over_micro_batches():
         cfg = load_config(None, [*over, f"train.micro_batches={micro}"])
         steps = jit_steps(spec, CrossEntropyWithAccuracy(), cfg.train)
         with sharding.use_mesh(spec.mesh):
-            _, m = steps.train(jax.device_put(init, spec.shardings), sharding.global_batch(spec.mesh, batch), ())
+            _, m = steps.train(jax.device_put(init, spec.shardings), sharding.global_batch(spec.mesh, batch), Frozen())
         out[micro] = {k: float(v) for k, v in m.items()}
     mask = batch["loss_mask"]
     want = float(((np.asarray(logits).argmax(-1) == batch["targets"]) * mask).sum() / mask.sum())

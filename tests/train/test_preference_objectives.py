@@ -60,7 +60,7 @@ from jaxtune.data.encoded import Encoded
 from jaxtune.data.preference import PairRows
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.objectives.preference import flat_pairs
-from jaxtune.train.reference import step_reference, with_reference
+from jaxtune.train.reference import AdaptersOff, Frozen, FrozenCopy, step_reference
 from jaxtune.train.step import jit_steps
 
 torch = pytest.importorskip("torch", reason="the TRL comparisons run PyTorch")
@@ -414,8 +414,8 @@ def test_lora_reference_is_the_base_model_exactly(checkpoints, native, lora_nati
         plain_spec = spec_for(checkpoints["ref"], "model.backend=torchax")[1]
         plain = (plain_spec.forward(), plain_spec.init(0).params)
     reference = step_reference(spec, cfg.objective)
-    assert reference is not None and not reference.copy
-    frozen = spec.load_frozen(0)
+    assert isinstance(reference, AdaptersOff)
+    frozen = Frozen(spec.load_frozen(0))
     rng = np.random.default_rng(0)
     adapters = jax.tree.map(lambda x: x + jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), spec.init(0).params)
     rows = {k: jnp.asarray(v) for k, v in flat_pairs(pair_batch(PAIRS)).items()}
@@ -423,9 +423,9 @@ def test_lora_reference_is_the_base_model_exactly(checkpoints, native, lora_nati
     base = _token_logps(*plain, rows)
     with sharding.use_mesh(MESH):
         off = np.asarray(jax.jit(lambda fr, r: reference.logps(fr)(r))(frozen, rows))
-        same = jax.jit(reference.is_policy)
+        same = jax.jit(lambda params, fr: reference.bind(params, fr).is_policy)
         assert bool(same(spec.init(0).params, frozen)) and not bool(same(adapters, frozen))
-    on = _token_logps(spec.forward(), spec.weights(adapters, frozen), rows)
+    on = _token_logps(spec.forward(), spec.weights(adapters, frozen.model), rows)
     assert np.array_equal(off, base)
     assert np.abs(on - base).max() > 1e-3
 
@@ -440,10 +440,10 @@ def test_dpo_train_step_compiles_once(checkpoints, lora_native, lora):
     moves; then it learns."""
     cfg, spec = lora_native if lora else spec_for(checkpoints["ref"])
     reference = step_reference(spec, cfg.objective)
-    assert reference.copy is not lora
+    assert isinstance(reference, FrozenCopy) is not lora
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
     state = spec.init(0)
-    frozen = with_reference(spec.load_frozen(0), reference, spec, 0)
+    frozen = steps.frozen(spec.load_frozen(0), 0)
     assert len(frozen) == 1  # LoRA: the base; full fine-tuning: the copy
     batch = pair_batch(PAIRS)
     losses = []
@@ -514,7 +514,7 @@ def ours_kto(native: Native, rows, **keys) -> Ours:
     with sharding.use_mesh(MESH):
         batch = sharding.global_batch(MESH, unpaired_batch(rows))
         prepared = jax.jit(lambda b: objective.prepare(native.spec.forward(), native.policy, b,
-                                                       reference.bind(native.policy, (native.ref,))))(batch)
+                                                       reference.bind(native.policy, Frozen((), native.ref))))(batch)
     prepared = jax.device_get(prepared)
     means = lambda metrics, count: {k: float(v[0]) / max(float(v[1]), 1.0) for k, v in metrics.items()}
     return trl_reference.objective_result(native, objective, cfg, native.policy, prepared, means)

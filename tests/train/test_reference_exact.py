@@ -14,7 +14,7 @@ from jaxtune import sharding
 from jaxtune.backends import make_state_spec
 from jaxtune.config import load_config
 from jaxtune.train.objectives import make_objective
-from jaxtune.train.reference import step_reference, with_reference
+from jaxtune.train.reference import FrozenCopy, step_reference
 from jaxtune.train.step import jit_steps
 
 B, T, V = 8, 128, 49152
@@ -43,10 +43,10 @@ def test_step_zero_rewards_are_exactly_zero(lora):
     mesh = sharding.make_mesh(1, 1, 1, jax.devices()[:1])
     spec = make_state_spec(cfg, V, mesh)
     reference = step_reference(spec, cfg.objective)
-    assert reference.copy is not lora
+    assert isinstance(reference, FrozenCopy) is not lora
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
     state = spec.init(0)
-    frozen = with_reference(spec.load_frozen(0), reference, spec, 0)
+    frozen = steps.frozen(spec.load_frozen(0), 0)
     with sharding.use_mesh(mesh):
         result = steps.evaluate(state.params, frozen, [_pairs()])
     m = result.metrics

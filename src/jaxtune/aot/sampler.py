@@ -100,11 +100,9 @@ def compile_sampler(p: Program) -> dict[str, Any]:
     mem = compiled.memory_analysis()
     program = {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
                "temporaries": mem.temp_size_in_bytes, "code": mem.generated_code_size_in_bytes}
-    # Resident while sampling: the training state (params, optimizer), the frozen groups (LoRA's base, a reference
-    # copy) and, with LoRA, the merged copies of the adapted kernels (the other arrays are the base's own).
-    resident = sum(sharding.shard_bytes(a) for a in jax.tree.leaves((spec.abstract, spec.frozen_abstract)))
-    if p.steps.reference is not None and p.steps.reference.copy:
-        resident += sum(sharding.shard_bytes(a) for a in jax.tree.leaves(spec.abstract.params))
+    # Resident while sampling: the training state (params, optimizer), the frozen weights (LoRA's base, a reference
+    # copy, a teacher) and, with LoRA, the merged copies of the adapted kernels (the other arrays are the base's own).
+    resident = sum(sharding.shard_bytes(a) for a in jax.tree.leaves((spec.abstract, p.steps.abstract_frozen())))
     merged = sum(sharding.shard_bytes(a) for a in adapted_kernels(spec.abstract.params, weights)) if lora else 0
     weights_b = sum(sharding.shard_bytes(a) for a in jax.tree.leaves(weights))
     total = resident + merged + program["outputs"] + program["temporaries"] + program["code"]

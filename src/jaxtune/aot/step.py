@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jaxtune import sharding
 from jaxtune.aot.catalog import TpuSlice, slice_devices, tpu_slice
 from jaxtune.aot.hlo import hlo_counts
-from jaxtune.backends import make_state_spec, teacher
+from jaxtune.backends import make_state_spec
+from jaxtune.companions import loaded_companion
 from jaxtune.config import Config
 from jaxtune.info import planned
 from jaxtune.models.fits import check_fits
@@ -67,10 +68,7 @@ class Program:
         """Compile the step for ``batch_size`` sequences: memory per chip (or the compiler's out-of-memory
         numbers), the HLO's counts and XLA's cost analysis."""
         spec, started = self.steps.spec, time.perf_counter()
-        frozen = spec.frozen_abstract
-        ref = self.steps.reference
-        if ref is not None and ref.copy:  # the reference's frozen copy (gkd: the teacher) rides with the frozen groups
-            frozen = (*frozen, ref.abstract if ref.abstract is not None else spec.abstract.params)
+        frozen = self.steps.abstract_frozen()  # the model's frozen groups and the companion's weights, if it holds any
         with sharding.use_mesh(self.mesh):
             lowered = self.steps.train.lower(spec.abstract, abstract_batch(self.cfg, batch_size, self.mesh), frozen)
         args = sum(sharding.shard_bytes(a) for a in jax.tree.leaves((spec.abstract, frozen)))
@@ -119,5 +117,4 @@ def program(cfg: Config, target: str) -> Program:
         raise sharding.ShardingError(f"--compile-for {s.name} ({len(devices)} chips): {e}") from None
     spec = make_state_spec(cfg, vocab, mesh)
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
-    return Program(cfg, s, mesh, run_steps(spec, cfg, teacher(cfg, mesh, spec.model_cfg.vocab_size)
-                                           if cfg.objective.name == "gkd" else None), note)
+    return Program(cfg, s, mesh, run_steps(spec, cfg, loaded_companion(cfg, mesh, spec.model_cfg.vocab_size)), note)

@@ -1,17 +1,21 @@
-"""The frozen reference model an objective compares the policy with (DPO's anchor; `Objective.uses_reference`).
+"""The companion model an objective reads beside the policy (`jaxtune.config.kinds.ObjectiveKind.companion`), and
+the frozen weights the steps take (`Frozen`).
 
-Which model it is follows from the run, as TRL does:
+A reference model (DPO's anchor, GRPO's KL penalty) follows from the run, as TRL's does; each case is one type:
 
-* **LoRA**: the frozen base with the adapters off: the policy's own forward with its adapters zeroed (`zeroed`), so
-  no second copy of the weights (the base is already on the mesh as the LoRA model's frozen group) and, while the
-  trained B matrices are still 0, the very program of the policy: at step 0 the reference's log-probs are bitwise the
-  policy's wherever both are computed without gradients (the evaluations, the precomputed log-probs), and every
-  reward is exactly 0.
-* **Full fine-tuning**: a frozen copy of the initial weights (the checkpoint's, or the seed's), held on the mesh
-  beside the train state as one more frozen group: the step's ``frozen`` is the model's groups, then the copy.
-* **``objective.precompute_ref_logps``**: either of the above, used once before training (`precompute`) over every
-  pair; the results are stored in the run directory (`REF_LOGPS_FILE`) and ride in the batches as ``ref_logps``, so
-  no reference model is held while training.
+* `AdaptersOff` (LoRA): the frozen base with the adapters off: the policy's own forward with its adapters zeroed
+  (`zeroed`), so no second copy of the weights (the base is already on the mesh as the LoRA model's frozen group) and,
+  while the trained B matrices are still 0, the very program of the policy: at step 0 the reference's log-probs are
+  bitwise the policy's wherever both are computed without gradients (the evaluations, the precomputed log-probs), and
+  every reward is exactly 0.
+* `FrozenCopy` (full fine-tuning): a frozen copy of the initial weights (the checkpoint's, or the seed's), held on the
+  mesh beside the train state as `Frozen.companion`.
+* `Precomputed` (``objective.precompute_ref_logps``): either of the above, used once before training (`precompute`)
+  over every pair; the results are stored in the run directory (`REF_LOGPS_FILE`) and ride in the batches as
+  ``ref_logps``, so no reference model is held while training.
+
+A `Teacher` (GKD's) is another model, loaded by its backend (`jaxtune.companions`), whose weights are
+`Frozen.companion` and whose whole next-token distributions the objective reads.
 
 The copy and the precomputed log-probs come from the initial weights, not from a resumed state, so a resumed run
 compares with the same reference as the run it continues.
@@ -42,64 +46,146 @@ from jaxtune.train.state import Forward, ModelSpec
 REF_LOGPS_FILE = "reference_logps.npz"
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class ReferenceModel:
-    """A reference as the step uses it: a forward, and where its weights are among the step's frozen groups."""
+class Frozen:
+    """The weights a step reads and never trains: the model's own frozen groups (a LoRA base; () without LoRA) and
+    the companion's weights where it holds some (a `FrozenCopy`'s, a `Teacher`'s; else None)."""
 
-    forward: Forward | None  # None: its log-probs are precomputed, they ride in the batches
-    weights: Callable[[tuple], Any]  # the step's frozen groups -> the reference's weights
-    copy: bool = False  # the weights are a frozen copy, the last frozen group (else they are the model's own)
-    lora: bool = False  # the reference is the model with its adapters (the trained params) zeroed
-    # Another model (gkd's teacher): its weights the last frozen group, placed by ``shardings`` and read by ``load``
-    # (seed -> (weights,)); never the policy
-    teacher: bool = False
-    shardings: Any = None
-    load: Callable[[int], tuple] | None = None
-    abstract: Any = None  # a teacher's params as ShapeDtypeStructs (ahead-of-time plans)
-
-    def bind(self, params: Any, frozen: tuple) -> Reference:
-        """The reference's per-token log-probs of (N, T) rows (of logits / temperature), deterministic and without
-        gradient, and whether the trained ``params`` are the reference (`jaxtune.train.objectives.base.pinned`); a
-        teacher's whole distributions too."""
-        if self.teacher:
-            weights, forward = self.weights(frozen), self.forward
-            return Reference(self.logps(frozen), jnp.bool_(False), lambda rows: jax.lax.stop_gradient(
-                jax.nn.log_softmax(forward.logits(weights, rows, None).astype(jnp.float32), axis=-1)))
-        return Reference(self.logps(frozen), self.is_policy(params, frozen))
-
-    def logps(self, frozen: tuple) -> Callable[..., jax.Array] | None:
-        """(N, T) rows[, temperature] -> the reference's per-token log-probs; None when they are precomputed."""
-        if self.forward is None:
-            return None
-        weights, forward = self.weights(frozen), self.forward
-        return lambda rows, temperature=1.0: jax.lax.stop_gradient(forward.token_logps(weights, rows, None,
-                                                                                          temperature))
-
-    def is_policy(self, params: Any, frozen: tuple) -> jax.Array:
-        """Scalar bool: the policy with ``params`` is exactly this reference. LoRA: every adapter contributes 0 (its
-        B is all zeros, as before the first update); a frozen copy: every trained weight equals the
-        copy's (one comparison per weight, no larger than reading them once); a full fine-tune against precomputed
-        log-probs holds no copy to compare with: False."""
-        if self.lora:  # native ``lora_b`` and PEFT's ``lora_B`` (torchax) alike
-            checks = [jnp.all(leaf == 0) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-                      if any(str(getattr(k, "key", "")).lower() == "lora_b" for k in path)]
-        elif self.copy:
-            checks = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.all(a == b), params, frozen[-1]))
-        else:
-            checks = [jnp.bool_(False)]
-        return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(False)
-
-    def model_frozen(self, frozen: tuple) -> tuple:
-        """The model's own frozen groups (the copy removed)."""
-        return frozen[:-1] if self.copy else frozen
+    model: tuple = ()
+    companion: Any = None
 
 
-def reference_model(spec: ModelSpec, loss_chunk: int = 0) -> ReferenceModel:
+def frozen_of(model: Any) -> Frozen:
+    """``model`` as the steps' `Frozen`: a `Frozen` as it is, the model's frozen groups (a tuple) without a companion."""
+    return model if isinstance(model, Frozen) else Frozen(tuple(model))
+
+
+def token_logps(forward: Forward, weights: Any) -> Callable[..., jax.Array]:
+    """(N, T) rows[, temperature] -> (N, T) float32 log p(targets) of the model with ``weights`` (of logits /
+    temperature), deterministic and without gradient."""
+    return lambda rows, temperature=1.0: jax.lax.stop_gradient(forward.token_logps(weights, rows, None, temperature))
+
+
+def adapters_are_zero(params: Any) -> jax.Array:
+    """Scalar bool: every LoRA adapter contributes 0 (its B is all zeros, as before the first update); native
+    ``lora_b`` and PEFT's ``lora_B`` (torchax) alike."""
+    checks = [jnp.all(leaf == 0) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+              if any(str(getattr(k, "key", "")).lower() == "lora_b" for k in path)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(False)
+
+
+@dataclass(frozen=True)
+class Companion:
+    """What every companion type answers: whether it holds weights of its own (then `load` places them, `shardings`
+    and `abstract` describe them for the jitted steps and the TPU plan), and `bind`: the `Reference` an objective
+    reads, for the trained ``params`` and the steps' frozen weights."""
+
+    holds_weights = False
+
+    def bind(self, params: Any, frozen: Frozen) -> Reference:
+        raise NotImplementedError
+
+    def load(self, seed: int) -> Any:
+        """The companion's weights placed on the mesh (None when it holds none)."""
+        return None
+
+    @property
+    def shardings(self) -> Any:
+        return None
+
+    @property
+    def abstract(self) -> Any:
+        return None
+
+
+@dataclass(frozen=True)
+class AdaptersOff(Companion):
+    """LoRA's reference: the policy's forward over its frozen base with the adapters zeroed (no weights of its own)."""
+
+    forward: Forward
+    spec: ModelSpec
+
+    def logps(self, frozen: Frozen) -> Callable[..., jax.Array]:
+        return token_logps(self.forward, self.spec.weights(zeroed(self.spec.abstract.params), frozen.model))
+
+    def bind(self, params: Any, frozen: Frozen) -> Reference:
+        return Reference(self.logps(frozen), adapters_are_zero(params))
+
+
+@dataclass(frozen=True)
+class FrozenCopy(Companion):
+    """Full fine-tuning's reference: a frozen copy of the initial weights, `Frozen.companion`, placed like the
+    trained params."""
+
+    forward: Forward
+    spec: ModelSpec
+    holds_weights = True
+
+    def logps(self, frozen: Frozen) -> Callable[..., jax.Array]:
+        return token_logps(self.forward, frozen.companion)
+
+    def bind(self, params: Any, frozen: Frozen) -> Reference:
+        # the policy is the reference where every trained weight equals the copy's (one comparison per weight)
+        same = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.all(a == b), params, frozen.companion))
+        return Reference(self.logps(frozen), jnp.all(jnp.stack(same)) if same else jnp.bool_(False))
+
+    def load(self, seed: int) -> Any:
+        return self.spec.init(seed).params
+
+    @property
+    def shardings(self) -> Any:
+        return self.spec.shardings.params
+
+    @property
+    def abstract(self) -> Any:
+        return self.spec.abstract.params
+
+
+@dataclass(frozen=True)
+class Precomputed(Companion):
+    """A reference whose log-probs were computed once before training and ride in the batches (``ref_logps``); with
+    ``adapters`` (LoRA) the policy is still known to be the reference while every adapter is zero."""
+
+    adapters: bool = False
+
+    def bind(self, params: Any, frozen: Frozen) -> Reference:
+        return Reference(None, adapters_are_zero(params) if self.adapters else jnp.bool_(False))
+
+
+@dataclass(frozen=True)
+class Teacher(Companion):
+    """Another model (GKD's teacher) on the policy's mesh, frozen: its weights `Frozen.companion`, read by ``loader``
+    (seed -> weights) and described by ``param_shardings`` / ``param_abstract``; never the policy."""
+
+    forward: Forward
+    loader: Callable[[int], Any]
+    param_shardings: Any
+    param_abstract: Any
+    holds_weights = True
+
+    def bind(self, params: Any, frozen: Frozen) -> Reference:
+        weights, forward = frozen.companion, self.forward
+        distributions = lambda rows: jax.lax.stop_gradient(
+            jax.nn.log_softmax(forward.logits(weights, rows, None).astype(jnp.float32), axis=-1))
+        return Reference(token_logps(forward, weights), jnp.bool_(False), distributions)
+
+    def load(self, seed: int) -> Any:
+        return self.loader(seed)
+
+    @property
+    def shardings(self) -> Any:
+        return self.param_shardings
+
+    @property
+    def abstract(self) -> Any:
+        return self.param_abstract
+
+
+def reference_model(spec: ModelSpec, loss_chunk: int = 0) -> AdaptersOff | FrozenCopy:
     """LoRA's base (the adapters zeroed) where the model has adapters (a frozen base group), else a frozen copy."""
     forward = spec.forward(loss_chunk)
-    if spec.frozen_abstract:
-        return ReferenceModel(forward, lambda frozen: spec.weights(zeroed(spec.abstract.params), frozen), lora=True)
-    return ReferenceModel(forward, lambda frozen: frozen[-1], copy=True)
+    return AdaptersOff(forward, spec) if spec.frozen_abstract else FrozenCopy(forward, spec)
 
 
 def zeroed(abstract: Any) -> Any:
@@ -110,30 +196,23 @@ def zeroed(abstract: Any) -> Any:
 
 
 def step_reference(spec: ModelSpec, objective: ObjectiveConfig, loss_chunk: int = 0,
-                   precomputed: bool = False) -> ReferenceModel | None:
-    """The reference the steps hold: None when the objective has none; without a forward (and without a copy) when
-    its log-probs are ``precomputed``."""
+                   precomputed: bool = False) -> Companion | None:
+    """The reference the steps hold: None when the objective has none; `Precomputed` when its log-probs are."""
     if not objective.uses_reference:
         return None
     if precomputed:
-        return ReferenceModel(None, lambda frozen: None, lora=bool(spec.frozen_abstract))
+        return Precomputed(adapters=bool(spec.frozen_abstract))
     return reference_model(spec, loss_chunk)
 
 
-def with_reference(frozen: tuple, reference: ReferenceModel | None, spec: ModelSpec, seed: int) -> tuple:
-    """The steps' frozen groups: the model's, then the reference's copy of the initial weights if it is one (a
-    teacher's weights, for a teacher)."""
-    if reference is None or not reference.copy:
-        return frozen
-    return frozen + (reference.load(seed) if reference.load is not None else load_copy(spec, seed))
+def with_companion(model: tuple, companion: Companion | None, seed: int) -> Frozen:
+    """The steps' frozen weights: the model's frozen groups, and the companion's weights if it holds some (a copy of
+    the initial weights, a teacher's)."""
+    held = companion is not None and companion.holds_weights
+    return Frozen(tuple(model), companion.load(seed) if held else None)
 
 
-def load_copy(spec: ModelSpec, seed: int) -> tuple:
-    """(initial weights,): the frozen copy, placed like the trained params."""
-    return (spec.init(seed).params,)
-
-
-def precompute(ref: ReferenceModel, frozen: tuple, batches: Iterable[dict[str, np.ndarray]], mesh: Any,
+def precompute(ref: AdaptersOff | FrozenCopy, frozen: Frozen, batches: Iterable[dict[str, np.ndarray]], mesh: Any,
                count: int, progress: Callable[[int], None] = lambda done: None) -> np.ndarray:
     """The reference's summed completion log-probs of pair batches, (count, 2) float32 in order (the batches' tail
     padding dropped). ``batches``: this process's rows of each global batch (`make_sequence_batches`).
@@ -193,7 +272,7 @@ def precompute_reference(run_dir: Path, spec: ModelSpec, cfg: Config, data: Any,
 
     def compute(split: str) -> np.ndarray:
         if not loaded:
-            loaded.append(with_reference(frozen, ref, spec, cfg.train.seed))
+            loaded.append(with_companion(frozen, ref, cfg.train.seed))
         source = data.pair_sources[split]
         batches = make_sequence_batches(source, batch_size=cfg.train.batch_size, num_batches=len(source),
                                         process_index=jax.process_index(), process_count=jax.process_count())

@@ -21,23 +21,29 @@ from jaxtune import sharding
 from jaxtune.config import Config, TrainConfig
 from jaxtune.train.objectives import Metrics, Objective, make_objective
 from jaxtune.train.objectives.base import combine_metrics, extreme, metrics_identity
-from jaxtune.train.reference import ReferenceModel, step_reference
+from jaxtune.train.reference import Companion, Frozen, frozen_of, step_reference, with_companion
 from jaxtune.train.state import Batch, Forward, ModelSpec, TrainState
 
 # (params, batch, key, frozen) -> (summed loss, (count, metric sums)): differentiable in params.
-LossFn = Callable[[Any, Batch, jax.Array | None, tuple], tuple[jax.Array, tuple[jax.Array, Metrics]]]
+LossFn = Callable[[Any, Batch, jax.Array | None, Frozen], tuple[jax.Array, tuple[jax.Array, Metrics]]]
 
 
-def objective_loss(objective: Objective, forward: Forward, weights: Callable[[Any, tuple], Any],
-                   reference: ReferenceModel | None = None) -> LossFn:
+def bound(merge: Callable[[Any, tuple], Any], companion: Companion | None, params: Any,
+          frozen: Frozen) -> tuple[Any, Any]:
+    """(the model's weights: the trained ``params`` merged with the frozen groups by ``merge`` (`ModelSpec.weights`),
+    the companion as the objective reads it (`jaxtune.train.objectives.base.Reference`), or None)."""
+    return merge(params, frozen.model), None if companion is None else companion.bind(params, frozen)
+
+
+def objective_loss(objective: Objective, forward: Forward, merge: Callable[[Any, tuple], Any],
+                   companion: Companion | None = None) -> LossFn:
     """``objective`` on a model's ``forward``, with the trained ``params`` merged with the ``frozen`` groups by
-    ``weights`` (`ModelSpec.weights`); ``reference``: the frozen model it compares with, if any (its copy, if it has
-    one, is the last frozen group)."""
+    ``merge`` (`ModelSpec.weights`); ``companion``: the second model it reads (`jaxtune.train.reference`), if any.
+    ``frozen``: a `Frozen`, or the model's frozen groups alone (a tuple) where there is no companion's weights."""
 
     def loss(params, batch, key, frozen):
-        model_frozen = frozen if reference is None else reference.model_frozen(frozen)
-        ref = None if reference is None else reference.bind(params, frozen)
-        total, count, metrics = objective(forward, weights(params, model_frozen), batch, key, ref)
+        weights, companion_view = bound(merge, companion, params, frozen_of(frozen))
+        total, count, metrics = objective(forward, weights, batch, key, companion_view)
         return total, (count, metrics)
 
     return loss
@@ -98,8 +104,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         return optax.apply_updates(params, updates), opt_state, (loss, count, extra, grad_norm, finite)
 
-    def train_step(state: TrainState, batch: Batch, frozen: tuple = ()):
-        """``frozen``: parameters that do not train (a LoRA base): read, never updated, no optimizer state."""
+    def train_step(state: TrainState, batch: Batch, frozen: Frozen = Frozen()):
+        """``frozen``: weights that do not train (a LoRA base, the companion's): read, never updated, no optimizer
+        state."""
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step) if use_dropout else None
         if prepare is not None:
             batch = prepare(state.params, batch, frozen)
@@ -136,9 +143,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
 
 
 def make_eval_step(loss_fn: LossFn):
-    """(params, batch, frozen=()) -> (summed loss, count, metric sums); deterministic (no dropout)."""
+    """(params, batch, frozen) -> (summed loss, count, metric sums); deterministic (no dropout)."""
 
-    def eval_step(params, batch, frozen=()):
+    def eval_step(params, batch, frozen=Frozen()):
         total, (count, metrics) = loss_fn(params, batch, None, frozen)
         return total, count, metrics
 
@@ -146,18 +153,17 @@ def make_eval_step(loss_fn: LossFn):
 
 
 def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
-                reference: ReferenceModel | None = None) -> tuple[Callable, Callable]:
-    """(train step, eval step), unjitted, from the spec, the objective, the ``train`` config and the reference model
-    (`jaxtune.train.reference`) the objective compares with, if any."""
+                companion: Companion | None = None) -> tuple[Callable, Callable]:
+    """(train step, eval step), unjitted, from the spec, the objective, the ``train`` config and the companion model
+    (`jaxtune.train.reference`) the objective reads, if any."""
     forward = spec.forward(train.loss_chunk)
-    loss = objective_loss(objective, forward, spec.weights, reference)
+    loss = objective_loss(objective, forward, spec.weights, companion)
     passes = objective.passes
     prepare = None
-    if passes > 1 or getattr(objective, "prepares", False):  # an objective written before `prepares` has none
+    if passes > 1 or objective.prepares:
         def prepare(params, batch, frozen):
-            model_frozen = frozen if reference is None else reference.model_frozen(frozen)
-            ref = None if reference is None else reference.bind(params, frozen)
-            return objective.prepare(forward, spec.weights(params, model_frozen), batch, ref)
+            weights, companion_view = bound(spec.weights, companion, params, frozen)
+            return objective.prepare(forward, weights, batch, companion_view)
     step = make_train_step(loss, spec.tx, spec.lr_schedule, micro_batches=train.micro_batches,
                            skip_nonfinite=train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key, passes=passes,
                            prepare=prepare)
@@ -179,25 +185,34 @@ class Steps:
     spec: ModelSpec
     train: Callable  # (state, global batch, frozen) -> (state, metrics)
     eval: Callable  # (params, global batch, frozen) -> (summed loss, count, metric sums)
-    reference: ReferenceModel | None = None  # the frozen model the objective compares with, if the steps hold one
+    companion: Companion | None = None  # the second model the objective reads, if the steps hold one
     traces: list[int] = field(default_factory=lambda: [0])
 
     @property
     def compiles(self) -> int:
         return self.traces[0]
 
-    def weights(self, params: Any, frozen: tuple) -> Any:
-        """The model's weights (`ModelSpec.weights`) from the steps' frozen groups (a reference copy left out): what
-        the sampler takes."""
-        return self.spec.weights(params, frozen if self.reference is None else self.reference.model_frozen(frozen))
+    def frozen(self, model: tuple, seed: int) -> Frozen:
+        """The steps' frozen weights: the model's frozen groups (`ModelSpec.load_frozen`), and the companion's
+        weights where it holds some (a copy of the initial weights of ``seed``, a teacher's)."""
+        return with_companion(model, self.companion, seed)
 
-    def evaluate(self, params: Any, frozen: tuple, batches: Iterable[dict[str, Any]]) -> EvalResult:
+    def abstract_frozen(self) -> Frozen:
+        """`frozen` as ShapeDtypeStructs (ahead-of-time plans)."""
+        held = self.companion is not None and self.companion.holds_weights
+        return Frozen(self.spec.frozen_abstract, self.companion.abstract if held else None)
+
+    def weights(self, params: Any, frozen: Frozen) -> Any:
+        """The model's weights (`ModelSpec.weights`) from the steps' frozen groups: what the sampler takes."""
+        return self.spec.weights(params, frozen_of(frozen).model)
+
+    def evaluate(self, params: Any, frozen: Frozen, batches: Iterable[dict[str, Any]]) -> EvalResult:
         """The objective over host ``batches`` (each this process's rows), summed and divided once by the total
         count: the one held-out loss training and `jaxtune eval` report. Call inside ``sharding.use_mesh``."""
         total = count = 0.0
         sums: dict[str, Any] = {}
         for b in batches:
-            s, n, m = jax.device_get(self.eval(params, sharding.global_batch(self.spec.mesh, b), frozen))
+            s, n, m = jax.device_get(self.eval(params, sharding.global_batch(self.spec.mesh, b), frozen_of(frozen)))
             total, count = total + float(s), count + float(n)
             sums = m if not sums else combine_metrics(sums, m)
         denom = max(count, 1.0)
@@ -205,12 +220,11 @@ class Steps:
 
 
 def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
-              reference: ReferenceModel | None = None) -> Steps:
-    """`build_steps` jitted once with explicit shardings: batches over the data axes, state donated. With a
-    reference that is a frozen copy, the steps' ``frozen`` is the model's groups then the copy (placed like the
-    params)."""
-    step_impl, eval_impl = build_steps(spec, objective, train, reference)
-    steps = Steps(spec, None, None, reference)
+              companion: Companion | None = None) -> Steps:
+    """`build_steps` jitted once with explicit shardings: batches over the data axes, state donated, the frozen
+    weights (`Frozen`) placed as the model's groups and the companion's own weights are."""
+    step_impl, eval_impl = build_steps(spec, objective, train, companion)
+    steps = Steps(spec, None, None, companion)
 
     def counted_step(state, batch, frozen):
         steps.traces[0] += 1
@@ -218,22 +232,24 @@ def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
 
     mesh = spec.mesh
     batch_sh = sharding.batch_sharding(mesh)
-    copy_sh = None if reference is None or not reference.copy else \
-        reference.shardings if reference.shardings is not None else spec.shardings.params
-    frozen_sh = spec.frozen_shardings + ((copy_sh,) if copy_sh is not None else ())
+    held = companion is not None and companion.holds_weights
+    frozen_sh = Frozen(spec.frozen_shardings, companion.shardings if held else None)
     steps.train = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh, frozen_sh),
                           out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
     steps.eval = jax.jit(eval_impl, in_shardings=(spec.shardings.params, batch_sh, frozen_sh))
     return steps
 
 
-def run_steps(spec: ModelSpec, cfg: Config, teacher: ReferenceModel | None = None) -> Steps:
-    """The run's steps as `train()` jits them: ``cfg``'s objective, and the reference model it compares with, if
-    the steps hold one (not when its log-probs are precomputed), or gkd's ``teacher`` (`jaxtune.backends.teacher`).
-    `jaxtune info --compile-for` compiles this same train step ahead of time."""
-    if cfg.objective.name == "gkd" and teacher is None:
-        raise ValueError("objective.name=gkd: the steps need the teacher model (jaxtune.backends.teacher)")
-    precomputed = cfg.objective.uses_reference and cfg.objective.precompute_ref_logps
-    reference = teacher if teacher is not None else step_reference(spec, cfg.objective, cfg.train.loss_chunk,
-                                                                     precomputed)
-    return jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
+def run_steps(spec: ModelSpec, cfg: Config, companion: Companion | None = None) -> Steps:
+    """The run's steps as `train()` jits them: ``cfg``'s objective and the companion it reads: the reference model
+    built here from the policy (none when its log-probs are precomputed), or one loaded from outside and given as
+    ``companion`` (a teacher: `jaxtune.companions.loaded_companion`). `jaxtune info --compile-for` compiles this same
+    train step ahead of time."""
+    objective = cfg.objective
+    if companion is None and objective.spec.companion == "teacher":
+        raise ValueError(f"objective.name={objective.name}: the steps need its teacher model "
+                         "(jaxtune.companions.loaded_companion)")
+    if companion is None:
+        precomputed = objective.uses_reference and getattr(objective, "precompute_ref_logps", False)
+        companion = step_reference(spec, objective, cfg.train.loss_chunk, precomputed)
+    return jit_steps(spec, make_objective(objective), cfg.train, companion)

