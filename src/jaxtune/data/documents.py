@@ -20,8 +20,7 @@ it precedes, as byte-level BPE pre-tokenizers group it), else at a character bou
 its own and the document's eos follows its last piece. A byte-level BPE (GPT-2 style, tiktoken) never merges across
 its pre-tokenizer's word boundaries, so only the word that straddles a cut can tokenize differently from the whole
 document: at a newline cut nothing changes unless the newline is followed by more whitespace; at a space cut the
-word is unchanged; at a character cut the word is split in two. Documents of at most a block are tokenized whole,
-exactly as before.
+word is unchanged; at a character cut the word is split in two. Documents of at most a block are tokenized whole.
 """
 
 from __future__ import annotations

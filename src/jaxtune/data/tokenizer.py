@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 META_FILE = "jaxtune_tokenizer.json"
-# Bumped when _train_bpe changes what it produces, so old cached tokenizers are not reused.
+# Part of every cached BPE's key: a change to what _train_bpe produces takes a new number, so no tokenizer trained
+# otherwise is loaded from the cache.
 _BPE_VERSION = 1
 # End-of-text spellings of common tokenizer families (GPT-2, Llama 2/Mistral, Llama 3, Gemma), tried in
 # order when a tokenizer.json comes without a tokenizer_config.json that names its eos token.

@@ -56,8 +56,8 @@ from jaxtune.io import atomic_file, read_json, writable_dir, write_text_atomical
 
 log = logging.getLogger(__name__)
 
-# Bumped when the file layout or what goes into it changes, so old caches are not misread (2: documents read in
-# blocks, long ones cut; bad bytes refused).
+# The cache's layout version, part of every cache key: a new layout, or new rules for what goes into it, takes a new
+# number, so no cache made under other rules is read as this one.
 _FORMAT = 2
 # Windows per validation block, and the fewest periods a corpus is cut into before blocks shrink toward 1.
 _MAX_BLOCK = 8

@@ -3,15 +3,16 @@
 A batch holds pairs: every array is (B, 2, T), row 0 the chosen completion and row 1 the rejected one, each after the
 same prompt (`jaxtune.data.preference`); ``loss_mask`` marks the completion's targets. Both rows of every pair go
 through the model in one forward, as (2B, T). With ``data.share_prompts`` a pair is one (B, T) row instead, its prompt
-once and then both completions (``branch_ids`` 1 and 2), so the prompt is computed once per pair. A sequence's log-prob is the sum of its completion tokens' log-probs
-(SimPO and ORPO: their mean, as TRL's ``average_log_prob``). The unit counted is the pair: a padding pair (no
-completion token, in a held-out batch's tail) counts 0.
+once and then both completions (``branch_ids`` 1 and 2), so the prompt is computed once per pair. A sequence's
+log-prob is the sum of its completion tokens' log-probs (SimPO and ORPO: their mean, as TRL's ``average_log_prob``).
+The unit counted is the pair: a padding pair (no completion token, in a held-out batch's tail) counts 0.
 
 The formulas and metric names are TRL's (``DPOTrainer``, ``CPOTrainer`` with ``loss_type=simpo``, ``ORPOTrainer``),
-checked against TRL 1.16 in ``tests/train/test_preference_objectives.py``. With c, r the policy's and c_ref, r_ref the
-reference's sequence log-probs, n_c, n_r the completions' token counts, Δ = (c - c_ref) - (r - r_ref):
+checked against TRL in ``tests/train/test_preference_objectives.py`` (which pins its version). With c, r the policy's
+and c_ref, r_ref the reference's sequence log-probs, n_c, n_r the completions' token counts, Δ = (c - c_ref) -
+(r - r_ref):
 
-* dpo sigmoid: -(1 - ε) log σ(βΔ) - ε log σ(-βΔ) (ε: ``label_smoothing``, conservative DPO; TRL 1.16 has ε = 0)
+* dpo sigmoid: -(1 - ε) log σ(βΔ) - ε log σ(-βΔ) (ε: ``label_smoothing``, conservative DPO; ε = 0 is TRL's sigmoid)
 * dpo hinge: max(0, 1 - βΔ)
 * dpo ipo: ((c - c_ref) / n_c - (r - r_ref) / n_r - 1 / 2β)²  (TRL's per-token normalisation); sigmoid_norm:
   -log σ(β((c - c_ref) / n_c - (r - r_ref) / n_r))
@@ -160,7 +161,7 @@ class DPO(PreferenceObjective):
 
     def loss_term(self, loss_type: str, logps: jax.Array, counts: jax.Array, ref: jax.Array,
                   valid: jax.Array) -> jax.Array:
-        """One loss type's per-pair losses (B,), as TRL 1.16's ``DPOTrainer._compute_loss`` computes them."""
+        """One loss type's per-pair losses (B,), as TRL's ``DPOTrainer._compute_loss`` computes them."""
         b, eps = self.beta, self.label_smoothing
         ratios = logps - ref
         chosen, rejected = ratios[:, 0], ratios[:, 1]
