@@ -55,7 +55,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     model_dir = Path(args.target).expanduser()
-    if args.data and not any(o.startswith("data.format=") for o in overrides) and not (model_dir / "config.yaml").is_file():
+    given = any(o.startswith("data.format=") for o in overrides)
+    if args.data and not given and not (model_dir / "config.yaml").is_file():
         from jaxtune.data import detect_format  # a model directory has no data.format of its own
 
         overrides.append(f"data.format={detect_format(args.data)}")
@@ -212,9 +213,10 @@ def _info_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--mesh", help="mesh sizes, e.g. data=2,fsdp=4,tensor=1 (one may be -1)")
     p.add_argument("--devices", type=int, help="plan for this many devices instead of this host's")
-    p.add_argument("--compile-for", nargs="+", metavar="SLICE", help="compile the real train step for a Cloud TPU slice on this "
-                   "machine (v5e-8, v5litepod-8, v5p-128, v6e-256, v4-8; needs pip install 'jaxtune[aot]'): memory "
-                   "per chip and whether it fits, FLOPs, collectives, a roofline step time and MFU")
+    p.add_argument("--compile-for", nargs="+", metavar="SLICE", help="compile the real train step for a Cloud TPU "
+                   "slice on this machine (v5e-8, v5litepod-8, v5p-128, v6e-256, v4-8; needs pip install "
+                   "'jaxtune[aot]'): memory per chip and whether it fits, FLOPs, collectives, a roofline step time and "
+                   "MFU")
     p.add_argument("--max-batch", action="store_true", help="with --compile-for: also search the largest global "
                    "batch that fits, compiling each candidate")
     p.add_argument("--search-seconds", type=float, default=900.0, help="--max-batch's compile time budget "

@@ -198,8 +198,8 @@ class HeldOutAnswers(Part):
                   for e in rows]
         lines.append("")
         if accuracy and first is not last and "accuracy" in first:
-            lines += [(f"Held-out accuracy ({n} held-out prompts answered greedily, scored by the first answer-checking "
-                       f"reward): {_score(first['accuracy'], n)} before (step {first['step']}), "
+            lines += [(f"Held-out accuracy ({n} held-out prompts answered greedily, scored by the first "
+                       f"answer-checking reward): {_score(first['accuracy'], n)} before (step {first['step']}), "
                        f"{_score(last['accuracy'], n)} after (step {last['step']})."), ""]
         before = first.get("completions", []) if first is not last else []
         for k, after in enumerate(last.get("completions", [])):
@@ -362,8 +362,8 @@ class Evaluator:
         """One evaluation at ``step``, its record returned; ``bar``: its parts advance a progress bar (the first
         evaluation, which compiles each part's programs)."""
         parts = [part for part in self.parts if part.what]
-        progress = Progress(f"step {step}: evaluating" + (" the starting model (the baseline report.md compares "
-                                                           "against)" if step == 0 else ""), len(parts), "", unit="parts") \
+        baseline = " the starting model (the baseline report.md compares against)" if step == 0 else ""
+        progress = Progress(f"step {step}: evaluating{baseline}", len(parts), "", unit="parts") \
             if bar and parts and jax.process_index() == 0 else None
         outcomes = []
         for i, part in enumerate(parts):
