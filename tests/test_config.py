@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 from pydantic import ValidationError
 
-from jaxtune.config import SHIPPED_CONFIGS, Config, ConfigError, identity_diff, load_config
+from jaxtune.config import (
+    OBJECTIVE_SECTIONS,
+    SHIPPED_CONFIGS,
+    Config,
+    ConfigError,
+    config_from_dict,
+    identity_diff,
+    load_config,
+    objective_config,
+)
 from jaxtune.models import model_config
 from jaxtune.models.wheels import installed_file, is_wheel_ref, wheel_model
 
@@ -175,7 +187,7 @@ def test_grpo_old_logps_follow_the_compute_dtype_and_importance_sampling():
     assert load_config(None, [*grpo, "model.compute_dtype=bfloat16"]).objective.old_logps == "trainer"
     assert load_config(None, [*grpo, "objective.importance_sampling=token_truncate"]).objective.old_logps == "trainer"
     assert load_config(None, [*grpo, "objective.old_logps=trainer"]).to_dict()["objective"]["old_logps"] == "trainer"
-    assert load_config(None, ["objective.name=dpo", "data.format=preference"]).objective.old_logps is None
+    assert "old_logps" not in load_config(None, ["objective.name=dpo", "data.format=preference"]).to_dict()["objective"]
     with pytest.raises(ConfigError, match="needs objective.old_logps=trainer"):
         load_config(None, [*grpo, "objective.importance_sampling=sequence_mask", "objective.old_logps=sampler"])
     with pytest.raises(ConfigError, match="importance_sampling_min=2.0 is above"):
@@ -227,3 +239,70 @@ def test_null_on_a_key_that_takes_none_unsets_it_and_keeps_none_where_it_means_s
     kept = load_config(None, ["objective.name=grpo", "data.format=prompts", "objective.importance_sampling_max=null",
                               "objective.rewards=[{name: exact_number, field: answer}]"])
     assert kept.objective.importance_sampling_max is None  # no upper bound, not the default 3.0
+
+
+# Resolved configs as the single objective section (one class holding every objective's keys) wrote them: each
+# shipped config, and each objective with its keys set (`saved_configs/`), with what each objective resolved to
+# (`saved_configs_resolved.yaml`).
+FIXTURES = Path(__file__).parent / "fixtures"
+SAVED = sorted((FIXTURES / "saved_configs").glob("*.yaml"))
+RESOLVED = yaml.safe_load((FIXTURES / "saved_configs_resolved.yaml").read_text())
+
+
+@pytest.mark.parametrize("path", SAVED, ids=lambda p: p.stem)
+def test_a_config_saved_with_every_objective_key_loads_and_resumes_unchanged(path):
+    """A saved config listing all 29 objective keys (those that do not apply at their unset values) loads: those
+    keys are dropped, every other value is the saved one (an unset beta or loss_type: the objective's default),
+    the objective resolves as before, and resuming its checkpoint sees no identity change."""
+    saved = yaml.safe_load(path.read_text())
+    cfg = load_config(path)
+    now = cfg.to_dict()
+    assert identity_diff(saved, now) == []
+    assert {k: v for k, v in now.items() if k != "objective"} == {k: v for k, v in saved.items() if k != "objective"}
+    assert set(now["objective"]) == {"name", *type(cfg.objective).own_keys()}
+    unset = {k for k, v in saved["objective"].items() if v is None}
+    assert {k: v for k, v in now["objective"].items() if k not in unset} == \
+        {k: saved["objective"][k] for k in now["objective"] if k not in unset}
+    o, was = cfg.objective, RESOLVED[path.stem]
+    assert (o.beta_value, o.loss_type_value, [list(t) for t in o.weighted_loss_types], o.uses_reference, o.passes,
+            o.generates) == (was["beta_value"], was["loss_type_value"], was["weighted_loss_types"],
+                             was["uses_reference"], was["passes"], was["generates"])
+    assert config_from_dict(now).to_dict() == now  # the new dump round-trips
+
+
+def test_a_key_of_another_objective_is_refused_unless_unset():
+    """Another objective's key is dropped at its unset value, and refused at any other value, naming the key and
+    listing this objective's keys; a misspelt key is unknown, with a did-you-mean among this objective's keys."""
+    saved = yaml.safe_load((FIXTURES / "saved_configs" / "dpo-keys.yaml").read_text())
+    saved["objective"]["lmbda"] = 0.5
+    with pytest.raises(ConfigError, match=r"objective: objective.lmbda does not apply to objective.name=dpo; its "
+                                          r"keys: beta, discopop_tau, label_smoothing, loss_type, loss_weights, "
+                                          r"precompute_ref_logps$"):
+        config_from_dict(saved)
+    with pytest.raises(ConfigError, match=r"objective.teacher does not apply to objective.name=cross_entropy$"):
+        load_config(None, ["objective.teacher=some/model"])
+    with pytest.raises(ConfigError, match=r"objective.gama: unknown key; did you mean objective.gamma\?"):
+        load_config(None, ["objective.name=simpo", "data.format=preference", "objective.gama=1"])
+    with pytest.raises(ConfigError, match=r"objective.name: objective.name must be one of .*'gkd'\] \(got 'ppo'\)"):
+        load_config(None, ["objective.name=ppo"])
+    assert load_config(None, ["objective.name=dpo", "data.format=preference", "objective.lmbda=1.0",
+                              "objective.num_generations=8"]).to_dict()["objective"] == \
+        {"name": "dpo", "beta": 0.1, "label_smoothing": 0.0, "precompute_ref_logps": False, "loss_type": "sigmoid",
+         "loss_weights": None, "discopop_tau": 0.05}
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVE_SECTIONS))
+def test_each_objective_section_holds_its_own_keys_and_defaults(name):
+    """``objective.name`` picks the objective's class (cross_entropy without one); its defaults are its own; the
+    objective is copied with model_copy and round-trips through to_dict."""
+    rewards = [{"name": "exact_number"}] if OBJECTIVE_SECTIONS[name].record().needs_rewards else []
+    obj = objective_config(name=name, **({"rewards": rewards} if rewards else {}))
+    assert type(obj) is OBJECTIVE_SECTIONS[name] and obj.spec.name == name
+    assert objective_config().name == Config().objective.name == "cross_entropy"
+    fmt = next(iter(obj.kinds)).formats[0]
+    extra = {"teacher": "some/model"} if obj.spec.companion == "teacher" else {}
+    cfg = config_from_dict({"data": {"format": fmt}, "objective": {"name": name, "rewards": rewards, **extra}})
+    assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+    if "beta" in obj.own_keys():
+        copied = cfg.model_copy(update={"objective": cfg.objective.model_copy(update={"beta": 0.25})})
+        assert copied.objective.beta_value == 0.25 and copied.objective.name == name

@@ -16,6 +16,7 @@ from jaxtune.config import (
     FAMILY_NAMES,
     FORMATS,
     GGUF_TYPES,
+    OBJECTIVE_SECTIONS,
     OBJECTIVES,
     PAIRS,
     PROMPTS,
@@ -25,10 +26,10 @@ from jaxtune.config import (
     ConfigError,
     DataConfig,
     NativeModelConfig,
-    ObjectiveConfig,
     load_config,
+    objective_config,
 )
-from jaxtune.config.kinds import KIND_OF_FORMAT, LOSS_TYPES, objectives_for
+from jaxtune.config.kinds import KIND_OF_FORMAT, objectives_for
 from jaxtune.data.formats import FORMATS as ROW_FORMATS
 from jaxtune.data.pipeline import PIPELINES, make_training_data
 from jaxtune.export import EXPORT_FORMATS
@@ -56,10 +57,13 @@ def test_every_kind_has_its_implementation_and_no_more():
 
 def test_config_literals_come_from_the_records():
     assert typing.get_args(DataConfig.model_fields["format"].annotation) == FORMATS
-    name = ObjectiveConfig.model_fields["name"].annotation
-    assert typing.get_args(name) == tuple(OBJECTIVES)
-    loss = typing.get_args(ObjectiveConfig.model_fields["loss_type"].annotation)[0]
-    assert typing.get_args(loss) == LOSS_TYPES
+    assert tuple(OBJECTIVE_SECTIONS) == tuple(OBJECTIVES)
+    for name, section in OBJECTIVE_SECTIONS.items():
+        assert typing.get_args(section.model_fields["name"].annotation) == (name,) and section.record().name == name
+        loss = section.model_fields.get("loss_type")
+        assert loss is None or typing.get_args(typing.get_args(loss.annotation)[0] if OBJECTIVES[name].combines
+                                               else loss.annotation) == OBJECTIVES[name].loss_types
+        assert loss is None or loss.default == OBJECTIVES[name].default_loss_type
     family = typing.get_args(NativeModelConfig.model_fields["family"].annotation)[0]
     assert typing.get_args(family) == FAMILY_NAMES
 
@@ -68,21 +72,23 @@ def test_config_literals_come_from_the_records():
 def test_each_objective_builds_from_its_record(name):
     spec = OBJECTIVES[name]
     rewards = [{"name": "exact_number"}] if any(k.generates for k in spec.kinds) else []
-    obj = make_objective(ObjectiveConfig(name=name, rewards=rewards))
+    cfg = objective_config(name=name, rewards=rewards)
+    obj = make_objective(cfg)
     assert obj.name == name and obj.passes == 1
     assert obj.uses_reference == (spec.companion == "reference" and (spec.companion_when == "always"
-                                                                      or (spec.default_beta or 0.0) > 0))
+                                                                      or cfg.beta_value > 0))
     assert getattr(obj, "prepares", False) == spec.prepares
     needs = {"exo_pair": {"label_smoothing": 1e-3}}  # a loss type's own required key
     for loss_type in spec.loss_types:
-        built = make_objective(ObjectiveConfig(name=name, loss_type=loss_type, rewards=rewards,
-                                               **needs.get(loss_type, {})))
+        built = make_objective(objective_config(name=name, loss_type=loss_type, rewards=rewards,
+                                                **needs.get(loss_type, {})))
         assert (built.loss_types == ((loss_type, 1.0),)) if spec.combines else built.loss_type == loss_type
     # (sigmoid on an objective without loss types is what configs written before GRPO hold: read as unset.)
-    for other in sorted(set(LOSS_TYPES) - set(spec.loss_types) - (set() if spec.loss_types else {"sigmoid"})):
+    every = {t for o in OBJECTIVES.values() for t in o.loss_types}
+    for other in sorted(every - set(spec.loss_types) - (set() if spec.loss_types else {"sigmoid"})):
         refused = rf"objective.loss_type(={other})? does not apply to objective.name={name}"
         with pytest.raises(ValueError, match=refused):
-            ObjectiveConfig(name=name, loss_type=other, rewards=rewards)
+            objective_config(name=name, loss_type=other, rewards=rewards)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -116,7 +122,7 @@ def test_the_pipeline_makes_the_batch_the_record_declares(kind, tok_dirs, tmp_pa
     source = {WINDOWS: "python-stdlib", ROWS: "synthetic:arithmetic", PAIRS: "synthetic:arithmetic-preferences"}[kind]
     data_cfg = chatml_cfg(kind.formats[0], sources=[source], seq_len=48, max_bytes=200_000,
                           cache_dir=str(tmp_path / "cache"))
-    objective = ObjectiveConfig(name=objectives_for(kind)[0])
+    objective = objective_config(name=objectives_for(kind)[0])
     data = make_training_data(data_cfg, fresh(tok_dirs), batch_size=4, seed=0, eval_batches=1)
     try:
         batch = next(data.train_iter)
@@ -128,8 +134,8 @@ def test_the_pipeline_makes_the_batch_the_record_declares(kind, tok_dirs, tmp_pa
 
 def test_grpo_rows_are_the_batch_the_prompts_record_declares():
     """GRPO's step batch: the rollout's rows of B x G completions plus the advantages the loop adds."""
-    objective = ObjectiveConfig(name="grpo", num_generations=2, max_completion_length=4,
-                                rewards=[{"name": "exact_number"}])
+    objective = objective_config(name="grpo", num_generations=2, max_completion_length=4,
+                                 rewards=[{"name": "exact_number"}])
     completions = [[6, 7], [8], [9, 9, 9], [1]]
     logps = [[-0.5] * len(c) for c in completions]  # the sampler's, per completion token
     rows = training_rows([[1, 2, 3], [4, 5]] * 2, completions, logps, 16)
@@ -180,13 +186,13 @@ def test_a_batch_kinds_data_module_registers_its_row_format(tmp_path):
 ])
 def test_dpo_loss_type_lists_are_checked(keys, says):
     with pytest.raises(ValueError, match=says):
-        ObjectiveConfig(name="dpo", **keys)
-    cfg = ObjectiveConfig(name="dpo", loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0])
+        objective_config(name="dpo", **keys)
+    cfg = objective_config(name="dpo", loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0])
     assert cfg.weighted_loss_types == (("sigmoid", 0.8), ("bco_pair", 0.2), ("sft", 1.0))
     with pytest.raises(ValueError, match=r"objective.name=grpo takes one loss type, not a list"):
-        ObjectiveConfig(name="grpo", loss_type=["dapo", "grpo"], rewards=[{"name": "exact_number"}])
+        objective_config(name="grpo", loss_type=["dapo", "grpo"], rewards=[{"name": "exact_number"}])
     with pytest.raises(ValueError, match=r"objective.loss_weights does not apply to objective.name=simpo"):
-        ObjectiveConfig(name="simpo", loss_weights=[1.0])
+        objective_config(name="simpo", loss_weights=[1.0])
 
 
 def test_model_flops_count_the_sequences_a_step_trains():

@@ -65,7 +65,7 @@ from helpers.compare import rel
 from helpers.trl_reference import BOS, EOS, MESH, PAD, TOL, TRL_VERSION, Native, Ours, TRLResult, hf_model
 
 from jaxtune import sharding
-from jaxtune.config import ObjectiveConfig, TrainConfig
+from jaxtune.config import ObjectiveConfig, TrainConfig, objective_config
 from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.train.objectives import GRPO, RLOO, Reference, make_objective
 from jaxtune.train.rewards import group_advantages, leave_one_out_advantages
@@ -284,8 +284,8 @@ def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, importa
 
 
 def objective_cfg(**keys) -> ObjectiveConfig:
-    return ObjectiveConfig(name="grpo", rewards=[{"name": "length"}], num_generations=GROUP,
-                           max_completion_length=MAX_COMPLETION, **keys)
+    return objective_config(name="grpo", rewards=[{"name": "length"}], num_generations=GROUP,
+                            max_completion_length=MAX_COMPLETION, **keys)
 
 
 # A GRPO run, full fine-tuning, AdamW at lr 1e-2 with eps 0.1 (see the module's docstring).
@@ -535,7 +535,7 @@ def test_trl_reward_functions_score_as_in_grpo_trainer(checkpoints, tokenizer, t
                                         ids).numpy()
     their_total = np.nansum(theirs * np.asarray(weights, np.float32)[None], axis=1)
 
-    reward_cfg = lambda rewards: ObjectiveConfig(name="grpo", rewards=rewards)
+    reward_cfg = lambda rewards: objective_config(name="grpo", rewards=rewards)
     cfg = reward_cfg([{"name": f"trl_style_rewards:{n}", "weight": w} for n, w in zip(names, weights)])
     ours_ = make_rewards(cfg).score(prompts, completions, rows, [len(i) for i in ids], ["t:1"] * 4, completion_ids=ids)
     assert np.isnan(theirs[:, 2]).sum() == 2  # two completions where long_only does not apply
@@ -576,8 +576,8 @@ RLOO_ADVANTAGES = leave_one_out_advantages(np.array(REWARDS), np.array(REWARDS)[
 
 
 def rloo_cfg(**keys) -> ObjectiveConfig:
-    return ObjectiveConfig(name="rloo", rewards=[{"name": "length"}], num_generations=GROUP,
-                           max_completion_length=MAX_COMPLETION, **keys)
+    return objective_config(name="rloo", rewards=[{"name": "length"}], num_generations=GROUP,
+                            max_completion_length=MAX_COMPLETION, **keys)
 
 
 def rloo_batch(old_logps: np.ndarray | None = None) -> dict[str, np.ndarray]:

@@ -55,7 +55,7 @@ from helpers.compare import rel
 from helpers.trl_reference import BOS, GRAD_PARAMS, MESH, TOL, TRL_VERSION, Native, Ours, TRLResult, hf_grads, hf_model
 
 from jaxtune import sharding
-from jaxtune.config import ObjectiveConfig
+from jaxtune.config import objective_config
 from jaxtune.data.encoded import Encoded
 from jaxtune.data.preference import PairRows
 from jaxtune.train.objectives import make_objective
@@ -205,7 +205,7 @@ def ours(native: Native, pairs, name: str, empty_pairs: int = 0, **keys) -> Ours
     """``objective.name=name`` (with ``keys``) on the policy as the train step forms it: `objective_loss`'s sums
     and their gradients, divided by the objective's count. DPO's reference is the unperturbed checkpoint, as the
     frozen copy (the last frozen group). ``empty_pairs``: padding pairs (all zeros) after ``pairs``."""
-    cfg = ObjectiveConfig(name=name, **keys)
+    cfg = objective_config(name=name, **keys)
     batch = pair_batch(pairs)
     batch = {k: np.concatenate([v, np.zeros((empty_pairs, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
     means = lambda metrics, count: {k: float(v) / float(count) for k, v in metrics.items()}
@@ -508,7 +508,7 @@ def unpaired_batch(rows) -> dict[str, np.ndarray]:
 def ours_kto(native: Native, rows, **keys) -> Ours:
     """KTO as the step runs it: `KTO.prepare` on the whole batch (the KL baseline, with the frozen copy as the
     reference), then the loss and its gradients."""
-    cfg = ObjectiveConfig(name="kto", **keys)
+    cfg = objective_config(name="kto", **keys)
     objective = make_objective(cfg)
     reference = step_reference(native.spec, cfg)
     with sharding.use_mesh(MESH):

@@ -11,12 +11,12 @@ import pytest
 import torch
 from trl.rewards import get_soft_overlong_punishment
 
-from jaxtune.config import ConfigError, ObjectiveConfig
+from jaxtune.config import ConfigError, objective_config
 from jaxtune.train.rewards import RewardError, group_advantages, make_rewards
 
 
 def _rewards(*rewards: dict, **objective):
-    return make_rewards(ObjectiveConfig(name="grpo", rewards=list(rewards), **objective))
+    return make_rewards(objective_config(name="grpo", rewards=list(rewards), **objective))
 
 
 def _score(rewards, completions, rows=None, lengths=None, prompts=None):

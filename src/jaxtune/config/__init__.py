@@ -5,9 +5,9 @@ logging), each a pydantic model that forbids unknown keys. Errors name the key (
 suggest the nearest valid one. Components receive only their own section (a model gets ``ModelConfig``, never
 ``Config``).
 
-One idea a file: ``kinds`` (every batch kind, objective with its section's keys, family and GGUF type, declared
-once), ``base`` (the
-section base and `ConfigError`), the other sections (``model``, ``data``, ``rewards``, ``run``; ``root``: `Config`
+One idea a file: ``kinds`` (every batch kind, objective, family and GGUF type, declared once), ``base`` (the
+section base and `ConfigError`), the sections (``model``, ``data``, ``objectives``: one class per objective,
+``rewards``, ``run``; ``root``: `Config`
 itself and its cross-section checks), ``identity`` (what a checkpoint is: resume keys), ``load`` (YAML, overrides,
 errors), ``hub`` (HuggingFace hub names). The reference of every key, `docs/config.md`, is generated from these
 classes (``python -m jaxtune.config.reference``).
@@ -30,7 +30,6 @@ from jaxtune.config.kinds import (
     UNPAIRED,
     WINDOWS,
     BatchKind,
-    ObjectiveConfig,
     ObjectiveKind,
 )
 from jaxtune.config.load import (
@@ -53,6 +52,7 @@ from jaxtune.config.model import (
     NativeModelConfig,
     TorchaxModelConfig,
 )
+from jaxtune.config.objectives import OBJECTIVE_SECTIONS, ObjectiveConfig, ObjectiveSection, objective_config
 from jaxtune.config.rewards import BUILTIN_REWARDS, RewardConfig
 from jaxtune.config.root import Config
 from jaxtune.config.run import (
@@ -79,6 +79,7 @@ __all__ = [
     "LORA_TARGETS",
     "MODEL_SECTIONS",
     "OBJECTIVES",
+    "OBJECTIVE_SECTIONS",
     "PAIRS",
     "PROMPTS",
     "REFERENCE_HELD_OUT",
@@ -103,6 +104,7 @@ __all__ = [
     "NativeModelConfig",
     "ObjectiveConfig",
     "ObjectiveKind",
+    "ObjectiveSection",
     "OptimConfig",
     "RewardConfig",
     "Section",
@@ -116,5 +118,6 @@ __all__ = [
     "is_identity_key",
     "load_config",
     "local_or_hub",
+    "objective_config",
     "resolve_config_path",
 ]

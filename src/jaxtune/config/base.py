@@ -15,7 +15,7 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key or file and says what to do."""
 
 
-def _takes_null(field: FieldInfo) -> bool:
+def takes_null(field: FieldInfo) -> bool:
     annotation = field.annotation
     if annotation is Any or annotation is None or annotation is type(None):
         return True
@@ -33,4 +33,4 @@ class Section(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or _takes_null(fields[k])}
+        return {k: v for k, v in data.items() if v is not None or k not in fields or takes_null(fields[k])}

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxtune.config.kinds import OBJECTIVES
+from jaxtune.config.base import takes_null
 from jaxtune.config.model import STRUCTURAL
+from jaxtune.config.objectives import OBJECTIVE_SECTIONS, CrossEntropyConfig
 from jaxtune.config.root import Config
 
 # What a checkpoint *is*: resuming with one of these keys changed is refused (`identity_diff`). Each changes the math of
@@ -49,21 +50,27 @@ def is_identity_key(key: str) -> bool:
 def identity_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Dotted keys of `IDENTITY_KEYS` whose values differ between a checkpoint's config and the current one. A key
     the checkpoint's config lacks (added to jaxtune since it was written) counts as that key's default; a key the
-    current config lacks (removed since) is not compared."""
+    current config lacks (removed since, or another objective's) is not compared."""
     a, b, defaults = _flatten(saved), _flatten(current), _flatten(Config().to_dict())
-    for flat in (a, b):  # objective.loss_type: the objective's default stands for itself, and old dumps' sigmoid
-        name = flat.get("objective.name", "cross_entropy")
-        if flat.get("objective.loss_type") == "sigmoid" and name != "dpo":
-            flat["objective.loss_type"] = None
-        if flat.get("objective.loss_type") is None:
-            flat["objective.loss_type"] = OBJECTIVES[name].default_loss_type if name in OBJECTIVES else None
-        if name == "grpo":  # keys added later, as runs before them behaved: the trainer's old log-probs, and
-            # prompts_per_step the batch size (itself an identity key)
+    for flat in (a, b):
+        _objective_defaults(flat)
+        if flat.get("objective.name") == "grpo":  # keys added later, as runs before them behaved: the trainer's old
+            # log-probs, and prompts_per_step the batch size (itself an identity key)
             flat["objective.old_logps"] = flat.get("objective.old_logps") or "trainer"
             flat["objective.prompts_per_step"] = flat.get("objective.prompts_per_step") or flat.get("train.batch_size")
     old = {k: a.get(k, defaults.get(k)) for k in b}
     return [f"{k}: checkpoint has {old[k]!r}, config has {b[k]!r}" for k in sorted(b)
             if is_identity_key(k) and old[k] != b[k]]
+
+
+def _objective_defaults(flat: dict[str, Any]) -> None:
+    """Fills in ``flat``'s objective keys that are absent, or null where the key takes no null (a key unset), with
+    the objective's defaults (`jaxtune.config.objectives`): what the config would resolve them to."""
+    section = OBJECTIVE_SECTIONS.get(flat.setdefault("objective.name", CrossEntropyConfig.record().name))
+    for name, field in section.model_fields.items() if section is not None else ():
+        key = f"objective.{name}"
+        if key not in flat or (flat[key] is None and not takes_null(field)):
+            flat[key] = field.get_default(call_default_factory=True)
 
 
 # Config fields holding free-form mappings: compared whole, not as sections.

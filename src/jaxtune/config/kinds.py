@@ -1,12 +1,12 @@
 """Every kind jaxtune knows, each declared once: batch kinds (what rows a data format makes, what the train step
-takes, what an evaluation reports), objectives (the batch kinds they train on, their keys, loss types and defaults)
-with the ``objective`` section whose keys they own, the native model families and the GGUF export types. The config's
-``Literal`` types are made from these records, and the pipeline (`jaxtune.data.pipeline`), the TPU plan
-(`jaxtune.aot`), evaluation and the step's metrics ask a record instead of comparing names. Nothing here imports JAX:
-the CLI reads it before JAX starts.
+takes, what an evaluation reports), objectives (the batch kinds they train on, their loss types, companion and
+completions; each one's keys and defaults are its section class in `jaxtune.config.objectives`), the native model
+families and the GGUF export types. The config's ``Literal`` types are made from these records, and the pipeline
+(`jaxtune.data.pipeline`), the TPU plan (`jaxtune.aot`), evaluation and the step's metrics ask a record instead of
+comparing names. Nothing here imports JAX: the CLI reads it before JAX starts.
 
-Adding a kind is one record here (an objective's keys too) plus its implementation in the room that owns it
-(`docs/architecture.md`, "Where to touch").
+Adding a kind is one record here (an objective's section class too, in `jaxtune.config.objectives`) plus its
+implementation in the room that owns it (`docs/architecture.md`, "Where to touch").
 """
 
 from __future__ import annotations
@@ -15,11 +15,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-from pydantic import Field, model_validator
-
-from jaxtune.config.base import Section
-from jaxtune.config.rewards import RewardConfig
 
 # The arrays of a training row, each (..., T): token ids and next-token targets; fine-tuning rows add the positions
 # (restarting per packed example), the segment ids that keep packed examples apart, and the loss mask.
@@ -139,12 +134,12 @@ PAIRS = BatchKind(
     "item (never packed)", sequences=2, item_axis=True, held_out="pairs", unit="pairs", shares_prompt=True,
     prompted=True,
     shares_prompt_by_default=True,
-    extra_keys=lambda obj: ("ref_logps",) if obj.uses_reference and obj.precompute_ref_logps else ())
+    extra_keys=lambda obj: ("ref_logps",) if obj.precomputed_reference else ())
 UNPAIRED = BatchKind(
     "unpaired", ("unpaired",), "unpaired preference rows: a prompt, one completion and whether it is desirable; "
     "each item the row and its KL row (its prompt with another row's completion), never packed",
     sequences=2, item_axis=True, held_out="rewards", unit="rows", prompted=True,
-    extra_keys=lambda obj: ("labels",) + (("ref_logps",) if obj.uses_reference and obj.precompute_ref_logps else ()),
+    extra_keys=lambda obj: ("labels",) + (("ref_logps",) if obj.precomputed_reference else ()),
     scored_only=1)
 PROMPTS = BatchKind(
     "prompts", ("prompts",), "prompts with their answer fields; the loop samples num_generations completions of each",
@@ -163,19 +158,18 @@ class ObjectiveKind:
     """One objective, and everything the rest of jaxtune needs to know about it, as data: the loop, the step, the
     rollout, the evaluation and the TPU plan ask this record, never the objective's name.
 
-    ``kinds``: the batch kinds it trains on. ``keys``: the ``objective.*`` keys that apply to it (besides ``name``).
-    ``loss_types``: its ``objective.loss_type`` values, the default first (empty: it has none); ``combines``:
-    ``loss_type`` may be a list of them, summed with ``loss_weights`` (TRL's DPO), else one only. ``default_beta``:
-    ``objective.beta`` when unset; ``beta_range``: which values it takes (``positive``; ``nonnegative``, where 0 turns
-    the companion off; ``unit``, [0, 1]). ``passes_key``: the key counting optimisation passes per batch, if any."""
+    ``kinds``: the batch kinds it trains on (its ``objective.*`` keys and their defaults are its section class,
+    `jaxtune.config.objectives.OBJECTIVE_SECTIONS`). ``loss_types``: its ``objective.loss_type`` values, the default
+    first (empty: it has none); ``combines``: ``loss_type`` may be a list of them, summed with ``loss_weights``
+    (TRL's DPO), else one only. ``beta_range``: which values ``objective.beta`` takes (``positive``;
+    ``nonnegative``, where 0 turns the companion off; ``unit``, [0, 1]). ``passes_key``: the key counting optimisation
+    passes per batch, if any."""
 
     name: str
     kinds: tuple[BatchKind, ...]
     description: str
-    keys: frozenset[str] = frozenset()
     loss_types: tuple[str, ...] = ()
     combines: bool = False
-    default_beta: float | None = None
     beta_range: Literal["positive", "nonnegative", "unit"] = "positive"
     passes_key: str | None = None
     # The second model the step holds beside the policy: none; the frozen ``reference`` it compares with (LoRA's base
@@ -192,7 +186,6 @@ class ObjectiveKind:
     # a token is: the rewards are logged only, and none need be configured).
     baseline: Literal["none", "group", "leave_one_out"] = "group"
     min_generations: int = 1  # completions per prompt at least (a group baseline compares each with the others)
-    default_generations: int = 8  # ``objective.num_generations`` when unset
     # `Objective.prepare` runs on the whole batch before every step (RLOO's advantages need the batch and the
     # reference), not only before the second of several passes
     prepares: bool = False
@@ -207,253 +200,36 @@ class ObjectiveKind:
         return self.loss_types[0] if self.loss_types else None
 
 
-_GRPO_KEYS = frozenset({"beta", "loss_type", "num_generations", "max_completion_length", "temperature", "top_p",
-                        "top_k", "epsilon", "epsilon_high", "scale_rewards", "num_iterations", "rewards",
-                        "reward_errors", "prompts_per_step", "old_logps", "importance_sampling", "importance_sampling_max",
-                        "importance_sampling_min"})
-IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-_RLOO_KEYS = frozenset({"beta", "num_generations", "max_completion_length", "temperature", "top_p", "top_k",
-                        "epsilon", "epsilon_high", "normalize_advantages", "num_iterations", "rewards",
-                        "reward_errors", "prompts_per_step", "old_logps"})
-_GKD_KEYS = frozenset({"teacher", "beta", "lmbda", "num_generations", "max_completion_length", "temperature",
-                       "top_p", "top_k", "rewards", "reward_errors", "prompts_per_step"})
 OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("cross_entropy", (WINDOWS, ROWS), "next-token cross-entropy on the tokens with loss (pretraining "
                   "text, fine-tuning rows)"),
     ObjectiveKind("dpo", (PAIRS,), "direct preference optimisation against a frozen reference model",
-                  frozenset({"beta", "loss_type", "loss_weights", "label_smoothing", "discopop_tau",
-                             "precompute_ref_logps"}),
                   loss_types=("sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard", "nca_pair", "aot",
                               "aot_unpaired", "apo_zero", "apo_down", "exo_pair", "discopop", "sft", "sigmoid_norm"),
-                  combines=True, default_beta=0.1, companion="reference"),
-    ObjectiveKind("simpo", (PAIRS,), "SimPO: length-normalised, reference-free, with a target margin",
-                  frozenset({"beta", "gamma", "label_smoothing"}), default_beta=2.0),
-    ObjectiveKind("orpo", (PAIRS,), "ORPO: the chosen reply's NLL plus an odds-ratio term, reference-free",
-                  frozenset({"beta"}), default_beta=0.1),
+                  combines=True, companion="reference"),
+    ObjectiveKind("simpo", (PAIRS,), "SimPO: length-normalised, reference-free, with a target margin"),
+    ObjectiveKind("orpo", (PAIRS,), "ORPO: the chosen reply's NLL plus an odds-ratio term, reference-free"),
     ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
-                  _GRPO_KEYS, loss_types=("dapo", "grpo", "dr_grpo"), default_beta=0.0, beta_range="nonnegative",
-                  companion="reference", companion_when="beta", passes_key="num_iterations", completions="sampled",
-                  min_generations=2),
+                  loss_types=("dapo", "grpo", "dr_grpo"), beta_range="nonnegative", companion="reference",
+                  companion_when="beta", passes_key="num_iterations", completions="sampled", min_generations=2),
     ObjectiveKind("kto", (UNPAIRED,), "KTO: unpaired desirable and undesirable completions against a frozen "
                   "reference, each reward measured from a KL baseline estimated on mismatched rows (TRL's KTOTrainer)",
-                  frozenset({"beta", "loss_type", "desirable_weight", "undesirable_weight", "precompute_ref_logps"}),
-                  loss_types=("kto", "apo_zero_unpaired"), default_beta=0.1, companion="reference",
-                  prepares=True),
+                  loss_types=("kto", "apo_zero_unpaired"), companion="reference", prepares=True),
     ObjectiveKind("rloo", (PROMPTS,), "REINFORCE leave-one-out on sampled completions scored by rewards: each "
                   "completion's baseline the mean reward of its group's others, the KL to the reference in the reward, "
-                  "a clipped ratio per sequence (TRL's RLOOTrainer)", _RLOO_KEYS, default_beta=0.05,
-                  beta_range="nonnegative", companion="reference", companion_when="beta", passes_key="num_iterations",
-                  completions="sampled", baseline="leave_one_out", min_generations=2, prepares=True),
+                  "a clipped ratio per sequence (TRL's RLOOTrainer)", beta_range="nonnegative", companion="reference",
+                  companion_when="beta", passes_key="num_iterations", completions="sampled", baseline="leave_one_out",
+                  min_generations=2, prepares=True),
     ObjectiveKind("gkd", (PROMPTS,), "on-policy distillation (TRL's GKD): the student samples completions of the "
                   "prompts, a frozen teacher model scores every token, and the loss is the generalised Jensen-Shannon "
                   "divergence of the two next-token distributions (beta 0: KL(teacher || student); 1: the reverse "
-                  "KL)", _GKD_KEYS, default_beta=0.5, beta_range="unit", companion="teacher", completions="mixed",
-                  baseline="none", default_generations=1),
+                  "KL)", beta_range="unit", companion="teacher", completions="mixed", baseline="none"),
 )}
 
 
 def objectives_for(kind: BatchKind) -> list[str]:
     """The objectives that train on batches of ``kind``."""
     return [o.name for o in OBJECTIVES.values() if kind in o.kinds]
-
-
-LOSS_TYPES = tuple(dict.fromkeys(t for o in OBJECTIVES.values() for t in o.loss_types))
-# The loss types label smoothing applies to (the assumed share of flipped labels): dpo's sigmoid (conservative DPO;
-# TRL 1.16's sigmoid has none), robust, exo_pair (which needs it > 0), aot and aot_unpaired; and simpo's loss.
-SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
-
-
-
-class ObjectiveConfig(Section):
-    """What the training minimises (`jaxtune.train.objectives`).
-
-    ``cross_entropy``: next-token cross-entropy on the tokens with loss (pretraining text, SFT's assistant turns).
-    Preference pairs (``data.format: preference``): ``dpo`` (against a frozen reference model: LoRA's base with the
-    adapters off, else a frozen copy of the initial weights, or its log-probs computed once before training with
-    ``precompute_ref_logps``), and the reference-free ``simpo`` and ``orpo``. Prompts (``data.format: prompts``):
-    ``grpo``, RL with verifiable rewards: ``num_generations`` completions sampled per prompt inside the loop, scored by
-    ``rewards``, the clipped policy-gradient surrogate on group-normalised advantages, and with ``beta`` > 0 a KL
-    penalty to the reference model. Their keys follow TRL's."""
-
-    name: Literal[tuple(OBJECTIVES)] = Field("cross_entropy", description="; ".join(
-        f"{o.name}: {o.description}" for o in OBJECTIVES.values()))
-    beta: float | None = Field(None, ge=0, description="dpo: the KL weight (default 0.1); simpo: the reward scale "
-                               "(default 2.0); orpo: the odds-ratio term's weight lambda (TRL's beta, default 0.1); "
-                               "grpo: the KL penalty's weight (default 0: no reference model); rloo: the weight of the KL to the "
-                               "reference subtracted from each reward (default 0.05, TRL's)")
-    loss_type: Literal[LOSS_TYPES] | list[Literal[LOSS_TYPES]] | None = Field(
-        None, description="dpo: TRL's loss types: sigmoid (the DPO paper, default), ipo (squared, per-token "
-        "log-ratios), hinge, robust, bco_pair, sppo_hard, nca_pair, aot and aot_unpaired (sorted over the "
-        "micro-batch), apo_zero, apo_down, exo_pair, discopop, sft (each pair's mean NLL of its chosen completion), "
-        "sigmoid_norm (sigmoid on per-token log-ratios); or a list of them, summed with loss_weights (e.g. MPO: "
-        "[sigmoid, bco_pair, sft]); grpo: how the per-token losses are averaged: grpo (per sequence, then over "
-        "sequences), dr_grpo (summed, over sequences x max_completion_length), dapo (over the whole batch's "
-        "completion tokens, default)")
-    loss_weights: list[float] | None = Field(None, description="dpo with a list of loss types: each one's weight, "
-                                             "in order (default 1 each)")
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="dpo (sigmoid, robust, exo_pair, aot, "
-                                   "aot_unpaired) and simpo: the assumed share of flipped labels (conservative DPO); "
-                                   "exo_pair needs it > 0 (the EXO paper: 1e-3)")
-    desirable_weight: float = Field(1.0, gt=0, description="kto: the loss weight of desirable rows (label true)")
-    undesirable_weight: float = Field(1.0, gt=0, description="kto: the loss weight of undesirable rows (label "
-                                      "false)")
-    discopop_tau: float = Field(0.05, gt=0, description="dpo discopop: the temperature of its logistic / exponential "
-                                "mix (TRL's default)")
-    gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (TRL's simpo_gamma)")
-    precompute_ref_logps: bool = Field(False, description="dpo and kto: compute the reference log-probs of every "
-                                       "pair (kto: every row and its KL row) once before training (stored in the run "
-                                       "directory), so no reference model is held while training")
-    # grpo
-    prompts_per_step: int | None = Field(
-        None, ge=1, description="grpo and rloo: prompts a step samples, each num_generations times: a step trains on "
-        "prompts_per_step x num_generations completions (TRL's batch size counts those completions). It is the "
-        "run's train.batch_size, which a grpo config does not set (default: train.batch_size's default)")
-    num_generations: int = Field(8, ge=1, description="grpo and rloo: completions sampled per prompt (the group; at "
-                                 "least 2); gkd: completions sampled per prompt (default 1)")
-    teacher: str | None = Field(None, description="gkd: the teacher model, a Hugging Face checkpoint directory (a "
-                                "`jaxtune export` of a run too) with the student's tokenizer; frozen, on the "
-                                "student's mesh")
-    lmbda: float = Field(1.0, ge=0.0, le=1.0, description="gkd: the share of steps that train on the student's own "
-                         "samples (on-policy); the others train on each prompt row's completion field (supervised "
-                         "distillation). TRL's lmbda (default 0.5 there)")
-    max_completion_length: int = Field(128, ge=1, description="grpo and rloo: new tokens per completion at most")
-    temperature: float = Field(1.0, gt=0, description="grpo and rloo: sampling temperature (the log-probs are of the same "
-                               "tempered distribution, as TRL's)")
-    top_p: float = Field(1.0, gt=0, le=1, description="grpo and rloo: nucleus sampling")
-    top_k: int | None = Field(None, ge=1, description="grpo and rloo: sample among the k likeliest tokens")
-    epsilon: float = Field(0.2, gt=0, lt=1, description="grpo and rloo: the ratio's lower clip, 1 - epsilon")
-    epsilon_high: float | None = Field(None, gt=0, description="grpo and rloo: the ratio's upper clip, 1 + epsilon_high "
-                                       "(default epsilon)")
-    scale_rewards: bool = Field(True, description="grpo: divide each group's advantages by its reward std "
-                                "(false: Dr. GRPO's unscaled advantages)")
-    normalize_advantages: bool = Field(False, description="rloo: normalise the advantages over the whole batch "
-                                       "(less their mean, over their std + 1e-4), after the KL penalty")
-    num_iterations: int = Field(1, ge=1, description="grpo and rloo: optimisation passes over each batch of completions "
-                                "(TRL's mu)")
-    rewards: list[RewardConfig] = Field([], description="grpo and rloo: reward functions, summed with their weights")
-    reward_errors: Literal["raise", "zero"] = Field("raise", description="grpo and rloo: a reward function that raises or "
-                                                    "returns NaN stops training (raise, naming it and the row) or "
-                                                    "scores that completion 0, counted (zero)")
-    old_logps: Literal["sampler", "trainer"] | None = Field(
-        None, description="grpo and rloo with num_iterations > 1: where the old policy's log-probs come from: the sampler's "
-        "own, returned with each token (no extra forward pass), or a trainer forward before the first update "
-        "(default: sampler when model.compute_dtype is float32, where the two agree to float rounding; trainer "
-        "otherwise). Every step logs sampler_logp_diff/mean and /max, |sampler - trainer| over completion tokens")
-    importance_sampling: Literal[IMPORTANCE_SAMPLING] = Field(
-        "off", description="grpo: correct for the sampler's distribution differing from the trainer's (bfloat16, "
-        "other programs) with the ratio r = pi_trainer / pi_sampler of each token (token_*) or each completion "
-        "(sequence_*: the geometric mean over its tokens; TRL 1.16 takes the product), cut to "
-        "[importance_sampling_min, importance_sampling_max] "
-        "(*_truncate) or zeroed outside it (*_mask), multiplying each token's loss (TRL's "
-        "vllm_importance_sampling_mode)")
-    importance_sampling_max: float | None = Field(3.0, gt=0, description="grpo: the ratio's upper bound C_max")
-    importance_sampling_min: float | None = Field(None, ge=0, description="grpo: the ratio's lower bound C_min "
-                                                  "(default none)")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_loss_type(cls, data: Any) -> Any:
-        # Configs written before grpo set loss_type: sigmoid for every objective; it only ever meant dpo's. Objectives
-        # with loss types of their own (grpo) came later: sigmoid there is the user's, and an error.
-        spec = OBJECTIVES.get(data.get("name", "cross_entropy")) if isinstance(data, dict) else None
-        if spec is not None and data.get("loss_type") == "sigmoid" and not spec.loss_types:
-            data = {k: v for k, v in data.items() if k != "loss_type"}
-        if spec is not None and "num_generations" not in data:
-            data = {**data, "num_generations": spec.default_generations}
-        return data
-
-    @property
-    def spec(self) -> ObjectiveKind:
-        """This objective's record (`jaxtune.config.kinds.OBJECTIVES`)."""
-        return OBJECTIVES[self.name]
-
-    @property
-    def kinds(self) -> tuple[BatchKind, ...]:
-        """The batch kinds it trains on."""
-        return self.spec.kinds
-
-    @property
-    def generates(self) -> bool:
-        """Whether it trains on completions the loop samples (GRPO)."""
-        return any(k.generates for k in self.spec.kinds)
-
-    @property
-    def passes(self) -> int:
-        """Optimiser updates per batch (GRPO's ``num_iterations``; 1 for the others)."""
-        return getattr(self, self.spec.passes_key) if self.spec.passes_key else 1
-
-    @property
-    def uses_reference(self) -> bool:
-        spec = self.spec
-        return spec.companion == "reference" and (spec.companion_when == "always" or self.beta_value > 0)
-
-    @property
-    def beta_value(self) -> float:
-        default = self.spec.default_beta
-        return self.beta if self.beta is not None else (default if default is not None else 0.0)
-
-    @property
-    def loss_type_value(self) -> str | list[str] | None:
-        return self.loss_type if self.loss_type is not None else self.spec.default_loss_type
-
-    @property
-    def weighted_loss_types(self) -> tuple[tuple[str, float], ...]:
-        """(loss type, weight) of each term of the loss: one at weight 1, or a list with ``loss_weights``."""
-        types = self.loss_type_value
-        if types is None:
-            return ()
-        types = [types] if isinstance(types, str) else list(types)
-        return tuple(zip(types, self.loss_weights or [1.0] * len(types)))
-
-    @model_validator(mode="after")
-    def _keys_apply(self) -> ObjectiveConfig:
-        # Keys away from their defaults (a dumped config sets every key, at its default where unused).
-        given = {k for k, f in type(self).model_fields.items() if k != "name" and getattr(self, k) != f.default}
-        spec = self.spec
-        applies = spec.keys
-        extra = sorted(given - applies)
-        if extra:
-            raise ValueError(f"objective.{extra[0]} does not apply to objective.name={self.name}"
-                             + (f"; its keys: {', '.join(sorted(applies))}" if applies else ""))
-        listed = isinstance(self.loss_type, list)
-        if listed and not spec.combines:
-            raise ValueError(f"objective.loss_type: objective.name={self.name} takes one loss type, not a list")
-        for t in (self.loss_type if listed else [self.loss_type] if self.loss_type is not None else []):
-            if t not in spec.loss_types:
-                raise ValueError(f"objective.loss_type={t} does not apply to objective.name={self.name}; "
-                                 f"choose one of {', '.join(spec.loss_types)}")
-        if listed and (not self.loss_type or len(set(self.loss_type)) < len(self.loss_type)):
-            raise ValueError(f"objective.loss_type={self.loss_type}: list each loss type once (at least one); "
-                             "weight them with objective.loss_weights")
-        types = [t for t, _ in self.weighted_loss_types]
-        if self.loss_weights is not None and len(self.loss_weights) != (len(self.loss_type) if listed else 1):
-            raise ValueError(f"objective.loss_weights has {len(self.loss_weights)} weights for the loss types "
-                             f"{types}: give one per loss type, in order")
-        if self.label_smoothing and spec.loss_types and not set(types) & set(SMOOTHED):
-            raise ValueError(f"objective.label_smoothing applies to loss_type {', '.join(SMOOTHED)}, not "
-                             f"{', '.join(types)}")
-        if "exo_pair" in types and not self.label_smoothing:
-            raise ValueError("objective.loss_type exo_pair needs objective.label_smoothing > 0 (its target "
-                             "distribution; the EXO paper uses 1e-3)")
-        if spec.beta_range == "unit" and self.beta is not None and self.beta > 1:
-            raise ValueError(f"objective.beta={self.beta}: {self.name}'s beta interpolates between KL(teacher || "
-                             "student) (0) and KL(student || teacher) (1); choose it in [0, 1]")
-        if spec.beta_range == "positive" and self.beta == 0:
-            raise ValueError(f"objective.beta must be > 0 for objective.name={self.name}")
-        if self.num_generations < spec.min_generations:
-            raise ValueError(f"objective.num_generations={self.num_generations}: {self.name} compares each completion "
-                             f"with its group's others; sample at least {spec.min_generations} per prompt")
-        lo, hi = self.importance_sampling_min, self.importance_sampling_max
-        if lo is not None and hi is not None and lo > hi:
-            raise ValueError(f"objective.importance_sampling_min={lo} is above importance_sampling_max={hi}")
-        marked = [r.name for r in self.rewards if r.accuracy]
-        if len(marked) > 1:
-            raise ValueError(f"objective.rewards: {len(marked)} rewards set accuracy: true ({', '.join(marked)}); "
-                             "held-out accuracy follows one success criterion, so mark one")
-        if spec.needs_rewards and not self.rewards:
-            raise ValueError(f"objective.name={self.name} needs at least one reward function in objective.rewards, "
-                             "e.g. [{name: exact_number, field: answer}]")
-        return self
 
 
 # The native model families (`jaxtune.models.registry.FAMILIES` holds each one's implementation, keyed by these).

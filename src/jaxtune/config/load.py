@@ -14,8 +14,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from jaxtune.config.base import ConfigError
-from jaxtune.config.kinds import OBJECTIVES
 from jaxtune.config.model import CHECKPOINT_DECIDES, MODEL_SECTIONS, ModelSection, backend_of
+from jaxtune.config.objectives import OBJECTIVE_SECTIONS, objective_of
 from jaxtune.config.root import Config
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         # SimPO's, GRPO's is not RLOO's) yield to the new objective's defaults, as do keys the new one does not take;
         # the keys both share in meaning (GRPO's and RLOO's sampling, rewards, group) carry over; keys given on the
         # command line still apply.
-        takes = OBJECTIVES[name].keys if name in OBJECTIVES else frozenset()
+        takes = OBJECTIVE_SECTIONS[name].own_keys() if name in OBJECTIVE_SECTIONS else ()
         kept = {k: v for k, v in raw["objective"].items() if k in takes and k not in OWN_MEANING}
         dropped = sorted(k for k in raw["objective"] if k != "name" and k not in kept)
         base = {**base, "objective": {"name": file_name, **kept}}
@@ -138,19 +138,27 @@ def _explain(err: ValidationError, source: str) -> str:
             lines.append(f"  {_unknown_key(loc, section)}")
         elif e["type"] == "backend":
             lines.append(f"  {key}.backend: {e['msg']} (got {backend_of(e.get('input'))!r})")
+        elif e["type"] == "objective_name":
+            lines.append(f"  {key}.name: {e['msg']} (got {objective_of(e.get('input'))!r})")
         elif not loc or isinstance(e.get("input"), dict):  # a check across keys: its message names them
             lines.append(f"  {key + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return "\n".join(lines)
 
 
+# The sections that are one of several classes, by the tag pydantic puts after the section's name in an error's
+# location: the model's backend, the objective's name.
+UNION_SECTIONS: dict[str, dict[str, type[BaseModel]]] = {"model": MODEL_SECTIONS, "objective": OBJECTIVE_SECTIONS}
+
+
 def _section_at(loc: list[str]) -> tuple[list[str], type[BaseModel] | None]:
-    """The key path as the user wrote it (without pydantic's backend tag after ``model``), and the section class
-    holding its last key (None past the sections)."""
+    """The key path as the user wrote it (without pydantic's tag after ``model`` or ``objective``), and the section
+    class holding its last key (None past the sections)."""
     model: type[BaseModel] | None = Config
-    if loc[:1] == ["model"] and len(loc) > 1 and loc[1] in MODEL_SECTIONS:
-        model, loc = MODEL_SECTIONS[loc[1]], ["model", *loc[2:]]
+    classes = UNION_SECTIONS.get(loc[0], {}) if loc else {}
+    if len(loc) > 1 and loc[1] in classes:
+        model, loc = classes[loc[1]], [loc[0], *loc[2:]]
         parents = loc[1:-1]
     else:
         parents = loc[:-1]

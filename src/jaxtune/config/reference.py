@@ -3,9 +3,9 @@
 Every section of `Config` (in its field order) becomes a heading with the section class's docstring and a table of its
 keys: the dotted key, a readable type, the default as YAML writes it, and the field's ``description``. A nested
 section (``model.lora``) or a list of them (``objective.rewards``) gets a heading of its own, linked from its row. A
-section that is a union of classes (``model``, keyed by ``backend``) lists the keys every class shares, then each
-class's own keys. Nothing here names a key: a field added to a section appears in the reference once it is
-regenerated.
+section that is a union of classes (``model``, keyed by ``backend``; ``objective``, by ``name``) lists the keys every
+class shares, then each class's own keys. Nothing here names a key: a field added to a section appears in the
+reference once it is regenerated.
 
     python -m jaxtune.config.reference                          # print the reference
     python -m jaxtune.config.reference --write docs/config.md   # rewrite the checked-in copy
@@ -273,7 +273,8 @@ def _common_base_doc(classes: list[type[BaseModel]]) -> str:
 
 
 def union_part(key: str, info: FieldInfo, classes: list[type[BaseModel]], level: int) -> Part:
-    """A section that is one of several classes (``model``, by ``backend``): the keys all share, then each one's."""
+    """A section that is one of several classes (``model``, by ``backend``; ``objective``, by ``name``): the keys all
+    share, then each one's."""
     tag = _discriminator(classes)
     part = Part(_key_title(key), level, _common_base_doc(classes))
     first = classes[0].model_fields
@@ -287,14 +288,18 @@ def union_part(key: str, info: FieldInfo, classes: list[type[BaseModel]], level:
                         _code(_yaml(getattr(default, tag))) if isinstance(default, BaseModel) else "",
                         prose(first[tag].description)))
         choice = ", ".join(f"[`{_yaml(v)}`](#{slug(_variant_title(key, tag, v))})" for v in values.values())
-        part.text = "\n\n".join(x for x in (part.text, f"`{key}.{tag}` ({choice}) picks the keys that apply: those "
-                                f"below apply to every `{tag}`, then each `{tag}` has keys of its own.") if x)
+        picks = (f"`{key}.{tag}` ({choice}) picks the keys that apply: those below apply to every `{tag}`, then "
+                 f"each `{tag}` has keys of its own.")
+        part.text = "\n\n".join(x for x in (part.text, picks) if x)
     part.rows = rows + _rows(common, f"{key}.", level, part.children)
+    shown = set()  # a nested section several classes hold (objective.rewards[]) is shown once, under the first
     for cls in classes:
         title = _variant_title(key, tag, values[cls]) if tag else f"`{key}`: {cls.__name__}"
         child = Part(title, level + 1, own_doc(cls))
         own = {n: f for n, f in cls.model_fields.items() if n != tag and n not in common}
         child.rows = _rows(own, f"{key}.", level + 1, child.children)
+        child.children = [c for c in child.children if c.title not in shown]
+        shown.update(c.title for c in child.children)
         part.children.append(child)
     return part
 

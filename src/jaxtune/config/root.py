@@ -10,8 +10,9 @@ from pydantic import model_validator
 
 from jaxtune.config.base import Section
 from jaxtune.config.data import DataConfig, TokenizerConfig
-from jaxtune.config.kinds import OBJECTIVES, ObjectiveConfig, objectives_for
+from jaxtune.config.kinds import OBJECTIVES, objectives_for
 from jaxtune.config.model import ModelConfig, NativeModelConfig
+from jaxtune.config.objectives import OBJECTIVE_SECTIONS, ClippedPolicy, CrossEntropyConfig, ObjectiveConfig
 from jaxtune.config.run import (
     CheckpointConfig,
     DistributedConfig,
@@ -30,7 +31,7 @@ class Config(Section):
     data: DataConfig = DataConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     optim: OptimConfig = OptimConfig()
-    objective: ObjectiveConfig = ObjectiveConfig()
+    objective: ObjectiveConfig = CrossEntropyConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -66,7 +67,8 @@ class Config(Section):
         spec = OBJECTIVES.get(obj.get("name")) if isinstance(obj, dict) else None
         if (spec is not None and any(k.generates for k in spec.kinds) and isinstance(train, dict)
                 and train.get("batch_size") is not None and obj.get("prompts_per_step") is None):
-            n, g = train["batch_size"], obj.get("num_generations", ObjectiveConfig.model_fields["num_generations"].default)
+            default = OBJECTIVE_SECTIONS[spec.name].model_fields["num_generations"].default
+            n, g = train["batch_size"], obj.get("num_generations", default)
             raise ValueError(f"train.batch_size={n} is ambiguous for objective.name={obj['name']} (TRL's batch size "
                              f"counts completions; here each prompt is sampled num_generations times): set "
                              f"objective.prompts_per_step={n} instead ({n} prompts x {g} completions a step), and "
@@ -88,17 +90,12 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _old_logps(self) -> Config:
-        """GRPO's old log-probs come from the sampler where they are the trainer's to float rounding (float32
-        compute), else from a trainer forward; the resolved choice is what config.yaml records."""
+        """A clipped policy's old log-probs come from the sampler where they are the trainer's to float rounding
+        (float32 compute), else from a trainer forward; the resolved choice is what config.yaml records."""
         obj = self.objective
-        corrects = obj.importance_sampling != "off"  # needs the trainer's old log-probs beside the sampler's
-        if corrects and obj.old_logps == "sampler" and obj.num_iterations > 1:
-            raise ValueError("objective.importance_sampling corrects the sampler's log-probs with the trainer's: "
-                             "with num_iterations > 1 it needs objective.old_logps=trainer (sampler makes every "
-                             "ratio 1)")
-        if "old_logps" not in obj.spec.keys or obj.old_logps is not None:
+        if not isinstance(obj, ClippedPolicy) or obj.old_logps is not None:
             return self
-        source = "sampler" if self.model.compute_dtype == "float32" and not corrects else "trainer"
+        source = obj.default_old_logps(self.model.compute_dtype)
         return self.model_copy(update={"objective": obj.model_copy(update={"old_logps": source})})
 
     @model_validator(mode="after")

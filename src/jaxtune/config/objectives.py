@@ -1,0 +1,420 @@
+"""The ``objective`` section: one class per objective, ``objective.name`` picks it (`ObjectiveConfig`, the union).
+
+Each class holds only the keys that apply to its objective, at that objective's defaults, beside its record in
+`jaxtune.config.kinds.OBJECTIVES` (which says what the rest of jaxtune needs to know about it). Keys objectives share
+in meaning come from a base they share: `Sampling` (objectives that sample completions: grpo, rloo, gkd),
+`ClippedPolicy` (a clipped policy ratio over several passes: grpo, rloo), `Weighted` (a ``beta``), `LossTypes`,
+`Smoothed` and `PrecomputedReference`. Each check lives in the class whose keys it reads.
+
+A key of another objective is an error naming it and listing this objective's keys, unless it holds its unset value
+(`UNSET`, what a config listing every objective's keys holds for those that do not apply): then it is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
+
+from jaxtune.config.base import Section
+from jaxtune.config.kinds import OBJECTIVES, BatchKind, ObjectiveKind
+from jaxtune.config.rewards import RewardConfig
+
+# The loss types label smoothing applies to (the assumed share of flipped labels): dpo's sigmoid (conservative DPO;
+# TRL 1.16's sigmoid has none), robust, exo_pair (which needs it > 0), aot and aot_unpaired; and simpo's loss.
+SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
+IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+# Every objective key's unset values: a key that does not apply to the configured objective is dropped where it
+# holds one of these, and refused otherwise (``loss_type: sigmoid`` is unset on objectives without loss types).
+UNSET: dict[str, tuple[Any, ...]] = {
+    "beta": (None,), "loss_type": (None, "sigmoid"), "loss_weights": (None,), "label_smoothing": (0.0,),
+    "desirable_weight": (1.0,), "undesirable_weight": (1.0,), "discopop_tau": (0.05,), "gamma": (0.5,),
+    "precompute_ref_logps": (False,), "prompts_per_step": (None,), "num_generations": (8,), "teacher": (None,),
+    "lmbda": (1.0,), "max_completion_length": (128,), "temperature": (1.0,), "top_p": (1.0,), "top_k": (None,),
+    "epsilon": (0.2,), "epsilon_high": (None,), "scale_rewards": (True,), "normalize_advantages": (False,),
+    "num_iterations": (1,), "rewards": ([],), "reward_errors": ("raise",), "old_logps": (None,),
+    "importance_sampling": ("off",), "importance_sampling_max": (3.0,), "importance_sampling_min": (None,),
+}
+
+
+class ObjectiveSection(Section):
+    """What the training minimises (`jaxtune.train.objectives`). ``name`` picks the objective, and each objective
+    takes its own keys (TRL's names), listed under it; a key of another objective is an error naming it."""
+
+    name: str
+
+    @classmethod
+    def record(cls) -> ObjectiveKind:
+        """This class's objective record (`jaxtune.config.kinds.OBJECTIVES`)."""
+        return OBJECTIVES[cls.model_fields["name"].default]
+
+    @classmethod
+    def own_keys(cls) -> tuple[str, ...]:
+        """The ``objective.*`` keys that apply to this objective (besides ``name``)."""
+        return tuple(k for k in cls.model_fields if k != "name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_apply(cls, data: Any) -> Any:
+        """Drops another objective's keys at their unset values (`UNSET`) and refuses them at any other; keys of no
+        objective are left for pydantic's unknown-key error (with its did-you-mean)."""
+        if not isinstance(data, dict):
+            return data
+        foreign = [k for k in data if k in UNSET and k not in cls.model_fields]
+        refused = [k for k in foreign if not any(data[k] == v for v in UNSET[k])]
+        if refused:
+            keys = sorted(cls.own_keys())
+            raise ValueError(f"objective.{refused[0]} does not apply to objective.name={cls.record().name}"
+                             + (f"; its keys: {', '.join(keys)}" if keys else ""))
+        return {k: v for k, v in data.items() if k not in foreign}
+
+    @property
+    def spec(self) -> ObjectiveKind:
+        """This objective's record (`jaxtune.config.kinds.OBJECTIVES`)."""
+        return self.record()
+
+    @property
+    def kinds(self) -> tuple[BatchKind, ...]:
+        """The batch kinds it trains on."""
+        return self.spec.kinds
+
+    @property
+    def generates(self) -> bool:
+        """Whether it trains on completions the loop samples (GRPO)."""
+        return any(k.generates for k in self.spec.kinds)
+
+    @property
+    def passes(self) -> int:
+        """Optimiser updates per batch (GRPO's ``num_iterations``; 1 for the others)."""
+        return getattr(self, self.spec.passes_key) if self.spec.passes_key else 1
+
+    @property
+    def uses_reference(self) -> bool:
+        spec = self.spec
+        return spec.companion == "reference" and (spec.companion_when == "always" or self.beta_value > 0)
+
+    @property
+    def precomputed_reference(self) -> bool:
+        """Whether the reference's log-probs are computed once before training (no reference model held)."""
+        return False
+
+    @property
+    def beta_value(self) -> float:
+        """``beta`` (0 for an objective without one)."""
+        return 0.0
+
+    @property
+    def loss_type_value(self) -> str | list[str] | None:
+        """``loss_type`` (None for an objective without loss types)."""
+        return None
+
+    @property
+    def weighted_loss_types(self) -> tuple[tuple[str, float], ...]:
+        """(loss type, weight) of each term of the loss: one at weight 1, or a list with ``loss_weights``."""
+        types = self.loss_type_value
+        if types is None:
+            return ()
+        types = [types] if isinstance(types, str) else list(types)
+        return tuple(zip(types, self.loss_weights_value or [1.0] * len(types)))
+
+    @property
+    def loss_weights_value(self) -> list[float] | None:
+        return None
+
+
+# --- keys objectives share ------------------------------------------------------------------------------------------
+
+
+class Weighted(ObjectiveSection):
+    """An objective with a ``beta``: its meaning, default and range its own (the record's ``beta_range``)."""
+
+    beta: float
+
+    @property
+    def beta_value(self) -> float:
+        return self.beta
+
+    @model_validator(mode="after")
+    def _beta_in_range(self) -> Weighted:
+        if self.spec.beta_range == "unit" and self.beta > 1:
+            raise ValueError(f"objective.beta={self.beta}: {self.name}'s beta interpolates between KL(teacher || "
+                             "student) (0) and KL(student || teacher) (1); choose it in [0, 1]")
+        if self.spec.beta_range == "positive" and self.beta == 0:
+            raise ValueError(f"objective.beta must be > 0 for objective.name={self.name}")
+        return self
+
+
+def _beta(default: float, description: str) -> Any:
+    return Field(default, ge=0, description=description)
+
+
+class LossTypes(ObjectiveSection):
+    """An objective with loss types of its own (the record's ``loss_types``, the first the default)."""
+
+    @property
+    def loss_type_value(self) -> str | list[str] | None:
+        return self.loss_type
+
+    @field_validator("loss_type", mode="before", check_fields=False)
+    @classmethod
+    def _own_loss_types(cls, value: Any) -> Any:
+        spec = cls.record()
+        listed = isinstance(value, list)
+        if listed and not spec.combines:
+            raise ValueError(f"objective.name={spec.name} takes one loss type, not a list")
+        for t in value if listed else [value]:
+            if t not in spec.loss_types:
+                raise ValueError(f"objective.loss_type={t} does not apply to objective.name={spec.name}; "
+                                 f"choose one of {', '.join(spec.loss_types)}")
+        if listed and (not value or len(set(value)) < len(value)):
+            raise ValueError(f"objective.loss_type={value}: list each loss type once (at least one); weight them "
+                             "with objective.loss_weights")
+        return value
+
+
+class Smoothed(ObjectiveSection):
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="the assumed share of flipped labels "
+                                   "(conservative DPO); dpo: for loss_type sigmoid, robust, exo_pair (which needs it "
+                                   "> 0, the EXO paper: 1e-3), aot and aot_unpaired")
+
+
+class PrecomputedReference(ObjectiveSection):
+    precompute_ref_logps: bool = Field(False, description="compute the reference log-probs of every pair (kto: "
+                                       "every row and its KL row) once before training (stored in the run "
+                                       "directory), so no reference model is held while training")
+
+    @property
+    def precomputed_reference(self) -> bool:
+        return self.uses_reference and self.precompute_ref_logps
+
+
+class Sampling(ObjectiveSection):
+    """An objective that samples completions of each prompt inside the loop (`jaxtune.train.rollout`) and scores
+    them with reward functions."""
+
+    num_generations: int = Field(8, ge=1, description="completions sampled per prompt (the group)")
+    max_completion_length: int = Field(128, ge=1, description="new tokens per completion at most")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (the log-probs are of the same tempered "
+                               "distribution, as TRL's)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    top_k: int | None = Field(None, ge=1, description="sample among the k likeliest tokens")
+    rewards: list[RewardConfig] = Field([], description="reward functions, summed with their weights")
+    reward_errors: Literal["raise", "zero"] = Field("raise", description="a reward function that raises or returns "
+                                                    "NaN stops training (raise, naming it and the row) or scores that "
+                                                    "completion 0, counted (zero)")
+    prompts_per_step: int | None = Field(
+        None, ge=1, description="prompts a step samples, each num_generations times: a step trains on "
+        "prompts_per_step x num_generations completions (TRL's batch size counts those completions). It is the "
+        "run's train.batch_size, which such a config does not set (default: train.batch_size's default)")
+
+    @model_validator(mode="after")
+    def _groups_and_rewards(self) -> Sampling:
+        spec = self.spec
+        if self.num_generations < spec.min_generations:
+            raise ValueError(f"objective.num_generations={self.num_generations}: {self.name} compares each completion "
+                             f"with its group's others; sample at least {spec.min_generations} per prompt")
+        marked = [r.name for r in self.rewards if r.accuracy]
+        if len(marked) > 1:
+            raise ValueError(f"objective.rewards: {len(marked)} rewards set accuracy: true ({', '.join(marked)}); "
+                             "held-out accuracy follows one success criterion, so mark one")
+        if spec.needs_rewards and not self.rewards:
+            raise ValueError(f"objective.name={self.name} needs at least one reward function in objective.rewards, "
+                             "e.g. [{name: exact_number, field: answer}]")
+        return self
+
+
+class ClippedPolicy(Sampling):
+    """A clipped policy ratio, over one or more optimisation passes per batch of completions."""
+
+    epsilon: float = Field(0.2, gt=0, lt=1, description="the ratio's lower clip, 1 - epsilon")
+    epsilon_high: float | None = Field(None, gt=0, description="the ratio's upper clip, 1 + epsilon_high (default "
+                                       "epsilon)")
+    num_iterations: int = Field(1, ge=1, description="optimisation passes over each batch of completions (TRL's mu)")
+    old_logps: Literal["sampler", "trainer"] | None = Field(
+        None, description="with num_iterations > 1: where the old policy's log-probs come from: the sampler's own, "
+        "returned with each token (no extra forward pass), or a trainer forward before the first update (default: "
+        "sampler when model.compute_dtype is float32, where the two agree to float rounding; trainer otherwise). "
+        "Every step logs sampler_logp_diff/mean and /max, |sampler - trainer| over completion tokens")
+
+    @property
+    def corrects_sampler(self) -> bool:
+        """Whether the loss corrects the sampler's log-probs with the trainer's (so needs the trainer's)."""
+        return False
+
+    def default_old_logps(self, compute_dtype: str) -> Literal["sampler", "trainer"]:
+        """``old_logps`` where unset: the sampler's where they are the trainer's to float rounding (float32)."""
+        return "sampler" if compute_dtype == "float32" and not self.corrects_sampler else "trainer"
+
+
+# --- the objectives -------------------------------------------------------------------------------------------------
+
+
+class CrossEntropyConfig(ObjectiveSection):
+    """Next-token cross-entropy on the tokens with loss (pretraining text, SFT's assistant turns); it has no keys."""
+
+    name: Literal["cross_entropy"] = "cross_entropy"
+
+
+_DPO = OBJECTIVES["dpo"]
+
+
+class DPOConfig(PrecomputedReference, Smoothed, LossTypes, Weighted):
+    """Direct preference optimisation on preference pairs (``data.format: preference``), against a frozen reference
+    model: LoRA's base with the adapters off, else a frozen copy of the initial weights, or its log-probs computed
+    once before training (``precompute_ref_logps``)."""
+
+    name: Literal["dpo"] = "dpo"
+    beta: float = _beta(0.1, "the KL weight")
+    loss_type: Literal[_DPO.loss_types] | list[Literal[_DPO.loss_types]] = Field(
+        _DPO.default_loss_type, description="TRL's loss types: sigmoid (the DPO paper), ipo (squared, per-token "
+        "log-ratios), hinge, robust, bco_pair, sppo_hard, nca_pair, aot and aot_unpaired (sorted over the "
+        "micro-batch), apo_zero, apo_down, exo_pair, discopop, sft (each pair's mean NLL of its chosen completion), "
+        "sigmoid_norm (sigmoid on per-token log-ratios); or a list of them, summed with loss_weights (e.g. MPO: "
+        "[sigmoid, bco_pair, sft])")
+    loss_weights: list[float] | None = Field(None, description="with a list of loss types: each one's weight, in order "
+                                             "(default 1 each)")
+    discopop_tau: float = Field(0.05, gt=0, description="discopop: the temperature of its logistic / exponential mix "
+                                "(TRL's default)")
+
+    @property
+    def loss_weights_value(self) -> list[float] | None:
+        return self.loss_weights
+
+    @model_validator(mode="after")
+    def _weights_and_smoothing(self) -> DPOConfig:
+        types = self.loss_type if isinstance(self.loss_type, list) else [self.loss_type]
+        if self.loss_weights is not None and len(self.loss_weights) != len(types):
+            raise ValueError(f"objective.loss_weights has {len(self.loss_weights)} weights for the loss types "
+                             f"{types}: give one per loss type, in order")
+        if self.label_smoothing and not set(types) & set(SMOOTHED):
+            raise ValueError(f"objective.label_smoothing applies to loss_type {', '.join(SMOOTHED)}, not "
+                             f"{', '.join(types)}")
+        if "exo_pair" in types and not self.label_smoothing:
+            raise ValueError("objective.loss_type exo_pair needs objective.label_smoothing > 0 (its target "
+                             "distribution; the EXO paper uses 1e-3)")
+        return self
+
+
+class SimPOConfig(Smoothed, Weighted):
+    """SimPO on preference pairs: length-normalised, reference-free, with a target margin."""
+
+    name: Literal["simpo"] = "simpo"
+    beta: float = _beta(2.0, "the reward scale")
+    gamma: float = Field(0.5, ge=0.0, description="the target reward margin (TRL's simpo_gamma)")
+
+
+class ORPOConfig(Weighted):
+    """ORPO on preference pairs: the chosen reply's NLL plus an odds-ratio term, reference-free."""
+
+    name: Literal["orpo"] = "orpo"
+    beta: float = _beta(0.1, "the odds-ratio term's weight lambda (TRL's beta)")
+
+
+_KTO = OBJECTIVES["kto"]
+
+
+class KTOConfig(PrecomputedReference, LossTypes, Weighted):
+    """KTO on unpaired rows (``data.format: unpaired``): desirable and undesirable completions against a frozen
+    reference, each reward measured from a KL baseline estimated on mismatched rows (TRL's KTOTrainer)."""
+
+    name: Literal["kto"] = "kto"
+    beta: float = _beta(0.1, "the KL weight")
+    loss_type: Literal[_KTO.loss_types] = Field(_KTO.default_loss_type, description="kto (the KTO paper's) or "
+                                                "apo_zero_unpaired")
+    desirable_weight: float = Field(1.0, gt=0, description="the loss weight of desirable rows (label true)")
+    undesirable_weight: float = Field(1.0, gt=0, description="the loss weight of undesirable rows (label false)")
+
+
+_GRPO = OBJECTIVES["grpo"]
+
+
+class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
+    """GRPO, RL with verifiable rewards on prompts (``data.format: prompts``): ``num_generations`` completions sampled
+    per prompt inside the loop, scored by ``rewards``, the clipped policy-gradient surrogate on group-normalised
+    advantages, and with ``beta`` > 0 a KL penalty to the reference model."""
+
+    name: Literal["grpo"] = "grpo"
+    beta: float = _beta(0.0, "the KL penalty's weight (0: no reference model)")
+    loss_type: Literal[_GRPO.loss_types] = Field(
+        _GRPO.default_loss_type, description="how the per-token losses are averaged: dapo (over the whole batch's "
+        "completion tokens), grpo (per sequence, then over sequences), dr_grpo (summed, over sequences x "
+        "max_completion_length)")
+    scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std (false: Dr. "
+                                "GRPO's unscaled advantages)")
+    importance_sampling: Literal[IMPORTANCE_SAMPLING] = Field(
+        "off", description="correct for the sampler's distribution differing from the trainer's (bfloat16, other "
+        "programs) with the ratio r = pi_trainer / pi_sampler of each token (token_*) or each completion (sequence_*: "
+        "the geometric mean over its tokens; TRL 1.16 takes the product), cut to [importance_sampling_min, "
+        "importance_sampling_max] (*_truncate) or zeroed outside it (*_mask), multiplying each token's loss (TRL's "
+        "vllm_importance_sampling_mode)")
+    importance_sampling_max: float | None = Field(3.0, gt=0, description="the ratio's upper bound C_max")
+    importance_sampling_min: float | None = Field(None, ge=0, description="the ratio's lower bound C_min (default "
+                                                  "none)")
+
+    @property
+    def corrects_sampler(self) -> bool:
+        return self.importance_sampling != "off"
+
+    @model_validator(mode="after")
+    def _importance_sampling(self) -> GRPOConfig:
+        lo, hi = self.importance_sampling_min, self.importance_sampling_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"objective.importance_sampling_min={lo} is above importance_sampling_max={hi}")
+        if self.corrects_sampler and self.old_logps == "sampler" and self.num_iterations > 1:
+            raise ValueError("objective.importance_sampling corrects the sampler's log-probs with the trainer's: "
+                             "with num_iterations > 1 it needs objective.old_logps=trainer (sampler makes every "
+                             "ratio 1)")
+        return self
+
+
+class RLOOConfig(ClippedPolicy, Weighted):
+    """REINFORCE leave-one-out on prompts (``data.format: prompts``): completions sampled and scored as GRPO's, each
+    one's baseline the mean reward of its group's others, the KL to the reference in the reward, a clipped ratio per
+    sequence (TRL's RLOOTrainer)."""
+
+    name: Literal["rloo"] = "rloo"
+    beta: float = _beta(0.05, "the weight of the KL to the reference subtracted from each reward (TRL's default)")
+    normalize_advantages: bool = Field(False, description="normalise the advantages over the whole batch (less "
+                                       "their mean, over their std + 1e-4), after the KL penalty")
+
+
+class GKDConfig(Sampling, Weighted):
+    """On-policy distillation (TRL's GKD) on prompts (``data.format: prompts``): the student samples completions, a
+    frozen teacher model scores every token, and the loss is the generalised Jensen-Shannon divergence of the two
+    next-token distributions. Its rewards are logged only."""
+
+    name: Literal["gkd"] = "gkd"
+    teacher: str | None = Field(None, description="the teacher model, a Hugging Face checkpoint directory (a "
+                                "`jaxtune export` of a run too) with the student's tokenizer; frozen, on the "
+                                "student's mesh")
+    beta: float = _beta(0.5, "interpolates between KL(teacher || student) (0) and KL(student || teacher) (1)")
+    lmbda: float = Field(1.0, ge=0.0, le=1.0, description="the share of steps that train on the student's own "
+                         "samples (on-policy); the others train on each prompt row's completion field (supervised "
+                         "distillation). TRL's lmbda (default 0.5 there)")
+    num_generations: int = Field(1, ge=1, description="completions sampled per prompt")
+
+
+# The objective section's class per objective, in the records' order.
+OBJECTIVE_SECTIONS: dict[str, type[ObjectiveSection]] = {c.record().name: c for c in (
+    CrossEntropyConfig, DPOConfig, SimPOConfig, ORPOConfig, GRPOConfig, KTOConfig, RLOOConfig, GKDConfig)}
+
+
+def objective_of(v: Any) -> str:
+    """The objective a raw or validated objective section names (cross_entropy when it names none)."""
+    name = v.get("name") if isinstance(v, dict) else v.name if isinstance(v, ObjectiveSection) else None
+    return str(name) if name is not None else CrossEntropyConfig.record().name
+
+
+ObjectiveConfig = Annotated[
+    Union[tuple(Annotated[cls, Tag(name)] for name, cls in OBJECTIVE_SECTIONS.items())],  # noqa: UP007
+    Discriminator(objective_of, custom_error_type="objective_name",
+                  custom_error_message=f"objective.name must be one of {list(OBJECTIVE_SECTIONS)}"),
+]
+_OBJECTIVE = TypeAdapter(ObjectiveConfig)
+
+
+def objective_config(**keys: Any) -> ObjectiveSection:
+    """The objective section ``keys`` make, as a config's ``objective`` mapping would (``name`` picks the class;
+    cross_entropy without one)."""
+    return _OBJECTIVE.validate_python(keys)
