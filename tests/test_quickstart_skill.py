@@ -27,7 +27,6 @@ from jaxtune.data.sft import Encoder, prepare_sft
 from jaxtune.data.synthetic import CHAT_SMALL, GENERATORS
 from jaxtune.evaluator import EMPTY_ANSWER, Evaluator, exact_match, shown
 from jaxtune.loop import train
-from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import StepLog
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.step import jit_steps
@@ -142,15 +141,14 @@ def test_empty_answers_show_as_empty(tmp_path, data_cache):
     data = make_training_data(cfg.data, tok, batch_size=cfg.train.batch_size, seed=0, eval_batches=1)
     spec = make_state_spec(cfg, tok.vocab_size, sharding.make_mesh(-1, 1, 1))
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train)
-    ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
+    cfg.run_path.mkdir(parents=True)
     evaluator = Evaluator(cfg, steps, tok, data.eval_batches, cfg.run_path, StepLog(cfg.run_path, cfg, 0,
-                          spec.model_cfg, ckpt), data.eval_examples)
+                          spec.model_cfg), data.eval_examples)
     zero = jax.tree.map(jnp.zeros_like, spec.init(0).params)
     with sharding.use_mesh(spec.mesh):
         evaluator.run(0, zero, spec.load_frozen(0))
         evaluator.run(1, zero, spec.load_frozen(0))
     evaluator.write_report()
-    ckpt.close()
     data.close()
     assert evaluator.evals[-1]["exact_match"] == 0.0
     assert evaluator.samples == ["user: What is 2 plus 2?\nassistant: (empty)"]

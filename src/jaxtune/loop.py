@@ -1,9 +1,10 @@
 """``train(cfg)``: the training loop, top to bottom.
 
-run directory (claimed: one run at a time) → checkpoints → mesh → data → model, objective, steps → restore or init →
-loop → final report. Each component owns its own schedule and files: `Checkpointer` (``checkpoint.every``, identity
-check), `StepLog` (metrics, NaN policy), `Evaluator` (held-out loss, samples, report.md), `Preemption` (SIGTERM,
-Ctrl-C).
+run directory (claimed: one run at a time) → `_setup` (checkpoints → mesh → data → model, objective, steps → frozen
+weights → restore or init → the components, in a `Run` record) → `_loop` → `_finish` (the final report). Each component
+owns its own schedule and files: `Checkpointer` (``checkpoint.every``, identity check), `StepLog` (metrics, the NaN
+policy's verdict, on which the loop stops), `Evaluator` (``eval.every``: held-out scores, samples, report.md),
+`Preemption` (SIGTERM, Ctrl-C).
 """
 
 from __future__ import annotations
@@ -19,19 +20,28 @@ from jaxtune import runtime, sharding
 from jaxtune.backends import Backend, backend_of
 from jaxtune.companions import loaded_companion
 from jaxtune.config import Config, ConfigError, dump_config
-from jaxtune.data import load_tokenizer, make_training_data
+from jaxtune.data import TrainingData, load_tokenizer, make_training_data
 from jaxtune.evaluator import Evaluator
 from jaxtune.models.fits import check_fits
 from jaxtune.models.hf import checkpoint_tokenizer
 from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer
-from jaxtune.train.metrics import Laps, NonFiniteLossError, StepLog, prefetch_plotting, write_loss_plot, write_summary
+from jaxtune.train.metrics import (
+    Laps,
+    NonFinite,
+    NonFiniteLossError,
+    StepLog,
+    prefetch_plotting,
+    write_loss_plot,
+    write_summary,
+)
 from jaxtune.train.profile import Profiler
-from jaxtune.train.reference import Precomputed, precompute_reference
-from jaxtune.train.rollout import make_rollout
+from jaxtune.train.reference import Frozen, Precomputed, precompute_reference
+from jaxtune.train.rollout import Rollout, make_rollout
 from jaxtune.train.run_dir import RunDirError, claim, make_run_dir
-from jaxtune.train.shapes import BatchShapes
-from jaxtune.train.step import run_steps
+from jaxtune.train.shapes import BatchShapes, Shape
+from jaxtune.train.state import ModelSpec, TrainState
+from jaxtune.train.step import Steps, run_steps
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
 
@@ -82,12 +92,46 @@ def rows_per_device(cfg: Config, ways: int) -> Config:
                       "completion)")
 
 
+@dataclass
+class Run:
+    """A run set up (`_setup`): what the loop reads, steps and reports to."""
+
+    cfg: Config
+    run_dir: Path
+    mesh: Any
+    data: TrainingData
+    spec: ModelSpec
+    steps: Steps
+    rollout: Rollout | None  # GRPO: samples each batch's completions
+    frozen: Frozen  # weights the steps read and never train (a LoRA base, the companion's)
+    state: TrainState  # restored, or initialised
+    start: int  # the step restored (0: from scratch)
+    trained: int  # parameters trained
+    ckpt: Checkpointer
+    log: StepLog
+    evaluator: Evaluator
+    shapes: BatchShapes  # each batch cut to its length bucket, one program each
+    profiler: Profiler
+    laps: Laps  # where the wall time goes (summary.json "seconds")
+
+
 def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> TrainResult:
-    laps = Laps()  # where the wall time goes (summary.json "seconds")
+    run = _setup(cfg, backend, run_dir, multi_host)
+    run.laps.lap("setup")
+    with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(run.mesh), \
+            run.ckpt.reporting_failures(), run.profiler:
+        state, step = _loop(run, preemption)
+    return _finish(run, state, step, preemption.requested)
+
+
+def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Run:
+    """Checkpoints → mesh → data → model, objective, steps → frozen weights → restore or init → the components
+    that report."""
+    laps = Laps()
     if cfg.train.compile_cache_dir:  # JAX keys entries by program, options, flags, device kind and versions
         jax.config.update("jax_compilation_cache_dir", str(Path(cfg.train.compile_cache_dir).expanduser()))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)  # 1 s would skip eval and sampler
-    proc, total = jax.process_index(), cfg.train.steps
+    proc = jax.process_index()
 
     # Checkpoints first: resuming with a different model/data/seed is refused before any work is done.
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
@@ -111,27 +155,9 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
     runtime.release_malloc(4 * spec.model_cfg.num_params())  # a large model: give freed memory back (runtime.py)
     steps = run_steps(spec, cfg, loaded_companion(cfg, mesh, spec.model_cfg.vocab_size, tokenizer))
-    precomputed = isinstance(steps.companion, Precomputed)  # the reference's log-probs, computed below
     rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None
-    count = lambda tree: int(sum(np.prod(a.shape) for a in jax.tree.leaves(tree)))
-    trained, frozen_count = count(spec.abstract.params), count(spec.frozen_abstract)
-    data.report.append(f"model: {(trained + frozen_count) / 1e6:.2f}M parameters, {trained / 1e6:.3g}M trained"
-                       + (f" ({trained / (trained + frozen_count):.2%}: the LoRA adapters; the base is frozen)"
-                          if frozen_count else ""))
-    if rollout is not None:
-        o = cfg.objective
-        data.report.append(f"{o.name}: {o.prompts_per_step} prompts x {o.num_generations} completions = "
-                           f"{o.prompts_per_step * o.num_generations} completions a step (objective.prompts_per_step "
-                           "x num_generations)")
-
-    # Frozen weights (a LoRA base, a reference copy, a teacher) are not in the checkpoint: they are read again.
-    # Reference log-probs computed once go into the batches before the data position is restored.
-    frozen = spec.load_frozen(cfg.train.seed)
-    if precomputed:
-        logps, note = precompute_reference(run_dir, spec, cfg, data, frozen)
-        data = data.with_reference(logps)
-        data.report.append(note)
-    frozen = steps.frozen(frozen, cfg.train.seed)
+    trained, notes = _model_notes(cfg, spec, rollout)
+    frozen, data, reference_notes = _frozen(cfg, run_dir, spec, steps, data)
 
     # Restore or init.
     if start:
@@ -141,85 +167,150 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
         state = spec.init(cfg.train.seed)
 
     # Components that report.
-    log = StepLog(run_dir, cfg, start, spec.model_cfg, ckpt)
+    log = StepLog(run_dir, cfg, start, spec.model_cfg)
     shapes = BatchShapes.of(cfg)
     eval_batches = [shapes.fit(b)[0] for b in data.eval_batches]  # each held-out batch at its own bucket
     evaluator = Evaluator(cfg, steps, tokenizer, eval_batches, run_dir, log, data.eval_examples, rollout,
                           data.prompts.val if data.prompts is not None else None, start=start)
-    for line in ckpt.notes(start, total) + data.report:
+    for line in ckpt.notes(start, cfg.train.steps) + data.report + notes + reference_notes:
         log.message(line)
-
-    def save(step: int) -> None:
-        log.drain()  # never save a state whose loss has not been checked
-        laps.lap("steps")
-        ckpt.save(step, state, data.train_iter.get_state(), cfg.to_dict())
-        laps.lap("save")
-
-    # Loop.
     profiler = Profiler(cfg.train.profile_steps, run_dir, start, log.message)
     if proc == 0:
         prefetch_plotting()  # loss.png at the end
-    laps.lap("setup")
-    with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(mesh), ckpt.reporting_failures(), \
-            profiler:
-        step = start
-        if start == 0 and evaluator.active:
-            if not cfg.logging.progress:  # else its progress bar says so
-                log.message("step 0: evaluating the starting model (the baseline report.md compares against) ...")
-            evaluator.run(0, state.params, frozen, bar=cfg.logging.progress)
-            laps.lap("eval")
-        while step < total:
-            profiler.before(step + 1)  # the trace holds the whole step: its batch, GRPO's sampling, the update
-            batch, sampled = next(data.train_iter), {}
-            if rollout is not None:  # GRPO: the batch's completions, sampled by the policy as it is now
-                batch, sampled = rollout.batch(steps.weights(state.params, frozen), data.prompts.train, batch, step)
-            batch, shape = shapes.fit(batch)  # cut to its length bucket (fine-tuning rows, pairs, completions)
-            state, metrics = shapes.step(lambda: steps.train(state, sharding.global_batch(mesh, batch), frozen),
-                                         shape, step + 1, log.message)
-            if step == start:
-                laps.lap("compile")  # the first dispatch compiled the step (or loaded it from the cache)
-            step += 1
-            profiler.after(step, state)
-            log.push(step, {**metrics, **sampled}, shape)
-            if evaluator.due(step):
-                log.drain()
-                laps.lap("steps")
-                evaluator.run(step, state.params, frozen)
-                laps.lap("eval")
-            stop = preemption.reached(step)
-            if ckpt.due(step) or step == total or stop:
-                save(step)
-            if stop:
-                ckpt.wait()  # saved before saying so (a second Ctrl-C meanwhile still aborts at once)
-                log.message(f"{preemption.signal}: saved step {step}, exiting; re-run the same command to resume")
-                break
-        log.drain()
-        laps.lap("steps")
-        if step == total:
-            if ckpt.latest_step() != total:
-                save(total)
-            evaluator.run(total, state.params, frozen)
-            laps.lap("eval")
+    return Run(cfg=cfg, run_dir=run_dir, mesh=mesh, data=data, spec=spec, steps=steps, rollout=rollout,
+               frozen=frozen, state=state, start=start, trained=trained, ckpt=ckpt, log=log, evaluator=evaluator,
+               shapes=shapes, profiler=profiler, laps=laps)
 
-    # Close and report.
-    ckpt.close()
-    data.close()
-    log.close()
-    result = TrainResult(run_dir, step, log.losses, evaluator.last_loss, steps.compiles, sorted(shapes.lengths),
-                         rollout.generator.compiles if rollout is not None else 0, log.nan_skipped,
-                         preemption.requested, evaluator.samples, evaluator.evals)
-    if proc == 0:
-        write_loss_plot(run_dir)
+
+def _model_notes(cfg: Config, spec: ModelSpec, rollout: Rollout | None) -> tuple[int, list[str]]:
+    """The parameters trained, and what the start of training says about the model (and the rollout)."""
+    count = lambda tree: int(sum(np.prod(a.shape) for a in jax.tree.leaves(tree)))
+    trained, frozen_count = count(spec.abstract.params), count(spec.frozen_abstract)
+    notes = [f"model: {(trained + frozen_count) / 1e6:.2f}M parameters, {trained / 1e6:.3g}M trained"
+             + (f" ({trained / (trained + frozen_count):.2%}: the LoRA adapters; the base is frozen)"
+                if frozen_count else "")]
+    if rollout is not None:
+        o = cfg.objective
+        notes.append(f"{o.name}: {o.prompts_per_step} prompts x {o.num_generations} completions = "
+                     f"{o.prompts_per_step * o.num_generations} completions a step (objective.prompts_per_step "
+                     "x num_generations)")
+    return trained, notes
+
+
+def _frozen(cfg: Config, run_dir: Path, spec: ModelSpec, steps: Steps,
+            data: TrainingData) -> tuple[Frozen, TrainingData, list[str]]:
+    """The frozen weights (a LoRA base, a reference copy, a teacher: not in the checkpoint, read again), and the data
+    with the reference log-probs computed once put into its batches (before the data position is restored)."""
+    model = spec.load_frozen(cfg.train.seed)
+    notes = []
+    if isinstance(steps.companion, Precomputed):  # the reference's log-probs
+        logps, note = precompute_reference(run_dir, spec, cfg, data, model)
+        data = data.with_reference(logps)
+        notes.append(note)
+    return steps.frozen(model, cfg.train.seed), data, notes
+
+
+def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int]:
+    """The steps from the restored one to ``train.steps`` (or the step a preemption stops at), then the last save
+    and evaluation; each component keeps its own schedule (``eval.every``, ``checkpoint.every``, ``logging.every``)."""
+    cfg, log, laps, evaluator, ckpt, profiler = run.cfg, run.log, run.laps, run.evaluator, run.ckpt, run.profiler
+    total, state, step = cfg.train.steps, run.state, run.start
+    if step == 0 and evaluator.active:
+        if not cfg.logging.progress:  # else its progress bar says so
+            log.message("step 0: evaluating the starting model (the baseline report.md compares against) ...")
+        evaluator.run(0, state.params, run.frozen, bar=cfg.logging.progress)
+        laps.lap("eval")
+    while step < total:
+        profiler.before(step + 1)  # the trace holds the whole step: its batch, GRPO's sampling, the update
+        batch, shape, sampled = _next_batch(run, state, step)
+        state, metrics = _train_step(run, state, batch, shape, step + 1)
+        if step == run.start:
+            laps.lap("compile")  # the first dispatch compiled the step (or loaded it from the cache)
+        step += 1
+        profiler.after(step, state)
+        _check(run, log.push(step, {**metrics, **sampled}, shape))
+        if evaluator.due(step):
+            _evaluate(run, step, state)
+        stop = preemption.reached(step)
+        if ckpt.due(step) or step == total or stop:
+            _save(run, step, state)
+        if stop:
+            ckpt.wait()  # saved before saying so (a second Ctrl-C meanwhile still aborts at once)
+            log.message(f"{preemption.signal}: saved step {step}, exiting; re-run the same command to resume")
+            break
+    _check(run, log.drain())
+    laps.lap("steps")
+    if step == total:
+        if ckpt.latest_step() != total:
+            _save(run, total, state)
+        evaluator.run(total, state.params, run.frozen)
+        laps.lap("eval")
+    return state, step
+
+
+def _next_batch(run: Run, state: TrainState, step: int) -> tuple[dict[str, Any], Shape, dict[str, float]]:
+    """The batch of step ``step + 1`` cut to its length bucket (fine-tuning rows, pairs, completions), its shape,
+    and GRPO's rollout metrics: its completions sampled by the policy as it is now."""
+    batch, sampled = next(run.data.train_iter), {}
+    if run.rollout is not None:
+        batch, sampled = run.rollout.batch(run.steps.weights(state.params, run.frozen), run.data.prompts.train,
+                                           batch, step)
+    batch, shape = run.shapes.fit(batch)
+    return batch, shape, sampled
+
+
+def _train_step(run: Run, state: TrainState, batch: dict[str, Any], shape: Shape,
+                step: int) -> tuple[TrainState, dict[str, Any]]:
+    """Train step ``step`` on the host ``batch`` (a length bucket's first batch compiles its program, said)."""
+    return run.shapes.step(lambda: run.steps.train(state, sharding.global_batch(run.mesh, batch), run.frozen), shape,
+                           step, run.log.message)
+
+
+def _check(run: Run, stop: NonFinite | None) -> None:
+    """Stops training where the NaN policy says so (`StepLog`), once the checkpoint being written is complete, with
+    the last good one named."""
+    if stop is not None:
+        run.ckpt.wait()
+        raise stop.error(run.ckpt.latest_step())
+
+
+def _evaluate(run: Run, step: int, state: TrainState) -> None:
+    _check(run, run.log.drain())  # the steps' time ends at a host sync
+    run.laps.lap("steps")
+    run.evaluator.run(step, state.params, run.frozen)
+    run.laps.lap("eval")
+
+
+def _save(run: Run, step: int, state: TrainState) -> None:
+    _check(run, run.log.drain())  # never save a state whose loss has not been checked
+    run.laps.lap("steps")
+    run.ckpt.save(step, state, run.data.train_iter.get_state(), run.cfg.to_dict())
+    run.laps.lap("save")
+
+
+def _finish(run: Run, state: TrainState, step: int, preempted: bool) -> TrainResult:
+    """Close the components; loss.png, report.md and summary.json (process 0); the result."""
+    run.ckpt.close()
+    run.data.close()
+    run.log.close()
+    log, evaluator, laps = run.log, run.evaluator, run.laps
+    result = TrainResult(run_dir=run.run_dir, step=step, losses=log.losses, eval_loss=evaluator.last_loss,
+                         step_compiles=run.steps.compiles, step_lengths=sorted(run.shapes.lengths),
+                         sampler_compiles=run.rollout.generator.compiles if run.rollout is not None else 0,
+                         nan_skipped=log.nan_skipped, preempted=preempted, samples=evaluator.samples,
+                         evals=evaluator.evals)
+    if jax.process_index() == 0:
+        write_loss_plot(run.run_dir)
         evaluator.write_report()
     laps.lap("finish")
-    if proc == 0:
-        write_summary(run_dir, {"step": step, "final_train_loss": log.losses.get(step), "eval_loss": result.eval_loss,
-                                "nan_skipped": log.nan_skipped, "preempted": result.preempted,
-                                "params": spec.model_cfg.num_params(), "trained_params": trained,
-                                "step_compiles": steps.compiles,
-                                "step_lengths": result.step_lengths,
-                                "seconds": {k: round(v, 3) for k, v in laps.seconds.items()}},
-                      result.preempted)
-        if not result.preempted:
+    if jax.process_index() == 0:
+        write_summary(run.run_dir, {"step": step, "final_train_loss": log.losses.get(step),
+                                    "eval_loss": result.eval_loss, "nan_skipped": log.nan_skipped,
+                                    "preempted": preempted, "params": run.spec.model_cfg.num_params(),
+                                    "trained_params": run.trained, "step_compiles": run.steps.compiles,
+                                    "step_lengths": result.step_lengths,
+                                    "seconds": {k: round(v, 3) for k, v in laps.seconds.items()}},
+                      preempted)
+        if not preempted:
             print(laps.line(), flush=True)
     return result

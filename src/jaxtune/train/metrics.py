@@ -1,5 +1,5 @@
-"""What a run reports: the per-step log (`StepLog`: metric windows, the NaN policy, every sink), the writers behind it
-(a progress bar, ``metrics.jsonl``, TensorBoard and, when configured, W&B), and the run's closing files.
+"""What a run reports: the per-step log (`StepLog`: metric windows, the NaN policy's verdict, every sink), the writers
+behind it (a progress bar, ``metrics.jsonl``, TensorBoard and, when configured, W&B), and the run's closing files.
 
 Only process 0 writes. A resumed run redoes the steps after its checkpoint: the rows an earlier attempt wrote for
 them are removed first (`MetricsWriter`), so each step has one row and TensorBoard one curve. A write that fails on
@@ -16,6 +16,7 @@ import math
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,7 @@ class MetricsWriter:
         self.jsonl_path = run_dir / "metrics.jsonl"
         if cfg.jsonl:
             with writing(self.jsonl_path):
-                self.jsonl = open(self.jsonl_path, "a", buffering=1)
+                self.jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115 (open for the run; close())
         if cfg.tensorboard:
             SummaryWriter = _summary_writer()
             with writing(run_dir / "tensorboard"):
@@ -136,7 +137,8 @@ class MetricsWriter:
             try:
                 import wandb
             except ImportError:
-                raise ImportError("logging.wandb_project is set but wandb is not installed: pip install 'jaxtune[wandb]'") from None
+                raise ImportError("logging.wandb_project is set but wandb is not installed: "
+                                  "pip install 'jaxtune[wandb]'") from None
             self.wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), config=config, resume="allow")
 
     def write(self, step: int, scalars: dict[str, float], kind: str = "train") -> None:
@@ -213,20 +215,43 @@ def _summary_writer() -> type:
     return SummaryWriter
 
 
+@dataclass(frozen=True)
+class NonFinite:
+    """A step whose loss or gradient was not finite and that stops training: ``train.on_nan=abort``, or
+    ``train.max_nan_skips`` skipped in a row (``streak``, with ``train.on_nan=skip``). The loop waits for the
+    checkpoint being written, then raises `error` with the last good step."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    streak: int = 0  # skipped steps in a row; 0 where train.on_nan=abort
+    max_skips: int = 0
+
+    def error(self, last_good: int | None) -> NonFiniteLossError:
+        if not self.streak:
+            return NonFiniteLossError(
+                f"step {self.step}: loss={self.loss} grad_norm={self.grad_norm}; training stopped, last good "
+                f"checkpoint: {last_good}. Set train.on_nan=skip to skip such steps.")
+        return NonFiniteLossError(
+            f"step {self.step}: {self.streak} non-finite steps in a row (train.max_nan_skips={self.max_skips}); last "
+            f"good checkpoint: {last_good}")
+
+
 class StepLog:
     """The train steps' metrics, read one step late (so dispatch stays asynchronous): the NaN policy
     (``train.on_nan``), means over each logging window, throughput and MFU, written every ``logging.every`` steps.
 
     ``push(step, metrics, shape)`` after each step reads the previous step's metrics (the only host sync per step);
-    ``drain()`` reads everything pending (before a checkpoint or an evaluation).
+    ``drain()`` reads everything pending (before a checkpoint or an evaluation). Both return the `NonFinite` step
+    that stops training, if the NaN policy says so (None: go on); the loop stops.
 
     Throughput counts real tokens: ``tokens`` is the step's tokens that are not padding, ``tok_s`` the window's real
     tokens per second, ``pad_fraction`` the share of the positions stepped that were padding, and MFU the model FLOPs
     of the real tokens (at the length they were stepped at) per second over the devices' peak. The objective's own
     count (tokens with loss, pairs, completion tokens) is ``count``."""
 
-    def __init__(self, run_dir: Path, cfg: Config, start: int, model_cfg: Any, checkpointer: Any):
-        self.cfg, self.ckpt, self.model_cfg = cfg, checkpointer, model_cfg
+    def __init__(self, run_dir: Path, cfg: Config, start: int, model_cfg: Any):
+        self.cfg, self.model_cfg = cfg, model_cfg
         self.writer = MetricsWriter(run_dir, cfg.logging, cfg.train.steps, start, cfg.to_dict())
         self.peak = peak_flops(jax.devices()[0])
         self.losses: dict[int, float] = {}  # step -> train loss, for the steps run here
@@ -241,20 +266,26 @@ class StepLog:
     def message(self, text: str) -> None:
         self.writer.message(text)
 
-    def push(self, step: int, metrics: dict[str, Any], shape: Shape) -> None:
-        self.drain()
+    def push(self, step: int, metrics: dict[str, Any], shape: Shape) -> NonFinite | None:
+        stop = self.drain()
         self.pending.append((step, metrics, shape))
         self.writer.advance()
+        return stop
 
-    def drain(self) -> None:
+    def drain(self) -> NonFinite | None:
         while self.pending:
             step, m, shape = self.pending.pop(0)
-            self._read(step, {k: float(v) for k, v in jax.device_get(m).items()}, shape)
+            stop = self._read(step, {k: float(v) for k, v in jax.device_get(m).items()}, shape)
+            if stop is not None:
+                return stop
+        return None
 
-    def _read(self, s: int, m: dict[str, float], shape: Shape) -> None:
+    def _read(self, s: int, m: dict[str, float], shape: Shape) -> NonFinite | None:
         self.losses[s] = m["loss"]
         if not m["finite"]:
-            self._non_finite(s, m)
+            stop = self._non_finite(s, m)
+            if stop is not None:
+                return stop
         self.steps += 1
         self.tokens += shape.tokens
         self.positions += shape.positions
@@ -263,7 +294,7 @@ class StepLog:
             self.loss_sum += m["loss"]
             self.finite += 1
         if s % self.cfg.logging.every and s != self.cfg.train.steps:
-            return
+            return None
         elapsed = time.perf_counter() - self.t0
         step_time = elapsed / max(self.steps, 1)
         # loss: mean over the steps since the last line (steady curves); step_loss: this step's
@@ -276,21 +307,19 @@ class StepLog:
             scalars["mfu"] = self.flops / elapsed / (self.peak * jax.device_count())
         self.writer.write(s, scalars)
         self._window(time.perf_counter())
+        return None
 
-    def _non_finite(self, s: int, m: dict[str, float]) -> None:
+    def _non_finite(self, s: int, m: dict[str, float]) -> NonFinite | None:
+        """The NaN policy's verdict on step ``s``: a skipped step is counted and said; the step that stops training
+        is returned."""
         train = self.cfg.train
         if train.on_nan == "abort":
-            self.ckpt.wait()
-            raise NonFiniteLossError(
-                f"step {s}: loss={m['loss']} grad_norm={m['grad_norm']}; training stopped, last good "
-                f"checkpoint: {self.ckpt.latest_step()}. Set train.on_nan=skip to skip such steps.")
+            return NonFinite(s, m["loss"], m["grad_norm"])
         self.nan_skipped += 1
-        self.message(f"step {s}: non-finite loss, update skipped ({int(m['nan_streak'])} in a row)")
-        if m["nan_streak"] >= train.max_nan_skips:
-            self.ckpt.wait()
-            raise NonFiniteLossError(
-                f"step {s}: {int(m['nan_streak'])} non-finite steps in a row "
-                f"(train.max_nan_skips={train.max_nan_skips}); last good checkpoint: {self.ckpt.latest_step()}")
+        streak = int(m["nan_streak"])
+        self.message(f"step {s}: non-finite loss, update skipped ({streak} in a row)")
+        return NonFinite(s, m["loss"], m["grad_norm"], streak, train.max_nan_skips) \
+            if m["nan_streak"] >= train.max_nan_skips else None
 
     def close(self) -> None:
         self.writer.close()
@@ -317,7 +346,8 @@ class Laps:
         total = sum(self.seconds.values())
         parts = ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
         steps = self.seconds.get("steps", 0.0)
-        return f"time: {total:.1f} s in train(): {parts} s; {100 * (1 - steps / total) if total else 0:.1f}% outside steps"
+        outside = 100 * (1 - steps / total) if total else 0
+        return f"time: {total:.1f} s in train(): {parts} s; {outside:.1f}% outside steps"
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any], preempted: bool) -> None:
