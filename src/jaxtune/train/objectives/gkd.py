@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.train.objectives.base import BetaOnly, Metrics, Reference
-from jaxtune.train.objectives.grpo import ROW_KEYS
+from jaxtune.train.objectives.policy_gradient import rows as row_arrays
 from jaxtune.train.state import Batch, Forward
 
 
@@ -51,7 +51,7 @@ class GKD(BetaOnly):
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
         if reference is None or reference.log_softmax is None:
             raise ValueError("gkd needs the teacher model's distributions (objective.teacher)")
-        rows = {k: batch[k] for k in ROW_KEYS if k in batch}
+        rows = row_arrays(batch)
         student = jax.nn.log_softmax(forward.logits(weights, rows, key).astype(jnp.float32), axis=-1)
         teacher = jax.lax.stop_gradient(reference.log_softmax(rows))
         mask = batch["loss_mask"].astype(jnp.float32)

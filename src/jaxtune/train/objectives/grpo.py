@@ -22,8 +22,9 @@ divided by (completions × ``max_completion_length``). Each is a sum and a count
 whole batch's value. (TRL's ``bnpo``, a mean of per-micro-batch token means, is not a sum over a count: it is
 ``dapo`` when there is one micro-batch.)
 
-Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``, ``clip_ratio/high_mean`` and
-``clip_ratio/region_mean`` (the share of completion tokens whose ratio was clipped below, above, either).
+Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``,
+``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens whose ratio was clipped below,
+above, either). What RLOO does the same way (the old log-probs, the clip, its metrics) is `policy_gradient`'s.
 """
 
 from __future__ import annotations
@@ -35,12 +36,22 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import OBJECTIVES, ObjectiveConfig
-from jaxtune.config.kinds import BRANCH_KEY, BRANCH_SLOTS_KEY, SAMPLER_LOGPS_KEY
+from jaxtune.config.kinds import BRANCH_KEY, SAMPLER_LOGPS_KEY
+from jaxtune.train.objectives import policy_gradient as pg
 from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
 LOSS_TYPES = OBJECTIVES["grpo"].loss_types
-ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask", BRANCH_KEY, BRANCH_SLOTS_KEY)
+
+
+def token_advantages(batch: Batch) -> jax.Array:
+    """Each token's completion's advantage, shaped like the token arrays ((N, 1) for a row per completion, (B, T)
+    for a group in one row, by ``branch_ids``)."""
+    adv = batch["advantages"]
+    if BRANCH_KEY not in batch:  # (N,) per row
+        return adv[:, None]
+    branch = batch[BRANCH_KEY]  # (B, T): 0 the prompt, k the k-th completion; advantages (B, G)
+    return jnp.take_along_axis(adv, jnp.clip(branch - 1, 0, adv.shape[1] - 1), axis=1)
 
 
 @dataclass(frozen=True)
@@ -53,7 +64,7 @@ class GRPO:
     temperature: float = 1.0
     max_completion_length: int = 128
     passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
-    prepares: bool = False  # prepare runs before one pass too (RLOO's advantages); else only before several
+    prepares: bool = False  # the old log-probs are needed only before several passes
     old_from_sampler: bool = False  # passes > 1: the batch's sampler log-probs are the old policy's
     importance_sampling: str = "off"  # TRL's vllm_importance_sampling_mode, or off
     importance_sampling_max: float | None = 3.0
@@ -79,49 +90,26 @@ class GRPO:
 
     def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
         """(N, T) log-probs of the batch's targets under the tempered policy."""
-        return forward.token_logps(weights, {k: batch[k] for k in ROW_KEYS if k in batch}, key, self.temperature)
-
-    @staticmethod
-    def token_advantages(batch: Batch) -> tuple[jax.Array, jax.Array]:
-        """Each token's completion's advantage, like the token arrays, and the completions as (..., C, T) masks to
-        sum a completion's tokens with (C = 1: a row per completion; C = G: a group in one row, ``branch_ids``)."""
-        adv = batch["advantages"]
-        if BRANCH_KEY not in batch:  # (N,) per row
-            return adv[:, None], jnp.ones((adv.shape[0], 1, 1), jnp.float32)
-        branch = batch[BRANCH_KEY]  # (B, T): 0 the prompt, k the k-th completion; advantages (B, G)
-        of_token = jnp.take_along_axis(adv, jnp.clip(branch - 1, 0, adv.shape[1] - 1), axis=1)
-        completions = (branch[:, None, :] == jnp.arange(1, adv.shape[1] + 1)[None, :, None]).astype(jnp.float32)
-        return of_token, completions
+        return pg.tempered_logps(forward, weights, batch, key, self.temperature)
 
     def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
         """Before the first of several passes: the sampling policy's log-probs, fixed for every pass (``old_logps``):
         the sampler's own (``old_from_sampler``, no forward pass) or the trainer's forward with the weights as they
         were."""
-        if self.old_from_sampler and SAMPLER_LOGPS_KEY in batch:
-            return {**batch, "old_logps": batch[SAMPLER_LOGPS_KEY]}
-        return {**batch, "old_logps": jax.lax.stop_gradient(self.logps(forward, weights, batch, None))}
+        return pg.with_old_logps(forward, weights, batch, self.temperature, self.old_from_sampler)
 
-    def sampler_correction(self, batch: Batch, logps: jax.Array, old: jax.Array, completions: jax.Array,
-                           metrics: Metrics) -> jax.Array | None:
-        """How far the trainer's log-probs ``logps`` are from the sampler's, as metrics (``sampler_logp_diff/mean``
-        and ``/max`` over completion tokens: the first pass's, whose weights sampled), and with
-        ``importance_sampling`` the weight of each token's loss: r = exp(old - sampler) per token, or per completion
-        (the mean over its tokens), truncated to or masked outside [min, max] (TRL's modes), ``old`` being the
-        trainer's log-probs of the policy that sampled. None: no correction."""
-        if SAMPLER_LOGPS_KEY not in batch:
-            return None
+    def importance_weight(self, batch: Batch, old: jax.Array, completions: jax.Array) -> tuple[jax.Array, Metrics]:
+        """With ``importance_sampling`` (and the sampler's log-probs in the batch), the weight of each token's loss:
+        r = exp(old - sampler) per token, or per completion (the mean over its tokens), truncated to or masked outside
+        [min, max] (TRL's modes), ``old`` being the trainer's log-probs of the policy that sampled; and its
+        ``importance_sampling_ratio/mean``, ``/min`` and ``/max`` over completion tokens."""
         mask, sampler = batch["loss_mask"], batch[SAMPLER_LOGPS_KEY]
-        diff = jnp.abs(jax.lax.stop_gradient(logps) - sampler) * mask
-        metrics["sampler_logp_diff/mean"] = (jnp.sum(diff), jnp.sum(mask))
-        metrics["sampler_logp_diff/max"] = jnp.max(diff)
-        if self.importance_sampling == "off":
-            return None
         gap = jax.lax.stop_gradient(old - sampler) * mask
         if self.importance_sampling.startswith("sequence"):  # each completion's mean gap, on its tokens
-            # (the geometric mean of its token ratios, as GSPO's sequence ratio; TRL 1.16 sums, which makes the
-            # ratio's spread grow with the completion's length and the cap cut most long ones: its issue #5814)
-            per = jnp.sum(gap[:, None, :] * completions, -1) / jnp.maximum(
-                jnp.sum(mask[:, None, :] * completions, -1), 1.0)  # (rows, completions in a row)
+            # (the geometric mean of its token ratios, as GSPO's sequence ratio: a sum's spread would grow with the
+            # completion's length, and the cap would cut most long completions)
+            per = pg.per_completion(gap, completions) / jnp.maximum(
+                pg.per_completion(mask, completions), 1.0)  # (rows, completions in a row)
             gap = jnp.sum(per[:, :, None] * completions, 1)
         ratio = jnp.exp(gap)
         lo = -jnp.inf if self.importance_sampling_min is None else self.importance_sampling_min
@@ -130,47 +118,43 @@ class GRPO:
             ratio = jnp.clip(ratio, lo, hi)
         else:
             ratio = jnp.where((ratio < lo) | (ratio > hi), 0.0, ratio)
-        tokens = jnp.sum(mask)
-        metrics["importance_sampling_ratio/mean"] = (jnp.sum(ratio * mask), tokens)
-        metrics["importance_sampling_ratio/min"] = jnp.min(jnp.where(mask > 0, ratio, jnp.inf))
-        metrics["importance_sampling_ratio/max"] = jnp.max(jnp.where(mask > 0, ratio, -jnp.inf))
-        return ratio
+        metrics: Metrics = {
+            "importance_sampling_ratio/mean": (jnp.sum(ratio * mask), jnp.sum(mask)),
+            "importance_sampling_ratio/min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
+            "importance_sampling_ratio/max": jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
+        }
+        return ratio, metrics
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
         mask = batch["loss_mask"]
         logps = self.logps(forward, weights, batch, key)
-        old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
+        old = pg.old_logps(batch, logps)
         ratio = jnp.exp(logps - old)
-        adv, completions = self.token_advantages(batch)
-        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        clipped = jnp.clip(ratio, 1.0 - self.epsilon, 1.0 + high)
-        per_token = -jnp.minimum(ratio * adv, clipped * adv)
+        adv, completions = token_advantages(batch), pg.completion_masks(batch)
+        bounds = pg.ClipBounds.of(self.epsilon, self.epsilon_high)
+        per_token = pg.clipped_surrogate(ratio, adv, bounds)
         tokens = jnp.sum(mask)
-        metrics: Metrics = {}
-        weight = self.sampler_correction(batch, logps, old, completions, metrics)
-        if weight is not None:
+        metrics = pg.sampler_agreement(batch, logps)
+        if metrics and self.importance_sampling != "off":
+            weight, weight_metrics = self.importance_weight(batch, old, completions)
             per_token = per_token * weight
+            metrics.update(weight_metrics)
         if self.beta > 0:
             if reference is None:
                 raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
-            ref = reference({k: batch[k] for k in ROW_KEYS if k in batch}, self.temperature)
+            ref = pg.reference_logps(reference, batch, self.temperature)
             delta = ref - pinned(logps, ref, reference)  # exactly 0 while the policy is the reference
             kl = (jnp.exp(delta) - delta - 1.0) * ratio  # TRL's bias correction: weighted by the ratio
             per_token = per_token + self.beta * kl
             metrics["kl"] = (jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens)
         else:
             metrics["kl"] = (jnp.zeros((), jnp.float32), tokens)
-        fixed = jax.lax.stop_gradient(ratio)
-        low_clip = ((fixed < 1.0 - self.epsilon) & (adv < 0)).astype(jnp.float32)
-        high_clip = ((fixed > 1.0 + high) & (adv > 0)).astype(jnp.float32)
-        metrics["clip_ratio/low_mean"] = (jnp.sum(low_clip * mask), tokens)
-        metrics["clip_ratio/high_mean"] = (jnp.sum(high_clip * mask), tokens)
-        metrics["clip_ratio/region_mean"] = (jnp.sum(jnp.maximum(low_clip, high_clip) * mask), tokens)
+        metrics.update(pg.clip_metrics(ratio, adv, bounds, tokens, mask))
         summed = per_token * mask
         n = jnp.asarray(batch["advantages"].size, jnp.float32)  # completions
         if self.loss_type == "grpo":  # each completion's mean token loss
-            per = lambda x: jnp.sum(x[:, None, :] * completions, -1)  # (rows, completions in a row)
+            per = lambda x: pg.per_completion(x, completions)  # (rows, completions in a row)
             total, count = jnp.sum(per(summed) / jnp.maximum(per(mask), 1.0)), n
         elif self.loss_type == "dr_grpo":
             total, count = jnp.sum(summed), n * self.max_completion_length

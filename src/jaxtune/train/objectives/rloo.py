@@ -14,7 +14,8 @@ Bessel-corrected std); unscorable completions end at 0.
 Loss, per completion: with ρ = exp(Σ_t logp_t - Σ_t old_t) its sequence ratio, -min(ρ A, clip(ρ, 1 - ε, 1 + ε_high)
 A), averaged over completions. Metrics (TRL's names): ``kl`` (per completion token, of old - ref), ``clip_ratio/
 low_mean``, ``/high_mean``, ``/region_mean`` (the share of completions whose ratio was clipped), and the sampler's
-agreement with the trainer (``sampler_logp_diff/mean``, ``/max``) as for GRPO.
+agreement with the trainer (``sampler_logp_diff/mean``, ``/max``) as for GRPO. What it does as GRPO does (the old
+log-probs, the clip, its metrics) is `policy_gradient`'s.
 """
 
 from __future__ import annotations
@@ -26,20 +27,42 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ObjectiveConfig
-from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
+from jaxtune.train.objectives import policy_gradient as pg
 from jaxtune.train.objectives.base import Metrics, Reference
-from jaxtune.train.objectives.grpo import GRPO, ROW_KEYS
 from jaxtune.train.state import Batch, Forward
 
 SEQUENCE_KL_KEY = "sequence_kl"  # what `RLOO.prepare` adds: each completion's Σ_t (old - ref), for the kl metric
 
 
+def completion_advantages(batch: Batch, completions: jax.Array) -> jax.Array:
+    """Each completion's advantage as (rows, C), C from ``completions`` (`policy_gradient.completion_masks`)."""
+    return batch["advantages"].reshape(completions.shape[:2])
+
+
+def normalized(adv: jax.Array) -> jax.Array:
+    """(A - mean) / (std + 1e-4) over the batch's scorable (not NaN) advantages, the std Bessel-corrected
+    (`trl.trainer.utils.nanstd`); NaN stays NaN."""
+    scorable = ~jnp.isnan(adv)
+    n = jnp.sum(scorable)
+    mean = jnp.sum(jnp.where(scorable, adv, 0.0)) / n
+    var = jnp.sum(jnp.where(scorable, (adv - mean) ** 2, 0.0)) / (n - 1)
+    return (adv - mean) / (jnp.sqrt(var) + 1e-4)
+
+
 @dataclass(frozen=True)
-class RLOO(GRPO):
+class RLOO:
     name: str = "rloo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    temperature: float = 1.0
+    max_completion_length: int = 128
     num_generations: int = 8
     normalize_advantages: bool = False
-    prepares: bool = True
+    passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
+    prepares: bool = True  # the advantages need the whole batch (and the reference) before every step
+    old_from_sampler: bool = False  # the batch's sampler log-probs are the old policy's
+    metric_names: tuple[str, ...] = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> RLOO:
@@ -48,69 +71,65 @@ class RLOO(GRPO):
                    old_from_sampler=cfg.old_logps == "sampler", num_generations=cfg.num_generations,
                    normalize_advantages=cfg.normalize_advantages)
 
-    @staticmethod
-    def completion_sums(batch: Batch) -> tuple[jax.Array, Any]:
-        """Each completion's advantage, (rows, C), and ``per(x)``: x (rows, T) summed over each completion's tokens,
-        (rows, C) (C = 1: a row per completion; C = G: a group in one row)."""
-        _, completions = GRPO.token_advantages(batch)
-        adv = batch["advantages"].reshape(completions.shape[:2])
-        return adv, lambda x: jnp.sum(x[:, None, :] * completions, -1)
+    @property
+    def uses_reference(self) -> bool:
+        return self.beta > 0
+
+    def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
+        """(N, T) log-probs of the batch's targets under the tempered policy."""
+        return pg.tempered_logps(forward, weights, batch, key, self.temperature)
 
     def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
         """The final advantages on the whole batch: the KL to the reference in the reward (``beta`` > 0), the
-        normalisation, unscorable completions at 0; and before several passes the old log-probs (`GRPO.prepare`)."""
+        normalisation, unscorable completions at 0; and before several passes the old log-probs
+        (`policy_gradient.with_old_logps`)."""
         if self.passes > 1:
-            batch = super().prepare(forward, weights, batch)
-        adv, per = self.completion_sums(batch)
-        mask = batch["loss_mask"]
+            batch = pg.with_old_logps(forward, weights, batch, self.temperature, self.old_from_sampler)
+        completions = pg.completion_masks(batch)
+        adv = completion_advantages(batch, completions)
         if self.beta > 0:
             if reference is None:
                 raise ValueError("rloo with beta > 0 needs the reference model's log-probs")
-            if "old_logps" in batch:
-                old = batch["old_logps"]
-            elif self.old_from_sampler and SAMPLER_LOGPS_KEY in batch:
-                old = batch[SAMPLER_LOGPS_KEY]
-            else:
-                old = jax.lax.stop_gradient(self.logps(forward, weights, batch, None))
-            ref = reference({k: batch[k] for k in ROW_KEYS if k in batch}, self.temperature)
-            kl = jnp.where(reference.is_policy, 0.0, per((old - ref) * mask))  # exactly 0 while policy = reference
-            groups = adv.reshape(-1, self.num_generations)  # each prompt's completions (contiguous rows, or a row)
-            kl_groups = kl.reshape(groups.shape)
-            scorable = ~jnp.isnan(groups)
-            kl_sum = jnp.sum(jnp.where(scorable, kl_groups, 0.0), axis=1, keepdims=True)
-            others = (kl_sum - kl_groups) / (jnp.sum(scorable, axis=1, keepdims=True) - 1)
-            adv = (groups - self.beta * (kl_groups - others)).reshape(adv.shape)
+            adv, kl = self.kl_penalized(forward, weights, batch, reference, adv, completions)
             batch = {**batch, SEQUENCE_KL_KEY: kl}
         if self.normalize_advantages:
-            scorable = ~jnp.isnan(adv)
-            n = jnp.sum(scorable)
-            mean = jnp.sum(jnp.where(scorable, adv, 0.0)) / n
-            var = jnp.sum(jnp.where(scorable, (adv - mean) ** 2, 0.0)) / (n - 1)
-            adv = (adv - mean) / (jnp.sqrt(var) + 1e-4)
+            adv = normalized(adv)
         adv = jnp.nan_to_num(adv, nan=0.0)
         return {**batch, "advantages": adv.reshape(batch["advantages"].shape)}
+
+    def kl_penalized(self, forward: Forward, weights: Any, batch: Batch, reference: Reference, adv: jax.Array,
+                     completions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The advantages (rows, C) of the rewards less beta times each completion's KL to the reference,
+        kl_i = Σ_t (old_t - ref_t): A_i - beta (kl_i - mean of kl over the group's other scorable completions), the
+        leave-one-out baseline being linear in the rewards; and kl (rows, C)."""
+        if pg.OLD_LOGPS_KEY in batch:
+            old = batch[pg.OLD_LOGPS_KEY]
+        else:
+            old = pg.sampling_logps(forward, weights, batch, self.temperature, self.old_from_sampler)
+        ref = pg.reference_logps(reference, batch, self.temperature)
+        kl = jnp.where(reference.is_policy, 0.0,  # exactly 0 while policy = reference
+                       pg.per_completion((old - ref) * batch["loss_mask"], completions))
+        groups = adv.reshape(-1, self.num_generations)  # each prompt's completions (contiguous rows, or a row)
+        kl_groups = kl.reshape(groups.shape)
+        scorable = ~jnp.isnan(groups)
+        kl_sum = jnp.sum(jnp.where(scorable, kl_groups, 0.0), axis=1, keepdims=True)
+        others = (kl_sum - kl_groups) / (jnp.sum(scorable, axis=1, keepdims=True) - 1)
+        return (groups - self.beta * (kl_groups - others)).reshape(adv.shape), kl
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
         mask = batch["loss_mask"]
         logps = self.logps(forward, weights, batch, key)
-        old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
-        adv, per = self.completion_sums(batch)
-        ratio = jnp.exp(per((logps - old) * mask))  # (rows, C): each completion's sequence ratio
-        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        clipped = jnp.clip(ratio, 1.0 - self.epsilon, 1.0 + high)
-        losses = -jnp.minimum(ratio * adv, clipped * adv)
+        old = pg.old_logps(batch, logps)
+        completions = pg.completion_masks(batch)
+        adv = completion_advantages(batch, completions)
+        ratio = jnp.exp(pg.per_completion((logps - old) * mask, completions))  # (rows, C): each sequence's ratio
+        bounds = pg.ClipBounds.of(self.epsilon, self.epsilon_high)
+        losses = pg.clipped_surrogate(ratio, adv, bounds)
         n = jnp.asarray(adv.size, jnp.float32)
-        metrics: Metrics = {}
-        _, completions = GRPO.token_advantages(batch)
-        self.sampler_correction(batch, logps, old, completions, metrics)
+        metrics = pg.sampler_agreement(batch, logps)
         tokens = jnp.sum(mask)
         kl = jnp.sum(batch[SEQUENCE_KL_KEY]) if SEQUENCE_KL_KEY in batch else jnp.zeros((), jnp.float32)
         metrics["kl"] = (kl, tokens)
-        fixed = jax.lax.stop_gradient(ratio)
-        low = ((fixed < 1.0 - self.epsilon) & (adv < 0)).astype(jnp.float32)
-        up = ((fixed > 1.0 + high) & (adv > 0)).astype(jnp.float32)
-        metrics["clip_ratio/low_mean"] = (jnp.sum(low), n)
-        metrics["clip_ratio/high_mean"] = (jnp.sum(up), n)
-        metrics["clip_ratio/region_mean"] = (jnp.sum(jnp.maximum(low, up)), n)
+        metrics.update(pg.clip_metrics(ratio, adv, bounds, n))
         return jnp.sum(losses), n, metrics

@@ -1,0 +1,117 @@
+"""What the policy-gradient objectives on sampled completions (GRPO, RLOO) share, as pure functions of their arrays.
+
+Both read the rollout's rows (`jaxtune.train.rollout`): a row per completion, or with shared prompts a group in one
+row (``branch_ids``: the prompt 0, then each completion 1..G), ``advantages`` (N,) or (prompts, G). Both compare the
+policy's log-probs with those of the policy that sampled (the old policy: `old_logps`), clip a ratio r of the two to
+[1 - epsilon, 1 + epsilon_high] (`ClipBounds`) in a clipped surrogate -min(r A, clip(r) A), and report how many
+ratios the clip cut (`clip_metrics`) and how far the sampler's log-probs are from the trainer's
+(`sampler_agreement`). GRPO's ratio is per token, RLOO's per completion.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.config.kinds import BRANCH_KEY, BRANCH_SLOTS_KEY, SAMPLER_LOGPS_KEY
+from jaxtune.train.objectives.base import Metrics, Reference
+from jaxtune.train.state import Batch, Forward
+
+# The rollout's arrays that a forward pass reads (the policy's, the reference's; GKD's teacher's too).
+ROW_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask", BRANCH_KEY, BRANCH_SLOTS_KEY)
+OLD_LOGPS_KEY = "old_logps"  # what `with_old_logps` adds: the sampling policy's (N, T) log-probs, fixed for each pass
+
+
+def rows(batch: Batch) -> Batch:
+    """The batch's arrays a forward pass reads (`ROW_KEYS`)."""
+    return {k: batch[k] for k in ROW_KEYS if k in batch}
+
+
+def tempered_logps(forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
+                   temperature: float) -> jax.Array:
+    """(N, T) log-probs of the batch's targets under the policy's logits / ``temperature`` (the distribution the
+    completions were sampled from)."""
+    return forward.token_logps(weights, rows(batch), key, temperature)
+
+
+def reference_logps(reference: Reference, batch: Batch, temperature: float) -> jax.Array:
+    """(N, T) log-probs of the batch's targets under the reference's tempered distribution."""
+    return reference(rows(batch), temperature)
+
+
+def sampling_logps(forward: Forward, weights: Any, batch: Batch, temperature: float,
+                   from_sampler: bool) -> jax.Array:
+    """(N, T) log-probs of the policy that sampled, without gradient: the sampler's own (``from_sampler``, when the
+    batch carries them: no forward pass), else the trainer's forward with ``weights`` (the weights that sampled)."""
+    if from_sampler and SAMPLER_LOGPS_KEY in batch:
+        return batch[SAMPLER_LOGPS_KEY]
+    return jax.lax.stop_gradient(tempered_logps(forward, weights, batch, None, temperature))
+
+
+def with_old_logps(forward: Forward, weights: Any, batch: Batch, temperature: float, from_sampler: bool) -> Batch:
+    """The batch with the sampling policy's log-probs (`sampling_logps`) as ``old_logps``: what every pass over it
+    compares the policy with."""
+    return {**batch, OLD_LOGPS_KEY: sampling_logps(forward, weights, batch, temperature, from_sampler)}
+
+
+def old_logps(batch: Batch, logps: jax.Array) -> jax.Array:
+    """The old policy's (N, T) log-probs: the batch's ``old_logps`` when prepared (several passes), else the policy's
+    own ``logps`` without gradient (one pass: the weights are those that sampled, so every ratio is 1)."""
+    return batch[OLD_LOGPS_KEY] if OLD_LOGPS_KEY in batch else jax.lax.stop_gradient(logps)
+
+
+def completion_masks(batch: Batch) -> jax.Array:
+    """(rows, C, T) float32: which tokens of each row belong to each of its C completions (C = 1: a row per
+    completion, all ones, its ``loss_mask`` picks the tokens; C = G: a group in one row, by ``branch_ids``)."""
+    adv = batch["advantages"]
+    if BRANCH_KEY not in batch:  # (N,) per row
+        return jnp.ones((adv.shape[0], 1, 1), jnp.float32)
+    branch = batch[BRANCH_KEY]  # (B, T): 0 the prompt, k the k-th completion; advantages (B, G)
+    return (branch[:, None, :] == jnp.arange(1, adv.shape[1] + 1)[None, :, None]).astype(jnp.float32)
+
+
+def per_completion(x: jax.Array, completions: jax.Array) -> jax.Array:
+    """(rows, T) summed over each completion's tokens: (rows, C), with ``completions`` from `completion_masks`."""
+    return jnp.sum(x[:, None, :] * completions, -1)
+
+
+class ClipBounds(NamedTuple):
+    """Where the ratio is clipped: [1 - epsilon, 1 + epsilon_high] (epsilon_high None: epsilon, a symmetric clip)."""
+
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, epsilon: float, epsilon_high: float | None) -> ClipBounds:
+        return cls(1.0 - epsilon, 1.0 + (epsilon if epsilon_high is None else epsilon_high))
+
+
+def clipped_surrogate(ratio: jax.Array, adv: jax.Array, bounds: ClipBounds) -> jax.Array:
+    """-min(r A, clip(r, low, high) A), elementwise: PPO's pessimistic bound, the loss of each ratio."""
+    clipped = jnp.clip(ratio, bounds.low, bounds.high)
+    return -jnp.minimum(ratio * adv, clipped * adv)
+
+
+def clip_metrics(ratio: jax.Array, adv: jax.Array, bounds: ClipBounds, count: jax.Array,
+                 mask: jax.Array | None = None) -> Metrics:
+    """The share of ratios the clip cut (TRL's names): below ``low`` where A < 0 (``clip_ratio/low_mean``), above
+    ``high`` where A > 0 (``/high_mean``), either (``/region_mean``), as (sum, ``count``) over the ratios ``mask``
+    keeps (None: all)."""
+    fixed = jax.lax.stop_gradient(ratio)
+    low = ((fixed < bounds.low) & (adv < 0)).astype(jnp.float32)
+    high = ((fixed > bounds.high) & (adv > 0)).astype(jnp.float32)
+    total = jnp.sum if mask is None else (lambda x: jnp.sum(x * mask))
+    return {"clip_ratio/low_mean": (total(low), count), "clip_ratio/high_mean": (total(high), count),
+            "clip_ratio/region_mean": (total(jnp.maximum(low, high)), count)}
+
+
+def sampler_agreement(batch: Batch, logps: jax.Array) -> Metrics:
+    """How far the trainer's log-probs ``logps`` are from the sampler's, over completion tokens
+    (``sampler_logp_diff/mean`` and ``/max``); none when the batch carries no sampler log-probs."""
+    if SAMPLER_LOGPS_KEY not in batch:
+        return {}
+    mask = batch["loss_mask"]
+    diff = jnp.abs(jax.lax.stop_gradient(logps) - batch[SAMPLER_LOGPS_KEY]) * mask
+    return {"sampler_logp_diff/mean": (jnp.sum(diff), jnp.sum(mask)), "sampler_logp_diff/max": jnp.max(diff)}
