@@ -164,67 +164,85 @@ class TensorInfo:
     nbytes: int
 
 
+class _Cursor:
+    """Reads a GGUF header's little-endian fields in order from ``buf``, from byte ``pos`` on."""
+
+    def __init__(self, buf: Any, pos: int) -> None:
+        self.buf, self.pos = buf, pos
+
+    def take(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8", "replace")
+
+    def skip(self, kind: int, count: int) -> None:
+        """Past ``count`` values of type ``kind`` (strings and arrays of any depth included), decoding none."""
+        if kind == _STRING:
+            for _ in range(count):
+                self.pos += self.take("Q")
+        elif kind == _ARRAY:
+            for _ in range(count):
+                sub = self.take("I")
+                self.skip(sub, self.take("Q"))
+        else:
+            self.pos += struct.calcsize("<" + _SCALAR[kind]) * count
+
+
+def _metadata(cursor: _Cursor, n_kv: int) -> dict[str, Any]:
+    """The ``n_kv`` metadata entries at the cursor: scalars and strings by key; arrays skipped."""
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key, kind = cursor.string(), cursor.take("I")
+        if kind == _STRING:
+            meta[key] = cursor.string()
+        elif kind == _ARRAY:
+            sub = cursor.take("I")
+            cursor.skip(sub, cursor.take("Q"))
+        else:
+            meta[key] = cursor.take(_SCALAR[kind])
+    return meta
+
+
+def _tensor_entries(cursor: _Cursor, n_tensors: int) -> list[tuple[str, list[int], int, int]]:
+    """The ``n_tensors`` tensor entries at the cursor: (name, dims as GGUF lists them, ggml type, offset in the data
+    section)."""
+    entries = []
+    for _ in range(n_tensors):
+        name, n_dims = cursor.string(), cursor.take("I")
+        dims = [cursor.take("Q") for _ in range(n_dims)]
+        entries.append((name, dims, cursor.take("I"), cursor.take("Q")))
+    return entries
+
+
+def _tensor_info(name: str, dims: list[int], kind: int, offset: int, data_start: int) -> TensorInfo:
+    """One tensor entry as a `TensorInfo`: its shape row-major, where its bytes start in the file and how many."""
+    gguf = _gguf()
+    qtype = gguf.GGMLQuantizationType(kind)
+    size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    shape = tuple(int(d) for d in reversed(dims))
+    nbytes = math.prod(shape[:-1]) * shape[-1] // size * type_size
+    return TensorInfo(name, qtype.name, shape, data_start + offset, nbytes)
+
+
 def read_header(file: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     """(scalar and string metadata, tensors by name) of a GGUF file (version 2 or 3, little-endian); arrays in the
     metadata are skipped, not decoded."""
-    gguf = _gguf()
+    _gguf()  # the package that names the tensor types: missing, an error before the file is read
     with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        pos = 0
-
-        def take(fmt: str) -> Any:
-            nonlocal pos
-            (value,) = struct.unpack_from("<" + fmt, buf, pos)
-            pos += struct.calcsize("<" + fmt)
-            return value
-
-        def string() -> str:
-            nonlocal pos
-            n = take("Q")
-            pos += n
-            return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
-
-        def skip(kind: int, count: int) -> None:
-            nonlocal pos
-            if kind == _STRING:
-                for _ in range(count):
-                    n = take("Q")  # (take moves pos: read the length first)
-                    pos += n
-            elif kind == _ARRAY:
-                for _ in range(count):
-                    sub = take("I")
-                    skip(sub, take("Q"))
-            else:
-                pos += struct.calcsize("<" + _SCALAR[kind]) * count
-
         if bytes(buf[:4]) != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] not in (2, 3):
             raise CheckpointError(f"{file}: not a little-endian GGUF file of version 2 or 3")
-        pos = 8
-        n_tensors, n_kv = take("Q"), take("Q")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, kind = string(), take("I")
-            if kind == _STRING:
-                meta[key] = string()
-            elif kind == _ARRAY:
-                sub = take("I")
-                skip(sub, take("Q"))
-            else:
-                meta[key] = take(_SCALAR[kind])
-        infos = []
-        for _ in range(n_tensors):
-            name, n_dims = string(), take("I")
-            dims = [take("Q") for _ in range(n_dims)]
-            infos.append((name, dims, take("I"), take("Q")))
+        cursor = _Cursor(buf, 8)
+        n_tensors, n_kv = cursor.take("Q"), cursor.take("Q")
+        meta = _metadata(cursor, n_kv)
+        entries = _tensor_entries(cursor, n_tensors)
         align = int(meta.get("general.alignment", 32))
-        start = -(-pos // align) * align
-    tensors = {}
-    for name, dims, kind, offset in infos:
-        qtype = gguf.GGMLQuantizationType(kind)
-        size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        shape = tuple(int(d) for d in reversed(dims))
-        nbytes = math.prod(shape[:-1]) * shape[-1] // size * type_size
-        tensors[name] = TensorInfo(name, qtype.name, shape, start + offset, nbytes)
-    return meta, tensors
+        data_start = -(-cursor.pos // align) * align
+    return meta, {name: _tensor_info(name, dims, kind, offset, data_start) for name, dims, kind, offset in entries}
 
 
 def raw_rows(file: Path, t: TensorInfo) -> np.ndarray:

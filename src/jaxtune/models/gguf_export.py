@@ -303,8 +303,23 @@ def add_tokenizer(w: Any, directory: Path, vocab_size: int) -> None:
     for a model of ``vocab_size`` embeddings. A byte-level BPE is llama.cpp's ``gpt2`` model; a BPE with byte
     fallback (SentencePiece converted: Llama 2, Mistral, Gemma) its ``llama`` model, whose merges llama.cpp takes
     from the scores: -id, the order the converter gives the pieces (merges written too, for transformers)."""
-    gguf = _gguf()
     file = directory / "tokenizer.json"
+    spec = _bpe_spec(file, directory)
+    model, added = spec["model"], spec.get("added_tokens", [])
+    ids = {**model["vocab"], **{t["content"]: t["id"] for t in added}}
+    if max(ids.values()) >= vocab_size:
+        raise CheckpointError(f"{file}: token id {max(ids.values())} does not fit the model's {vocab_size} "
+                              "embeddings")
+    _add_vocabulary(w, spec, file, vocab_size)
+    config = read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}
+    _add_special_tokens(w, file, ids, config, read_config_json(directory))
+    template = _chat_template(directory, config)
+    if template:
+        w.add_chat_template(template)
+
+
+def _bpe_spec(file: Path, directory: Path) -> dict:
+    """``file`` (``directory``'s tokenizer.json) read, refused unless it is a BPE tokenizer."""
     if not file.is_file():
         raise CheckpointError(f"{directory}: no tokenizer.json; a GGUF file carries its tokenizer, so export a model "
                               "with a HuggingFace or trained BPE tokenizer")
@@ -313,21 +328,31 @@ def add_tokenizer(w: Any, directory: Path, vocab_size: int) -> None:
     if model.get("type") != "BPE":
         raise UnsupportedModelError(f"{file}: a {model.get('type')!r} tokenizer; GGUF export writes BPE tokenizers "
                                     "(byte-level, or SentencePiece-style with byte fallback) only")
-    spm = bool(model.get("byte_fallback"))
-    added = spec.get("added_tokens", [])
-    ids = {**model["vocab"], **{t["content"]: t["id"] for t in added}}
-    if max(ids.values()) >= vocab_size:
-        raise CheckpointError(f"{file}: token id {max(ids.values())} does not fit the model's {vocab_size} "
-                              "embeddings")
-    kind = gguf.TokenType
-    tokens = [f"[PAD{i}]" for i in range(vocab_size)]  # ids the tokenizer never makes, named as llama.cpp does
+    return spec
+
+
+def _token_table(spec: dict, vocab_size: int, spm: bool) -> tuple[list[str], list[Any]]:
+    """(text, llama.cpp token type) of every id below ``vocab_size``: the vocabulary's tokens, then the added ones
+    over them; ids the tokenizer never makes are unused ``[PAD{id}]``, named as llama.cpp does."""
+    kind = _gguf().TokenType
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [kind.UNUSED] * vocab_size
-    for text, i in model["vocab"].items():
+    for text, i in spec["model"]["vocab"].items():
         tokens[i] = text
         types[i] = kind.BYTE if spm and re.fullmatch(r"<0x[0-9A-F]{2}>", text) else kind.NORMAL
-    for t in added:  # as written, not byte-level spelt: llama.cpp matches them in the raw text
+    for t in spec.get("added_tokens", []):  # as written, not byte-level spelt: llama.cpp matches them in the raw text
         tokens[t["id"]] = t["content"]
         types[t["id"]] = kind.CONTROL if t.get("special") else kind.USER_DEFINED
+    return tokens, types
+
+
+def _add_vocabulary(w: Any, spec: dict, file: Path, vocab_size: int) -> None:
+    """The tokenizer model (``llama`` with scores for a BPE with byte fallback, else ``gpt2`` with its
+    pre-tokenizer), the tokens, their types and the merges."""
+    kind = _gguf().TokenType
+    model = spec["model"]
+    spm = bool(model.get("byte_fallback"))
+    tokens, types = _token_table(spec, vocab_size, spm)
     if spm:
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
@@ -341,8 +366,10 @@ def add_tokenizer(w: Any, directory: Path, vocab_size: int) -> None:
     w.add_token_types(types)
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])])
 
-    config = read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}
-    model_config = read_config_json(directory)
+
+def _add_special_tokens(w: Any, file: Path, ids: dict[str, int], config: dict, model_config: dict) -> None:
+    """The bos, eos, unk and pad ids (tokenizer_config.json's tokens, else config.json's ids), and whether encoding
+    adds a BOS and an EOS (what the tokenizer's post-processor adds, as transformers encodes)."""
     for role, add in [("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unk", w.add_unk_token_id),
                       ("pad", w.add_pad_token_id)]:
         i = ids.get(_special(config.get(f"{role}_token")) or "", model_config.get(f"{role}_token_id"))
@@ -350,14 +377,18 @@ def add_tokenizer(w: Any, directory: Path, vocab_size: int) -> None:
             i = i[0]
         if i is not None:
             add(int(i))
-    tok = tokenizers.Tokenizer.from_file(str(file))  # what its post-processor adds (as transformers encodes)
+    tok = tokenizers.Tokenizer.from_file(str(file))
     plain, full = tok.encode("a", add_special_tokens=False).ids, tok.encode("a").ids
     w.add_add_bos_token(full[:1] != plain[:1])
     w.add_add_eos_token(full[-1:] != plain[-1:])
+
+
+def _chat_template(directory: Path, config: dict) -> str | None:
+    """The chat template, in transformers' order of preference: chat_template.jinja, else tokenizer_config.json's
+    (of a list of named templates, the ``default`` one)."""
     template = config.get("chat_template")
-    if (directory / "chat_template.jinja").is_file():  # transformers' order of preference
-        template = (directory / "chat_template.jinja").read_text()
-    elif isinstance(template, list):
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if template:
-        w.add_chat_template(template)
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    if isinstance(template, list):
+        return next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
