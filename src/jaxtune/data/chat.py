@@ -1,9 +1,9 @@
 """Chat templates: which one a run uses, and prompts, stops and samples as a chat model sees them.
 
 A tokenizer brings its own Jinja chat template (transformers' convention; rendered by
-`Tokenizer.apply_chat_template`); ``data.chat_template`` replaces it with a shipped one (``chatml``, ``gemma``), a .jinja
-file or template text. Training renders conversations with it (`jaxtune.data.sft`); generation renders a prompt as
-one user turn with the assistant's generation prompt (`encode_prompt`) and stops at EOS or the template's
+`Tokenizer.apply_chat_template`); ``data.chat_template`` replaces it with a shipped one (``chatml``, ``gemma``), a
+.jinja file or template text. Training renders conversations with it (`jaxtune.data.sft`); generation renders a
+prompt as one user turn with the assistant's generation prompt (`encode_prompt`) and stops at EOS or the template's
 end-of-turn token (`stop_ids`).
 """
 
@@ -26,8 +26,8 @@ GEMMA = ("{{ bos_token }}"
          "{%- set system = messages and messages[0]['role'] == 'system' -%}"
          "{%- set head = messages[0]['content'] ~ '\\n\\n' if system else '' -%}"
          "{%- for m in (messages[1:] if system else messages) -%}"
-         "{{ '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\\n' ~ (head if loop.first else '')"
-         " ~ (m['content'] | trim) ~ '<end_of_turn>\\n' }}"
+         "{{ '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\\n'"
+         " ~ (head if loop.first else '') ~ (m['content'] | trim) ~ '<end_of_turn>\\n' }}"
          "{%- endfor -%}"
          "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
 SHIPPED_TEMPLATES = {"chatml": CHATML, "gemma": GEMMA}

@@ -304,7 +304,8 @@ def _test_pairs(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[
     completion_settings(test_cfg, tokenizer)
     stats = PreferenceStats()
     pairs = load_pairs(test_cfg.sources, test_cfg, tokenizer, stats)
-    return PairRows.of(pairs, test_cfg.seq_len, test_cfg.shares_prompts), _what_was_read(data, "pairs", "pairs", len(pairs), stats)
+    rows = PairRows.of(pairs, test_cfg.seq_len, test_cfg.shares_prompts)
+    return rows, _what_was_read(data, "pairs", "pairs", len(pairs), stats)
 
 
 def _test_unpaired(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:

@@ -8,8 +8,9 @@ again; the directory is written beside its final name and renamed into place (`j
 
 Architectures: ``llama`` (Llama 2/3.x (3.1+ RoPE scaling from ``rope_freqs``), SmolLM, Mistral), ``qwen2``, ``qwen3``,
 ``gemma3`` (Gemma3ForCausalLM; tested on 270M, 1B has the same layout, and the text model of the 4B+ files reads
-the same way) and ``gpt2`` (GPT2LMHeadModel: llama.cpp stores its Conv1D weights transposed, as (out, in)). Tensor types: whatever the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-the K-quants, ...). llama.cpp's converter permutes the rows of a llama model's q/k projections for its RoPE layout,
+the same way) and ``gpt2`` (GPT2LMHeadModel: llama.cpp stores its Conv1D weights transposed, as (out, in)).
+Tensor types: whatever the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants,
+...). llama.cpp's converter permutes the rows of a llama model's q/k projections for its RoPE layout,
 and stores Gemma's RMSNorm weights as the scale they apply, 1 + w; both are undone.
 Needs ``gguf`` (tensors) and ``transformers`` (the tokenizer): ``pip install gguf transformers``.
 QLoRA with ``model.quantize: gguf`` keeps the adapted kernels as the file's own blocks instead of these float copies
@@ -155,7 +156,8 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], where: str) -> dict[
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)), "hidden_act": "silu",
         "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_scaling": rope_scaling(get, where),
         "tie_word_embeddings": "output.weight" not in tensor_names, "torch_dtype": "float32",
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
     if model_type == "llama":
         c["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
@@ -328,7 +330,8 @@ def llama3_rope(divisors: np.ndarray, config: dict[str, Any], where: str) -> dic
     want = []
     for freq in 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim):
         wavelen = 2 * np.pi / freq
-        smooth = (old / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        low_factor, high_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        smooth = (old / wavelen - low_factor) / (high_factor - low_factor)
         want.append(1.0 if wavelen < high else factor if wavelen > low else 1 / ((1 - smooth) / factor + smooth))
     if divisors.shape != (dim // 2,) or not np.allclose(divisors, want, rtol=1e-4):
         raise UnsupportedModelError(f"{where}: its rope_freqs are not Llama 3's RoPE scaling (factor {factor:g}, "
