@@ -137,7 +137,7 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(cfg, params, scan):
     prefill = 10
     key_valid = jnp.ones((B, T), bool)
     cache = abstract(c).init_cache(B, T)
-    assert cache["k"].shape == (cfg.n_layer, B, T, cfg.n_head, cfg.head_dim)
+    assert cache.k.shape == (cfg.n_layer, B, T, cfg.n_head, cfg.head_dim)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     logits, cache = cached_forward(c, p, ids[:, :prefill], pos[:, :prefill], cache, 0, key_valid)
     out = [logits]
@@ -163,7 +163,7 @@ def test_left_padding_matches_unpadded(cfg, params):
     key_valid = jnp.concatenate([valid, jnp.ones((B, T - p), bool)], axis=1)  # later slots: decoded tokens
     logits, cache = cached_forward(cfg, params, prompt, positions, abstract(cfg).init_cache(B, T), 0, key_valid)
     assert jnp.isfinite(logits).all()
-    assert jnp.isfinite(cache["k"]).all() and jnp.isfinite(cache["v"]).all()
+    assert jnp.isfinite(cache.k).all() and jnp.isfinite(cache.v).all()
     # reference: row 0's real tokens at the front, nothing before them (causal: what follows does not matter)
     unpadded = forward(cfg, params, ids.at[0, :p - n_pad].set(ids[0, n_pad:p]))
     assert rel(logits[0, n_pad:], unpadded[0, :p - n_pad]) <= 1e-5

@@ -55,9 +55,9 @@ DEFAULT_NOISE = 0.2
 
 # --- the zoo --------------------------------------------------------------------------------------------------------
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=128, bos_token_id=2, eos_token_id=1,
-               attn_implementation="eager")
+_COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "bos_token_id": 2,
+           "eos_token_id": 1, "attn_implementation": "eager"}
 
 
 def _configs():
@@ -473,7 +473,8 @@ def test_sharded_load_on_8_devices_matches_single_device(zoo, tmp_path):
     np.save(tmp_path / "ids.npy", IDS.astype(np.int32))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SHARD_SCRIPT, json.dumps(jobs), str(tmp_path / "ids.npy"),
-                           str(tmp_path / "out.npz")], capture_output=True, text=True, env=env, timeout=600)
+                           str(tmp_path / "out.npz")], capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.split("RESULT ", 1)[1])
     arrays = np.load(tmp_path / "out.npz")

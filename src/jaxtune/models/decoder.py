@@ -8,6 +8,7 @@ F d_ff, V vocab, L layers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -19,15 +20,17 @@ from jaxtune.models.family import RuntimeConfig
 from jaxtune.models.layers import (
     Dense,
     Embed,
+    KVCache,
     LoraSpec,
+    MaskSpec,
     RMSNorm,
     Rope,
     apply_rope,
     attention,
+    attention_mask,
     constrain,
     dropout,
     kv_cache,
-    layer_mask,
     residual_fence,
     run_layers,
     stack_layers,
@@ -63,7 +66,7 @@ class DecoderConfig(RuntimeConfig):
     mlp_act: str = "silu"  # silu (SwiGLU) | gelu_tanh (GeGLU)
     embed_scale: bool = False  # Gemma: embeddings times sqrt(d_model)
     tie_embeddings: bool = True
-    rope: Rope = Rope()
+    rope: Rope = Rope()  # noqa: RUF009 (a frozen record: one shared default is safe)
     local_rope: Rope | None = None  # sliding-window layers' RoPE when it differs (Gemma 3: base 10k)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None  # per layer full|sliding; None: all sliding if a window is set
@@ -133,7 +136,7 @@ class Attention(nnx.Module):
         pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         d, n, k, h = cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.hd
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
-        kw = dict(rngs=rngs, std=cfg.init_std, param_dtype=pd, dtype=cd)
+        kw = {"rngs": rngs, "std": cfg.init_std, "param_dtype": pd, "dtype": cd}
         self.q = Dense(d, n * h, ("embed", "heads"), bias=cfg.qkv_bias, lora=cfg.lora_on("q"), **kw)
         self.k = Dense(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, lora=cfg.lora_on("k"), **kw)
         self.v = Dense(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, lora=cfg.lora_on("v"), **kw)
@@ -171,7 +174,7 @@ def _keys(key: jax.Array | None, n: int) -> list[jax.Array | None]:
 class MLP(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
-        kw = dict(rngs=rngs, std=cfg.init_std, bias=cfg.mlp_bias, param_dtype=pd, dtype=cd)
+        kw = {"rngs": rngs, "std": cfg.init_std, "bias": cfg.mlp_bias, "param_dtype": pd, "dtype": cd}
         self.gate = Dense(cfg.d_model, cfg.d_ff, ("embed", "mlp"), lora=cfg.lora_on("gate"), **kw)
         self.up = Dense(cfg.d_model, cfg.d_ff, ("embed", "mlp"), lora=cfg.lora_on("up"), **kw)
         self.down = Dense(cfg.d_ff, cfg.d_model, ("mlp", "embed"), lora=cfg.lora_on("down"),
@@ -236,11 +239,11 @@ class Decoder(nnx.Module):
                  return_hidden=False, branch_ids=None, branch_slots=None):
         """tokens: (B, T) int -> logits (B, T, V) float32 (the same interface as `GPT`).
 
-        positions: (B, T) RoPE positions, default 0..T-1. key: dropout key. cache: {"k", "v"} (L, B, S, K, H)
+        positions: (B, T) RoPE positions, default 0..T-1. key: dropout key. cache: a `KVCache` (L, B, S, K, H)
         written at slot ``index``, returns (logits, cache). key_valid: (B, S) real-token key slots.
         segment_ids: (B, T) packed sequences. return_hidden: final normalised hidden states instead of logits.
-        branch_ids: (B, T) completions after a shared prompt (`jaxtune.models.layers.attention_mask`).
-        branch_slots: (B, G, C), rows in regions: a prompt, then G completions of C slots (`RegionMask`).
+        branch_ids: (B, T) completions after a shared prompt; branch_slots: (B, G, C), rows in regions: a prompt,
+        then G completions of C slots (`jaxtune.models.layers.MaskSpec`).
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -255,18 +258,17 @@ class Decoder(nnx.Module):
         x = constrain(x, ("batch", "seq", "act_embed"))
 
         types = cfg.types
-        branches = {"branch_ids": branch_ids, "positions": positions, "branch_slots": branch_slots}
+        spec = MaskSpec.of_forward(t, cache, index, key_valid=key_valid, segment_ids=segment_ids,
+                                   branch_ids=branch_ids, positions=positions, branch_slots=branch_slots)
         full_rope = cfg.rope.sincos(positions, cfg.hd)
-        ctx = {"full": (full_rope, layer_mask(t, cache, index, key_valid, segment_ids, **branches))}
+        ctx = {"full": (full_rope, attention_mask(spec))}
         if "sliding" in types:
             local_rope = full_rope if cfg.local_rope is None else cfg.local_rope.sincos(positions, cfg.hd)
-            ctx["sliding"] = (local_rope, layer_mask(t, cache, index, key_valid, segment_ids, cfg.sliding_window,
-                                                      **branches))
+            ctx["sliding"] = (local_rope, attention_mask(dataclasses.replace(spec, window=cfg.sliding_window)))
 
         if cfg.scan_layers:
             if len(ctx) > 1 and ctx["full"][1] is None:  # one traced body for both kinds: materialise the mask
-                ctx["full"] = (full_rope, layer_mask(t, cache, index, key_valid, segment_ids, explicit=True,
-                                                         **branches))
+                ctx["full"] = (full_rope, attention_mask(dataclasses.replace(spec, explicit=True)))
             layer_args = [kind == "sliding" for kind in types]
 
             def body(layer, x, k, kv, sliding):
@@ -296,6 +298,6 @@ class Decoder(nnx.Module):
             y = jnp.tanh(y / self.cfg.final_softcap) * self.cfg.final_softcap
         return constrain(y, ("batch", "seq", "act_vocab"))
 
-    def init_cache(self, batch: int, length: int, dtype=None) -> dict[str, jax.Array]:
+    def init_cache(self, batch: int, length: int, dtype=None) -> KVCache:
         cfg = self.cfg
         return kv_cache(cfg.n_layer, batch, length, cfg.kv_heads, cfg.hd, dtype or jnp.dtype(cfg.compute_dtype))

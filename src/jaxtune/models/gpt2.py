@@ -18,12 +18,14 @@ from jaxtune.models.family import Family, Map, RuntimeConfig
 from jaxtune.models.layers import (
     Dense,
     Embed,
+    KVCache,
     LayerNorm,
+    MaskSpec,
     attention,
+    attention_mask,
     constrain,
     dropout,
     kv_cache,
-    layer_mask,
     residual_fence,
     run_layers,
     stack_layers,
@@ -99,8 +101,8 @@ class Block(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, mask, key=None, kv=None, index=None):
-        """x: (B, T, D); mask: None (causal) or (B|1, 1, T, S). kv: optional (k, v) caches (B, S, N, H) written
-        at ``index``. Returns (x, kv)."""
+        """x: (B, T, D); mask: None (causal), (B|1, 1, T, S) or a `RegionMask`. kv: optional `LayerKV`, written at
+        slot ``index``. Returns (x, kv)."""
         cfg, cd = self.cfg, jnp.dtype(self.cfg.compute_dtype)
         b, t, _ = x.shape
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
@@ -136,12 +138,12 @@ class GPT(nnx.Module):
         """tokens: (B, T) int -> logits (B, T, V) in float32.
 
         positions: (B, T), default 0..T-1. key: dropout PRNG key (None: deterministic).
-        cache: {"k", "v"}: (L, B, S, N, H) KV cache written at slot ``index``; when given, returns
+        cache: a `KVCache` (L, B, S, N, H) written at slot ``index``; when given, returns
         (logits, new_cache). key_valid: (B, S) which key slots hold real tokens (padding is False).
         segment_ids: (B, T) packed-sequence ids (no attention across segments).
         return_hidden: return the final normalised hidden states (B, T, D) instead of logits (see `logits`).
-        branch_ids: (B, T) completions after a shared prompt (`jaxtune.models.layers.attention_mask`).
-        branch_slots: (B, G, C), rows in regions: a prompt, then G completions of C slots (`RegionMask`).
+        branch_ids: (B, T) completions after a shared prompt; branch_slots: (B, G, C), rows in regions: a prompt,
+        then G completions of C slots (`jaxtune.models.layers.MaskSpec`).
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -154,8 +156,8 @@ class GPT(nnx.Module):
             key, k_embed = jax.random.split(key)
             x = dropout(x, cfg.dropout, k_embed)
         x = constrain(x, ("batch", "seq", "act_embed"))
-        mask = layer_mask(t, cache, index, key_valid, segment_ids, branch_ids=branch_ids, positions=positions,
-                          branch_slots=branch_slots)
+        mask = attention_mask(MaskSpec.of_forward(t, cache, index, key_valid=key_valid, segment_ids=segment_ids,
+                                                  branch_ids=branch_ids, positions=positions, branch_slots=branch_slots))
         x, cache = run_layers(self.blocks, x, lambda blk, x, k, kv, _: blk(x, mask, k, kv, index),
                               n_layer=cfg.n_layer, scan=cfg.scan_layers, remat=cfg.remat, key=key, cache=cache)
         x = self.ln_f(x)
@@ -166,7 +168,7 @@ class GPT(nnx.Module):
         """Final hidden states (..., D) -> float32 logits (..., V) through the tied embedding."""
         return constrain(self.wte.attend(hidden).astype(jnp.float32), ("batch", "seq", "act_vocab"))
 
-    def init_cache(self, batch: int, length: int, dtype=None) -> dict[str, jax.Array]:
+    def init_cache(self, batch: int, length: int, dtype=None) -> KVCache:
         cfg = self.cfg
         return kv_cache(cfg.n_layer, batch, length, cfg.n_head, cfg.head_dim, dtype or jnp.dtype(cfg.compute_dtype))
 

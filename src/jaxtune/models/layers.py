@@ -210,30 +210,44 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
 
 
-def attention_mask(q_slots: jax.Array, k_slots: jax.Array, *, window: int | None = None,
-                   key_valid: jax.Array | None = None, q_segments: jax.Array | None = None,
-                   k_segments: jax.Array | None = None, branches: jax.Array | None = None,
-                   positions: jax.Array | None = None) -> jax.Array:
-    """Boolean (B|1, 1, T, S) of allowed (query, key) pairs: causal over slots, within ``window`` (query - key
-    < window, the transformers convention), keys that hold real tokens, and the same packed segment.
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """Which constraints a forward pass's attention obeys, one field each (None: it does not apply);
+    `attention_mask` turns it into the mask. ``queries`` new tokens sit at key slots ``index`` .. index + queries - 1
+    of ``keys`` (a KV cache's slots; without one, the queries' own), and a query sees the keys
 
-    ``branches`` (B, T), for rows whose sequences share a prompt (`jaxtune.config.kinds.BatchKind.shares_prompt`):
-    a query sees the prompt's keys (branch 0) and its own branch's only; the window is then measured in
-    ``positions`` (B, T), which continue the prompt's in every branch, not in slots."""
-    mask = k_slots[None, :] <= q_slots[:, None]
-    if window is not None and branches is None:
-        mask = mask & (q_slots[:, None] - k_slots[None, :] < window)
-    mask = mask[None, None]
-    if key_valid is not None:
-        mask = mask & key_valid[:, None, None, :]
-    if q_segments is not None:
-        mask = mask & (q_segments[:, None, :, None] == k_segments[:, None, None, :])
-    if branches is not None:
-        q, k = branches[:, None, :, None], branches[:, None, None, :]
-        mask = mask & ((k == 0) | (k == q))
-        if window is not None:
-            mask = mask & (positions[:, None, :, None] - positions[:, None, None, :] < window)
-    return mask
+    - at or before its own slot (causal, always);
+    - within ``window`` of it (query - key < window, the transformers convention), in slots, or with branches in
+      ``positions`` (B, T), which continue the prompt's in every branch;
+    - that hold real tokens (``key_valid`` (B, S));
+    - of its own packed sequence (``segment_ids`` (B, T), T = S);
+    - of the shared prompt (branch 0) or of its own branch (``branch_ids`` (B, T): rows whose sequences share a
+      prompt, `jaxtune.config.kinds.BatchKind.shares_prompt`).
+
+    ``branch_slots`` (B, G, C): rows in regions, a prompt then G completions of C slots (a `RegionMask`).
+    Plain causal attention is None, the attention's fast path, unless ``explicit``."""
+
+    queries: int
+    keys: int
+    index: jax.Array | int = 0
+    window: int | None = None
+    key_valid: jax.Array | None = None
+    segment_ids: jax.Array | None = None
+    branch_ids: jax.Array | None = None
+    positions: jax.Array | None = None
+    branch_slots: jax.Array | None = None
+    explicit: bool = False
+
+    @classmethod
+    def of_forward(cls, t: int, cache: KVCache | None, index, *, key_valid=None, segment_ids=None, branch_ids=None,
+                   positions=None, branch_slots=None) -> MaskSpec:
+        """The constraints of a model's forward pass over ``t`` new tokens, from its arguments. With a ``cache``,
+        the queries are written at slot ``index`` of its S slots and the mask is explicit (no branches: a cache
+        holds one sequence per row, or with ``segment_ids`` a packed prefill of the whole cache at once)."""
+        if cache is None:
+            return cls(t, t, key_valid=key_valid, segment_ids=segment_ids, branch_ids=branch_ids, positions=positions,
+                       branch_slots=branch_slots)
+        return cls(t, cache.k.shape[2], index, key_valid=key_valid, segment_ids=segment_ids, explicit=True)
 
 
 class RegionMask(NamedTuple):
@@ -248,15 +262,41 @@ class RegionMask(NamedTuple):
     branches: jax.Array
 
 
-def region_mask(branch_slots: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-                window: int | None = None) -> RegionMask:
+def attention_mask(spec: MaskSpec) -> jax.Array | RegionMask | None:
+    """The mask of ``spec``: None for plain causal attention (not ``explicit``), a `RegionMask` for rows in regions,
+    else a boolean (B|1, 1, T, S) of allowed (query, key) pairs."""
+    if spec.branch_slots is not None:
+        return _region_mask(spec)
+    if not spec.explicit and spec.window is None and spec.key_valid is None and spec.segment_ids is None \
+            and spec.branch_ids is None:
+        return None
+    q_slots, k_slots = spec.index + jnp.arange(spec.queries), jnp.arange(spec.keys)
+    window, branches = spec.window, spec.branch_ids
+    mask = k_slots[None, :] <= q_slots[:, None]
+    if window is not None and branches is None:
+        mask = mask & (q_slots[:, None] - k_slots[None, :] < window)
+    mask = mask[None, None]
+    if spec.key_valid is not None:
+        mask = mask & spec.key_valid[:, None, None, :]
+    if spec.segment_ids is not None:
+        mask = mask & (spec.segment_ids[:, None, :, None] == spec.segment_ids[:, None, None, :])
+    if branches is not None:
+        q, k = branches[:, None, :, None], branches[:, None, None, :]
+        mask = mask & ((k == 0) | (k == q))
+        if window is not None:
+            mask = mask & (spec.positions[:, None, :, None] - spec.positions[:, None, None, :] < window)
+    return mask
+
+
+def _region_mask(spec: MaskSpec) -> RegionMask:
     """The `RegionMask` of rows of T = P + G C slots: ``branch_slots`` (B, G, C) > 0 where a completion's slot holds
     a real token, ``segment_ids`` (B, T) > 0 where any slot does (the prompt's), ``positions`` (B, T) each slot's
     position (a completion's continue its prompt's), which a sliding ``window`` is measured in."""
-    b, g, c = branch_slots.shape
+    segment_ids, positions, window = spec.segment_ids, spec.positions, spec.window
+    b, g, c = spec.branch_slots.shape
     p = segment_ids.shape[1] - g * c
-    prompt_valid, real = segment_ids[:, :p] > 0, branch_slots > 0
-    prompt = attention_mask(jnp.arange(p), jnp.arange(p), window=window, key_valid=prompt_valid)
+    prompt_valid, real = segment_ids[:, :p] > 0, spec.branch_slots > 0
+    prompt = attention_mask(MaskSpec(p, p, window=window, key_valid=prompt_valid))
     own = (jnp.arange(c)[None, :] <= jnp.arange(c)[:, None])[None, None] & real[:, :, None, :]  # (B, G, C, C)
     branches = jnp.concatenate([jnp.broadcast_to(prompt_valid[:, None, None, :], (b, g, c, p)), own], -1)
     if window is not None:
@@ -375,63 +415,37 @@ residual_fence.defvjp(
 )
 
 
-def cache_mask(key_valid: jax.Array, index: jax.Array, t: int, window: int | None = None) -> jax.Array:
-    """Attention mask for ``t`` new queries written at cache slots ``index .. index+t-1``.
+class KVCache(NamedTuple):
+    """A model's KV cache: the keys ``k`` and values ``v`` of every layer, (L, B, S, K, H) each (`run_layers` hands
+    each layer the whole stack as a `LayerKV`)."""
 
-    key_valid: (B, S) which cache slots hold real tokens (left padding is False). Returns (B, 1, t, S):
-    query i may attend slot s when the slot is valid and s <= index + i (causal within the cache).
-    """
-    return attention_mask(index + jnp.arange(t), jnp.arange(key_valid.shape[1]), window=window, key_valid=key_valid)
-
-
-def layer_mask(t: int, cache, index, key_valid, segment_ids, window: int | None = None,
-               explicit: bool = False, branch_ids=None, positions=None,
-               branch_slots=None) -> jax.Array | RegionMask | None:
-    """The attention mask of a forward pass over ``t`` new tokens: None for plain causal training (the fast
-    path; ``explicit`` asks for the array instead), else (B|1, 1, t, S) from the cache slots, padding
-    (``key_valid``), packing (``segment_ids``), a shared prompt's branches (``branch_ids``, with ``positions``) and
-    a sliding ``window``; rows in regions (``branch_slots``, (B, G, C)) get a `RegionMask`."""
-    if branch_slots is not None and cache is None:
-        return region_mask(branch_slots, segment_ids, positions, window)
-    if (cache is None and key_valid is None and segment_ids is None and branch_ids is None and window is None
-            and not explicit):
-        return None
-    if cache is not None:
-        mask = cache_mask(key_valid, index, t, window)
-        if segment_ids is not None:  # a packed prefill (the whole cache at once, rows of several prompts each)
-            mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-        return mask
-    slots = jnp.arange(t)
-    return attention_mask(slots, slots, window=window, key_valid=key_valid, q_segments=segment_ids,
-                          k_segments=segment_ids, branches=branch_ids, positions=positions)
+    k: jax.Array
+    v: jax.Array
 
 
-def update_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
-    """Write (B, t, N, H) ``new`` into (B, S, N, H) ``cache`` at slot ``index``."""
-    return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), index, axis=1)
+class LayerKV(NamedTuple):
+    """What one layer of a stack is handed of the KV cache: the whole stack's ``cache`` and its own index ``layer``
+    in it, so that it writes its new slots into the stack's buffers in place (`write_kv`): a decode step then never
+    copies a layer's slice out and back."""
+
+    cache: KVCache
+    layer: jax.Array | int
 
 
-def write_kv(kv: tuple, k: jax.Array, v: jax.Array, index: jax.Array) -> tuple[tuple, jax.Array, jax.Array]:
-    """A layer's new keys and values (B, t, N, H) written into its cache at slot ``index``: (the cache as it is
-    passed on, the layer's keys, its values), each (B, S, N, H) in the cache's dtype.
-
-    ``kv`` is (k, v) of this layer alone (a scanned stack hands each layer its slice), or (k, v, layer) of the whole
-    stack, (L, B, S, N, H) each: then the new slots are written into the stack's buffers directly, so a decode step
-    updates the cache in place instead of copying each layer's slice out and back."""
-    if len(kv) == 3:
-        ck, cv, layer = kv
-        at = (layer, 0, index, 0, 0)
-        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
-        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
-        return (ck, cv, layer), ck[layer], cv[layer]
-    ck, cv = update_cache(kv[0], k, index), update_cache(kv[1], v, index)
-    return (ck, cv), ck, cv
+def write_kv(kv: LayerKV, k: jax.Array, v: jax.Array, index: jax.Array) -> tuple[LayerKV, jax.Array, jax.Array]:
+    """A layer's new keys and values (B, t, N, H) written into the stack's cache at slot ``index``: (the `LayerKV`
+    as it is passed on, the layer's keys, its values), each (B, S, N, H) in the cache's dtype."""
+    (ck, cv), layer = kv
+    at = (layer, 0, index, 0, 0)
+    ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+    cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+    return LayerKV(KVCache(ck, cv), layer), ck[layer], cv[layer]
 
 
-def kv_cache(n_layer: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> dict[str, jax.Array]:
-    """An empty KV cache {"k", "v"}: (L, B, S, K, H) each, the layout `run_layers` slices per layer."""
+def kv_cache(n_layer: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
+    """An empty `KVCache`: (L, B, S, K, H) keys and values."""
     shape = (n_layer, batch, length, kv_heads, head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
 REMAT_POLICIES = {
@@ -456,18 +470,17 @@ def stack_layers(make_layer, n_layer: int, scan: bool, rngs: nnx.Rngs):
 
 
 def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: jax.Array | None,
-               cache: dict[str, jax.Array] | None, layer_args: list | None = None):
+               cache: KVCache | None, layer_args: list | None = None):
     """Apply ``body(layer, x, layer_key, kv, arg) -> (x, kv)`` through the stack; returns (x, cache).
 
-    ``cache``: {"k", "v"} (L, B, S, K, H): every layer is passed the whole stack and its index, (k, v, i), which the
-    layer writes into (`write_kv`): a loop passes them along, a scanned stack carries them (the layer index scanned),
-    so a decode step updates the cache in place under either (a scan over per-layer slices would copy the whole
-    cache out and back every step).
+    ``cache``: the `KVCache`: every layer is passed the whole stack and its index, a `LayerKV`, which the layer writes
+    into (`write_kv`): a loop passes it along, a scanned stack carries the cache (the layer index scanned), so a
+    decode step updates the cache in place under either (a scan over per-layer slices would copy the whole cache out
+    and back every step).
     ``layer_args``: one value per layer (e.g. "sliding"/"full"): a Python value in the loop (so the layer is
     specialised), an array stacked over layers under ``scan``. ``remat`` names a policy in REMAT_POLICIES.
     """
     keys = None if key is None else jax.random.split(key, n_layer)
-    kvs = None if cache is None else (cache["k"], cache["v"])
     args = layer_args if layer_args is not None else [None] * n_layer
 
     def wrap(fn):
@@ -476,7 +489,7 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
     if scan:
         scanned_args = None if layer_args is None else jnp.asarray(args)
         run = wrap(body)
-        if kvs is None:
+        if cache is None:
             @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry)
             def scan_fn(layer, x, layer_key, arg):
                 return run(layer, x, layer_key, None, arg)[0]
@@ -485,10 +498,10 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
         else:
             @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, 0), out_axes=nnx.Carry)
             def scan_cached(layer, carry, layer_key, arg, i):
-                x, kv = run(layer, carry[0], layer_key, (*carry[1:], i), arg)
-                return (x, *kv[:2])
+                x, kv = run(layer, carry[0], layer_key, LayerKV(carry[1], i), arg)
+                return x, kv.cache
 
-            x, *kvs = scan_cached(layers, (x, *kvs), keys, scanned_args, jnp.arange(n_layer))
+            x, cache = scan_cached(layers, (x, cache), keys, scanned_args, jnp.arange(n_layer))
     else:
         def bound(arg):  # a closure, not a default argument: remat would treat a default as a traced input
             return lambda lyr, x, k, kv: body(lyr, x, k, kv, arg)
@@ -496,12 +509,12 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
         for i, layer in enumerate(layers):
             run = wrap(bound(args[i]))
             # each layer writes its slots into the whole stack's cache (`write_kv`): no slice copied out and back
-            x, kv = run(layer, x, None if keys is None else keys[i], None if kvs is None else (*kvs, i))
-            if kvs is not None:
-                kvs = kv[:2]
-    return x, (None if kvs is None else {"k": kvs[0], "v": kvs[1]})
+            x, kv = run(layer, x, None if keys is None else keys[i], None if cache is None else LayerKV(cache, i))
+            if cache is not None:
+                cache = kv.cache
+    return x, cache
 
 
-__all__ = ["REMAT_POLICIES", "Dense", "Embed", "LayerNorm", "RMSNorm", "Rope", "apply_rope", "attention",
-           "attention_mask", "cache_mask", "constrain", "dropout", "kv_cache", "layer_mask", "residual_fence",
-           "run_layers", "stack_layers", "update_cache", "write_kv"]
+__all__ = ["REMAT_POLICIES", "Dense", "Embed", "KVCache", "LayerKV", "LayerNorm", "MaskSpec", "RMSNorm", "RegionMask",
+           "Rope", "apply_rope", "attention", "attention_mask", "constrain", "dropout", "kv_cache", "residual_fence",
+           "run_layers", "stack_layers", "write_kv"]

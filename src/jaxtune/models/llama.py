@@ -12,7 +12,8 @@ from jaxtune.models.family import Family
 from jaxtune.models.layers import Rope
 from jaxtune.models.unsupported import require
 
-_LLAMA3_ROPE = dict(theta=500000.0, kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=8192)
+_LLAMA3_ROPE = {"theta": 500000.0, "kind": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_len": 8192}
 
 PRESETS = {
     # tests: GQA (4 query heads on 2 key/value heads), dims divide an 8-device mesh
