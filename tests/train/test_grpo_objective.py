@@ -364,6 +364,31 @@ def test_old_logps_match_trl(native, off_policy):
     assert_matches(mine, off_policy, names=CLIP_METRICS)
 
 
+CISPO_CAP = 1.28  # cispo's epsilon_high: an absolute cap on the ratio, which some old-checkpoint ratios pass
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_cispo_matches_trl(checkpoints, tokenizer, native, tmp_path, beta):
+    """loss_type=cispo with the old checkpoint's log-probs (ratios != 1, some above the cap): loss, gradients and
+    ``cispo_clip_ratio`` equal GRPOTrainer's, with and without the KL term; the capped weight is held constant, so
+    the update differs from dapo's clipped one on the same batch."""
+    keys = {"beta": beta, "loss_type": "cispo", "epsilon_high": CISPO_CAP}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=True, **keys)
+    mine = ours(native, native.policy, our_batch(theirs.old_logps), **keys)
+    assert 0 < theirs.metrics["cispo_clip_ratio"] < 1, theirs.metrics
+    assert "clip_ratio/region_mean" not in mine.metrics
+    assert_matches(mine, theirs, names=("cispo_clip_ratio",))
+    dapo = ours(native, native.policy, our_batch(theirs.old_logps), beta=beta, loss_type="dapo", epsilon_high=0.28)
+    assert rel(dapo.loss, mine.loss) > 1e-3
+
+
+def test_cispo_needs_its_cap():
+    """cispo's epsilon_high is an absolute cap on the ratio: left unset it would default to epsilon (0.2, every
+    weight cut to 0.2, as TRL does), so it is refused, naming the key."""
+    with pytest.raises(ValueError, match="loss_type=cispo caps each token's ratio at objective.epsilon_high"):
+        objective_cfg(loss_type="cispo")
+
+
 @pytest.fixture(scope="module")
 def off_policy_kl(checkpoints, tokenizer, native, tmp_path_factory) -> tuple[Ours, TRLResult]:
     """dapo with beta = 0.04 and ``old_logps`` from the old checkpoint: (ours, GRPOTrainer's)."""

@@ -229,7 +229,7 @@ class ClippedPolicy(Sampling):
 
     epsilon: float = Field(0.2, gt=0, lt=1, description="the ratio's lower clip, 1 - epsilon")
     epsilon_high: float | None = Field(None, gt=0, description="the ratio's upper clip, 1 + epsilon_high (default "
-                                       "epsilon)")
+                                       "epsilon); grpo's loss_type cispo: the ratio's cap itself (required)")
     num_iterations: int = Field(1, ge=1, description="optimisation passes over each batch of completions (TRL's mu)")
     old_logps: Literal["sampler", "trainer"] | None = Field(
         None, description="with num_iterations > 1: where the old policy's log-probs come from: the sampler's own, "
@@ -339,7 +339,8 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
     loss_type: Literal[_GRPO.loss_types] = Field(
         _GRPO.default_loss_type, description="how the per-token losses are averaged: dapo (over the whole batch's "
         "completion tokens), grpo (per sequence, then over sequences), dr_grpo (summed, over sequences x "
-        "max_completion_length)")
+        "max_completion_length); or cispo (MiniMax-M1's: every token's log-prob weighted by its ratio capped at "
+        "epsilon_high, an absolute cap, held constant; averaged as dapo)")
     scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std (false: Dr. "
                                 "GRPO's unscaled advantages)")
     importance_sampling: Literal[IMPORTANCE_SAMPLING] = Field(
@@ -355,6 +356,13 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
     @property
     def corrects_sampler(self) -> bool:
         return self.importance_sampling != "off"
+
+    @model_validator(mode="after")
+    def _cispo_cap(self) -> GRPOConfig:
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ValueError("objective.loss_type=cispo caps each token's ratio at objective.epsilon_high (an absolute "
+                             "cap, not 1 + epsilon_high); set it, e.g. 5.0 (the ScaleRL paper's)")
+        return self
 
     @model_validator(mode="after")
     def _importance_sampling(self) -> GRPOConfig:

@@ -18,7 +18,12 @@ gradient), the weights before the step's first update on later passes (``num_ite
 
 How the token losses are averaged (``loss_type``, TRL's names): ``grpo``, each completion's mean, then the mean over
 completions; ``dapo``, the mean over every completion token of the batch; ``dr_grpo``, the sum over completion tokens
-divided by (completions × ``max_completion_length``). Each is a sum and a count here, so micro-batches add up to the
+divided by (completions × ``max_completion_length``).
+
+``cispo`` (MiniMax-M1's CISPO, as ScaleRL and TRL run it) clips the importance weight instead of the update: every
+token keeps its gradient, weighted by its ratio capped at ``epsilon_high`` (an absolute cap, ε_max, not 1 + ε) and
+held constant, ``loss_t = -stop_gradient(min(r, epsilon_high)) * A * log π(token)``, averaged as ``dapo``; its metric
+``cispo_clip_ratio`` is the share of completion tokens with a positive advantage whose ratio was capped. Each is a sum and a count here, so micro-batches add up to the
 whole batch's value. (TRL's ``bnpo``, a mean of per-micro-batch token means, is not a sum over a count: it is
 ``dapo`` when there is one micro-batch.)
 
@@ -69,7 +74,6 @@ class GRPO:
     importance_sampling: str = "off"  # TRL's vllm_importance_sampling_mode, or off
     importance_sampling_max: float | None = 3.0
     importance_sampling_min: float | None = None
-    metric_names: tuple[str, ...] = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
@@ -87,6 +91,24 @@ class GRPO:
     @property
     def uses_reference(self) -> bool:
         return self.beta > 0
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        clipped = ("cispo_clip_ratio",) if self.loss_type == "cispo" else (
+            "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+        return ("kl", *clipped)
+
+    def surrogate(self, logps: jax.Array, ratio: jax.Array, adv: jax.Array, tokens: jax.Array,
+                  mask: jax.Array) -> tuple[jax.Array, Metrics]:
+        """Each token's policy-gradient loss before the KL term, and its clip metrics: PPO's clipped ratio, or
+        CISPO's capped weight on the log-prob (see the module)."""
+        if self.loss_type == "cispo":
+            cap = self.epsilon_high
+            capped = ((ratio > cap) & (adv > 0)).astype(jnp.float32)
+            per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, cap)) * adv * logps
+            return per_token, {"cispo_clip_ratio": (jnp.sum(jax.lax.stop_gradient(capped) * mask), tokens)}
+        bounds = pg.ClipBounds.of(self.epsilon, self.epsilon_high)
+        return pg.clipped_surrogate(ratio, adv, bounds), pg.clip_metrics(ratio, adv, bounds, tokens, mask)
 
     def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
         """(N, T) log-probs of the batch's targets under the tempered policy."""
@@ -132,9 +154,8 @@ class GRPO:
         old = pg.old_logps(batch, logps)
         ratio = jnp.exp(logps - old)
         adv, completions = token_advantages(batch), pg.completion_masks(batch)
-        bounds = pg.ClipBounds.of(self.epsilon, self.epsilon_high)
-        per_token = pg.clipped_surrogate(ratio, adv, bounds)
         tokens = jnp.sum(mask)
+        per_token, clip_metrics = self.surrogate(logps, ratio, adv, tokens, mask)
         metrics = pg.sampler_agreement(batch, logps)
         if metrics and self.importance_sampling != "off":
             weight, weight_metrics = self.importance_weight(batch, old, completions)
@@ -150,7 +171,7 @@ class GRPO:
             metrics["kl"] = (jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens)
         else:
             metrics["kl"] = (jnp.zeros((), jnp.float32), tokens)
-        metrics.update(pg.clip_metrics(ratio, adv, bounds, tokens, mask))
+        metrics.update(clip_metrics)
         summed = per_token * mask
         n = jnp.asarray(batch["advantages"].size, jnp.float32)  # completions
         if self.loss_type == "grpo":  # each completion's mean token loss
@@ -158,6 +179,6 @@ class GRPO:
             total, count = jnp.sum(per(summed) / jnp.maximum(per(mask), 1.0)), n
         elif self.loss_type == "dr_grpo":
             total, count = jnp.sum(summed), n * self.max_completion_length
-        else:  # dapo
+        else:  # dapo, cispo
             total, count = jnp.sum(summed), tokens
         return total, count, metrics
