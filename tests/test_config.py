@@ -40,7 +40,8 @@ HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemm
 
 
 # Recipes that start from another recipe's run, exported (`jaxtune export`): checked on that recipe's model.
-LOCAL_STARTS = {"runs/finetune-quickstart/model": "finetune-quickstart", "runs/finetune-short/model": "finetune-quickstart",
+LOCAL_STARTS = {"runs/finetune-quickstart/model": "finetune-quickstart",
+                "runs/finetune-short/model": "finetune-quickstart",
                 "runs/student-short/model": "finetune-quickstart"}
 
 
@@ -221,8 +222,8 @@ def test_max_prompt_length_applies_to_prompts_apart_and_bounds_grpos_prompts():
     assert load_config(None, [*grpo, "data.max_prompt_length=500"]).max_prompt_tokens == 192
     assert load_config(None, ["objective.name=dpo", "data.format=preference",
                               "data.max_prompt_length=64"]).data.max_prompt_length == 64
-    with pytest.raises(ConfigError, match=r"data.max_prompt_length applies to data.format=preference, unpaired, prompts .*"
-                       r"not messages"):
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length applies to data.format=preference, unpaired, "
+                                          r"prompts .*not messages"):
         load_config(None, ["data.format=messages", "data.max_prompt_length=64"])
 
 

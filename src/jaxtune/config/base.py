@@ -19,7 +19,8 @@ def takes_null(field: FieldInfo) -> bool:
     annotation = field.annotation
     if annotation is Any or annotation is None or annotation is type(None):
         return True
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return union and type(None) in typing.get_args(annotation)
 
 
 class Section(BaseModel):

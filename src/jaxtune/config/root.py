@@ -85,7 +85,8 @@ class Config(Section):
             return self.model_copy(update={"objective": obj.model_copy(update={"prompts_per_step": train.batch_size})})
         if "batch_size" in train.model_fields_set and train.batch_size != obj.prompts_per_step:
             raise ValueError(f"objective.prompts_per_step={obj.prompts_per_step} and train.batch_size="
-                             f"{train.batch_size} disagree: for {obj.name} they are one number; set prompts_per_step only")
+                             f"{train.batch_size} disagree: for {obj.name} they are one number; set prompts_per_step "
+                             "only")
         return self.model_copy(update={"train": train.model_copy(update={"batch_size": obj.prompts_per_step})})
 
     @model_validator(mode="after")
