@@ -78,7 +78,7 @@ def test_each_objective_builds_from_its_record(name):
     assert obj.uses_reference == (spec.companion == "reference" and (spec.companion_when == "always"
                                                                       or cfg.beta_value > 0))
     assert getattr(obj, "prepares", False) == spec.prepares
-    needs = {"exo_pair": {"label_smoothing": 1e-3}}  # a loss type's own required key
+    needs = {"exo_pair": {"label_smoothing": 1e-3}, "cispo": {"epsilon_high": 5.0}}  # a loss type's own required key
     for loss_type in spec.loss_types:
         built = make_objective(objective_config(name=name, loss_type=loss_type, rewards=rewards,
                                                 **needs.get(loss_type, {})))
