@@ -444,7 +444,8 @@ def test_dpo_train_step_compiles_once(checkpoints, lora_native, lora):
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
     state = spec.init(0)
     frozen = steps.frozen(spec.load_frozen(0), 0)
-    assert len(frozen) == 1  # LoRA: the base; full fine-tuning: the copy
+    # LoRA: the base and no weights of the companion's; full fine-tuning: no base, the copy
+    assert (len(frozen.model), frozen.companion is None) == ((1, True) if lora else (0, False))
     batch = pair_batch(PAIRS)
     losses = []
     with sharding.use_mesh(MESH):
