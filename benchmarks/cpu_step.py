@@ -1,9 +1,9 @@
 """CPU train-step throughput: jaxtune's real GPT-2 train step vs a PyTorch GPT of identical architecture.
 
 jaxtune side: the step exactly as ``train()`` builds it (``make_state_spec`` → ``jit_steps``: the objective's
-loss, ``make_train_step``, ``jax.jit`` with explicit shardings, state donated, traced under ``use_mesh``). PyTorch side: the same
-network written here (learned positions, pre-LayerNorm, fused qkv with bias, causal SDPA, tanh-GELU MLP 4x,
-tied embeddings, no dropout) with the same AdamW (decay on matrices only), global-norm clipping and lr
+loss, ``make_train_step``, ``jax.jit`` with explicit shardings, state donated, traced under ``use_mesh``). PyTorch
+side: the same network written here (learned positions, pre-LayerNorm, fused qkv with bias, causal SDPA,
+tanh-GELU MLP 4x, tied embeddings, no dropout) with the same AdamW (decay on matrices only), global-norm clipping and lr
 schedule, started from the jaxtune parameters so the first-step losses must agree.
 
 Timing: implementations are interleaved round by round (order rotated each round) in one process, every step

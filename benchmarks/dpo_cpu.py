@@ -589,7 +589,8 @@ def fixed_tables(rows: dict[str, dict], rows_of: dict[str, dict[str, str]]) -> l
             summary.append({"setup": label, "jaxtune_ms": j["ms_per_step"], "trl_ms": t["ms_per_step"],
                             "ratio": ratio, "ratio_best_step": best, "ratio_cpu_time": cpu})
             print(f"| {label} | {names['reference']} | {j['ms_per_step']:.0f} | {t['ms_per_step']:.0f} | "
-                  f"**{ratio:.2f}x** | {best:.2f}x | {cpu:.2f}x | {j['tokens_per_s']:,.0f} | {t['tokens_per_s']:,.0f} |")
+                  f"**{ratio:.2f}x** | {best:.2f}x | {cpu:.2f}x | {j['tokens_per_s']:,.0f} | "
+                  f"{t['tokens_per_s']:,.0f} |")
 
     head = ["implementation", "tokens/s (median)", "real tokens/s", "ms/step (median / min)", "CPU ms/step",
             "first step (s)"]

@@ -154,7 +154,8 @@ def main(argv=None) -> dict:
                     "jax programs"])
     for r in rows:
         print(f"| {r['implementation']} | {r['tokens_per_s']:,.0f} | {r['ms_per_call']:.0f} | "
-              f"{r['ms_per_token']:.1f} | {r['first_call_s']:.1f} | {r['compiles'] if r['compiles'] is not None else ''} |")
+              f"{r['ms_per_token']:.1f} | {r['first_call_s']:.1f} | "
+              f"{r['compiles'] if r['compiles'] is not None else ''} |")
     by = {r["implementation"]: r for r in rows}
     for mode in ("greedy", "sampled"):
         j, t = by[f"jaxtune, {mode}"], by[f"transformers, {mode}"]

@@ -1,5 +1,5 @@
-"""CPU GRPO (or RLOO: ``--objective rloo``, against ``RLOOTrainer``) step throughput: jaxtune's rollout + GRPO train step
-vs TRL's ``GRPOTrainer`` (transformers generate), on
+"""CPU GRPO (or RLOO: ``--objective rloo``, against ``RLOOTrainer``) step throughput: jaxtune's rollout + GRPO train
+step vs TRL's ``GRPOTrainer`` (transformers generate), on
 the same model, prompts, group size and reward.
 
 One random ``LlamaForCausalLM`` (fp32, seeded, untied head) is written with ``save_pretrained`` into a temp dir with
@@ -410,7 +410,8 @@ def main(argv=None) -> dict:
         # a timed round in which jaxtune met a new length bucket (a new prompt length) compiled a program: left
         # out of the medians (counted in the report), unless every round did
         rounds = [out for r, out in enumerate(im["outputs"]) if r >= args.warmup]
-        warm = [k for k, out in enumerate(rounds) if not any(x.get("compiled") for x in out)] or list(range(len(rounds)))
+        warm = ([k for k, out in enumerate(rounds) if not any(x.get("compiled") for x in out)]
+                or list(range(len(rounds))))
         im["compiling_rounds"] = len(rounds) - len(warm)
         im["times"] = [im["times"][k] / args.steps for k in warm]
         im["cpu"] = [im["cpu"][k] / args.steps for k in warm]
@@ -447,9 +448,11 @@ def main(argv=None) -> dict:
     print(f"Llama (random, fp32, untied head, EOS biased out): {args.layers} layers, hidden {args.d_model}, "
           f"{args.heads} heads ({args.kv_heads} kv), intermediate {args.d_ff}, vocab {args.vocab}, "
           f"{n_params / 1e6:.2f}M params; transformers attention {args.attn}")
-    print(f"{args.objective.upper()}: {args.prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens x {args.num_generations} "
+    print(f"{args.objective.upper()}: {args.prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens x "
+          f"{args.num_generations} "
           f"generations = {completions} completions of {args.max_completion_length} tokens per step, temperature 1.0; "
-          f"{'dapo, ' if args.objective == 'grpo' else 'per-sequence ratio, '}epsilon 0.2, one pass; jaxtune rows (N, {seq_len}); AdamW lr {args.lr:g} betas (0.9, 0.999) eps 1e-8 "
+          f"{'dapo, ' if args.objective == 'grpo' else 'per-sequence ratio, '}epsilon 0.2, one pass; "
+          f"jaxtune rows (N, {seq_len}); AdamW lr {args.lr:g} betas (0.9, 0.999) eps 1e-8 "
           f"wd 0, constant lr, clip 1.0; reward: count of '7' in the text")
     print(f"threads: XLA {threads} / torch {torch.get_num_threads()} (OMP_WAIT_POLICY {omp_wait}); malloc tuning "
           f"{'on' if args.malloc_arena else 'off'}; first step + {args.warmup} warm-up round(s) + {args.rounds} timed "

@@ -272,7 +272,8 @@ def main(argv=None) -> dict:
     print_header(head)
     e = by["HF+PEFT eager"]
     for r in rows:
-        cells = [r["implementation"], f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f}",
+        cells = [r["implementation"], f"{r['tokens_per_s']:,.0f}",
+                 f"{r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f}",
                  f"{r['tokens_per_s'] / e['tokens_per_s']:.2f}x", f"{e['ms_per_step_min'] / r['ms_per_step_min']:.2f}x"]
         if sd:
             cells.append(f"{r['tokens_per_s'] / by['HF+PEFT sdpa']['tokens_per_s']:.2f}x")

@@ -134,13 +134,15 @@ def make_torch_step(model: torch.nn.Module):
 # ---------------------------------------------------------------- main
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--families", default=",".join(FAMILY_NAMES), help="comma-separated subset of " + ",".join(FAMILY_NAMES))
+    ap.add_argument("--families", default=",".join(FAMILY_NAMES),
+                    help="comma-separated subset of " + ",".join(FAMILY_NAMES))
     ap.add_argument("--steps", type=int, default=8, help="timed rounds (each pair runs once per round; >= 5)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the first (compiling) step")
     add_common_args(ap, batch=4, seq=256, layers=4, d_model=256, heads=4, kv_heads=2, d_ff=688, vocab=8192)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--max-pos", type=int, default=512)
-    ap.add_argument("--window", type=int, default=128, help="sliding window (mistral: every layer; gemma3: even layers)")
+    ap.add_argument("--window", type=int, default=128,
+                    help="sliding window (mistral: every layer; gemma3: even layers)")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the transformers sdpa rows")
     args = ap.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]

@@ -1,8 +1,8 @@
 """Where a small CPU run's wall time goes besides the train steps: `jaxtune train` as a user runs it, before and
 after the process-level fixes, side by side in one script.
 
-    python benchmarks/overhead.py                  # 2,000 steps: 4 layers, d_model 128, batch 12, seq 64, eval every 250
-    python benchmarks/overhead.py --tiny           # seconds: 30 steps (the test suite runs this)
+    python benchmarks/overhead.py                 # 2,000 steps: 4 layers, d_model 128, batch 12, seq 64, eval every 250
+    python benchmarks/overhead.py --tiny          # seconds: 30 steps (the test suite runs this)
 
 Each row is one `jaxtune train` process (the console entry point, as a user starts it) on the same config, its
 data already tokenized by a warm-up run (a second run of a config finds its tokens cached; tokenizing is measured by

@@ -25,7 +25,12 @@ from pathlib import Path
 from _harness import print_header, run_record
 
 _NAMES = ["Tom", "Lily", "Ben", "Mia", "Sam", "Anna", "Max", "Sue", "Tim", "Lucy", "Jack", "Emma"]
-_WORDS = ["the", "a", "little", "big", "happy", "sad", "dog", "cat", "ball", "tree", "park", "sun", "mom", "dad", "friend", "toy", "red", "blue", "green", "played", "ran", "jumped", "saw", "found", "wanted", "liked", "said", "looked", "went", "came", "gave", "made", "took", "smiled", "laughed", "and", "but", "so", "then", "because", "very", "too", "with", "in", "on", "under", "near", "to", "of", "for", "day", "time", "house", "garden", "bird", "fish", "box", "cake", "flower", "car", "boat", "hat", "shoe", "star", "moon", "water", "sky", "rain", "wind"]
+_WORDS = ["the", "a", "little", "big", "happy", "sad", "dog", "cat", "ball", "tree", "park", "sun", "mom", "dad",
+          "friend", "toy", "red", "blue", "green", "played", "ran", "jumped", "saw", "found", "wanted", "liked", "said",
+          "looked", "went", "came", "gave", "made", "took", "smiled", "laughed", "and", "but", "so", "then", "because",
+          "very", "too", "with", "in", "on", "under", "near", "to", "of", "for", "day", "time", "house", "garden",
+          "bird", "fish", "box", "cake", "flower", "car", "boat", "hat", "shoe", "star", "moon", "water", "sky", "rain",
+          "wind"]
 
 
 def story(rng: random.Random) -> str:

@@ -250,8 +250,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-recipe", action="store_true", help="skip the un-jitted torchax recipe row")
     ap.add_argument("--no-recipe-jit", action="store_true", help="skip the torchax recipe + jax.jit row")
     ap.add_argument("--hlo-stats", action="store_true",
-                    help="compile each jitted JAX side once more and print XLA's cost analysis and its optimized HLO's size "
-                         "and op counts")
+                    help="compile each jitted JAX side once more and print XLA's cost analysis and its optimized "
+                         "HLO's size and op counts")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run (~1-2 min on 2 cores): 3 rounds of 1 step, no warm-up round, batch 4")
     args = ap.parse_args(argv)
@@ -325,7 +325,8 @@ def main(argv=None) -> dict:
     print(f"data: plain causal windows, batch {args.batch} x seq {args.seq} = {tokens} tokens/step (no packing, no "
           f"positions, no mask); AdamW lr {ocfg.lr:g} betas ({ocfg.b1}, {ocfg.b2}) eps {ocfg.eps:g}, weight decay "
           f"{ocfg.weight_decay:g} on matrices, clip {ocfg.grad_clip}, constant lr; loss: mean token CE")
-    print(f"threads: XLA {threads} / torch {torch.get_num_threads()} (OMP_WAIT_POLICY {omp_wait}); first step + {args.warmup} warm-up round(s) + "
+    print(f"threads: XLA {threads} / torch {torch.get_num_threads()} (OMP_WAIT_POLICY {omp_wait}); "
+          f"first step + {args.warmup} warm-up round(s) + "
           f"{args.rounds} timed rounds of {args.steps} step(s) per implementation ({args.recipe_steps} for the "
           f"un-jitted recipe), interleaved ({run['seconds']:.0f} s); load average {load0[0]:.1f} -> {load1[0]:.1f}")
     print("jaxtune setup (state spec, weights read from the checkpoint, state init): "

@@ -94,7 +94,8 @@ def row(d: dict, post_training: bool = False) -> str:
     memory = f"{total:.1f} / {usable:.2f} GiB" if d["fits"] else (
         f">= {total:.1f} / {usable:.2f} GiB" if total is not None else "refused")
     n = d.get("sequences", 1)
-    batch = (f"{d['batch_size']} {d['unit']} x {n} x {d['seq_len']}" if n > 1 else f"{d['batch_size']} x {d['seq_len']}") \
+    batch = (f"{d['batch_size']} {d['unit']} x {n} x {d['seq_len']}" if n > 1
+             else f"{d['batch_size']} x {d['seq_len']}") \
         + (f" ({d['adjusted']})" if d["adjusted"] else "")
     rl = d.get("roofline")
     lb = d.get("largest_batch")

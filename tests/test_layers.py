@@ -16,7 +16,8 @@ LAYERS = {
     "jaxtune.models": 1, "jaxtune.data": 1,
     "jaxtune.train": 2,
     "jaxtune.backends": 3,
-    "jaxtune.loop": 4, "jaxtune.companions": 4, "jaxtune.run": 4, "jaxtune.evaluate": 4, "jaxtune.evaluator": 4, "jaxtune.generate": 4,
+    "jaxtune.loop": 4, "jaxtune.companions": 4, "jaxtune.run": 4, "jaxtune.evaluate": 4, "jaxtune.evaluator": 4,
+    "jaxtune.generate": 4,
     "jaxtune.export": 4, "jaxtune.parity": 4, "jaxtune.info": 4, "jaxtune.aot": 4,
     "jaxtune.cli": 5,
 }

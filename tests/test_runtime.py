@@ -37,7 +37,8 @@ FAULTS = textwrap.dedent("""
 
 
 def _python(code: str, *args: str, env: dict | None = None) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code, *args], check=False, capture_output=True, text=True, env=env,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 

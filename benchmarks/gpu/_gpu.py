@@ -237,7 +237,8 @@ def dynamo_graphs() -> dict[str, int]:
     """torch.compile's work so far: graphs compiled, graph breaks, recompilations (`torch._dynamo` counters)."""
     from torch._dynamo.utils import counters
 
-    return {"graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": int(sum(counters["graph_break"].values())),
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
             "recompiles": int(sum(counters["recompiles"].values()))}
 
 

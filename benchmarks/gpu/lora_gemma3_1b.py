@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r["implementation"], g.fmt(r["tokens_per_s"]), f"{r['ms_per_step']:.1f} / {r['ms_per_step_min']:.1f}",
         g.fmt(hf_tps and r["tokens_per_s"] / hf_tps, ".2f") + ("x" if hf_tps else ""),
         f"{r['peak_mem_gb']:.2f}", f"{r['first_step_s']:.1f}", f"{r['compile_s']:.1f}",
-        f"{r['compiles_first_step']} / {r['compiles_after_first_step']}", f"{r['loss_first']:.4f} / {r['loss_last']:.4f}"])
+        f"{r['compiles_first_step']} / {r['compiles_after_first_step']}",
+        f"{r['loss_first']:.4f} / {r['loss_last']:.4f}"])
     if "torchax_vs_hf_loss_rel" in result:
         print(f"same weights (seed 0) and batches: jaxtune torchax vs transformers + PEFT, largest relative loss "
               f"difference over the {len(rows[HF]['losses'])} steps: {result['torchax_vs_hf_loss_rel']:.1e}")

@@ -80,11 +80,11 @@ def format_info(d: dict[str, Any]) -> str:
     return "\n".join([
         *([f"note:             {d['note']}"] if d.get("note") else []),
         f"model:            {d['model']}",
-        f"parameters:       {d['params']:,} ({d['params_non_embedding']:,} non-embedding; "
-        f"{d['trainable_params']:,} trained)",
+        (f"parameters:       {d['params']:,} ({d['params_non_embedding']:,} non-embedding; "
+         f"{d['trainable_params']:,} trained)"),
         f"FLOPs per token:  {d['flops_per_token']:.3e} (training: 6N + attention)",
         f"FLOPs per step:   {d['flops_per_step']:.3e}",
         f"mesh:             {d['mesh']} over {d['devices']} device(s)",
-        f"memory / device:  params {gib(m['params'])}, grads {gib(m['grads'])}, optimizer {gib(m['optimizer'])}, "
-        f"activations ~{gib(m['activations'])}; total ~{gib(m['total'])}",
+        (f"memory / device:  params {gib(m['params'])}, grads {gib(m['grads'])}, optimizer {gib(m['optimizer'])}, "
+         f"activations ~{gib(m['activations'])}; total ~{gib(m['total'])}"),
     ])

@@ -64,7 +64,8 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         cfg = load_config(target, overrides)
     run_dir = cfg.run_path
     tok_dir = run_dir / "tokenizer"
-    tokenizer = load_tokenizer_dir(tok_dir) if tok_dir.is_dir() else load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data)
+    tokenizer = (load_tokenizer_dir(tok_dir) if tok_dir.is_dir()
+                 else load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data))
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
     if hf_dir and not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context

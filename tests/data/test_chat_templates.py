@@ -19,17 +19,20 @@ from jaxtune.data.sft import Encoder
 
 # Qwen3-8B's tokenizer_config.json chat_template (the hybrid-thinking Qwen 3 models), verbatim: reasoning is dropped
 # from replies before the last user query, and replies after it open with a <think> block, empty or not.
-QWEN3 = r"""{%- if tools %}
+QWEN3 = (r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
         {{- messages[0].content + '\n\n' }}
     {%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with """
+r"""function signatures within <tools></tools> XML tags:\n<tools>" }}
     {%- for tool in tools %}
         {{- "\n" }}
         {{- tool | tojson }}
     {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within """
+r"""<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": """
+r"""<args-json-object>}\n</tool_call><|im_end|>\n" }}
 {%- else %}
     {%- if messages[0].role == 'system' %}
         {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
@@ -38,7 +41,8 @@ QWEN3 = r"""{%- if tools %}
 {%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
 {%- for message in messages[::-1] %}
     {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and """
+r"""not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
         {%- set ns.multi_step_tool = false %}
         {%- set ns.last_query_index = index %}
     {%- endif %}
@@ -57,13 +61,15 @@ QWEN3 = r"""{%- if tools %}
             {%- set reasoning_content = message.reasoning_content %}
         {%- else %}
             {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set reasoning_content = """
+r"""content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
                 {%- set content = content.split('</think>')[-1].lstrip('\n') %}
             {%- endif %}
         {%- endif %}
         {%- if loop.index0 > ns.last_query_index %}
             {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' """
+r"""+ content.lstrip('\n') }}
             {%- else %}
                 {{- '<|im_start|>' + message.role + '\n' + content }}
             {%- endif %}
@@ -107,11 +113,17 @@ QWEN3 = r"""{%- if tools %}
     {%- if enable_thinking is defined and enable_thinking is false %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
-{%- endif %}"""
+{%- endif %}""")
 
 # Mistral-Small-24B-Instruct-2501's template (Mistral's v7 format), verbatim: the system prompt opens the text.
-MISTRAL_V7 = r"""{%- set today = strftime_now("%Y-%m-%d") %}
-{%- set default_system_message = "You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI, a French startup headquartered in Paris.\nYour knowledge base was last updated on 2023-10-01. The current date is " + today + ".\n\nWhen you're not sure about some information, you say that you don't have the information and don't make up anything.\nIf the user's question is not clear, ambiguous, or does not provide enough context for you to accurately answer the question, you do not try to answer it right away and you rather ask the user to clarify their request (e.g. \"What are some good restaurants around me?\" => \"Where are you?\" or \"When is the next flight to Tokyo\" => \"Where do you travel from?\")" %}
+MISTRAL_V7 = (r"""{%- set today = strftime_now("%Y-%m-%d") %}
+{%- set default_system_message = "You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI, a """
+r"""French startup headquartered in Paris.\nYour knowledge base was last updated on 2023-10-01. The current date is """
+r"""" + today + ".\n\nWhen you're not sure about some information, you say that you don't have the information and """
+r"""don't make up anything.\nIf the user's question is not clear, ambiguous, or does not provide enough context for """
+r"""you to accurately answer the question, you do not try to answer it right away and you rather ask the user to """
+r"""clarify their request (e.g. \"What are some good restaurants around me?\" => \"Where are you?\" or \"When is the """
+r"""next flight to Tokyo\" => \"Where do you travel from?\")" %}
 
 {{- bos_token }}
 
@@ -134,7 +146,7 @@ MISTRAL_V7 = r"""{%- set today = strftime_now("%Y-%m-%d") %}
     {%- else %}
         {{- raise_exception('Only user, system and assistant roles are supported!') }}
     {%- endif %}
-{%- endfor %}"""
+{%- endfor %}""")
 
 CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>"]
 MISTRAL_SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]"]

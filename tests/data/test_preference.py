@@ -42,7 +42,8 @@ IM_END = "<|im_end|>"
 
 
 def cfg(**kw) -> DataConfig:
-    """A row per completion (the layout these tests read; the shared-prompt row is `tests/train/test_shared_prompts`)."""
+    """A row per completion (the layout these tests read; the shared-prompt row is
+    `tests/train/test_shared_prompts`)."""
     kw.setdefault("share_prompts", False)
     return chatml_cfg("preference", **kw)
 
@@ -474,7 +475,8 @@ def test_a_batch_larger_than_the_data_and_a_held_out_set_under_a_batch_are_said(
     train_line, val_line = [line for line in data.report if line.startswith("warning: ")]
     assert f"train.batch_size=32 is more than the {n_train} training pairs" in train_line
     assert "lower train.batch_size" in train_line
-    assert val_line.startswith(f"warning: {n_val} held-out pairs, fewer than a batch") and "data.val_fraction" in val_line
+    assert val_line.startswith(f"warning: {n_val} held-out pairs, fewer than a batch")
+    assert "data.val_fraction" in val_line
 
 
 def test_test_sequences_reads_every_pair(tok, tmp_path):

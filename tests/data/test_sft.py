@@ -39,6 +39,7 @@ from jaxtune.data.rows import READ_REASONS
 from jaxtune.data.sft import Encoder, SFTStats, load_examples, pack, prepare_sft, question, sequences
 from jaxtune.data.tokenizer import _train_bpe
 
+
 @pytest.fixture(scope="module")
 def tok_dirs(tmp_path_factory):
     """name -> tokenizer directory, built once per module."""

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.chat_templates import build_tokenizer
 
+from helpers.chat_templates import build_tokenizer
 from jaxtune.config import DataConfig, TokenizerConfig
 from jaxtune.data import DataError, load_tokenizer
 from jaxtune.data.formats import Example, Pair, Prompt, field_names, parse_row

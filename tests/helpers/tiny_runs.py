@@ -11,10 +11,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+
 from helpers.processes import run_driver, start_driver, wait
 from helpers.run_outputs import final_params, losses
 from helpers.tiny_config import TORCHAX_LLAMA
-
 from jaxtune.config import Config, load_config
 from jaxtune.data import load_tokenizer
 from jaxtune.loop import train

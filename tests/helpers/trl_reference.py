@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from helpers.compare import rel
 
+from helpers.compare import rel
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
 from jaxtune.config import Config, ObjectiveConfig, load_config

@@ -8,7 +8,8 @@ transformers' own GGUF loader (``gguf_file=``).
 Error measure: rel(ours, ref) = max|ours - ref| / max|ref|. Tolerances:
   * imported tensors vs transformers' GGUF loader, every type:                   bitwise equal (both dequantize
     with the gguf package)
-  * imported tensors vs the original weights: F32 bitwise; F16 |err| <= max(2^-11 |w|, 2^-25) (half an ulp, subnormals too); Q8_0 |err| <= max|w| / 127;
+  * imported tensors vs the original weights: F32 bitwise; F16 |err| <= max(2^-11 |w|, 2^-25) (half an ulp,
+    subnormals too); Q8_0 |err| <= max|w| / 127;
     Q4_0 |err| <= max|w| / 8 (half a step is max/16 of the block; the far end clamps at 7 steps of 8: one step)
   * logits of the native model from the .gguf vs transformers from the same .gguf, fp32:  rel <= 1e-5
   * SmolLM2-135M-Instruct Q4_1 (real, when installed): logits rel <= 3e-5, greedy tokens equal up to the EOS
@@ -43,7 +44,8 @@ transformers = pytest.importorskip("transformers")
 
 Q = gguf.GGMLQuantizationType
 TYPES = ["F32", "F16", "Q8_0", "Q4_0"]
-BOUND = {"F32": lambda w: 0.0, "F16": lambda w: np.maximum(np.abs(w) * 2.0**-11, 2.0**-25), "Q8_0": lambda w: np.abs(w).max() / 127,
+BOUND = {"F32": lambda w: 0.0, "F16": lambda w: np.maximum(np.abs(w) * 2.0**-11, 2.0**-25),
+         "Q8_0": lambda w: np.abs(w).max() / 127,
          "Q4_0": lambda w: np.abs(w).max() / 8}
 
 

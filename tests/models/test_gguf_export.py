@@ -253,7 +253,8 @@ def test_gpt2_native(tiny, root):
     reader = gguf.GGUFReader(out)
     keys = {"general.architecture": "gpt2", "gpt2.context_length": 128, "gpt2.embedding_length": 64,
             "gpt2.block_count": 2, "gpt2.feed_forward_length": 256, "gpt2.attention.head_count": 4,
-            "gpt2.attention.layer_norm_epsilon": float(np.float32(1e-5)), "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2"}
+            "gpt2.attention.layer_norm_epsilon": float(np.float32(1e-5)), "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "gpt-2"}
     assert {k: reader.fields[k].contents() for k in keys} == keys
     shapes = {t.name: tuple(reversed(t.shape.tolist())) for t in reader.tensors}  # numpy order
     assert "output.weight" not in shapes and shapes["position_embd.weight"] == (128, 64)
@@ -353,11 +354,11 @@ def test_qlora_run_exports_dequantized(tiny, root):
     assert rel(torch_logits(hf_from_gguf(out), ids), ours) <= 1e-5
 
 def test_errors_and_warnings(tiny, root, monkeypatch, caplog):
-    """A model type with no GGUF export (a torchax run's Phi-3), a Gemma 3 whose layer pattern llama.cpp would not follow (it fixes one
-    global layer in six), a pre-tokenizer llama.cpp has no name for, a .gguf name without --gguf, and a missing gguf
-    package: each a one-line error naming it. The pre-tokenizer names are the ones transformers'
-    GGUF loader maps to the same splitting regex. A Mistral with a sliding window exports as llama.cpp runs it (a
-    Llama, attending to the whole context), and the log says so."""
+    """A model type with no GGUF export (a torchax run's Phi-3), a Gemma 3 whose layer pattern llama.cpp would not
+    follow (it fixes one global layer in six), a pre-tokenizer llama.cpp has no name for, a .gguf name without
+    --gguf, and a missing gguf package: each a one-line error naming it. The pre-tokenizer names are the ones
+    transformers' GGUF loader maps to the same splitting regex. A Mistral with a sliding window exports as llama.cpp
+    runs it (a Llama, attending to the whole context), and the log says so."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 

@@ -159,5 +159,6 @@ def test_block_size_falls_back_to_a_divisor_and_refuses_odd_widths():
     assert [block_size(n, "nf4") for n in (64, 576, 96, 100, 48)] == [64, 64, 48, 50, 48]
     q = quantize_kernel(jnp.ones((96, 8), jnp.float32), "int8")
     assert q.scale.shape == (2, 8)
-    with pytest.raises(ConfigError, match="model.quantize=int4: a kernel of 97 inputs splits into no block of 16 to 64"):
+    with pytest.raises(ConfigError,
+                       match="model.quantize=int4: a kernel of 97 inputs splits into no block of 16 to 64"):
         block_size(97, "int4")

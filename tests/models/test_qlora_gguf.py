@@ -269,8 +269,8 @@ def test_real_file_blocks_logits_and_memory(which):
 
 def test_refusals(tiny_files, root):
     """model.quantize=gguf on a checkpoint that is not a .gguf file, or none; a file whose adapted kernel is F16
-    (the exporter's f16) or Q2_K (the mixed file, one layer's ffn_down retyped: a type with no map): one line each, naming the file, the tensor, its type, the
-    mapped types and what to do."""
+    (the exporter's f16) or Q2_K (the mixed file, one layer's ffn_down retyped: a type with no map): one line each,
+    naming the file, the tensor, its type, the mapped types and what to do."""
     mixed, f16 = tiny_files
     with pytest.raises(ConfigError, match=r"model.quantize=gguf keeps a .gguf file's own quantized blocks, and "
                                           r"model.from_hf=/some/dir is not one; set model.from_hf to a .gguf file"):

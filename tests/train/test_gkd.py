@@ -1,7 +1,8 @@
 """On-policy distillation (`jaxtune.train.objectives.gkd`) against TRL 1.16's GKD: the loss of
 ``GKDTrainer.generalized_jsd_loss`` as its ``compute_loss`` calls it (the student's and the teacher's logits of the
 same rows, shifted; labels -100 off the completions), and its gradients, on a tiny student and a teacher of another
-architecture (3 layers, hidden 96) with one vocabulary; beta 0 (KL(teacher || student)), 0.3 (not 0.5: the mixture is symmetric there) and 1 (reverse KL).
+architecture (3 layers, hidden 96) with one vocabulary; beta 0 (KL(teacher || student)), 0.3 (not 0.5: the mixture
+is symmetric there) and 1 (reverse KL).
 Then the teacher's refusals (another vocabulary, another tokenizer, no model directory), and a run: the student
 distilled from the teacher on its own samples moves towards it."""
 
@@ -37,8 +38,8 @@ from jaxtune.companions import load_teacher
 from jaxtune.config import ConfigError, TokenizerConfig
 from jaxtune.data import load_tokenizer
 from jaxtune.train.objectives import GKD, make_objective
-from jaxtune.train.rollout import training_rows
 from jaxtune.train.reference import Frozen
+from jaxtune.train.rollout import training_rows
 from jaxtune.train.step import objective_loss
 
 pytest.importorskip("trl")

@@ -95,8 +95,8 @@ OFF_POLICY = {"epsilon": 0.2, "epsilon_high": 0.28}  # the mu > 1 checks' clippi
 def update_error(new, ref_new, start, ulps: int = 1) -> float:
     """How far parameters ``new`` are from ``ref_new``, both reached from ``start``, relative to the update: per
     leaf max(|new - ref_new| - ulps float32 spacings of the parameter, 0) / max|ref_new - start|, the worst leaf. An
-    update equal to 1e-6 can still land on the neighbouring float32 of the parameter (for a norm scale near 1, 6e-8: 6e-5
-    of a 1e-3 update), once per update applied."""
+    update equal to 1e-6 can still land on the neighbouring float32 of the parameter (for a norm scale near 1, 6e-8:
+    6e-5 of a 1e-3 update), once per update applied."""
 
     def leaf(a, b, s):
         a, b, s = np.asarray(a), np.asarray(b), np.asarray(s)

@@ -34,7 +34,8 @@ REST = ["data.format=prompts", "data.chat_template=chatml", "data.seq_len=48", "
         "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
         "objective.name=grpo", "objective.num_generations=4", "objective.max_completion_length=16",
         "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}]",
-        "optim.lr=1e-2", "optim.warmup_steps=0", "optim.schedule=constant", "objective.prompts_per_step=4", "train.steps=4",
+        "optim.lr=1e-2", "optim.warmup_steps=0", "optim.schedule=constant", "objective.prompts_per_step=4",
+        "train.steps=4",
         "eval.every=2", "eval.exact_match=8", "checkpoint.every=2", "logging.every=1", "logging.progress=false",
         "logging.tensorboard=false"]
 ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_number/mean",
@@ -42,7 +43,8 @@ ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/exac
                    "completions/clipped_ratio", "time/generation", "time/rewards", "generation_tok_s")
 OBJECTIVE_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                      "sampler_logp_diff/mean", "sampler_logp_diff/max")
-SAMPLER_TOL = 1e-5  # |sampler - trainer| log-prob of a completion token, float32 (two programs: the cache's, the step's)
+# |sampler - trainer| log-prob of a completion token, float32 (two programs: the cache's, the step's)
+SAMPLER_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +221,7 @@ def test_grpo_with_shared_prompts_trains_as_a_row_per_completion(grpo, tmp_path)
     base = ["objective.beta=0.04", "train.steps=1", "eval.every=0", "eval.exact_match=0", "objective.temperature=0.7"]
     shared = load_config(None, [*grpo(*base, "data.share_prompts=true"), f"run_dir={tmp_path / 'shared'}"])
     plain = load_config(None, [*grpo(*base, "data.share_prompts=false"), f"run_dir={tmp_path / 'plain'}"])
-    a, b = train(shared), train(plain)
+    a, _ = train(shared), train(plain)
     # one program per (prompt slots, completion slots) met, rows in regions longer than data.seq_len
     assert a.step_compiles == len(a.step_lengths) and all(isinstance(k, tuple) for k in a.step_lengths)
     assert max(p + 4 * c for p, c in a.step_lengths) > 48

@@ -148,7 +148,7 @@ def _seeded(seed: Path, tmp_path: Path) -> Path:
     return run
 
 
-# --- 1: Ctrl-C ---------------------------------------------------------------------------------------------------------
+# --- 1: Ctrl-C --------------------------------------------------------------------------------------------------------
 
 
 def test_first_ctrl_c_saves_the_step_and_exits_0(tmp_path, tiny_overrides, config_file, driver, xla_cache):
@@ -230,7 +230,7 @@ def test_ctrl_c_on_one_host_stops_every_host_at_the_same_step(tmp_path, tiny_ove
     assert not (run / LOCK_NAME).exists()
 
 
-# --- 2: no duplicate rows after a resume -------------------------------------------------------------------------------
+# --- 2: no duplicate rows after a resume ------------------------------------------------------------------------------
 
 
 def _tensorboard_scalars(logdir: Path, purge: bool = True) -> dict[str, list[tuple[int, float]]]:
@@ -287,7 +287,7 @@ def test_resume_leaves_one_row_per_step(tmp_path, tiny_overrides, config_file, d
     assert all(abs(v - jsonl[s]) <= 1e-6 * abs(jsonl[s]) for s, v in tb["train/loss"])
 
 
-# --- 3: one run per run_dir --------------------------------------------------------------------------------------------
+# --- 3: one run per run_dir -------------------------------------------------------------------------------------------
 
 
 def test_second_run_on_a_run_dir_is_refused(tmp_path, tiny_overrides, config_file, driver, capsys, xla_cache):
@@ -332,7 +332,7 @@ def test_lock_held_on_another_host_is_refused(tmp_path, tiny_overrides, config_f
     assert lock.path.read_bytes() == before and sorted(p.name for p in run.iterdir()) == [LOCK_NAME]
 
 
-# --- 7: failed writes --------------------------------------------------------------------------------------------------
+# --- 7: failed writes -------------------------------------------------------------------------------------------------
 
 
 def _checkpoint_error(run: Path, step: int, error: str) -> str:
@@ -369,7 +369,8 @@ def test_file_size_limit_during_a_save_is_one_line(seed, tmp_path, tiny_override
 
 def _namespace() -> list[str]:
     """A user and mount namespace (as root in it) in which a test may mount: tmpfs, or a read-only bind mount."""
-    probe = subprocess.run(["unshare", "-rm", "true"], check=False, capture_output=True) if shutil.which("unshare") else None
+    probe = (subprocess.run(["unshare", "-rm", "true"], check=False, capture_output=True)
+             if shutil.which("unshare") else None)
     if probe is None or probe.returncode:
         pytest.skip("needs `unshare -rm` (a user and mount namespace) to mount a size-limited or read-only directory")
     return ["unshare", "-rm", "sh", "-ec"]

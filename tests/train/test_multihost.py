@@ -304,7 +304,8 @@ def test_a_data_file_missing_on_one_host_stops_every_host_naming_it(tmp_path, ti
     overrides = [o for o in tiny_overrides if not o.startswith("data.sources")]
     errs = _finish(tmp_path, _launch(tmp_path, [*overrides, "data.sources=[rows.jsonl]", "data.format=messages",
                                                 "data.chat_template=chatml", "data.seq_len=64",
-                                                "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]"], worker=CLI_WORKER, cwd=[here, there]),
+                                                "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]"],
+                                  worker=CLI_WORKER, cwd=[here, there]),
                    ok=False)
     for line in _error_lines(errs):
         assert line == ("error: data.sources[0]: no such file or directory: rows.jsonl; give a file, a glob or a "

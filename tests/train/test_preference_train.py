@@ -60,7 +60,8 @@ def test_dpo_quickstart_as_the_readme_runs_it(quickstart_sft_model, tmp_path, da
     capsys.readouterr()
     # Shortened: 24 steps from a 30-step SFT model, at 5x the recipe's learning rate.
     assert main(["train", "dpo-quickstart", f"model.from_hf={model}", f"run_dir={run}", "train.steps=24",
-                 "optim.lr=1e-4", "eval.every=12", "eval.batches=4", "checkpoint.every=24", "logging.every=4", *fast]) == 0
+                 "optim.lr=1e-4", "eval.every=12", "eval.batches=4", "checkpoint.every=24", "logging.every=4",
+                 *fast]) == 0
     out = capsys.readouterr().out
     assert "preference data: 10000 rows ->" in out
     summary = json.loads((run / "summary.json").read_text())

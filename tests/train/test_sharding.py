@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import ClassVar
 
 import jax
 import pytest
@@ -127,10 +128,11 @@ def test_mesh_that_does_not_fit_is_a_named_error():
 
 def test_non_dividing_dimension_is_a_named_error():
     class EightWayFsdp:  # only .shape is consulted before any device placement
-        shape = {"data": 1, "fsdp": 8, "tensor": 1}
+        shape: ClassVar[dict[str, int]] = {"data": 1, "fsdp": 8, "tensor": 1}
 
     abstract = {"w": jax.ShapeDtypeStruct((60, 240), "float32")}
-    with pytest.raises(ShardingError, match=r"\['w'\] \(60, 240\): dimension 60 does not divide mesh axis fsdp of size 8"):
+    with pytest.raises(ShardingError,
+                       match=r"\['w'\] \(60, 240\): dimension 60 does not divide mesh axis fsdp of size 8"):
         param_shardings(EightWayFsdp(), abstract, {"w": ("embed", "mlp")})
 
 
@@ -139,7 +141,8 @@ def test_lora_adapters_shard_with_their_base(tmp_path, tiny_overrides):
     axis, the frozen base exactly as without LoRA; data8 and data2 x fsdp2 x tensor2 give the single-device
     losses (<=1e-5 rel) and compile once."""
     base = tiny_overrides + [f"train.steps={STEPS}", f"checkpoint.every={STEPS}", "model.n_head=8",
-                             "model.family=llama", "model.lora.rank=4", "optim.lr=1e-2", f"run_dir={tmp_path / 'layout'}"]
+                             "model.family=llama", "model.lora.rank=4", "optim.lr=1e-2",
+                             f"run_dir={tmp_path / 'layout'}"]
     cfg = load_config(None, base)
     prepare_tokens(cfg.data, load_tokenizer(cfg.tokenizer, cfg.data))
     layouts = {k: LAYOUTS[k] for k in ("data8", "data2_fsdp2_tensor2")}  # data8: the script's reshard source

@@ -100,7 +100,8 @@ def _run(tmp_path, name, *extra):
         *FAMILIES["llama-lora"][:-3], "model.max_seq_len=128", "objective.name=dpo", "data.format=preference",
         "data.sources=[synthetic:arithmetic-preferences]", "data.chat_template=chatml", "data.seq_len=128",
         "data.val_fraction=0.01", f"data.cache_dir={tmp_path}/cache", "tokenizer.kind=bpe",
-        "tokenizer.vocab_size=300", "tokenizer.train_bytes=100000", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
+        "tokenizer.vocab_size=300", "tokenizer.train_bytes=100000",
+        "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
         "train.steps=3", "train.batch_size=4", "checkpoint.every=3", "eval.every=3", "eval.batches=1",
         "logging.every=1", "logging.progress=false", "logging.tensorboard=false", "train.compile_cache_dir=null",
         f"run_dir={tmp_path / name}", *extra])
@@ -238,9 +239,11 @@ def test_grpo_groups_as_rows_need_a_multiple_of_the_data_parallel_devices():
     falls back to a row per completion, with it set the error names the key and what to change."""
     base = ["objective.name=grpo", "data.format=prompts", "objective.prompts_per_step=3", "objective.num_generations=4",
             "objective.rewards=[{name: exact_number}]"]
-    assert rows_per_device(load_config(None, base), 1).data.shares_prompts == load_config(None, base).data.shares_prompts
+    assert rows_per_device(load_config(None, base), 1).data.shares_prompts == (
+        load_config(None, base).data.shares_prompts)
     assert not rows_per_device(load_config(None, base), 2).data.shares_prompts  # 3 prompts over 2 devices: rows
     assert rows_per_device(load_config(None, [*base, "objective.prompts_per_step=4"]), 2).data.shares_prompts == (
         load_config(None, base).data.shares_prompts)
-    with pytest.raises(ConfigError, match=r"objective.prompts_per_step=3: .* multiple of 2 .* data.share_prompts=false"):
+    with pytest.raises(ConfigError,
+                       match=r"objective.prompts_per_step=3: .* multiple of 2 .* data.share_prompts=false"):
         rows_per_device(load_config(None, [*base, "data.share_prompts=true"]), 2)

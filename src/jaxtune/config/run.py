@@ -58,7 +58,7 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     every: int = Field(0, ge=0, description="0: only at the end")
     batches: int = Field(8, ge=1)
-    prompts: list[str] = []
+    prompts: list[str] = Field([])
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.8, ge=0)
     top_k: int | None = Field(None, ge=1)

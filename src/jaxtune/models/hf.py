@@ -58,8 +58,8 @@ def checkpoint_tokenizer(tok: TokenizerConfig) -> TokenizerConfig:
 
 
 class HFCheckpoint:
-    """A HuggingFace model directory (or hub name or .gguf file, see `resolve_hf_dir`): its config.json and every tensor in its
-    safetensors file(s)."""
+    """A HuggingFace model directory (or hub name or .gguf file, see `resolve_hf_dir`): its config.json and every
+    tensor in its safetensors file(s)."""
 
     def __init__(self, directory: str | Path):
         self.dir = resolve_hf_dir(directory)

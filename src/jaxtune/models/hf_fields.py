@@ -59,7 +59,8 @@ def layer_types_from_hf(c: dict[str, Any], n_layer: int) -> tuple[str, ...] | No
         names = {"full_attention": "full", "sliding_attention": "sliding"}
         unknown = sorted(set(c["layer_types"]) - set(names))
         if unknown:
-            raise UnsupportedModelError(f"config.json: layer_types {unknown} are not supported natively; {TORCHAX_HINT}")
+            raise UnsupportedModelError(
+                f"config.json: layer_types {unknown} are not supported natively; {TORCHAX_HINT}")
         return tuple(names[t] for t in c["layer_types"])
     if "sliding_window_pattern" in c:
         p = int(c["sliding_window_pattern"])

@@ -25,7 +25,8 @@ def model_config(cfg: NativeModelConfig, vocab_size: int | None = None) -> Any:
         return _from_checkpoint(cfg, vocab_size)
     fam = FAMILIES[cfg.family or "gpt2"]
     if cfg.preset not in fam.presets:
-        raise ConfigError(f"model.preset={cfg.preset!r} is not a {fam.name} preset; choose one of {sorted(fam.presets)}")
+        raise ConfigError(f"model.preset={cfg.preset!r} is not a {fam.name} preset; "
+                          f"choose one of {sorted(fam.presets)}")
     fields = {f.name for f in dataclasses.fields(fam.config_cls)}
     given = {k: v for k, v in cfg.model_dump().items() if v is not None and k not in ("family", "preset", "from_hf")}
     foreign = sorted(k for k in given if k not in fields and k in STRUCTURAL)

@@ -163,8 +163,8 @@ class NativeBackend:
             base = (frozen[0], frozen_sh[0])
             quantized, placed = quantized_layout(abstract.params, frozen[0], frozen_sh[0], kind)
             frozen, frozen_sh = (quantized,), (placed,)
-        return NativeSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.optimizer_updates), mesh, shardings, abstract,
-                          cfg.model.from_hf, frozen, frozen_sh, kind, base, plan)
+        return NativeSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.optimizer_updates), mesh, shardings,
+                          abstract, cfg.model.from_hf, frozen, frozen_sh, kind, base, plan)
 
     def runs(self, config_json: dict[str, Any]) -> bool:
         try:
