@@ -57,8 +57,9 @@ class Frozen:
 
 
 def frozen_of(model: Any) -> Frozen:
-    """``model`` as the steps' `Frozen`: a `Frozen` as it is, the model's frozen groups (a tuple) without a companion."""
-    return model if isinstance(model, Frozen) else Frozen(tuple(model))
+    """``model`` as the steps' `Frozen`: a `Frozen` as it is; the model's frozen groups (a tuple) without a
+    companion's weights; None: nothing frozen."""
+    return model if isinstance(model, Frozen) else Frozen(tuple(model or ()))
 
 
 def token_logps(forward: Forward, weights: Any) -> Callable[..., jax.Array]:
@@ -248,7 +249,8 @@ def stored_logps(run_dir: Path, splits: dict[str, Any],
     if path.exists():
         with np.load(path, allow_pickle=False) as saved:
             if all(f"{n}_fingerprint" in saved and str(saved[f"{n}_fingerprint"]) == p for n, p in prints.items()):
-                return {n: np.asarray(saved[n]) for n in splits}, f"reference log-probs of {sizes} pairs read from {path}"
+                read = {n: np.asarray(saved[n]) for n in splits}
+                return read, f"reference log-probs of {sizes} pairs read from {path}"
     t0 = time.perf_counter()
     logps = {name: compute(name) for name in splits}
     note = f"reference log-probs of {sizes} pairs computed in {time.perf_counter() - t0:.1f} s, stored in {path}"

@@ -62,21 +62,13 @@ def per_unit(metrics: Metrics, count: jax.Array) -> dict[str, jax.Array]:
             else v / jnp.maximum(count, 1.0) for k, v in metrics.items()}
 
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *,
-                    micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True, passes: int = 1,
-                    prepare: Callable[[Any, Batch, tuple], Batch] | None = None):
-    """Build the step around ``loss_fn`` (`objective_loss`). The loss is weighted by the objective's count over
-    the whole batch: gradients of summed losses are accumulated over micro-batches and divided once by the total
-    count (not a mean of means); so are the objective's metrics.
-
-    ``passes`` > 1: that many optimizer updates on the same batch (GRPO's ``num_iterations``). ``prepare(params,
-    batch, frozen)``, when given, first annotates the whole batch with the weights as they were; the step's loss and metrics are the
-    first pass's, and the learning-rate schedule counts updates. A non-finite pass (with ``skip_nonfinite``) keeps
-    the state as it was before the step."""
+def accumulated(loss_fn: LossFn, micro_batches: int) -> Callable:
+    """(params, batch, key, frozen) -> (loss, count, metric means, gradients) of ``loss_fn`` over the whole batch:
+    with ``micro_batches`` > 1 the summed losses, counts, metric sums and gradients of each micro-batch (its dropout
+    key folded with its index) are added up, then divided once by the total count (not a mean of means)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def gradients(params, batch, step_key, frozen):
-        """(summed loss, count, metric sums), and the gradients divided by the count."""
         if micro_batches == 1:
             (loss_sum, (count, extra)), grads = grad_fn(params, batch, step_key, frozen)
         else:
@@ -97,6 +89,42 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
         denom = jnp.maximum(count, 1.0)
         return loss_sum / denom, count, per_unit(extra, count), jax.tree.map(lambda g: g / denom, grads)
 
+    return gradients
+
+
+def repeated(update: Callable, passes: int, first_key: int) -> Callable:
+    """``update`` (params, opt_state, batch, key, frozen) -> (params, opt_state, (loss, count, metrics, grad norm,
+    finite)) applied ``passes`` times to the same batch, pass i's dropout key folded with ``first_key`` + i: the
+    first pass's loss and metrics, finite only if every pass was."""
+    if passes == 1:
+        return update
+
+    def run(params, opt_state, batch, step_key, frozen):
+        def one_pass(carry, i):
+            params, opt_state, ok = carry
+            key = None if step_key is None else jax.random.fold_in(step_key, first_key + i)
+            params, opt_state, out = update(params, opt_state, batch, key, frozen)
+            return (params, opt_state, ok & out[-1]), out
+
+        (params, opt_state, finite), outs = jax.lax.scan(one_pass, (params, opt_state, True), jnp.arange(passes))
+        loss, count, extra, grad_norm, _ = jax.tree.map(lambda x: x[0], outs)
+        return params, opt_state, (loss, count, extra, grad_norm, finite)
+
+    return run
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *,
+                    micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True, passes: int = 1,
+                    prepare: Callable[[Any, Batch, Frozen], Batch] | None = None):
+    """Build the step around ``loss_fn`` (`objective_loss`). The loss is weighted by the objective's count over
+    the whole batch (`accumulated`); so are the objective's metrics.
+
+    ``passes`` > 1: that many optimizer updates on the same batch (GRPO's ``num_iterations``, `repeated`).
+    ``prepare(params, batch, frozen)``, when given, first annotates the whole batch with the weights as they were;
+    the step's loss and metrics are the first pass's, and the learning-rate schedule counts updates. A non-finite
+    pass (with ``skip_nonfinite``) keeps the state as it was before the step."""
+    gradients = accumulated(loss_fn, micro_batches)
+
     def update(params, opt_state, batch, step_key, frozen):
         loss, count, extra, grads = gradients(params, batch, step_key, frozen)
         grad_norm = optax.tree.norm(grads)
@@ -104,26 +132,17 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         return optax.apply_updates(params, updates), opt_state, (loss, count, extra, grad_norm, finite)
 
-    def train_step(state: TrainState, batch: Batch, frozen: Frozen = Frozen()):
+    updates = repeated(update, passes, micro_batches)
+
+    def train_step(state: TrainState, batch: Batch, frozen: Frozen | None = None):
         """``frozen``: weights that do not train (a LoRA base, the companion's): read, never updated, no optimizer
         state."""
+        frozen = frozen_of(frozen)
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step) if use_dropout else None
         if prepare is not None:
             batch = prepare(state.params, batch, frozen)
-        if passes == 1:
-            params, opt_state, (loss, count, extra, grad_norm, finite) = update(
-                state.params, state.opt_state, batch, step_key, frozen)
-        else:
-
-            def one_pass(carry, i):
-                params, opt_state, ok = carry
-                key = None if step_key is None else jax.random.fold_in(step_key, micro_batches + i)
-                params, opt_state, out = update(params, opt_state, batch, key, frozen)
-                return (params, opt_state, ok & out[-1]), out
-
-            (params, opt_state, finite), outs = jax.lax.scan(one_pass, (state.params, state.opt_state, True),
-                                                             jnp.arange(passes))
-            loss, count, extra, grad_norm, _ = jax.tree.map(lambda x: x[0], outs)
+        params, opt_state, (loss, count, extra, grad_norm, finite) = updates(
+            state.params, state.opt_state, batch, step_key, frozen)
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
             params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
@@ -145,8 +164,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
 def make_eval_step(loss_fn: LossFn):
     """(params, batch, frozen) -> (summed loss, count, metric sums); deterministic (no dropout)."""
 
-    def eval_step(params, batch, frozen=Frozen()):
-        total, (count, metrics) = loss_fn(params, batch, None, frozen)
+    def eval_step(params, batch, frozen=None):
+        total, (count, metrics) = loss_fn(params, batch, None, frozen_of(frozen))
         return total, count, metrics
 
     return eval_step

@@ -18,14 +18,14 @@ gradient), the weights before the step's first update on later passes (``num_ite
 
 How the token losses are averaged (``loss_type``, TRL's names): ``grpo``, each completion's mean, then the mean over
 completions; ``dapo``, the mean over every completion token of the batch; ``dr_grpo``, the sum over completion tokens
-divided by (completions × ``max_completion_length``).
+divided by (completions × ``max_completion_length``). Each is a sum and a count here, so micro-batches add up to the
+whole batch's value. (TRL's ``bnpo``, a mean of per-micro-batch token means, is not a sum over a count: it is
+``dapo`` when there is one micro-batch.)
 
 ``cispo`` (MiniMax-M1's CISPO, as ScaleRL and TRL run it) clips the importance weight instead of the update: every
 token keeps its gradient, weighted by its ratio capped at ``epsilon_high`` (an absolute cap, ε_max, not 1 + ε) and
 held constant, ``loss_t = -stop_gradient(min(r, epsilon_high)) * A * log π(token)``, averaged as ``dapo``; its metric
-``cispo_clip_ratio`` is the share of completion tokens with a positive advantage whose ratio was capped. Each is a
-sum and a count here, so micro-batches add up to the whole batch's value. (TRL's ``bnpo``, a mean of
-per-micro-batch token means, is not a sum over a count: it is ``dapo`` when there is one micro-batch.)
+``cispo_clip_ratio`` is the share of completion tokens with a positive advantage whose ratio was capped.
 
 Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``,
 ``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens whose ratio was clipped below,
