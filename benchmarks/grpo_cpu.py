@@ -1,6 +1,7 @@
-"""CPU GRPO (or RLOO: ``--objective rloo``, against ``RLOOTrainer``) step throughput: jaxtune's rollout + GRPO train
-step vs TRL's ``GRPOTrainer`` (transformers generate), on
-the same model, prompts, group size and reward.
+"""CPU GRPO (or RLOO, ``--objective rloo``) step throughput: jaxtune's rollout + train step vs TRL's trainer.
+
+TRL's ``GRPOTrainer`` (``RLOOTrainer`` for RLOO; transformers generate), on the same model, prompts, group size and
+reward.
 
 One random ``LlamaForCausalLM`` (fp32, seeded, untied head) is written with ``save_pretrained`` into a temp dir with
 its tokenizer, and both sides start from it. A step takes ``--prompts`` prompts of random token ids (``--min-prompt``
