@@ -88,7 +88,8 @@ class DecoderConfig(RuntimeConfig):
             raise ValueError(f"mlp activation {self.mlp_act!r}; supported: {sorted(ACTIVATIONS)}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.n_layer or set(self.layer_types) - set(LAYER_TYPES):
-                raise ValueError(f"layer_types must list {self.n_layer} entries of {LAYER_TYPES}, got {self.layer_types}")
+                raise ValueError(f"layer_types must list {self.n_layer} entries of {LAYER_TYPES}, "
+                                 f"got {self.layer_types}")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding layers need a sliding_window")
 
@@ -209,7 +210,8 @@ class DecoderLayer(nnx.Module):
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
         # LoRA dropout keys: folded from the layer key, so the residual dropout stream is the same with or without
         lora_drop = key is not None and cfg.lora is not None and cfg.lora.dropout > 0
-        k_lora_attn, k_lora_mlp = (jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)) if lora_drop else (None, None)
+        k_lora_attn, k_lora_mlp = ((jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)) if lora_drop
+                                   else (None, None))
         x = residual_fence(x)
         y, kv = self.attn(self.attn_norm(x), rope, mask, kv, index, k_lora_attn)
         if cfg.sandwich_norm:

@@ -67,7 +67,8 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``key``: LoRA dropout (None: none)."""
         kernel = self.kernel.get_value()  # an array, or QLoRA's quantized kernel (`jaxtune.models.quantize`)
-        y = x.astype(self.dtype) @ (dequantize(kernel, self.dtype) if is_quantized(kernel) else kernel.astype(self.dtype))
+        weight = dequantize(kernel, self.dtype) if is_quantized(kernel) else kernel.astype(self.dtype)
+        y = x.astype(self.dtype) @ weight
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora is not None:
