@@ -184,7 +184,8 @@ class _Cursor:
         """Past ``count`` values of type ``kind`` (strings and arrays of any depth included), decoding none."""
         if kind == _STRING:
             for _ in range(count):
-                self.pos += self.take("Q")
+                n = self.take("Q")  # before the +=: `self.pos += self.take(...)` would add to the pos read first
+                self.pos += n
         elif kind == _ARRAY:
             for _ in range(count):
                 sub = self.take("I")
