@@ -33,6 +33,14 @@ the ``exact_number`` reward on ``answer``)::
     prompt: What is 47 plus 85?
     answer: "132"
 
+``synthetic:arithmetic-careless`` (generated): ``synthetic:arithmetic``'s rows, but written by a careless tutor: in
+70% of the sums with a carry (seeded, the same on every machine) the carry is forgotten, working and total agreeing
+("7+5=12, 4+8=12, so 122."). A model fine-tuned on it carries too rarely, and answering greedily it forgets most
+carries: it is right on the sums without one and wrong on most with one (45 in 100), about 55-65% held-out, while its
+samples still carry now and then. A verifiable reward (``exact_number``) finds those samples, so RL (the GRPO and RLOO
+quickstarts) and distillation from a careful teacher (GKD's) have a clear mistake to correct that supervised data
+alone taught.
+
 ``synthetic:chat-small`` (shipped): 552 human-written English conversations from the ChatterBot corpus, BSD-3-Clause
 (``chat_small.jsonl``; its source, selection and licence are in ``chat_small.README.md`` beside it).
 
@@ -102,6 +110,17 @@ def arithmetic_unpaired(seed: int = 0) -> Iterator[dict]:
         yield {"prompt": row["prompt"], "completion": row["chosen" if wanted else "rejected"], "label": wanted}
 
 
+CARELESS = 0.7  # the share of carries synthetic:arithmetic-careless forgets
+
+
+def arithmetic_careless(seed: int = 0) -> Iterator[dict]:
+    slips = random.Random(f"arithmetic-careless:{seed}")  # apart from the order's, which stays arithmetic's
+    for a, b, question in _sums(seed):
+        forgot = a % 10 + b % 10 >= 10 and slips.random() < CARELESS
+        answer = wrong_sum(a, b, slips) if forgot else worked_sum(a, b)
+        yield {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
 def arithmetic_prompts(seed: int = 0) -> Iterator[dict]:
     for a, b, question in _sums(seed):
         yield {"prompt": [{"role": "user", "content": question}], "answer": str(a + b)}
@@ -113,9 +132,10 @@ def chat_small() -> Iterator[dict]:
             yield json.loads(line)
 
 
-GENERATORS = {"arithmetic": arithmetic, "arithmetic-preferences": arithmetic_preferences,
-              "arithmetic-unpaired": arithmetic_unpaired, "arithmetic-prompts": arithmetic_prompts,
-              "chat-small": chat_small}
+GENERATORS = {"arithmetic": arithmetic, "arithmetic-careless": arithmetic_careless,
+              "arithmetic-preferences": arithmetic_preferences, "arithmetic-unpaired": arithmetic_unpaired,
+              "arithmetic-prompts": arithmetic_prompts, "chat-small": chat_small}
 # The data.format of each generator's rows.
-GENERATOR_FORMATS = {"arithmetic": "messages", "arithmetic-preferences": "preference",
-                     "arithmetic-unpaired": "unpaired", "arithmetic-prompts": "prompts", "chat-small": "messages"}
+GENERATOR_FORMATS = {"arithmetic": "messages", "arithmetic-careless": "messages",
+                     "arithmetic-preferences": "preference", "arithmetic-unpaired": "unpaired",
+                     "arithmetic-prompts": "prompts", "chat-small": "messages"}
