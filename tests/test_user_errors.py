@@ -406,8 +406,12 @@ GRPO = ["objective.name=grpo", "data.format=prompts", "objective.rewards=[{name:
     (["objective.name=dpo"], "objective.name=dpo trains on pairs"),
     (["objective.name=dpo", "data.format=preference", "objective.loss_type=dapo"],
      "objective.loss_type=dapo does not apply to objective.name=dpo"),
+    (["objective.name=dpo", "data.format=preference", "objective.loss_type=[sigmoid,bco_pair,sft]",
+      "objective.loss_weights=[1.0,0.5]"], ("objective.loss_weights=[1.0, 0.5] gives 2 weights for 3 loss types "
+                                            "(sigmoid, bco_pair, sft): give 3, one per loss type of "
+                                            "objective.loss_type, in order")),
 ], ids=["grpo-batch-size", "no-room-for-a-prompt", "prompt-limit-on-text", "objective-on-other-data",
-        "other-objectives-loss-type"])
+        "other-objectives-loss-type", "too-few-loss-weights"])
 def test_a_cross_field_config_error_names_the_keys_not_the_whole_config(tmp_path, capsys, overrides, says):
     assert main(["train", "quickstart", *overrides, f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err

@@ -116,7 +116,7 @@ class ObjectiveSection(Section):
         if types is None:
             return ()
         types = [types] if isinstance(types, str) else list(types)
-        return tuple(zip(types, self.loss_weights_value or [1.0] * len(types)))
+        return tuple(zip(types, self.loss_weights_value or [1.0] * len(types), strict=True))
 
     @property
     def loss_weights_value(self) -> list[float] | None:
@@ -285,8 +285,10 @@ class DPOConfig(PrecomputedReference, Smoothed, LossTypes, Weighted):
     def _weights_and_smoothing(self) -> DPOConfig:
         types = self.loss_type if isinstance(self.loss_type, list) else [self.loss_type]
         if self.loss_weights is not None and len(self.loss_weights) != len(types):
-            raise ValueError(f"objective.loss_weights has {len(self.loss_weights)} weights for the loss types "
-                             f"{types}: give one per loss type, in order")
+            given, needed = len(self.loss_weights), len(types)
+            raise ValueError(f"objective.loss_weights={self.loss_weights} gives {given} weight{'s' * (given != 1)} "
+                             f"for {needed} loss type{'s' * (needed != 1)} ({', '.join(types)}): give {needed}, one "
+                             "per loss type of objective.loss_type, in order")
         if self.label_smoothing and not set(types) & set(SMOOTHED):
             raise ValueError(f"objective.label_smoothing applies to loss_type {', '.join(SMOOTHED)}, not "
                              f"{', '.join(types)}")
