@@ -310,6 +310,23 @@ def test_progress_without_a_terminal_is_plain_lines_and_lora_says_what_trains(tm
     assert 0 < summary["trained_params"] < summary["params"]
 
 
+def test_plain_progress_time_left_leaves_out_the_first_steps_compile(tmp_path, data_cache, capsys, monkeypatch):
+    """The time left on a plain progress line comes from the steps after the first, not from the first step's compile
+    (which made a 2-minute run say "65.9 min left"): each line's s/step is a small part of the compile's time."""
+    from jaxtune.train import metrics
+
+    monkeypatch.setattr(metrics, "PLAIN_EVERY", 0.0)
+    train(load_config(None, [*TINY, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "train.steps=8",
+                             "eval.every=0", "logging.progress=true"]))
+    out = capsys.readouterr().out
+    compiled = float(re.search(r"step 1: compiled in ([0-9.]+) s", out).group(1))
+    lines = [line for line in out.splitlines() if line.startswith("progress: ")]
+    assert lines[0] == "progress: step 1/8 (12%)", lines  # no step time measured yet: no time left said
+    per_step = [float(re.search(r", ([0-9.]+) s/step, about ([0-9.]+) min left$", line).group(1))
+                for line in lines[1:]]
+    assert len(per_step) == 6 and max(per_step) < compiled / 5, (compiled, lines)
+
+
 def test_report_after_a_resume_keeps_one_table_from_step_0(tmp_path, data_cache):
     """A run stopped at step 2 and resumed to step 4: report.md is one report whose table has the evaluations of
     both attempts (0, 2, 4), not a second table whose "before" is the resume step."""
