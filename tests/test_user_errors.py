@@ -10,9 +10,10 @@ import re
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
-from helpers.tiny_config import TINY
+from helpers.tiny_config import QUICK, TINY
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
@@ -308,6 +309,27 @@ def test_progress_without_a_terminal_is_plain_lines_and_lora_says_what_trains(tm
     assert "M parameters" in line and "M trained (" in line and "the LoRA adapters; the base is frozen)" in line
     summary = json.loads((cfg.run_path / "summary.json").read_text())
     assert 0 < summary["trained_params"] < summary["params"]
+
+
+def test_qlora_states_one_parameter_count_at_its_start_and_end(tmp_path, data_cache, capsys):
+    """A QLoRA run (nf4 base) says the same parameter count at its start and in its closing line and summary.json:
+    the model's logical parameters (its formula's) plus the adapters, not the quantized kernels' stored values and
+    scales (which the start counted, while the end left the adapters out)."""
+    from jaxtune import sharding
+    from jaxtune.backends import make_state_spec
+
+    over = [*TINY, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "model.family=llama",
+            "model.lora.rank=4", "model.quantize=nf4", "train.steps=2", "eval.every=0", *QUICK]
+    assert main(["train", "quickstart", *over]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    cfg = load_config(None, over)
+    base = make_state_spec(cfg, None, sharding.make_mesh(1, 1, 1, jax.devices()[:1])).model_cfg.num_params()
+    assert summary["params"] == base + summary["trained_params"] and 0 < summary["trained_params"] < base
+    said = f"{summary['params'] / 1e6:.2f}M parameters, {summary['trained_params'] / 1e6:.3g}M trained"
+    start = next(line for line in out.splitlines() if line.startswith("model: "))
+    assert start.startswith(f"model: {said} (") and "its quantized kernels counted as the weights" in start, start
+    assert next(line for line in out.splitlines() if line.startswith("done: ")).endswith(f"; {said}")
 
 
 def test_plain_progress_time_left_leaves_out_the_first_steps_compile(tmp_path, data_cache, capsys, monkeypatch):

@@ -389,6 +389,19 @@ class Laps:
         return f"time: {total:.1f} s in train(): {parts} s; {outside:.1f}% outside steps"
 
 
+@dataclass(frozen=True)
+class ParameterCount:
+    """A run's size, said the same way at its start and at its end: ``total``, every parameter once at its logical
+    size (LoRA adapters included, a quantized kernel as the weights it stands for, not its stored blocks and scales);
+    ``trained``, those the optimizer updates."""
+
+    total: int
+    trained: int
+
+    def __str__(self) -> str:
+        return f"{self.total / 1e6:.2f}M parameters, {self.trained / 1e6:.3g}M trained"
+
+
 def write_summary(run_dir: Path, summary: dict[str, Any], preempted: bool) -> None:
     """summary.json, and (unless preempted) the closing lines on stdout (process 0)."""
     with writing(run_dir / "summary.json"):
@@ -397,7 +410,8 @@ def write_summary(run_dir: Path, summary: dict[str, Any], preempted: bool) -> No
         return
     ev = f", validation loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
     tl = f", train loss {summary['final_train_loss']:.4f}" if summary["final_train_loss"] is not None else ""
-    print(f"done: step {summary['step']}{tl}{ev}; {summary['params'] / 1e6:.2f}M params\n"
+    size = ParameterCount(summary["params"], summary["trained_params"])
+    print(f"done: step {summary['step']}{tl}{ev}; {size}\n"
           f"run directory: {run_dir} (checkpoints/, metrics.jsonl, loss.png, samples.jsonl, tensorboard/)", flush=True)
 
 
