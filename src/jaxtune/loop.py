@@ -23,7 +23,7 @@ from jaxtune.data import TrainingData, load_tokenizer, make_training_data
 from jaxtune.evaluator import Evaluator
 from jaxtune.models.fits import check_fits
 from jaxtune.models.hf import checkpoint_tokenizer
-from jaxtune.models.quantize import logical_size
+from jaxtune.models.quantize import is_quantized, logical_size
 from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import (
@@ -188,7 +188,8 @@ def _model_notes(cfg: Config, spec: ModelSpec, rollout: Rollout | None) -> tuple
     the rollout)."""
     trained, frozen_count = logical_size(spec.abstract.params), logical_size(spec.frozen_abstract)
     params = ParameterCount(trained + frozen_count, trained)
-    quantized = ", its quantized kernels counted as the weights they stand for" if cfg.model.quantize else ""
+    quantized = ", its quantized kernels counted as the weights they stand for" if any(
+        map(is_quantized, jax.tree.leaves(spec.frozen_abstract, is_leaf=is_quantized))) else ""
     notes = [f"model: {params}" + (f" ({trained / params.total:.2%}: the LoRA adapters; the base is frozen{quantized})"
                                    if frozen_count else "")]
     if rollout is not None:
