@@ -10,9 +10,10 @@ import re
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
-from helpers.tiny_config import TINY
+from helpers.tiny_config import QUICK, TINY
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
@@ -310,6 +311,44 @@ def test_progress_without_a_terminal_is_plain_lines_and_lora_says_what_trains(tm
     assert 0 < summary["trained_params"] < summary["params"]
 
 
+def test_qlora_states_one_parameter_count_at_its_start_and_end(tmp_path, data_cache, capsys):
+    """A QLoRA run (nf4 base) says the same parameter count at its start and in its closing line and summary.json:
+    the model's logical parameters (its formula's) plus the adapters, not the quantized kernels' stored values and
+    scales (which the start counted, while the end left the adapters out)."""
+    from jaxtune import sharding
+    from jaxtune.backends import make_state_spec
+
+    over = [*TINY, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "model.family=llama",
+            "model.lora.rank=4", "model.quantize=nf4", "train.steps=2", "eval.every=0", *QUICK]
+    assert main(["train", "quickstart", *over]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    cfg = load_config(None, over)
+    base = make_state_spec(cfg, None, sharding.make_mesh(1, 1, 1, jax.devices()[:1])).model_cfg.num_params()
+    assert summary["params"] == base + summary["trained_params"] and 0 < summary["trained_params"] < base
+    said = f"{summary['params'] / 1e6:.2f}M parameters, {summary['trained_params'] / 1e6:.3g}M trained"
+    start = next(line for line in out.splitlines() if line.startswith("model: "))
+    assert start.startswith(f"model: {said} (") and "its quantized kernels counted as the weights" in start, start
+    assert next(line for line in out.splitlines() if line.startswith("done: ")).endswith(f"; {said}")
+
+
+def test_plain_progress_time_left_leaves_out_the_first_steps_compile(tmp_path, data_cache, capsys, monkeypatch):
+    """The time left on a plain progress line comes from the steps after the first, not from the first step's compile
+    (which made a 2-minute run say "65.9 min left"): each line's s/step is a small part of the compile's time."""
+    from jaxtune.train import metrics
+
+    monkeypatch.setattr(metrics, "PLAIN_EVERY", 0.0)
+    train(load_config(None, [*TINY, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "train.steps=8",
+                             "eval.every=0", "logging.progress=true"]))
+    out = capsys.readouterr().out
+    compiled = float(re.search(r"step 1: compiled in ([0-9.]+) s", out).group(1))
+    lines = [line for line in out.splitlines() if line.startswith("progress: ")]
+    assert lines[0] == "progress: step 1/8 (12%)", lines  # no step time measured yet: no time left said
+    per_step = [float(re.search(r", ([0-9.]+) s/step, about ([0-9.]+) min left$", line).group(1))
+                for line in lines[1:]]
+    assert len(per_step) == 6 and max(per_step) < compiled / 5, (compiled, lines)
+
+
 def test_report_after_a_resume_keeps_one_table_from_step_0(tmp_path, data_cache):
     """A run stopped at step 2 and resumed to step 4: report.md is one report whose table has the evaluations of
     both attempts (0, 2, 4), not a second table whose "before" is the resume step."""
@@ -406,8 +445,12 @@ GRPO = ["objective.name=grpo", "data.format=prompts", "objective.rewards=[{name:
     (["objective.name=dpo"], "objective.name=dpo trains on pairs"),
     (["objective.name=dpo", "data.format=preference", "objective.loss_type=dapo"],
      "objective.loss_type=dapo does not apply to objective.name=dpo"),
+    (["objective.name=dpo", "data.format=preference", "objective.loss_type=[sigmoid,bco_pair,sft]",
+      "objective.loss_weights=[1.0,0.5]"], ("objective.loss_weights=[1.0, 0.5] gives 2 weights for 3 loss types "
+                                            "(sigmoid, bco_pair, sft): give 3, one per loss type of "
+                                            "objective.loss_type, in order")),
 ], ids=["grpo-batch-size", "no-room-for-a-prompt", "prompt-limit-on-text", "objective-on-other-data",
-        "other-objectives-loss-type"])
+        "other-objectives-loss-type", "too-few-loss-weights"])
 def test_a_cross_field_config_error_names_the_keys_not_the_whole_config(tmp_path, capsys, overrides, says):
     assert main(["train", "quickstart", *overrides, f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxtune import runtime, sharding
 from jaxtune.backends import Backend, backend_of
@@ -24,12 +23,14 @@ from jaxtune.data import TrainingData, load_tokenizer, make_training_data
 from jaxtune.evaluator import Evaluator
 from jaxtune.models.fits import check_fits
 from jaxtune.models.hf import checkpoint_tokenizer
+from jaxtune.models.quantize import is_quantized, logical_size
 from jaxtune.train import distributed
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import (
     Laps,
     NonFinite,
     NonFiniteLossError,
+    ParameterCount,
     StepLog,
     prefetch_plotting,
     write_loss_plot,
@@ -106,7 +107,7 @@ class Run:
     frozen: Frozen  # weights the steps read and never train (a LoRA base, the companion's)
     state: TrainState  # restored, or initialised
     start: int  # the step restored (0: from scratch)
-    trained: int  # parameters trained
+    params: ParameterCount  # all, and those trained
     ckpt: Checkpointer
     log: StepLog
     evaluator: Evaluator
@@ -156,7 +157,7 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Ru
     runtime.release_malloc(4 * spec.model_cfg.num_params())  # a large model: give freed memory back (runtime.py)
     steps = run_steps(spec, cfg, loaded_companion(cfg, mesh, spec.model_cfg.vocab_size, tokenizer))
     rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None
-    trained, notes = _model_notes(cfg, spec, rollout)
+    params, notes = _model_notes(cfg, spec, rollout)
     frozen, data, reference_notes = _frozen(cfg, run_dir, spec, steps, data)
 
     # Restore or init.
@@ -178,23 +179,25 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Ru
     if proc == 0:
         prefetch_plotting()  # loss.png at the end
     return Run(cfg=cfg, run_dir=run_dir, mesh=mesh, data=data, spec=spec, steps=steps, rollout=rollout,
-               frozen=frozen, state=state, start=start, trained=trained, ckpt=ckpt, log=log, evaluator=evaluator,
+               frozen=frozen, state=state, start=start, params=params, ckpt=ckpt, log=log, evaluator=evaluator,
                shapes=shapes, profiler=profiler, laps=laps)
 
 
-def _model_notes(cfg: Config, spec: ModelSpec, rollout: Rollout | None) -> tuple[int, list[str]]:
-    """The parameters trained, and what the start of training says about the model (and the rollout)."""
-    count = lambda tree: int(sum(np.prod(a.shape) for a in jax.tree.leaves(tree)))
-    trained, frozen_count = count(spec.abstract.params), count(spec.frozen_abstract)
-    notes = [f"model: {(trained + frozen_count) / 1e6:.2f}M parameters, {trained / 1e6:.3g}M trained"
-             + (f" ({trained / (trained + frozen_count):.2%}: the LoRA adapters; the base is frozen)"
-                if frozen_count else "")]
+def _model_notes(cfg: Config, spec: ModelSpec, rollout: Rollout | None) -> tuple[ParameterCount, list[str]]:
+    """The model's parameters (all, and those trained), and what the start of training says about the model (and
+    the rollout)."""
+    trained, frozen_count = logical_size(spec.abstract.params), logical_size(spec.frozen_abstract)
+    params = ParameterCount(trained + frozen_count, trained)
+    quantized = ", its quantized kernels counted as the weights they stand for" if any(
+        map(is_quantized, jax.tree.leaves(spec.frozen_abstract, is_leaf=is_quantized))) else ""
+    notes = [f"model: {params}" + (f" ({trained / params.total:.2%}: the LoRA adapters; the base is frozen{quantized})"
+                                   if frozen_count else "")]
     if rollout is not None:
         o = cfg.objective
         notes.append(f"{o.name}: {o.prompts_per_step} prompts x {o.num_generations} completions = "
                      f"{o.prompts_per_step * o.num_generations} completions a step (objective.prompts_per_step "
                      "x num_generations)")
-    return trained, notes
+    return params, notes
 
 
 def _frozen(cfg: Config, run_dir: Path, spec: ModelSpec, steps: Steps,
@@ -306,8 +309,8 @@ def _finish(run: Run, state: TrainState, step: int, preempted: bool) -> TrainRes
     if jax.process_index() == 0:
         write_summary(run.run_dir, {"step": step, "final_train_loss": log.losses.get(step),
                                     "eval_loss": result.eval_loss, "nan_skipped": log.nan_skipped,
-                                    "preempted": preempted, "params": run.spec.model_cfg.num_params(),
-                                    "trained_params": run.trained, "step_compiles": run.steps.compiles,
+                                    "preempted": preempted, "params": run.params.total,
+                                    "trained_params": run.params.trained, "step_compiles": run.steps.compiles,
                                     "step_lengths": result.step_lengths,
                                     "seconds": {k: round(v, 3) for k, v in laps.seconds.items()}},
                       preempted)

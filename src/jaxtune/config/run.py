@@ -98,7 +98,7 @@ class DistributedConfig(Section):
     num_processes: int | None = Field(None, ge=1)
     process_id: int | None = Field(None, ge=0)
     timeout: float = Field(300.0, gt=0, description="seconds a process waits for the coordinator (process 0) to "
-                           "answer before stopping with an error naming it (JAX's initialization_timeout)")
+                           "answer, and then for every process to join, before stopping with an error naming it")
 
 
 class LoggingConfig(Section):

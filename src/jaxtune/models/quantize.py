@@ -16,6 +16,7 @@ without adapters) keeps ``model.param_dtype``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -59,6 +60,12 @@ class GGUFBlocks:
 
 def is_quantized(x: Any) -> bool:
     return isinstance(x, (qwix.QArray, GGUFBlocks))
+
+
+def logical_size(tree: Any) -> int:
+    """The parameters in ``tree`` (arrays or their abstract shapes), a quantized kernel counted as the weights it
+    stands for (its logical shape), not as its stored values plus their scales and offsets."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree, is_leaf=is_quantized))
 
 
 def block_size(inputs: int, kind: str) -> int:

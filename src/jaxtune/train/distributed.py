@@ -14,7 +14,9 @@ On CPU, cross-process collectives use gloo.
 A user's mistake on one host stops every host with the same one line naming the process and the host, instead of
 leaving the others waiting in a collective: a coordinator this process cannot reach (`initialize` probes it first,
 for ``distributed.timeout`` seconds: JAX would abort the process), configs that differ between processes
-(`check_same_config`), and a failure while reading the tokenizer and data on one host (`together`).
+(`check_same_config`), and a failure while reading the tokenizer and data on one host (`together`). A process id
+outside the process count is refused before joining, and a process that was never started leaves the others one
+line after ``distributed.timeout`` seconds (`_join_or_exit`), not JAX's C++ abort.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -83,6 +88,51 @@ def _reach_coordinator(address: str, rank: int, timeout: float) -> None:
         time.sleep(0.5)
 
 
+def _check_rank(cfg: DistributedConfig, rank: int | None) -> None:
+    """A process id the process count has no room for is this process's mistake: say so before joining (a non-zero
+    id would otherwise probe the coordinator, and a late one wait for it, before JAX refuses it)."""
+    if rank is None or cfg.num_processes is None or rank < cfg.num_processes:
+        return
+    key = "distributed.process_id" if cfg.process_id is not None else next(
+        k for k in _RANK_VARIABLES if os.environ.get(k, "").isdigit())
+    raise HostError(f"{key}={rank} (host {socket.gethostname()}) is not below distributed.num_processes="
+                    f"{cfg.num_processes}: number the processes 0 to {cfg.num_processes - 1}, or raise "
+                    "distributed.num_processes")
+
+
+# JAX's own deadline comes this much after ours, so that ours, which can say what happened, is the one met.
+_JAX_GRACE_S = 30
+
+
+def _join_or_exit(cfg: DistributedConfig, address: str | None, rank: int | None) -> None:
+    """`jax.distributed.initialize`, which returns once every process has joined. Where one never starts, JAX ends
+    the wait with a C++ abort (blaming "another task died") that Python cannot catch, and the joining call cannot be
+    interrupted: past ``distributed.timeout`` seconds this process prints one ``error:`` line naming the
+    coordinator, the process count and what to do, and exits 2, as the CLI does for a user error."""
+    who = f"process {rank}" if rank is not None else "this process"
+    key = (f"distributed.num_processes={cfg.num_processes}" if cfg.num_processes is not None
+           else f"distributed.coordinator_address={address}")
+    count = f"all {cfg.num_processes} processes" if cfg.num_processes is not None else "every process"
+    message = (f"{key}: {who} (host {socket.gethostname()}) waited {cfg.timeout:g} s at the coordinator "
+               f"{address or '(from the cluster environment)'} and not every process joined; start {count}, each "
+               "with its own distributed.process_id and the same distributed.coordinator_address, or raise "
+               "distributed.timeout")
+    timer = threading.Timer(cfg.timeout, _exit_with, (message,))
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
+                                   process_id=cfg.process_id,
+                                   initialization_timeout=math.ceil(cfg.timeout) + _JAX_GRACE_S)
+    finally:
+        timer.cancel()
+
+
+def _exit_with(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(2)  # the main thread is inside JAX's joining call, which no exception reaches
+
+
 def initialize(cfg: DistributedConfig) -> bool:
     """Join the job's processes (once per process); returns whether this is a multi-process run."""
     if jax.distributed.is_initialized():
@@ -95,10 +145,10 @@ def initialize(cfg: DistributedConfig) -> bool:
     if address and "cpu" in (os.environ.get("JAX_PLATFORMS", "") or "cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     rank = _rank(cfg)
+    _check_rank(cfg, rank)
     if address and rank:
         _reach_coordinator(address, rank, cfg.timeout)
-    jax.distributed.initialize(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
-                               process_id=cfg.process_id, initialization_timeout=int(cfg.timeout))
+    _join_or_exit(cfg, address, rank)
     log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())
     return jax.process_count() > 1

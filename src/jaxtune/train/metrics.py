@@ -103,6 +103,53 @@ def drop_rows_from(path: Path, first: int) -> None:
 
 PLAIN_EVERY = 30.0  # seconds between progress lines when stderr is not a terminal (a redirected log)
 
+# JAX's monitoring events that time making a program: tracing, lowering, and the compile (or the cache's read).
+COMPILE_EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                            "/jax/core/compile/backend_compile_duration"})
+_compiling = [0.0, False]  # seconds this process has spent making programs; whether the listener is registered
+
+
+def _count_compile(event: str, seconds: float, **_: Any) -> None:
+    if event in COMPILE_EVENTS:
+        _compiling[0] += seconds
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling programs since the first call (a clock:
+    compare two readings). One listener for the process, so that runs that end in an error leave none behind."""
+    if not _compiling[1]:
+        jax.monitoring.register_event_duration_secs_listener(_count_compile)
+        _compiling[1] = True
+    return _compiling[0]
+
+
+class PlainProgress:
+    """Without a terminal (a log file): a line every `PLAIN_EVERY` seconds with the step, the time a step takes and
+    the time left. Both are measured from the first step done here on, less the time spent making programs
+    meanwhile (a new length bucket's, the eval step's, the sampler's): each is made once, so counting it would
+    stretch the time left over every remaining step (the first step's compile alone made "65.9 min left" of a
+    2-minute run)."""
+
+    def __init__(self, step: int, total: int):
+        self.step, self.total = step, total
+        self.last_line = time.perf_counter()
+        self.since: tuple[int, float, float] | None = None  # (step, time, compile_seconds()) at the first step here
+
+    def advance(self, n: int) -> None:
+        self.step += n
+        now = time.perf_counter()
+        if self.since is None:
+            self.since = (self.step, now, compile_seconds())
+        if now - self.last_line < PLAIN_EVERY or self.step >= self.total:
+            return
+        self.last_line = now
+        line = f"progress: step {self.step}/{self.total} ({self.step / max(self.total, 1):.0%})"
+        first, then, compiled = self.since
+        if self.step > first:
+            per_step = max(now - then - (compile_seconds() - compiled), 0.0) / (self.step - first)
+            line += f", {per_step:.2f} s/step, about {(self.total - self.step) * per_step / 60:.1f} min left"
+        print(line, flush=True)
+
 
 class MetricsWriter:
     """Writes scalars for a step to every configured sink (process 0 only).
@@ -114,7 +161,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, start_step: int, config: dict[str, Any]):
         self.enabled = jax.process_index() == 0
         self.bar = self.jsonl = self.tb = self.wandb = None
-        self.plain: list[float] | None = None  # without a terminal: [step, total, last line's time, start, first]
+        self.plain: PlainProgress | None = None  # without a terminal
         self._bar_from: tuple[int, int] | None = None  # a terminal: (total, initial) of the bar the first step draws
         if not self.enabled:
             return
@@ -124,7 +171,7 @@ class MetricsWriter:
         if cfg.progress and sys.stderr.isatty():  # drawn at the first step: what comes before has bars of its own
             self._bar_from = (total_steps, start_step)
         elif cfg.progress:  # a log file: a plain line every PLAIN_EVERY seconds, never a redrawn bar
-            self.plain = [start_step, total_steps, time.perf_counter(), time.perf_counter(), start_step]
+            self.plain = PlainProgress(start_step, total_steps)
         self.jsonl_path = run_dir / "metrics.jsonl"
         if cfg.jsonl:
             with writing(self.jsonl_path):
@@ -171,15 +218,7 @@ class MetricsWriter:
         if self.bar:
             self.bar.update(n)
         elif self.plain:
-            step, total, last, t0, first = self.plain
-            step, now = step + n, time.perf_counter()
-            self.plain[0] = step
-            if now - last >= PLAIN_EVERY and step < total:
-                self.plain[2] = now
-                rate = (step - first) / max(now - t0, 1e-9)
-                eta = (total - step) / max(rate, 1e-9)
-                print(f"progress: step {step}/{total} ({step / max(total, 1):.0%}), {1 / max(rate, 1e-9):.2f} s/step, "
-                      f"about {eta / 60:.1f} min left", flush=True)
+            self.plain.advance(n)
 
     def message(self, text: str) -> None:
         if not self.enabled:
@@ -350,6 +389,19 @@ class Laps:
         return f"time: {total:.1f} s in train(): {parts} s; {outside:.1f}% outside steps"
 
 
+@dataclass(frozen=True)
+class ParameterCount:
+    """A run's size, said the same way at its start and at its end: ``total``, every parameter once at its logical
+    size (LoRA adapters included, a quantized kernel as the weights it stands for, not its stored blocks and scales);
+    ``trained``, those the optimizer updates."""
+
+    total: int
+    trained: int
+
+    def __str__(self) -> str:
+        return f"{self.total / 1e6:.2f}M parameters, {self.trained / 1e6:.3g}M trained"
+
+
 def write_summary(run_dir: Path, summary: dict[str, Any], preempted: bool) -> None:
     """summary.json, and (unless preempted) the closing lines on stdout (process 0)."""
     with writing(run_dir / "summary.json"):
@@ -358,7 +410,8 @@ def write_summary(run_dir: Path, summary: dict[str, Any], preempted: bool) -> No
         return
     ev = f", validation loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
     tl = f", train loss {summary['final_train_loss']:.4f}" if summary["final_train_loss"] is not None else ""
-    print(f"done: step {summary['step']}{tl}{ev}; {summary['params'] / 1e6:.2f}M params\n"
+    size = ParameterCount(summary["params"], summary["trained_params"])
+    print(f"done: step {summary['step']}{tl}{ev}; {size}\n"
           f"run directory: {run_dir} (checkpoints/, metrics.jsonl, loss.png, samples.jsonl, tensorboard/)", flush=True)
 
 

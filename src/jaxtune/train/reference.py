@@ -217,7 +217,7 @@ def precompute(ref: AdaptersOff | FrozenCopy, frozen: Frozen, batches: Iterable[
                count: int, progress: Callable[[int], None] = lambda done: None) -> np.ndarray:
     """The reference's summed completion log-probs of pair batches, (count, 2) float32 in order (the batches' tail
     padding dropped). ``batches``: this process's rows of each global batch (`make_sequence_batches`).
-    ``progress(done)``: told the pairs done after each batch."""
+    ``progress(done)``: told the items (pairs, rows) done after each batch."""
     step = jax.jit(lambda frozen, batch: pair_logps(ref.logps(frozen)(flat_pairs(batch)), batch)[0],
                    out_shardings=sharding.replicated(mesh))
     out: list[np.ndarray] = []
@@ -238,11 +238,11 @@ def fingerprint(source: Any) -> str:
     return h.hexdigest()
 
 
-def stored_logps(run_dir: Path, splits: dict[str, Any],
-                 compute: Callable[[str], np.ndarray]) -> tuple[dict[str, np.ndarray], str]:
-    """The reference log-probs of each split's pairs (``splits``: name -> pair source): read from the run directory
-    when it holds them for exactly these pairs, else ``compute(name)`` and written (process 0) before training; and
-    a line saying which."""
+def stored_logps(run_dir: Path, splits: dict[str, Any], compute: Callable[[str], np.ndarray],
+                 noun: str) -> tuple[dict[str, np.ndarray], str]:
+    """The reference log-probs of each split's items (``splits``: name -> item source; ``noun``: what an item is,
+    pairs or rows): read from the run directory when it holds them for exactly these items, else ``compute(name)``
+    and written (process 0) before training; and a line saying which."""
     path = run_dir / REF_LOGPS_FILE
     prints = {name: fingerprint(source) for name, source in splits.items()}
     sizes = ", ".join(f"{len(source)} {name}" for name, source in splits.items())
@@ -250,10 +250,10 @@ def stored_logps(run_dir: Path, splits: dict[str, Any],
         with np.load(path, allow_pickle=False) as saved:
             if all(f"{n}_fingerprint" in saved and str(saved[f"{n}_fingerprint"]) == p for n, p in prints.items()):
                 read = {n: np.asarray(saved[n]) for n in splits}
-                return read, f"reference log-probs of {sizes} pairs read from {path}"
+                return read, f"reference log-probs of {sizes} {noun} read from {path}"
     t0 = time.perf_counter()
     logps = {name: compute(name) for name in splits}
-    note = f"reference log-probs of {sizes} pairs computed in {time.perf_counter() - t0:.1f} s, stored in {path}"
+    note = f"reference log-probs of {sizes} {noun} computed in {time.perf_counter() - t0:.1f} s, stored in {path}"
     if jax.process_index() == 0:
         tmp = path.with_name(path.name + ".tmp")
         with writing(tmp):
@@ -265,12 +265,13 @@ def stored_logps(run_dir: Path, splits: dict[str, Any],
 
 def precompute_reference(run_dir: Path, spec: ModelSpec, cfg: Config, data: Any,
                          frozen: tuple) -> tuple[dict[str, Any], str]:
-    """``objective.precompute_ref_logps``: the reference log-probs of every training and held-out pair (``data``:
-    `jaxtune.data.TrainingData`, whose ``pair_sources`` name them), read from the run directory or computed there once
-    with the reference model, which is then let go (a copy of the weights is loaded only while computing); and a line
-    for the run log."""
+    """``objective.precompute_ref_logps``: the reference log-probs of every training and held-out item, a preference
+    pair or an unpaired row with its KL row (``data``: `jaxtune.data.TrainingData`, whose ``pair_sources`` name
+    them), read from the run directory or computed there once with the reference model, which is then let go (a copy
+    of the weights is loaded only while computing); and a line for the run log."""
     ref = reference_model(spec, cfg.train.loss_chunk)
     loaded: list[tuple] = []
+    noun = cfg.data.kind.unit  # pairs, or unpaired rows
 
     def compute(split: str) -> np.ndarray:
         if not loaded:
@@ -281,11 +282,11 @@ def precompute_reference(run_dir: Path, spec: ModelSpec, cfg: Config, data: Any,
         if jax.process_index() or not cfg.logging.progress:
             return precompute(ref, loaded[0], batches, spec.mesh, len(source))
         # the first batch compiles the forward: the bar says so until it is done
-        bar = Progress(f"reference log-probs of the {split} pairs (objective.precompute_ref_logps)", len(source), "",
-                       unit="pairs")
+        bar = Progress(f"reference log-probs of the {split} {noun} (objective.precompute_ref_logps)", len(source), "",
+                       unit=noun)
         bar.update(0, "compiling the reference forward ...")
         logps = precompute(ref, loaded[0], batches, spec.mesh, len(source), bar.update)
         bar.close()
         return logps
 
-    return stored_logps(run_dir, data.pair_sources, compute)
+    return stored_logps(run_dir, data.pair_sources, compute, noun)
