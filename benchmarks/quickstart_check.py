@@ -1,35 +1,67 @@
-"""Run a post-training quickstart as its config's header says, from an empty directory, offline, and fail unless its
-held-out metric moves the right way: the check that the numbers a recipe promises are what its commands give.
+"""Run the quickstart recipes as their configs' headers say, from an empty directory, offline, on several seeds, and
+fail unless each one's held-out metric moves the way its docs say: the check that the numbers a recipe promises are
+what its commands give on this machine, whatever its CPU kind.
 
-The commands are read from the recipe's own header (the ``#   jaxtune ...`` lines, a trailing ``\\`` continuing a
+The commands are read from each recipe's own header (the ``#   jaxtune ...`` lines, a trailing ``\\`` continuing a
 line), so the header cannot drift from what is checked. Each runs as a subprocess of this Python (``python -m
 jaxtune.cli``); the last one trains the recipe, whose run directory's metrics.jsonl holds the held-out evaluations.
+Seed ``s`` adds ``train.seed=s`` to every ``jaxtune train`` of the chain (seed 0 is the recipes' own), and runs in its
+own directory; within a seed, a command two recipes share (the fine-tuning quickstart that DPO, KTO and GKD start
+from) runs once.
 
-    python benchmarks/quickstart_check.py gkd-quickstart     # held-out accuracy must rise by >= 20 points
-    python benchmarks/quickstart_check.py kto-quickstart     # the held-out reward margin must rise above 0.1
+    python benchmarks/quickstart_check.py                       # every recipe, seed 0 (what CI runs: ~25 CPU min)
+    python benchmarks/quickstart_check.py grpo-quickstart --seeds 3 --json grpo.json   # min/median/max over 3 seeds
 
-Exit status 0 when the metric moved as required, 1 when it did not, 2 when a command failed. CPU minutes: gkd ~3,
-kto ~2 (2 cores).
+Exit status 0 when every metric moved as required, 1 when one did not, 2 when a command failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from jaxtune.config.load import resolve_config_path
 
-# recipe -> (eval metric, what it must do, first -> last -> ok)
+
+@dataclass(frozen=True)
+class Check:
+    """What a recipe's held-out ``metric`` must do between its first and its last evaluation."""
+    metric: str
+    wanted: str
+    ok: Callable[[float, float], bool]
+
+
 CHECKS = {
-    "gkd-quickstart": ("accuracy", "rise by at least 0.20", lambda a, b: b - a >= 0.20),
-    "kto-quickstart": ("rewards/margins", "rise from 0 to above 0.10", lambda a, b: b > 0.10 and b > a),
+    "quickstart": Check("loss", "fall by at least 1.0", lambda a, b: a - b >= 1.0),
+    "finetune-quickstart": Check("exact_match", "rise by at least 0.70", lambda a, b: b - a >= 0.70),
+    "dpo-quickstart": Check("rewards/accuracies", "end above 0.80", lambda a, b: b > 0.80),
+    "kto-quickstart": Check("rewards/margins", "rise to above 0.10", lambda a, b: b > 0.10 and b > a),
+    "grpo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
+    "rloo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
+    "gkd-quickstart": Check("accuracy", "rise by at least 0.20", lambda a, b: b - a >= 0.20),
 }
+
+
+@dataclass
+class Outcome:
+    recipe: str
+    seed: int
+    first: float
+    last: float
+    first_step: int
+    last_step: int
+    seconds: float
+    ok: bool
 
 
 def header_commands(recipe: str) -> list[list[str]]:
@@ -48,36 +80,85 @@ def header_commands(recipe: str) -> list[list[str]]:
     return commands
 
 
+def seeded(cmd: list[str], seed: int) -> list[str]:
+    """The command as this Python runs it: a train command with the seed and without progress bars."""
+    args = [sys.executable, "-m", "jaxtune.cli", *cmd[1:]]
+    return [*args, f"train.seed={seed}", "logging.progress=false"] if cmd[1] == "train" else args
+
+
+def run_chain(recipe: str, work: Path, seed: int, done: set[str]) -> bool:
+    """Run the recipe's commands in ``work`` that this seed has not run yet; False when one fails."""
+    for cmd in header_commands(recipe):
+        if shlex.join(cmd) in done:
+            continue
+        print(f"$ {shlex.join(cmd)}  (seed {seed})", flush=True)
+        if subprocess.run(seeded(cmd, seed), cwd=work, check=False).returncode:
+            print(f"error: `{shlex.join(cmd)}` failed (seed {seed}, in {work})")
+            return False
+        done.add(shlex.join(cmd))
+    return True
+
+
+def evaluations(run_dir: Path, metric: str) -> list[dict]:
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in rows if r.get("kind") == "eval" and metric in r]
+
+
+def check_one(recipe: str, work: Path, seed: int, done: set[str]) -> Outcome | None:
+    """Run one recipe's chain on one seed and judge its metric; None when a command failed."""
+    check, started = CHECKS[recipe], time.perf_counter()
+    if not run_chain(recipe, work, seed, done):
+        return None
+    evals = evaluations(work / "runs" / recipe, check.metric)
+    first, last = evals[0], evals[-1]
+    out = Outcome(recipe, seed, first[check.metric], last[check.metric], first["step"], last["step"],
+                  time.perf_counter() - started, check.ok(first[check.metric], last[check.metric]))
+    print(f"{recipe} seed {seed}: held-out {check.metric} {out.first:.3f} at step {out.first_step} -> {out.last:.3f} "
+          f"at step {out.last_step} (must {check.wanted}): {'ok' if out.ok else 'FAILED'}; {out.seconds:.0f} s",
+          flush=True)
+    return out
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}"
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """A markdown table: per recipe, min / median / max of the first and the last evaluation over the seeds."""
+    lines = ["| recipe | metric | seeds | first (min / median / max) | last (min / median / max) | must | passed |",
+             "|---|---|---|---|---|---|---|"]
+    for recipe, check in CHECKS.items():
+        mine = [o for o in outcomes if o.recipe == recipe]
+        if mine:
+            lines.append(f"| {recipe} | {check.metric} (step {mine[0].first_step} -> {mine[0].last_step}) | "
+                         f"{len(mine)} | {spread([o.first for o in mine])} | {spread([o.last for o in mine])} | "
+                         f"{check.wanted} | {sum(o.ok for o in mine)}/{len(mine)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("recipe", choices=sorted(CHECKS))
+    ap.add_argument("recipes", nargs="*", help=f"recipes to check (default: all of {', '.join(CHECKS)})")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (default 1: the recipes' own seed 0)")
     ap.add_argument("--keep", help="run in this directory (kept) instead of a temporary one")
+    ap.add_argument("--json", help="write every outcome here")
     args = ap.parse_args(argv)
-    metric, wanted, ok = CHECKS[args.recipe]
-    commands = header_commands(args.recipe)
-    if not commands or commands[-1][:3] != ["jaxtune", "train", args.recipe]:
-        print(f"error: {args.recipe}'s header does not end with `jaxtune train {args.recipe}`: {commands}")
-        return 2
-    work = Path(args.keep or tempfile.mkdtemp(prefix=f"{args.recipe}-"))
-    work.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    for cmd in commands:
-        print("$ " + shlex.join(cmd), flush=True)
-        done = subprocess.run([sys.executable, "-m", "jaxtune.cli", *cmd[1:], "logging.progress=false"]
-                              if cmd[1] == "train" else [sys.executable, "-m", "jaxtune.cli", *cmd[1:]], cwd=work,
-                              check=False)
-        if done.returncode:
-            print(f"error: `{shlex.join(cmd)}` exited with {done.returncode}")
-            return 2
-    run_dir = work / "runs" / args.recipe
-    evals = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-             if r.get("kind") == "eval" and metric in r]
-    first, last = evals[0][metric], evals[-1][metric]
-    moved = ok(first, last)
-    print(f"{args.recipe}: held-out {metric} {first:.3f} at step {evals[0]['step']} -> {last:.3f} at step "
-          f"{evals[-1]['step']} (must {wanted}): {'ok' if moved else 'FAILED'}; {time.perf_counter() - started:.0f} s "
-          f"in {work}")
-    return 0 if moved else 1
+    unknown = [r for r in args.recipes if r not in CHECKS]
+    if unknown:
+        ap.error(f"no check for {unknown}: choose from {', '.join(CHECKS)}")
+    work = Path(args.keep or tempfile.mkdtemp(prefix="quickstart-check-"))
+    outcomes, failed = [], False
+    for seed in range(args.seeds):
+        seed_dir, done = work / f"seed-{seed}", set()
+        seed_dir.mkdir(parents=True, exist_ok=True)
+        for recipe in args.recipes or list(CHECKS):
+            outcome = check_one(recipe, seed_dir, seed, done)
+            failed |= outcome is None
+            outcomes += [outcome] if outcome else []
+    print(f"\n{platform.processor() or platform.machine()}, in {work}\n{table(outcomes)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([o.__dict__ for o in outcomes], indent=1) + "\n")
+    return 2 if failed else 0 if all(o.ok for o in outcomes) else 1
 
 
 if __name__ == "__main__":

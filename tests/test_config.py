@@ -28,7 +28,8 @@ def test_configs_are_shipped():
     names = {p.stem for p in SHIPPED}
     assert {"quickstart", "gpt2-124m", "minigpt-tinystories", "finetune-quickstart", "gemma3-270m-lora",
             "gemma3-1b-lora-dolly", "gemma3-1b-full-adafactor", "qwen-lora", "llama-lora", "dpo-quickstart",
-            "qwen-dpo-ultrafeedback", "grpo-quickstart"} <= names
+            "qwen-dpo-ultrafeedback", "grpo-quickstart", "rloo-quickstart", "gkd-quickstart",
+            "kto-quickstart"} <= names
 
 
 # Fine-tuning recipes start from hub checkpoints, which tests cannot download: their model config is checked on
@@ -41,8 +42,8 @@ HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemm
 
 # Recipes that start from another recipe's run, exported (`jaxtune export`): checked on that recipe's model.
 LOCAL_STARTS = {"runs/finetune-quickstart/model": "finetune-quickstart",
-                "runs/finetune-short/model": "finetune-quickstart",
-                "runs/student-short/model": "finetune-quickstart"}
+                "runs/sft-careless/model": "finetune-quickstart",
+                "runs/student-careless/model": "finetune-quickstart"}
 
 
 # torchax recipes: a tiny transformers config of the hub model's architecture, to build it with the recipe's LoRA.
