@@ -89,7 +89,7 @@ def test_chunked_loss_never_materialises_full_logits():
 
 def test_train_from_hf_checkpoint_and_export(hf_llama, tmp_path, data_cache):
     """model.from_hf starts from the checkpoint's weights (bitwise) with its tokenizer; the run trains, and
-    `jaxtune export` writes a model transformers loads with our logits (<=1e-5 rel)."""
+    `jaxtune export` writes a model transformers loads with our logits (<=1e-5 rel) and the run's EOS."""
     overrides = DATA + [f"model.from_hf={hf_llama}", f"run_dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}"]
     cfg = load_config(None, overrides)
     assert cfg.tokenizer.kind == "hf" and cfg.tokenizer.path == str(hf_llama)
@@ -114,7 +114,9 @@ def test_train_from_hf_checkpoint_and_export(hf_llama, tmp_path, data_cache):
     with torch.no_grad():
         theirs = hf(torch.from_numpy(ids)).logits.numpy()
     assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+    # pretraining, not chat: the model and the tokenizer keep the run's one EOS
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == run.tokenizer.eos_id
+    assert hf.config.eos_token_id == tok.eos_token_id == run.tokenizer.eos_id
 
 
 def test_from_hf_refuses_shape_overrides(hf_llama):

@@ -75,8 +75,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat and tok.chat_template is None:
         raise ConfigError(f"{args.run_dir}: the tokenizer has no chat template, so --chat cannot format prompts")
     if args.chat is None:  # a run fine-tuned on chat data is asked as it was trained: a prompt is a user turn
-        # (rows of examples, not a text stream: the kinds that bucket their rows)
-        args.chat = tok.chat_template is not None and not run.is_model and run.cfg.data.kind.buckets
+        args.chat = run.chat
         if args.chat:
             print(f"{args.run_dir} was trained on chat data: each prompt is a user turn (--no-chat: raw text)",
                   file=sys.stderr)

@@ -14,10 +14,11 @@ from flax import nnx
 
 from jaxtune.backends import BACKENDS
 from jaxtune.config import GGUF_TYPES, ConfigError
+from jaxtune.data import end_of_turn_ids
 from jaxtune.io import check_out_dir, writable_dir
 from jaxtune.models.gguf_export import check_out_file, write_gguf
 from jaxtune.models.hf import write_model
-from jaxtune.run import load_run
+from jaxtune.run import LoadedRun, load_run
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,9 @@ def export(source: Any, out_dir: str | Path, *, tokenizer: Any = None, dtype: st
     (`jaxtune.io.EXPORT_FILES`; anything else is a `FileExistsError` naming it, and the directory is untouched).
 
     A LoRA run exports merged (``W + scale A B``: an ordinary checkpoint), or with ``adapter`` as a PEFT adapter
-    directory for ``peft.PeftModel.from_pretrained(base, out_dir)``.
+    directory for ``peft.PeftModel.from_pretrained(base, out_dir)``. A run fine-tuned on chat data stops where
+    `jaxtune generate` stops it, at its chat template's end of turn as well as the EOS
+    (`jaxtune.models.hf.write_stop_tokens`, and the GGUF's end-of-turn id); other sources keep their EOS.
 
     ``gguf`` (`jaxtune.config.GGUF_TYPES`: f16, bf16, q8_0, f32): ``out_dir`` is instead one ``*.gguf`` file for
     llama.cpp and Ollama (`jaxtune.models.gguf_export`), converted from the HuggingFace directory this writes in
@@ -74,9 +77,12 @@ def _write_gguf(source: Any, out: Path, o: ExportOptions) -> Path:
         raise ConfigError(f"--gguf-type {o.gguf_type}: supported: {', '.join(GGUF_TYPES)}")
     check_out_file(out, o.overwrite)
     writable_dir(out.parent, "export to ", out)
+    model = _loaded(source)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.hf-") as tmp:
-        hf_dir = _write_hf(source, Path(tmp) / "model", ExportOptions(o.tokenizer, "float32", o.max_shard_bytes))
-        return write_gguf(hf_dir, out, o.gguf_type) if jax.process_index() == 0 else out
+        hf_dir = _write_loaded(model, Path(tmp) / "model", ExportOptions(o.tokenizer, "float32", o.max_shard_bytes))
+        if jax.process_index() != 0:
+            return out
+        return write_gguf(hf_dir, out, o.gguf_type, end_of_turn=_end_of_turn(model, o.tokenizer))
 
 
 def _write_peft(source: Any, out: Path, o: ExportOptions) -> Path:
@@ -88,20 +94,41 @@ def _write_hf(source: Any, out: Path, o: ExportOptions, adapter: bool = False) -
         raise ConfigError(f"{out}: a .gguf name for a HuggingFace directory; pass --gguf to write a GGUF file")
     check_out_dir(out, o.overwrite)
     writable_dir(out.parent, "export to ", out)
-    if isinstance(source, (str, Path)):
-        run = load_run(source)
-        if run.step == 0 and _is_run(source):
-            raise ConfigError(f"{source}: the run has no checkpoint yet (it stopped or failed before its first save), "
-                              "so there is nothing trained to export; train it (or resume it) until it saves, "
-                              "e.g. checkpoint.every, then export")
-        return BACKENDS[run.cfg.model.backend].export(run, out, tokenizer=o.tokenizer or run.tokenizer, dtype=o.dtype,
-                                                      adapter=adapter, max_shard_bytes=o.max_shard_bytes,
-                                                      overwrite=o.overwrite)
+    return _write_loaded(_loaded(source), out, o, adapter)
+
+
+def _loaded(source: Any) -> LoadedRun | nnx.Module:
+    """A run directory, model directory or config loaded (a run with no checkpoint yet refused); a native model as
+    it is."""
+    if not isinstance(source, (str, Path)):
+        return source
+    run = load_run(source)
+    if run.step == 0 and _is_run(source):
+        raise ConfigError(f"{source}: the run has no checkpoint yet (it stopped or failed before its first save), "
+                          "so there is nothing trained to export; train it (or resume it) until it saves, "
+                          "e.g. checkpoint.every, then export")
+    return run
+
+
+def _write_loaded(model: LoadedRun | nnx.Module, out: Path, o: ExportOptions, adapter: bool = False) -> Path:
+    """A loaded run as its backend writes it, or a native model, as a HuggingFace (or PEFT adapter) directory."""
+    if isinstance(model, LoadedRun):
+        return BACKENDS[model.cfg.model.backend].export(
+            model, out, tokenizer=o.tokenizer or model.tokenizer, dtype=o.dtype, adapter=adapter,
+            max_shard_bytes=o.max_shard_bytes, overwrite=o.overwrite, end_of_turn=_end_of_turn(model, o.tokenizer))
     if adapter:
         raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full model")
-    params = nnx.to_pure_dict(nnx.state(source, nnx.Param))
-    return write_model(source.cfg, params, out, tokenizer=o.tokenizer, dtype=o.dtype,
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return write_model(model.cfg, params, out, tokenizer=o.tokenizer, dtype=o.dtype,
                        max_shard_bytes=o.max_shard_bytes)
+
+
+def _end_of_turn(model: LoadedRun | nnx.Module, tokenizer: Any) -> tuple[int, ...]:
+    """The ids a run fine-tuned on chat data ends its turns with (the chat template's, as `jaxtune generate` stops
+    at them): the export stops there too. Empty for other runs and for a native model: they keep their EOS."""
+    if not isinstance(model, LoadedRun) or not model.chat:
+        return ()
+    return tuple(end_of_turn_ids(tokenizer or model.tokenizer))
 
 
 def _is_run(source: str | Path) -> bool:

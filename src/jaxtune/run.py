@@ -31,6 +31,13 @@ class LoadedRun:
     is_model: bool = False  # a HuggingFace model directory (an export), not a run: no training history of its own
 
     @property
+    def chat(self) -> bool:
+        """Fine-tuned on chat data (rows of examples, the kinds that bucket them, not a text stream, with a chat
+        template): a prompt is a user turn, and generation ends at the template's end of turn, in `jaxtune generate`
+        and in what `jaxtune export` writes."""
+        return self.tokenizer.chat_template is not None and not self.is_model and self.cfg.data.kind.buckets
+
+    @property
     def weights(self) -> Any:
         """What the model's forward and sampler take (`ModelSpec.weights`)."""
         return self.spec.weights(self.params, self.frozen)

@@ -39,9 +39,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import tiny_gemma3
+from helpers.chat_stops import END_OF_TURN, assert_stopped_at, forced_generation
 from helpers.compare import hf_from_gguf, jax_logits, rel, torch_logits
 from helpers.real_models import SMOLLM2_INSTALL, smollm2_gguf
-from helpers.tiny_hf import IDS, TEXTS, save_chatml_tokenizer, tiny_gpt2, tiny_llama
+from helpers.rows import write_jsonl
+from helpers.tiny_hf import CHAT_SPECIALS, IDS, TEXTS, save_chatml_tokenizer, tiny_gpt2, tiny_llama
 
 from jaxtune.cli import main
 from jaxtune.config import ConfigError, load_config
@@ -310,12 +312,16 @@ def lora_run(tiny, root):
 
 def test_lora_run_command(lora_run, tiny, root, capsys):
     """`jaxtune export RUN OUT.gguf --gguf --gguf-type f32` of a LoRA run writes the merged model: transformers'
-    logits equal our adapted model's (rel <= 1e-5), far from the base model's; an existing file is refused (exit 2)
+    logits equal our adapted model's (rel <= 1e-5), far from the base model's; trained on text, it keeps the
+    tokenizer's EOS and names no end of turn; an existing file is refused (exit 2)
     unless --overwrite, which replaces it whole (here with q8_0); bad flag combinations exit 2; nothing else is
     ever left beside the file."""
     out = root / "exports" / "lora.gguf"
     assert main(["export", str(lora_run), str(out), "--gguf", "--gguf-type", "f32"]) == 0
     assert "lora.gguf" in capsys.readouterr().out
+    fields = gguf.GGUFReader(out).fields  # trained on text, not chat: the tokenizer's EOS, no end of turn
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == CHAT_SPECIALS.index("<|endoftext|>")
+    assert "tokenizer.ggml.eot_token_id" not in fields
     run = load_run(lora_run)
     ids = np.asarray(IDS[:, :16])
     ours = np.asarray(merge(run.spec.graphdef, run.weights)(jnp.asarray(ids, jnp.int32)))
@@ -352,6 +358,29 @@ def test_qlora_run_exports_dequantized(tiny, root):
     ids = np.asarray(IDS[:, :16])
     ours = np.asarray(merge(run.spec.graphdef, run.weights)(jnp.asarray(ids, jnp.int32)))
     assert rel(torch_logits(hf_from_gguf(out), ids), ours) <= 1e-5
+
+def test_chat_run_stops_at_the_end_of_turn(tiny, root):
+    """`jaxtune export RUN OUT.gguf --gguf` of a run trained 2 steps on ChatML conversations: the file's EOS and
+    end-of-turn ids are <|im_end|>'s, where llama.cpp then stops (as `jaxtune generate` does), and transformers' model
+    and tokenizer from the file stop greedy generation there (`helpers.chat_stops`)."""
+    turns = [{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]}
+             for t in TEXTS[:2]]
+    rows = write_jsonl(root / "chat.jsonl", turns * 8)
+    cfg = load_config(None, [f"model.from_hf={tiny('llama').directory}", "data.format=messages",
+                             f"data.sources=[{rows}]", f"data.cache_dir={root / 'data-cache'}", "data.seq_len=64",
+                             "data.val_fraction=0", "train.steps=2", "train.batch_size=2", "eval.every=0",
+                             "checkpoint.every=2", "logging.progress=false", "logging.tensorboard=false",
+                             f"run_dir={root / 'chat-run'}"])
+    train(cfg)
+    out = root / "exports" / "chat.gguf"
+    assert main(["export", str(cfg.run_path), str(out), "--gguf", "--gguf-type", "f32"]) == 0
+    end = CHAT_SPECIALS.index(END_OF_TURN)
+    fields = gguf.GGUFReader(out).fields
+    assert [fields[f"tokenizer.ggml.{k}_token_id"].contents() for k in ("eos", "eot")] == [end, end]
+    tok = transformers.AutoTokenizer.from_pretrained(str(out.parent), gguf_file=out.name)
+    assert tok.eos_token == END_OF_TURN
+    assert_stopped_at(forced_generation(hf_from_gguf(out), tok, end), end)
+
 
 def test_errors_and_warnings(tiny, root, monkeypatch, caplog):
     """A model type with no GGUF export (a torchax run's Phi-3), a Gemma 3 whose layer pattern llama.cpp would not

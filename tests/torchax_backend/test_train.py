@@ -118,6 +118,28 @@ def test_phi3_lora_exports_a_peft_adapter_peft_reloads(phi3_dir, tiny_overrides,
     assert np.isfinite(res["loss"]) and res["tokens"] > 0
 
 
+def test_chat_lora_exports_stop_at_the_end_of_turn(tmp_path):
+    """A LoRA run on the torchax backend trained 2 steps on ChatML conversations: its merged export and its PEFT
+    adapter, loaded by transformers, stop at <|im_end|> (`helpers.chat_stops`), as the native backend's do."""
+    from helpers.chat_stops import assert_stops_at_end_of_turn
+    from helpers.rows import write_jsonl
+    from helpers.tiny_hf import TEXTS, tiny_llama
+
+    from jaxtune.export import export
+
+    turns = [{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]}
+             for t in TEXTS[:2]]
+    cfg = load_config(None, [
+        "model.backend=torchax", f"model.from_hf={tiny_llama(tmp_path / 'llama')}", "model.lora.rank=4",
+        "data.format=messages", f"data.sources=[{write_jsonl(tmp_path / 'chat.jsonl', turns * 8)}]",
+        f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=64", "data.val_fraction=0", "train.steps=2",
+        "train.batch_size=2", "eval.every=0", "checkpoint.every=2", "logging.progress=false",
+        "logging.tensorboard=false", f"run_dir={tmp_path / 'run'}"])
+    train(cfg)
+    assert_stops_at_end_of_turn(export(cfg.run_path, tmp_path / "merged"))
+    assert_stops_at_end_of_turn(export(cfg.run_path, tmp_path / "adapter", adapter=True), adapter=True)
+
+
 def test_unknown_lora_target_names_the_model_modules(phi3_dir, tiny_overrides):
     over = [o for o in tiny_overrides if not o.startswith("model.")] + [
         "model.backend=torchax", f"model.from_hf={phi3_dir}", "model.lora.rank=4", "model.lora.targets=[q_proj]"]

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 import yaml
+from helpers.chat_stops import assert_stops_at_end_of_turn
 from helpers.compare import rel
 from helpers.rows import write_jsonl
 from helpers.shared_data import SHARED_DATA
@@ -464,6 +465,32 @@ def test_eval_and_generate_commands(lora_run, exports, chat, capsys):
     assert out.out == as_chat and "trained on chat data: each prompt is a user turn (--no-chat" in out.err
     assert main([*generate, "--no-chat"]) == 0  # raw text continued
     assert capsys.readouterr().out != as_chat
+
+
+# --- chat exports stop where the model's turn ends ------------------------------------------------------------------
+
+def _short_chat_run(chat, name: str, *model: str) -> Path:
+    """A 2-step SFT run on the conversations from the Llama checkpoint (its ChatML tokenizer; ``model``: more model
+    keys), exported merged."""
+    cfg = load_config(None, [f"model.from_hf={chat['llama']}", *model, "data.format=messages",
+                             f"data.sources=[{chat['train']}]", "data.seq_len=64", "data.val_fraction=0",
+                             "train.steps=2", "train.batch_size=4", "eval.every=0", "checkpoint.every=2",
+                             "logging.progress=false", "logging.tensorboard=false", f"run_dir={chat['root'] / name}"])
+    train(cfg)
+    out = chat["root"] / f"{name}-export"
+    assert main(["export", str(cfg.run_path), str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("kind", ["full", "merged", "adapter", "qlora"])
+def test_chat_exports_stop_at_the_end_of_turn(kind, exports, chat):
+    """Every export of a run trained on ChatML conversations, loaded by transformers, stops at <|im_end|> as
+    `jaxtune generate` does (`helpers.chat_stops`): full weights, LoRA merged, the PEFT adapter (through its own
+    generation_config.json and tokenizer) and QLoRA (nf4) merged."""
+    adapter, merged = exports
+    made = {"full": [], "qlora": ["model.lora.rank=4", "model.quantize=nf4"]}
+    directory = {"merged": merged, "adapter": adapter}.get(kind) or _short_chat_run(chat, f"{kind}-chat", *made[kind])
+    assert_stops_at_end_of_turn(directory, adapter=kind == "adapter")
 
 
 # --- real data ------------------------------------------------------------------------------------------------------

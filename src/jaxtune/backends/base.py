@@ -43,9 +43,10 @@ class Backend(Protocol):
         ...
 
     def export(self, run: Any, out: Path, *, tokenizer: Any, dtype: str | None, adapter: bool,
-               max_shard_bytes: int, overwrite: bool) -> Path:
+               max_shard_bytes: int, overwrite: bool, end_of_turn: tuple[int, ...] = ()) -> Path:
         """Write a loaded run (`jaxtune.run.LoadedRun`) as a HuggingFace model directory (or, ``adapter``, a
-        PEFT adapter directory) at ``out``."""
+        PEFT adapter directory) at ``out``; ``end_of_turn``: the chat template's end-of-turn ids, which the written
+        model stops at besides its EOS (`jaxtune.models.hf.write_stop_tokens`)."""
         ...
 
     def parity_model(self, directory: Path) -> ParityModel:

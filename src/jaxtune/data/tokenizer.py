@@ -88,8 +88,10 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: list[int]) -> str: ...
 
     @abc.abstractmethod
-    def save(self, directory: Path) -> None:
-        """Writes ``directory`` so that ``load_tokenizer_dir(directory)`` returns an equal tokenizer offline."""
+    def save(self, directory: Path, eos_id: int | None = None) -> None:
+        """Writes ``directory`` so that ``load_tokenizer_dir(directory)`` returns an equal tokenizer offline.
+        ``eos_id``: the token the saved tokenizer names as its EOS instead of its own (a chat model's export: the
+        template's end-of-turn token, which vLLM and llama.cpp's converter stop at as the EOS)."""
 
 
 class _HFTokenizer(Tokenizer):
@@ -134,21 +136,24 @@ class _HFTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, eos_id: int | None = None) -> None:
+        eos = self._eos_token if eos_id is None else self._tok.id_to_token(eos_id)
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / "tokenizer.json"))
         if self._source is not None:  # a checkpoint's tokenizer: keep its own config (chat template, specials)
             for name in _TOKENIZER_FILES:
                 if (self._source / name).is_file() and self._source.resolve() != directory.resolve():
                     shutil.copyfile(self._source / name, directory / name)
+            if eos != self._eos_token:
+                _name_eos(directory, eos)
         else:  # tokenizer_config.json makes the directory loadable by transformers.AutoTokenizer as well.
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self._eos_token}
+            config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
             if self.chat_template is not None:
                 config["chat_template"] = self.chat_template
             (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         if self.chat_template is not None and self.chat_template != self._source_template:
             (directory / "chat_template.jinja").write_text(self.chat_template)  # data.chat_template overrides
-        meta = {"kind": "hf", "eos_token": self._eos_token, "eos_id": self.eos_id}
+        meta = {"kind": "hf", "eos_token": eos, "eos_id": self.eos_id if eos_id is None else eos_id}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -171,9 +176,9 @@ class _TiktokenTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, eos_id: int | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        meta = {"kind": "tiktoken", "encoding": self._name, "eos_id": self.eos_id}
+        meta = {"kind": "tiktoken", "encoding": self._name, "eos_id": self.eos_id if eos_id is None else eos_id}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -302,6 +307,15 @@ def _converted(directory: Path, where: str) -> Tokenizer:
 
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _name_eos(directory: Path, eos: str) -> None:
+    """A saved checkpoint tokenizer's config files name ``eos`` as the EOS: tokenizer_config.json, and
+    special_tokens_map.json where there is one (transformers lets it override tokenizer_config.json)."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = directory / name
+        if file.is_file() or name == "tokenizer_config.json":
+            file.write_text(json.dumps({**_read_json(file), "eos_token": eos}, indent=2) + "\n")
 
 
 def _read_json(file: Path) -> dict[str, Any]:

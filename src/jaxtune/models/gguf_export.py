@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +79,13 @@ def check_out_file(out: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{out} exists; choose a new file name, or pass --overwrite to replace it")
 
 
-def write_gguf(hf_dir: str | Path, out: str | Path, gguf_type: str = "f16", *, name: str | None = None) -> Path:
+def write_gguf(hf_dir: str | Path, out: str | Path, gguf_type: str = "f16", *, name: str | None = None,
+               end_of_turn: Sequence[int] = ()) -> Path:
     """Write the HuggingFace model directory ``hf_dir`` (config.json, safetensors, tokenizer.json) as the GGUF file
     ``out``, its matrices as ``gguf_type`` (`GGUF_TYPES`). Written beside ``out`` and renamed into place; an existing
-    ``out`` is replaced (`check_out_file` is the caller's guard). ``name``: general.name, default ``out``'s stem."""
+    ``out`` is replaced (`check_out_file` is the caller's guard). ``name``: general.name, default ``out``'s stem.
+    ``end_of_turn``: a chat model's end-of-turn ids; the first is tokenizer.ggml.eot_token_id, where llama.cpp ends
+    a turn (the EOS is the tokenizer's, which a chat export names as the end of turn too)."""
     gguf = _gguf()
     hf_dir, out = Path(hf_dir), Path(out)
     if gguf_type not in GGUF_TYPES:
@@ -99,6 +103,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, gguf_type: str = "f16", *, n
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_hyperparameters(w, cfg, str(hf_dir))
     add_tokenizer(w, hf_dir, cfg.vocab_size)
+    if end_of_turn:
+        w.add_eot_token_id(int(end_of_turn[0]))
     pending = _declare_tensors(w, HFCheckpoint(hf_dir), cfg, gguf_type)
     tmp = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -285,15 +285,43 @@ class SavedTokenizer(Protocol):
     vocab_size: int
     eos_id: int
 
-    def save(self, directory: Path) -> None: ...
+    def save(self, directory: Path, eos_id: int | None = None) -> None: ...
+
+
+def write_stop_tokens(directory: Path, end_of_turn: Sequence[int], eos: Sequence[int | list[int] | None]) -> int | None:
+    """Make a written model directory stop where a chat model's turn ends, as HF's chat models ship it:
+    generation_config.json's eos_token_id lists the directory's EOS, ``eos`` (the model's, the tokenizer's) and
+    ``end_of_turn`` (transformers' generate and vLLM stop at any; the file is created where there is none, as in a
+    PEFT adapter directory, for ``GenerationConfig.from_pretrained``), and config.json's, where there is one, is the
+    end of turn (one id, as instruct models ship it). Returns the end-of-turn id, which the directory's tokenizer is
+    to name as its EOS (what takes a single EOS, vLLM's tokenizer and llama.cpp, then stops there); None, and
+    nothing written, without an end of turn or when the directory already stops at every id."""
+    gen_file, config_file = directory / "generation_config.json", directory / "config.json"
+    gen = read_json(gen_file) if gen_file.is_file() else {}
+    config = read_json(config_file) if config_file.is_file() else None
+    named = _ids(gen.get("eos_token_id", (config or {}).get("eos_token_id")))
+    ids = list(dict.fromkeys([*named, *(i for e in eos for i in _ids(e)), *end_of_turn]))
+    if not end_of_turn or ids == named:
+        return None
+    gen_file.write_text(json.dumps({**gen, "eos_token_id": ids}, indent=2) + "\n")
+    if config is not None:
+        config_file.write_text(json.dumps({**config, "eos_token_id": end_of_turn[0]}, indent=2) + "\n")
+    return end_of_turn[0]
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    """An eos_token_id field (one id, a list or none) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer | None = None,
-                dtype: str | None = None, max_shard_bytes: int = 5_000_000_000) -> Path:
+                dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
+                end_of_turn: Sequence[int] = ()) -> Path:
     """Write a native model (its family config ``cfg`` and ``params``, without LoRA) as a HuggingFace model
     directory that `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json, generation_config.json,
     safetensors (sharded with an index past ``max_shard_bytes``) and the tokenizer files. ``dtype``:
-    float32/bfloat16/float16, default the params'. Written beside ``out`` and renamed into place, so a failed
+    float32/bfloat16/float16, default the params'. ``end_of_turn``: a chat model's end-of-turn token ids, which it
+    stops at besides its EOS (`write_stop_tokens`). Written beside ``out`` and renamed into place, so a failed
     write leaves nothing half-written. Every process gathers the weights; process 0 writes."""
     fam = FAMILIES[cfg.family]
     if tokenizer is not None:
@@ -314,8 +342,9 @@ def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer |
                if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         write_hf_weights(tmp, tensors, max_shard_bytes)
+        eos_id = write_stop_tokens(tmp, end_of_turn, [eos])
         if tokenizer is not None:
-            tokenizer.save(tmp)
+            tokenizer.save(tmp, eos_id=eos_id)
 
     atomic_dir(out, fill)
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from jaxtune.io import atomic_dir, check_out_dir, host, write_safetensors
 from jaxtune.models.family import Family
-from jaxtune.models.hf import match_param
+from jaxtune.models.hf import match_param, write_stop_tokens
 from jaxtune.models.layers import LoraSpec
 from jaxtune.models.quantize import dequantize, is_quantized
 
@@ -135,9 +136,13 @@ def peft_config(fam: Family, spec: LoraSpec, base_model: str | None) -> dict[str
 
 
 def write_adapter(out_dir: str | Path, fam: Family, spec: LoraSpec, adapters: Any, *, base_model: str | None = None,
-                  tokenizer: Any = None, overwrite: bool = False) -> Path:
+                  tokenizer: Any = None, overwrite: bool = False, end_of_turn: Sequence[int] = (),
+                  eos: int | None = None) -> Path:
     """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors [+ tokenizer]) that
-    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads. Written beside ``out_dir`` and renamed into place."""
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads. ``end_of_turn``: a chat model's end-of-turn token ids;
+    generation settings come from the base's directory, which the adapter cannot change, so they go into a
+    generation_config.json of the adapter's own (the base's EOS ``eos``, the tokenizer's, then the end of turn:
+    `write_stop_tokens`) and the tokenizer's EOS. Written beside ``out_dir`` and renamed into place."""
     out = Path(out_dir).expanduser()
     check_out_dir(out, overwrite)
     tensors = peft_tensors(fam, adapters)
@@ -147,8 +152,9 @@ def write_adapter(out_dir: str | Path, fam: Family, spec: LoraSpec, adapters: An
     def fill(tmp: Path) -> None:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(fam, spec, base_model), indent=2) + "\n")
         write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata={"format": "pt"})
+        eos_id = write_stop_tokens(tmp, end_of_turn, [eos, tokenizer and tokenizer.eos_id])
         if tokenizer is not None:
-            tokenizer.save(tmp)
+            tokenizer.save(tmp, eos_id=eos_id)
 
     atomic_dir(out, fill)
     return out

@@ -174,7 +174,7 @@ class NativeBackend:
         return True
 
     def export(self, run: Any, out: Path, *, tokenizer: Any, dtype: str | None, adapter: bool,
-               max_shard_bytes: int, overwrite: bool) -> Path:
+               max_shard_bytes: int, overwrite: bool, end_of_turn: tuple[int, ...] = ()) -> Path:
         """Merged (``W + scale A B``: an ordinary checkpoint), or with ``adapter`` a PEFT adapter directory."""
         cfg, params = run.spec.model_cfg, run.params
         lora = adapters(cfg)
@@ -183,10 +183,11 @@ class NativeBackend:
                 raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full "
                                   "model")
             return write_adapter(out, FAMILIES[cfg.family], lora, params, base_model=run.cfg.model.from_hf,
-                                 tokenizer=tokenizer, overwrite=overwrite)
+                                 tokenizer=tokenizer, overwrite=overwrite, end_of_turn=end_of_turn, eos=cfg.eos_id)
         if lora is not None:
             params, cfg = merge_adapters(params, run.frozen[0], lora), cfg.replace(lora=None)
-        return write_model(cfg, params, out, tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        return write_model(cfg, params, out, tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                           end_of_turn=end_of_turn)
 
     def parity_model(self, directory: Path) -> ParityModel:
         native = from_hf(directory, param_dtype="float32")

@@ -29,6 +29,7 @@ from jaxtune.backends.torchax.model import (
 from jaxtune.config import Config, ConfigError, TorchaxModelConfig
 from jaxtune.io import atomic_dir
 from jaxtune.models.fits import check_fits
+from jaxtune.models.hf import write_stop_tokens
 from jaxtune.models.sampling import (
     Generation,
     Sampling,
@@ -174,7 +175,7 @@ class TorchaxBackend:
         return True
 
     def export(self, run: Any, out: Path, *, tokenizer: Any, dtype: str | None, adapter: bool,
-               max_shard_bytes: int, overwrite: bool) -> Path:
+               max_shard_bytes: int, overwrite: bool, end_of_turn: tuple[int, ...] = ()) -> Path:
         """As transformers writes models: the trained weights are copied into the PyTorch module, then
         ``save_pretrained`` (safetensors). LoRA: merged into the base (PEFT ``merge_and_unload``), or with
         ``adapter`` the PEFT adapter directory."""
@@ -196,8 +197,9 @@ class TorchaxBackend:
                 target = target.to(getattr(torch, dtype))
             target.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_bytes)
             (tmp / "README.md").unlink(missing_ok=True)  # PEFT's placeholder model card: not ours to (over)write
+            eos_id = write_stop_tokens(tmp, end_of_turn, [module.config.eos_token_id, tokenizer and tokenizer.eos_id])
             if tokenizer is not None:
-                tokenizer.save(tmp)
+                tokenizer.save(tmp, eos_id=eos_id)
 
         if jax.process_index() == 0:
             atomic_dir(out, fill)
