@@ -78,7 +78,7 @@ def test_the_careless_tutor_forgets_carries_only():
     for good, row in zip(right, careless, strict=True):
         assert good["messages"][0] == row["messages"][0]
         answer = row["messages"][1]["content"]
-        (o1, o2, _, ones), (t1, t2, carry, tens) = EQUATION.findall(answer)
+        (_, _, _, ones), (t1, t2, carry, tens) = EQUATION.findall(answer)
         if int(ones) < 10:
             assert answer == good["messages"][1]["content"]
             continue
