@@ -62,6 +62,16 @@ def test_save_and_load_dir(bpe, tmp_path):
         load_tokenizer_dir(tmp_path)
 
 
+def test_another_eos_is_another_tokenizer(bpe, tmp_path):
+    """The token cache is keyed by the fingerprint and separates documents with the EOS: a tokenizer saved naming
+    another EOS (a chat export's end of turn) splits text alike but must not reuse the first one's cached windows."""
+    other_id = next(i for i in range(bpe.vocab_size) if i != bpe.eos_id)
+    bpe.save(tmp_path / "renamed", eos_id=other_id)
+    renamed = load_tokenizer_dir(tmp_path / "renamed")
+    assert renamed.eos_id == other_id and renamed.encode(TEXT) == bpe.encode(TEXT)
+    assert renamed.fingerprint != bpe.fingerprint
+
+
 def test_hf_tokenizer_directory(bpe, data_cfg, tmp_path):
     bpe.save(tmp_path / "saved")
     hf_dir = tmp_path / "hf"

@@ -101,7 +101,9 @@ class _HFTokenizer(Tokenizer):
         eos_id = tok.token_to_id(eos_token)
         if eos_id is None:
             raise DataError(f"{where}: eos token {eos_token!r} is not in the vocabulary")
-        self.fingerprint = "hf:" + hashlib.sha256(tok.to_str().encode()).hexdigest()
+        # The EOS separates documents in the token cache, so two tokenizers that split text alike but end documents
+        # with different tokens (a chat export names its end of turn) must not share cached windows.
+        self.fingerprint = "hf:" + hashlib.sha256(f"{tok.to_str()}\neos:{eos_token}".encode()).hexdigest()
         tok.encode_special_tokens = True  # see the module docstring: text is always text
         self._tok = tok
         self._eos_token = eos_token
