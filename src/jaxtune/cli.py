@@ -182,7 +182,7 @@ def _eval_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="test set (file, glob or hf:NAME) in the run's data.format; a model directory's "
                    "format is read from the first row unless data.format=... is given")
     p.add_argument("--batches", type=int, default=None, help="batches (default: eval.batches, or all of --data)")
-    p.add_argument("--reference", help="DPO: the reference model directory to score against (required for a model "
+    p.add_argument("--reference", help="DPO, KTO: the reference model directory to score against (required for a model "
                    "directory, e.g. the model it was trained from; a run's own is its starting weights)")
     p.set_defaults(fn=_eval)
 

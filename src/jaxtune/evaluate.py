@@ -29,7 +29,7 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
 
     Without ``data``: the run's own held-out split (``eval.batches`` batches). With ``data`` (a file, glob or
     ``hf:`` dataset in the run's ``data.format``): every sequence of it, loss on the tokens the run trains on
-    (the assistant's, for chat data). An objective with a reference model (DPO) compares a run with its own
+    (the assistant's, for chat data). An objective with a reference model (DPO, KTO) compares a run with its own
     reference (its starting weights, or its base with the adapters off); a model directory has none, so
     ``reference`` (a model directory of the same architecture, e.g. the model it was trained from) is required
     there, and replaces a full fine-tuning run's own."""
@@ -74,8 +74,9 @@ def _reference_weights(run: LoadedRun, target: str | Path, reference: str | Path
     if reference is None:
         if compares and run.is_model:
             raise ConfigError(f"{target} is a model, not a run: objective.name={cfg.objective.name} scores it against "
-                              "a reference model, and the only one here is the model itself (loss log 2 and rewards "
-                              "0 whatever it learned); pass --reference MODEL_DIR, the model it was trained from")
+                              "a reference model, and the only one here is the model itself "
+                              f"({cfg.objective.spec.against_itself} whatever it learned); pass --reference MODEL_DIR, "
+                              "the model it was trained from")
         return ()
     if not compares:
         raise ConfigError(f"--reference {reference}: objective.name={cfg.objective.name} compares with no reference "

@@ -28,6 +28,7 @@ from jaxtune.train.step import Steps
 GRPO_SAMPLES = 4  # held-out completions shown with their rewards at each evaluation (GRPO)
 REWARD_ACCURACY = "rewards/accuracies"  # TRL's name: the share of held-out pairs whose chosen reply is rewarded more
 EMPTY_ANSWER = "(empty)"  # how a sample shows an answer that is empty or only whitespace
+NO_ROWS = "n/a (no rows)"  # a mean over held-out rows of a label the held-out batches do not hold
 
 
 def exact_match(answers: list[str], references: list[str]) -> float:
@@ -131,19 +132,21 @@ class HeldOutPairs(HeldOutLoss):
 
 @dataclass
 class HeldOutRewards(HeldOutLoss):
-    """``held_out: rewards`` (unpaired rows, KTO): the loss and how far apart the two labels' mean rewards are."""
+    """``held_out: rewards`` (unpaired rows, KTO): the loss and how far apart the two labels' mean rewards are. A
+    label without held-out rows has no mean reward, and then there is no margin: said so, never a 0."""
 
     header = " held-out loss | reward margin |"
 
     def outcome(self, loss: float, metrics: dict[str, float]) -> Outcome:
-        m = metrics
-        margin = m["rewards/chosen"] - m["rewards/rejected"]
-        return Outcome({"loss": loss, "reward_margin": margin}, {"loss": loss, **m, "rewards/margins": margin},
-                       f"validation loss {loss:.4f}, rewards desirable {m['rewards/chosen']:.3f}, undesirable "
-                       f"{m['rewards/rejected']:.3f} (margin {margin:.3f}), kl {m['kl']:.3f}")
+        m, margin = metrics, metrics.get("rewards/margins")
+        rewards = ", ".join(f"{label} {_mean(m, f'rewards/{side}')}"
+                            for label, side in (("desirable", "chosen"), ("undesirable", "rejected")))
+        said = f"validation loss {loss:.4f}, rewards {rewards}" + ("" if margin is None else f", margin {margin:.3f}")
+        return Outcome({"loss": loss, "reward_margin": margin}, {"loss": loss, **m},
+                       said + (f", kl {m['kl']:.3f}" if "kl" in m else ""))
 
     def second(self, e: dict[str, Any]) -> str:
-        return f"{e['reward_margin']:.3f}"
+        return NO_ROWS if e.get("reward_margin") is None else f"{e['reward_margin']:.3f}"
 
 
 LOSS_PARTS: dict[str, type[HeldOutLoss]] = {"loss": HeldOutLoss, "pairs": HeldOutPairs, "rewards": HeldOutRewards}
@@ -412,6 +415,11 @@ class Evaluator:
         if self.evals:
             write_text_atomically(self.run_dir / "report.md",
                                   "\n".join(report_lines(self.parts, self.history + self.evals)) + "\n")
+
+
+def _mean(metrics: dict[str, float], name: str) -> str:
+    """Metric ``name`` as a log line shows it; `NO_ROWS` where it is a mean of nothing."""
+    return f"{metrics[name]:.3f}" if name in metrics else NO_ROWS
 
 
 def _score(fraction: float, count: int) -> str:

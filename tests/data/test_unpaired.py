@@ -5,6 +5,7 @@ as TRL's ``add_kl_completion_ids`` pairs them; prompts cut to data.max_prompt_le
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -125,3 +126,51 @@ def test_pairs_unpaired_with_data_unpair_are_trls_unpair_preference_dataset(tok,
         load(tok, chatml_cfg("unpaired", sources=[str(path)]))
     with pytest.raises(ConfigError, match="data.unpair reads preference pairs as unpaired rows"):
         load_config(None, ["data.format=preference", "objective.name=dpo", "data.unpair=true"])
+
+
+def test_held_out_items_mix_the_labels_and_keep_their_kl_rows(tok, tmp_path):
+    """data.unpair gives each batch of pairs' chosen halves first, then the rejected ones; the held-out items are put
+    in an order that spreads each label evenly (each label's own order kept), so every held-out batch holds both;
+    each item keeps the KL row it was made with."""
+    from jaxtune.data.pipeline import make_training_data
+    from jaxtune.data.synthetic import arithmetic_preferences
+    from jaxtune.data.unpaired import mixed_labels
+
+    assert mixed_labels([True, True, True, False]) == [0, 1, 3, 2]
+    assert mixed_labels([True, True, False, False]) == [0, 2, 1, 3]
+    assert mixed_labels([False, False]) == [0, 1]
+    rows = load(tok, chatml_cfg("unpaired", sources=[str(write_jsonl(tmp_path / "rows.jsonl", ROWS))]))
+    rows = [rows[0], rows[2], rows[1], rows[3]]  # desirable, desirable, undesirable, undesirable
+    plain, mixed = UnpairedRows.of(rows, 64, chunk=4), UnpairedRows.of(rows, 64, chunk=4, mixed=True)
+    for k, i in enumerate([0, 2, 1, 3]):
+        assert all(np.array_equal(mixed[k][key], plain[i][key]) for key in plain[i])
+
+    path = write_jsonl(tmp_path / "pairs.jsonl", itertools.islice(arithmetic_preferences(), 100))
+    cfg = chatml_cfg("unpaired", sources=[str(path)], unpair=True, val_fraction=0.2)
+    data = make_training_data(cfg, tok, batch_size=4, seed=0, eval_batches=4)
+    assert len(data.eval_batches) == 4
+    for batch in data.eval_batches:
+        labels = batch["labels"][:, 0]
+        assert 0 < labels.sum() < len(labels), labels
+
+
+def test_rows_of_one_label_are_warned_about_and_pairs_read_as_rows(tmp_path):
+    """A split whose rows all share a label gets one warning line naming its sources and what to do. The shipped
+    preference pairs read with data.unpair (and the refusal without it names the flag)."""
+    from jaxtune.data.sources import Synthetic, resolve_sources
+    from jaxtune.data.unpaired import label_warnings
+
+    cfg = chatml_cfg("unpaired", sources=["a.jsonl", "b.jsonl"], val_sources=["held.jsonl"])
+    both = UnpairedStats(train_rows=10, val_rows=4, desirable=3, val_desirable=1)
+    assert label_warnings(cfg, both) == []
+    (line,) = label_warnings(cfg, UnpairedStats(train_rows=10, val_rows=4, desirable=0, val_desirable=2))
+    assert line == ("warning: a.jsonl, b.jsonl: all 10 training rows are undesirable (label false): rewards/chosen and "
+                    "rewards/margins have no rows to be measured on and are not reported; add rows of the other "
+                    "label, or read preference pairs with data.unpair=true")
+    (line,) = label_warnings(cfg, UnpairedStats(train_rows=10, val_rows=4, desirable=5, val_desirable=4))
+    assert line.startswith("warning: held.jsonl: all 4 held-out rows are desirable (label true): rewards/rejected")
+
+    shipped = chatml_cfg("unpaired", sources=["synthetic:arithmetic-preferences"])
+    with pytest.raises(DataError, match=r"holds preference rows; set data.format=preference, or data.unpair=true"):
+        resolve_sources(shipped)
+    assert resolve_sources(shipped.model_copy(update={"unpair": True})) == [Synthetic("arithmetic-preferences")]

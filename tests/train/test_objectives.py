@@ -16,8 +16,10 @@ from jaxtune.config import load_config
 from jaxtune.sharding import make_mesh
 from jaxtune.train import step as step_module
 from jaxtune.train.logprobs import token_logps
+from jaxtune.train.metrics import StepLog
 from jaxtune.train.objectives import CrossEntropy
 from jaxtune.train.reference import Frozen
+from jaxtune.train.shapes import Shape
 from jaxtune.train.step import jit_steps, make_eval_step, objective_loss
 
 V = 512
@@ -46,6 +48,23 @@ class CrossEntropyWithAccuracy:
         mask = batch.get("loss_mask", jnp.ones(batch["targets"].shape, jnp.float32))
         right = (jnp.argmax(logits, -1) == batch["targets"]) * mask
         return jnp.sum(-token_logps(logits, batch["targets"]) * mask), jnp.sum(mask), {"accuracy": jnp.sum(right)}
+
+
+@dataclass(frozen=True)
+class CrossEntropyOfPicked(CrossEntropyWithAccuracy):
+    """Cross-entropy with a metric over rows of its own: the mean token loss of the rows the batch's ``picked`` (B,)
+    marks, a (sum, count) pair counting those rows (as KTO's rewards count the rows of one label)."""
+
+    name: str = "ce_picked"
+    metric_names: tuple[str, ...] = ("picked/loss",)
+
+    def __call__(self, forward, weights, batch, key, reference=None):
+        logits = forward.logits(weights, batch, key)
+        mask = batch["loss_mask"]
+        per_row = jnp.sum(-token_logps(logits, batch["targets"]) * mask, axis=-1) / jnp.maximum(mask.sum(-1), 1.0)
+        picked = batch["picked"]
+        return jnp.sum(per_row * mask.sum(-1)), jnp.sum(mask), {"picked/loss": (jnp.sum(per_row * picked),
+                                                                                  jnp.sum(picked))}
 
 
 def _batch(rows: int, t: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
@@ -81,6 +100,56 @@ def test_objective_metrics_are_per_unit_and_accumulate_over_micro_batches():
     ce = make_eval_step(objective_loss(CrossEntropy(), spec.forward(), spec.weights))
     s, n, extra = ce(params, {k: jnp.asarray(v) for k, v in batch.items()})
     assert extra == {} and abs(float(s / n) - out[1]["loss"]) <= 1e-6 * out[1]["loss"]
+
+
+def test_a_metric_over_rows_of_its_own_is_absent_where_there_are_none(tmp_path):
+    """A metric with units of its own (here: rows a batch marks; KTO's rewards of one label) is their mean, weighted
+    by how many each part had: over micro-batches (the rows marked all in one of 4), over held-out batches (one
+    without any adds nothing: not a 0 halving the mean) and over a logging window (steps weighted by their rows,
+    none: absent). Where no unit counts, the step reports NaN with a count of 0, and the evaluation and the logged
+    row leave it out; never 0."""
+    over = ["model.preset=tiny", "model.max_seq_len=32", "optim.lr=1e-9"]
+    spec = make_state_spec(load_config(None, over), V, make_mesh(1, 1, 1, jax.devices()[:1]))
+    init = jax.device_get(spec.init(0))
+    params = jax.device_put(init.params, spec.shardings.params)
+    marked, unmarked = _batch(8), _batch(8)
+    marked["picked"] = np.array([1, 0, 0, 0, 1, 0, 0, 0], np.float32)  # rows 0 and 4: micro-batch 0 of 4
+    unmarked["picked"] = np.zeros(8, np.float32)
+    forward = spec.forward()
+    logits = np.asarray(forward.logits(params, {k: jnp.asarray(v) for k, v in marked.items()}))
+    nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), marked["targets"][..., None], -1)[..., 0]
+    rows = (nll * marked["loss_mask"]).sum(-1) / marked["loss_mask"].sum(-1)
+    want = float(rows[[0, 4]].mean())
+    steps = jit_steps(spec, CrossEntropyOfPicked(), load_config(None, [*over, "train.micro_batches=4"]).train)
+    with sharding.use_mesh(spec.mesh):
+        _, m = steps.train(jax.device_put(init, spec.shardings), sharding.global_batch(spec.mesh, marked), Frozen())
+        _, none = steps.train(jax.device_put(init, spec.shardings), sharding.global_batch(spec.mesh, unmarked),
+                              Frozen())
+        both = steps.evaluate(params, Frozen(), [marked, unmarked])
+        without = steps.evaluate(params, Frozen(), [unmarked])
+    m, none = jax.device_get((m, none))
+    assert abs(float(m["picked/loss"]) - want) <= 1e-5 * want and float(m["picked/loss/count"]) == 2.0
+    assert np.isnan(none["picked/loss"]) and float(none["picked/loss/count"]) == 0.0
+    assert abs(both.metrics["picked/loss"] - want) <= 1e-5 * want and "picked/loss" not in without.metrics
+    assert not any(k.endswith("/count") for k in both.metrics)
+
+    cfg = load_config(None, [*over, "logging.every=3", "logging.jsonl=true", "logging.progress=false",
+                             "logging.tensorboard=false", f"run_dir={tmp_path}", "train.steps=6"])
+    log = StepLog(tmp_path, cfg, 0, spec.model_cfg)
+    base = {"loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "count": 8.0, "finite": True, "nan_streak": 0,
+            "rewards/chosen": 1.0, "rewards/chosen/count": 4.0}
+    empty = (float("nan"), 0.0)  # a step without undesirable rows
+    window = [(2.0, 1.0), empty, (5.0, 3.0), empty, empty, empty]
+    for step, (value, count) in enumerate(window, 1):
+        log.push(step, {**base, "rewards/rejected": value, "rewards/rejected/count": count}, Shape(32, 256, 256))
+    log.drain()
+    log.close()
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [3, 6]
+    assert logged[0]["rewards/rejected"] == (2.0 * 1 + 5.0 * 3) / 4  # weighted by rows, the empty step left out
+    assert logged[0]["rewards/margins"] == 1.0 - logged[0]["rewards/rejected"]
+    assert "rewards/rejected" not in logged[1] and "rewards/margins" not in logged[1], logged[1]
+    assert logged[1]["rewards/chosen"] == 1.0 and not any(k.endswith("/count") for r in logged for k in r)
 
 
 def test_the_loop_logs_every_scalar_an_objective_returns(tiny_cfg, monkeypatch):

@@ -22,7 +22,7 @@ import pytest
 from helpers.rows import write_jsonl
 from helpers.run_outputs import metric_rows
 from helpers.tiny_config import QUICK
-from helpers.tiny_runs import assert_kill9_resume_is_bitwise, run_overrides, torchax_lora_config
+from helpers.tiny_runs import MODEL, assert_kill9_resume_is_bitwise, run_overrides, torchax_lora_config
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
@@ -137,6 +137,69 @@ def test_kto_quickstart_as_its_header_runs_it(quickstart_sft_model, tmp_path, da
     assert main(["eval", str(run), "--data", str(rows), f"data.cache_dir={data_cache}"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["rows"] == 24 and set(metrics) <= set(result) and "perplexity" not in result
+
+
+# kto-quickstart from scratch: the tiny Llama, a 300-id BPE, one length (one compile), a few steps
+KTO_TINY = ["model.from_hf=null", *MODEL, "data.seq_len=64", "data.length_buckets=0", "tokenizer.kind=bpe",
+            "tokenizer.vocab_size=300", "tokenizer.train_bytes=1000000",
+            "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]", "optim.lr=1e-2", "optim.warmup_steps=0",
+            "train.batch_size=8", "train.steps=2", "eval.every=2", "eval.batches=2", "checkpoint.every=2",
+            "logging.every=1", *QUICK]
+
+
+def test_kto_on_rows_of_one_label_warns_and_reports_no_rewards_of_the_other(tmp_path, data_cache, capsys):
+    """Desirable rows only: training starts with a warning per split naming the file and what to do, and trains;
+    no row of metrics.jsonl (train or eval), no log line and no cell of report.md gives the undesirable rows' rewards
+    or log-probs, or a margin: a mean of no rows is absent, never 0 (nor the margin the desirable reward)."""
+    from jaxtune.data.synthetic import arithmetic_unpaired
+
+    liked = write_jsonl(tmp_path / "liked.jsonl",
+                        [r for r in itertools.islice(arithmetic_unpaired(), 120) if r["label"]])
+    run = tmp_path / "run"
+    assert main(["train", "kto-quickstart", *KTO_TINY, f"data.sources=[{liked}]", "data.val_fraction=0.2",
+                 f"run_dir={run}", f"data.cache_dir={data_cache}"]) == 0
+    out = capsys.readouterr().out
+    warned = [line for line in out.splitlines() if line.startswith(f"warning: {liked}: all ")]
+    assert len(warned) == 2, out
+    assert "training rows are desirable (label true)" in warned[0] and "data.unpair=true" in warned[0]
+    assert "held-out rows are desirable (label true)" in warned[1] and "data.val_sources" in warned[1]
+    rows = metric_rows(run, "train") + metric_rows(run, "eval")
+    assert len(rows) == 4 and all("rewards/chosen" in r and "logps/chosen" in r for r in rows)
+    absent = {"rewards/rejected", "logps/rejected", "rewards/margins"}
+    assert not any(absent & set(r) for r in rows), rows
+    said = [line for line in out.splitlines() if line.startswith("step ") and "validation loss" in line]
+    assert len(said) == 2 and all("undesirable n/a (no rows)" in line and "margin" not in line for line in said)
+    assert said[0] == "step 0: validation loss 0.5000, rewards desirable 0.000, undesirable n/a (no rows), kl 0.000"
+    report = (run / "report.md").read_text()
+    assert "| 0 | 0.5000 | n/a (no rows) |" in report and "| 2 |" in report, report
+
+
+def test_kto_on_the_shipped_pairs_with_data_unpair(tmp_path, data_cache, capsys):
+    """synthetic:arithmetic-preferences with data.unpair trains KTO (each pair two rows). The held-out rows come in
+    unpair's order, every chosen half first, yet each held-out batch holds both labels, so every evaluation reports
+    both rewards and their margin; `jaxtune eval` of the run reports the margin as training did, and of its export
+    (no reference of its own) refuses in one line naming KTO's loss at the reference, not DPO's."""
+    from jaxtune.data.synthetic import arithmetic_unpaired
+
+    run = tmp_path / "run"
+    assert main(["train", "kto-quickstart", *KTO_TINY, "data.sources=[synthetic:arithmetic-preferences]",
+                 "data.unpair=true", f"run_dir={run}", f"data.cache_dir={data_cache}"]) == 0
+    assert "unpaired preference data: 20000 rows ->" in capsys.readouterr().out
+    evals = metric_rows(run, "eval")
+    assert [r["step"] for r in evals] == [0, 2]
+    assert all({"rewards/chosen", "rewards/rejected", "rewards/margins"} <= set(r) for r in evals), evals
+    assert evals[0]["rewards/margins"] == 0.0 and evals[-1]["rewards/margins"] != 0.0
+
+    assert main(["eval", str(run), f"data.cache_dir={data_cache}"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["rewards/margins"] == pytest.approx(evals[-1]["rewards/margins"], rel=1e-4, abs=1e-6)
+    assert main(["export", str(run), str(tmp_path / "model")]) == 0
+    rows = write_jsonl(tmp_path / "rows.jsonl", itertools.islice(arithmetic_unpaired(seed=1), 8))
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "model"), "--data", str(rows), "objective.name=kto",
+                 f"data.cache_dir={data_cache}"]) == 2
+    err = capsys.readouterr().err
+    assert "is a model, not a run" in err and "loss 0.5 per row" in err and "log 2" not in err, err
 
 
 def test_precomputed_reference_equals_the_live_one_and_is_reused(pref, tmp_path):

@@ -8,7 +8,15 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from jaxtune.config.base import Section
-from jaxtune.config.kinds import BATCH_KINDS, FORMATS, KIND_OF_FORMAT, PRETOKENIZED_FORMAT, BatchKind
+from jaxtune.config.kinds import (
+    BATCH_KINDS,
+    FORMATS,
+    KIND_OF_FORMAT,
+    PAIRS,
+    PRETOKENIZED_FORMAT,
+    UNPAIRED,
+    BatchKind,
+)
 
 
 class DataConfig(Section):
@@ -92,13 +100,23 @@ class DataConfig(Section):
         return self.kind.shares_prompt_by_default if self.share_prompts is None else self.share_prompts
 
     @property
+    def row_formats(self) -> tuple[str, ...]:
+        """The formats of the rows it reads: ``format``, and with ``unpair`` preference pairs (each read as two
+        unpaired rows)."""
+        return (self.format, *PAIRS.formats) if self.unpair else (self.format,)
+
+    def unpair_would_read(self, row_format: str) -> bool:
+        """Whether ``data.unpair=true`` would read rows of ``row_format`` as this config's (pairs as unpaired rows)."""
+        return self.kind is UNPAIRED and row_format in PAIRS.formats
+
+    @property
     def pretokenized(self) -> bool:
         """``format: tokens``: the sources are token ids already."""
         return self.format == PRETOKENIZED_FORMAT
 
     @model_validator(mode="after")
     def _unpair_applies(self) -> DataConfig:
-        if self.unpair and self.format != "unpaired":
+        if self.unpair and self.kind is not UNPAIRED:
             raise ValueError(f"data.unpair reads preference pairs as unpaired rows (data.format=unpaired, for "
                              f"objective.name=kto), not with data.format={self.format}; drop it, or set "
                              "data.format=unpaired")

@@ -189,6 +189,9 @@ class ObjectiveKind:
     # `Objective.prepare` runs on the whole batch before every step (RLOO's advantages need the batch and the
     # reference), not only before the second of several passes
     prepares: bool = False
+    # What its held-out evaluation reports for a model scored against itself as the reference (every log-ratio 0),
+    # whatever the model learned: said where `jaxtune eval` refuses that (a model directory without --reference)
+    against_itself: str = ""
 
     @property
     def needs_rewards(self) -> bool:
@@ -206,7 +209,7 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("dpo", (PAIRS,), "direct preference optimisation against a frozen reference model",
                   loss_types=("sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard", "nca_pair", "aot",
                               "aot_unpaired", "apo_zero", "apo_down", "exo_pair", "discopop", "sft", "sigmoid_norm"),
-                  combines=True, companion="reference"),
+                  combines=True, companion="reference", against_itself="loss log 2 and rewards 0"),
     ObjectiveKind("simpo", (PAIRS,), "SimPO: length-normalised, reference-free, with a target margin"),
     ObjectiveKind("orpo", (PAIRS,), "ORPO: the chosen reply's NLL plus an odds-ratio term, reference-free"),
     ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
@@ -214,7 +217,8 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
                   companion_when="beta", passes_key="num_iterations", completions="sampled", min_generations=2),
     ObjectiveKind("kto", (UNPAIRED,), "KTO: unpaired desirable and undesirable completions against a frozen "
                   "reference, each reward measured from a KL baseline estimated on mismatched rows (TRL's KTOTrainer)",
-                  loss_types=("kto", "apo_zero_unpaired"), companion="reference", prepares=True),
+                  loss_types=("kto", "apo_zero_unpaired"), companion="reference", prepares=True,
+                  against_itself="loss 0.5 per row times its label's weight, every reward, the margin and kl 0"),
     ObjectiveKind("rloo", (PROMPTS,), "REINFORCE leave-one-out on sampled completions scored by rewards: each "
                   "completion's baseline the mean reward of its group's others, the KL to the reference in the reward, "
                   "a clipped ratio per sequence (TRL's RLOOTrainer)", beta_range="nonnegative", companion="reference",

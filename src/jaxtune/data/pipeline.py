@@ -37,7 +37,14 @@ from jaxtune.data.row_policy import completion_settings
 from jaxtune.data.sft import SFTStats, load_examples, prepare_sft, sequences
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.data.tokens import Split, TokenData, prepare_tokens
-from jaxtune.data.unpaired import UnpairedData, UnpairedRows, UnpairedStats, load_unpaired, prepare_unpaired
+from jaxtune.data.unpaired import (
+    UnpairedData,
+    UnpairedRows,
+    UnpairedStats,
+    label_warnings,
+    load_unpaired,
+    prepare_unpaired,
+)
 
 Batch = dict[str, np.ndarray]  # {"inputs": int32 (B, T), "targets": int32 (B, T)}
 
@@ -256,9 +263,9 @@ def _pairs(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: in
 
 def _unpaired(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: int | None) -> TrainingData:
     rows = prepare_unpaired(data_cfg, tokenizer, batching.batch_size)
-    return TrainingData(batching.train(rows.train), batching.held_out(rows.val),
-                        rows.stats.lines() + batching.notes(rows.train, rows.val, "rows"), rows.held_out, rows,
-                        batching)
+    notes = label_warnings(data_cfg, rows.stats) + batching.notes(rows.train, rows.val, "rows")
+    return TrainingData(batching.train(rows.train), batching.held_out(rows.val), rows.stats.lines() + notes,
+                        rows.held_out, rows, batching)
 
 
 def _prompts(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching,
@@ -312,9 +319,10 @@ def _test_unpaired(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tup
     completion_settings(test_cfg, tokenizer)
     stats = UnpairedStats()
     rows = load_unpaired(test_cfg.sources, test_cfg, tokenizer, stats)
-    # one chunk: each row's KL completion is the row's before it in the file (the first row's, the last row's)
-    return UnpairedRows.of(rows, test_cfg.seq_len, max(1, len(rows))), _what_was_read(data, "rows", "rows", len(rows),
-                                                                                     stats)
+    # one chunk: each row's KL completion is the row's before it in the file (the first row's, the last row's); the
+    # items then with the labels spread, so a batch of them holds both (--batches may score the first few only)
+    items = UnpairedRows.of(rows, test_cfg.seq_len, max(1, len(rows)), mixed=True)
+    return items, _what_was_read(data, "rows", "rows", len(rows), stats)
 
 
 def _what_was_read(data: str, unit: str, key: str, count: int, stats: Any) -> dict[str, Any]:

@@ -194,9 +194,11 @@ def resolve_sources(data_cfg: DataConfig, entries: list[str] | None = None) -> l
             if name not in GENERATORS:
                 raise DataError(f"{key}[{i}]: unknown generated data {entry!r}; available: "
                                 f"{[SYNTHETIC_PREFIX + n for n in GENERATORS]}")
-            if GENERATOR_FORMATS[name] != data_cfg.format:  # pretraining text included
-                raise DataError(f"{key}[{i}]: {entry} holds {GENERATOR_FORMATS[name]} rows; set "
-                                f"data.format={GENERATOR_FORMATS[name]}")
+            held = GENERATOR_FORMATS[name]
+            if held not in data_cfg.row_formats:  # pretraining text included
+                unpair = ", or data.unpair=true to read each pair as two unpaired rows" \
+                    if data_cfg.unpair_would_read(held) else ""
+                raise DataError(f"{key}[{i}]: {entry} holds {held} rows; set data.format={held}{unpair}")
             sources.append(Synthetic(name))
         else:
             sources.append(LocalFiles(_local_paths(entry, key=f"{key}[{i}]")))

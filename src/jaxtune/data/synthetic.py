@@ -13,8 +13,9 @@ steps; the same sums answered at once ("47 plus 85 is 132.") stay near 0% held-o
 model guessing the digits of the total.
 
 ``synthetic:arithmetic-preferences`` (generated): the same 10,000 sums in the same order and phrasings, as preference
-pairs (``data.format: preference``, TRL's conversational form): the worked answer chosen, and rejected the mistake a
-half-trained model makes. A sum with a carry has the carry forgotten::
+pairs (``data.format: preference``, TRL's conversational form; or two KTO rows each with ``data.format: unpaired`` and
+``data.unpair: true``): the worked answer chosen, and rejected the mistake a half-trained model makes. A sum with a
+carry has the carry forgotten::
 
     prompt: What is 47 plus 85?
     chosen: 7+5=12, 4+8+1=13, so 132.

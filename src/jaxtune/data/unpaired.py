@@ -14,7 +14,13 @@ over ``data.max_prompt_length`` keeps its last tokens first.
 **KL rows.** KTO's KL term compares policy and reference on mismatched (prompt, completion) pairs. As TRL does, the
 training rows are taken in order in chunks of the batch size, and within each chunk row i's KL sequence is its own
 prompt's tokens followed by the completion tokens of the row before it (the first row takes the chunk's last), cut
-at ``seq_len + 1`` tokens. Held-out rows likewise.
+at ``seq_len + 1`` tokens. Held-out rows likewise; then their items (each with its KL row) are put in an order that
+spreads each label evenly (`mixed_labels`), so every held-out batch holds both where the split does, whatever the
+sources' order (``data.unpair`` gives all the chosen halves first).
+
+**One label.** Training rows all of one label train (KTO's loss is defined per row) but have no rewards of the other
+label to set theirs against: a warning at start names the sources (`label_warnings`), and the other label's rewards
+and the margin are not logged (never 0).
 
 **Items.** `UnpairedRows` item ``i`` is row ``i``: arrays (2, T), row 0 its sequence and row 1 its KL sequence, each
 right-padded (segment 0, no loss), and ``labels`` (2,) float32: 1.0 for desirable, 0.0 for undesirable.
@@ -57,6 +63,19 @@ def kl_sequences(rows: list[EncodedRow], chunk: int, limit: int) -> list[Encoded
     return out
 
 
+def mixed_labels(labels: list[bool]) -> list[int]:
+    """The indexes of ``labels`` in an order that spreads each label evenly over it, each label's own order kept:
+    the k-th of a label's n rows goes at (k + 1/2) / n of the way (desirable first on a tie), so any run of rows
+    holds both labels in about the split's proportion. Deterministic."""
+    n = {label: labels.count(label) for label in (True, False)}
+    seen = {True: 0, False: 0}
+    where = []
+    for i, label in enumerate(labels):
+        where.append(((seen[label] + 0.5) / n[label], not label, i))
+        seen[label] += 1
+    return [i for *_, i in sorted(where)]
+
+
 class UnpairedRows:
     """Grain random-access source: item ``i`` is row ``i``, {"inputs", "targets", "positions", "segment_ids"}: int32
     (2, T), "loss_mask": float32 (2, T) (row 0 the sequence, row 1 its KL sequence) and "labels": float32 (2,); with
@@ -76,11 +95,14 @@ class UnpairedRows:
         return UnpairedRows(self.rows, self.labels, logps)
 
     @classmethod
-    def of(cls, rows: list[EncodedRow], seq_len: int, chunk: int) -> UnpairedRows:
+    def of(cls, rows: list[EncodedRow], seq_len: int, chunk: int, mixed: bool = False) -> UnpairedRows:
+        """The items of ``rows``, KL rows made in chunks of ``chunk`` (`kl_sequences`); ``mixed``: the items then in
+        `mixed_labels` order (held-out batches, which are taken in order)."""
         kl = kl_sequences(rows, chunk, seq_len + 1)
-        examples = Examples.of([enc for row, k in zip(rows, kl) for enc in (row.sequence, k)])
+        order = mixed_labels([row.label for row in rows]) if mixed else range(len(rows))
+        examples = Examples.of([enc for i in order for enc in (rows[i].sequence, kl[i])])
         return cls(PackedRows(examples, [[k] for k in range(len(examples))], seq_len),
-                   np.array([row.label for row in rows], np.float32))
+                   np.array([rows[i].label for i in order], np.float32))
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -99,6 +121,7 @@ class UnpairedStats(RowStats):
     train_rows: int = 0
     val_rows: int = 0
     desirable: int = 0  # training rows labelled true
+    val_desirable: int = 0  # held-out rows labelled true
 
     def lines(self) -> list[str]:
         return [(f"unpaired preference data: {self.rows} rows -> {self.train_rows} training ({self.desirable} "
@@ -161,6 +184,25 @@ def _fitted(where: str, enc: Encoded, data_cfg: DataConfig, limit: int,
     return enc, prompt
 
 
+def label_warnings(data_cfg: DataConfig, stats: UnpairedStats) -> list[str]:
+    """A warning line for each split whose rows are all of one label (`UnpairedStats`), naming its sources."""
+    lines = (_one_label("training", data_cfg.sources, stats.train_rows, stats.desirable,
+                        "add rows of the other label, or read preference pairs with data.unpair=true"),
+             _one_label("held-out", data_cfg.val_sources or data_cfg.sources, stats.val_rows, stats.val_desirable,
+                        "give data.val_sources with both labels, or raise data.val_fraction"))
+    return [line for line in lines if line]
+
+
+def _one_label(split: str, sources: list[str], rows: int, desirable: int, fix: str) -> str | None:
+    """The warning for a split of ``rows`` rows, ``desirable`` of them labelled true, when all share one label."""
+    if not rows or 0 < desirable < rows:
+        return None
+    label, missing = (("desirable (label true)", "rewards/rejected") if desirable else
+                      ("undesirable (label false)", "rewards/chosen"))
+    return (f"warning: {', '.join(sources)}: all {rows} {split} rows are {label}: {missing} and rewards/margins have "
+            f"no rows to be measured on and are not reported; {fix}")
+
+
 def _tokens(row: EncodedRow) -> bytes:
     return row.sequence.ids.tobytes() + bytes([row.label])
 
@@ -172,7 +214,7 @@ def prepare_unpaired(data_cfg: DataConfig, tokenizer: Tokenizer, batch_size: int
     train, val = split_rows(data_cfg, lambda sources: load_unpaired(sources, data_cfg, tokenizer, stats), _tokens,
                             stats, "rows")
     stats.train_rows, stats.val_rows = len(train), len(val)
-    stats.desirable = sum(r.label for r in train)
+    stats.desirable, stats.val_desirable = sum(r.label for r in train), sum(r.label for r in val)
     return UnpairedData(UnpairedRows.of(train, data_cfg.seq_len, batch_size),
-                        UnpairedRows.of(val, data_cfg.seq_len, batch_size) if val else None, stats,
+                        UnpairedRows.of(val, data_cfg.seq_len, batch_size, mixed=True) if val else None, stats,
                         [r.sequence.example for r in val if r.label and r.sequence.example is not None])

@@ -24,6 +24,7 @@ import jax
 
 from jaxtune.config import Config, LoggingConfig
 from jaxtune.io import write_text_atomically
+from jaxtune.train.objectives.base import COUNT_SUFFIX, present, with_margins
 from jaxtune.train.run_dir import writing
 from jaxtune.train.shapes import Shape
 
@@ -276,6 +277,35 @@ class NonFinite:
             f"good checkpoint: {last_good}")
 
 
+class CountedMeans:
+    """The means of the metrics with units of their own (a count beside each, `count_key`) over a logging window's
+    finite steps: each step weighted by its count, so a step without such units adds nothing and a metric without
+    any in the window is absent (never 0, nor a mean of per-step means)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+
+    def add(self, m: dict[str, float]) -> None:
+        """A finite step's metrics ``m`` (means, and counts under `count_key`)."""
+        for key, n in m.items():
+            if key.endswith(COUNT_SUFFIX) and n > 0:
+                name = key.removesuffix(COUNT_SUFFIX)
+                self.sums[name] = self.sums.get(name, 0.0) + m[name] * n
+                self.counts[name] = self.counts.get(name, 0.0) + n
+
+    def logged(self, m: dict[str, float], finite_steps: int) -> dict[str, float]:
+        """What a train row logs of the last step's objective metrics ``m``: each as the step gave it, those with
+        units of their own as the window's means instead (the step's own where the window had no finite step, as
+        the loss does), without the counts; ``rewards/margins`` where both rewards are (`with_margins`)."""
+        own = {k: v for k, v in m.items() if k not in _STEP_KEYS}
+        if not finite_steps:
+            return with_margins(present(own))
+        counted = {k.removesuffix(COUNT_SUFFIX) for k in own if k.endswith(COUNT_SUFFIX)}
+        plain = {k: v for k, v in present(own).items() if k not in counted}
+        return with_margins({**plain, **{k: s / self.counts[k] for k, s in self.sums.items()}})
+
+
 class StepLog:
     """The train steps' metrics, read one step late (so dispatch stays asynchronous): the NaN policy
     (``train.on_nan``), means over each logging window, throughput and MFU, written every ``logging.every`` steps.
@@ -287,7 +317,9 @@ class StepLog:
     Throughput counts real tokens: ``tokens`` is the step's tokens that are not padding, ``tok_s`` the window's real
     tokens per second, ``pad_fraction`` the share of the positions stepped that were padding, and MFU the model FLOPs
     of the real tokens (at the length they were stepped at) per second over the devices' peak. The objective's own
-    count (tokens with loss, pairs, completion tokens) is ``count``."""
+    count (tokens with loss, pairs, completion tokens) is ``count``. Its metrics are the logged step's, but those with
+    units of their own (KTO's rewards of desirable or undesirable rows, GRPO's per-token ones) are means over the
+    window's units (`CountedMeans`), absent where it had none."""
 
     def __init__(self, run_dir: Path, cfg: Config, start: int, model_cfg: Any):
         self.cfg, self.model_cfg = cfg, model_cfg
@@ -300,6 +332,7 @@ class StepLog:
 
     def _window(self, t0: float) -> None:
         self.t0, self.steps, self.loss_sum, self.finite = t0, 0, 0.0, 0
+        self.counted = CountedMeans()
         self.tokens, self.positions, self.flops = 0, 0, 0.0
 
     def message(self, text: str) -> None:
@@ -332,6 +365,7 @@ class StepLog:
         if m["finite"]:
             self.loss_sum += m["loss"]
             self.finite += 1
+            self.counted.add(m)
         if s % self.cfg.logging.every and s != self.cfg.train.steps:
             return None
         elapsed = time.perf_counter() - self.t0
@@ -339,7 +373,7 @@ class StepLog:
         # loss: mean over the steps since the last line (steady curves); step_loss: this step's
         scalars = {"loss": self.loss_sum / self.finite if self.finite else m["loss"], "step_loss": m["loss"],
                    "lr": m["lr"], "grad_norm": m["grad_norm"], "tokens": shape.tokens, "count": m["count"],
-                   **{k: v for k, v in m.items() if k not in _STEP_KEYS},
+                   **self.counted.logged(m, self.finite),
                    "step_time": step_time, "tok_s": self.tokens / elapsed,
                    "pad_fraction": 1.0 - self.tokens / max(self.positions, 1)}
         if self.peak:

@@ -20,7 +20,14 @@ import optax
 from jaxtune import sharding
 from jaxtune.config import Config, TrainConfig
 from jaxtune.train.objectives import Metrics, Objective, make_objective
-from jaxtune.train.objectives.base import combine_metrics, extreme, metrics_identity
+from jaxtune.train.objectives.base import (
+    combine_metrics,
+    counts_of,
+    extreme,
+    metrics_identity,
+    present,
+    with_margins,
+)
 from jaxtune.train.reference import Companion, Frozen, frozen_of, step_reference, with_companion
 from jaxtune.train.state import Batch, Forward, ModelSpec, TrainState
 
@@ -57,15 +64,23 @@ def _split_micro(batch: Batch, n: int) -> Batch:
 
 def per_unit(metrics: Metrics, count: jax.Array) -> dict[str, jax.Array]:
     """An objective's summed metrics as means: each sum over the loss's ``count``, or a (sum, count) pair over its
-    own; an extreme (``.../max``, ``.../min``) as it is."""
-    return {k: v if extreme(k) else v[0] / jnp.maximum(v[1], 1.0) if isinstance(v, tuple)
-            else v / jnp.maximum(count, 1.0) for k, v in metrics.items()}
+    own (NaN where that is 0: a mean of no units, never a 0 that reads as a value); an extreme (``.../max``,
+    ``.../min``) as it is."""
+    def mean(k: str, v: Any) -> jax.Array:
+        if extreme(k):
+            return v
+        if isinstance(v, tuple):
+            return jnp.where(v[1] > 0, v[0] / jnp.maximum(v[1], 1.0), jnp.nan)
+        return v / jnp.maximum(count, 1.0)
+
+    return {k: mean(k, v) for k, v in metrics.items()}
 
 
 def accumulated(loss_fn: LossFn, micro_batches: int) -> Callable:
     """(params, batch, key, frozen) -> (loss, count, metric means, gradients) of ``loss_fn`` over the whole batch:
     with ``micro_batches`` > 1 the summed losses, counts, metric sums and gradients of each micro-batch (its dropout
-    key folded with its index) are added up, then divided once by the total count (not a mean of means)."""
+    key folded with its index) are added up, then divided once by the total count (not a mean of means). A metric
+    with units of its own comes with its count (`count_key`), so that the log can weigh steps by it."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def gradients(params, batch, step_key, frozen):
@@ -87,7 +102,8 @@ def accumulated(loss_fn: LossFn, micro_batches: int) -> Callable:
             xs = (jnp.arange(micro_batches), micro_batch)
             (grads, loss_sum, count, extra), _ = jax.lax.scan(micro, (*zeros, metrics_identity(aux[1][1])), xs)
         denom = jnp.maximum(count, 1.0)
-        return loss_sum / denom, count, per_unit(extra, count), jax.tree.map(lambda g: g / denom, grads)
+        means = {**per_unit(extra, count), **counts_of(extra)}
+        return loss_sum / denom, count, means, jax.tree.map(lambda g: g / denom, grads)
 
     return gradients
 
@@ -193,7 +209,8 @@ def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
 class EvalResult:
     loss: float  # summed loss / count
     count: float  # tokens (or the objective's units) counted
-    metrics: dict[str, float] = field(default_factory=dict)  # the objective's, per unit
+    # the objective's, per unit; one with units of its own that held none is absent (`present`)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -235,7 +252,8 @@ class Steps:
             total, count = total + float(s), count + float(n)
             sums = m if not sums else combine_metrics(sums, m)
         denom = max(count, 1.0)
-        return EvalResult(total / denom, count, {k: float(v) for k, v in per_unit(sums, denom).items()})
+        means = {k: float(v) for k, v in {**per_unit(sums, denom), **counts_of(sums)}.items()}
+        return EvalResult(total / denom, count, with_margins(present(means)))
 
 
 def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,

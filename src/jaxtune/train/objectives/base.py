@@ -4,9 +4,13 @@ It returns ``(summed loss, count, metrics)``: the loss summed over its units (to
 sequence pairs for a preference loss), how many units counted, and extra scalars as sums over the same units, or as
 (sum, count) pairs when a metric has units of its own (GRPO's per-token KL beside a per-sequence loss). The step
 divides each sum by its count accumulated over the whole batch (micro-batches included), so a logged metric is a mean
-per unit, at train and eval alike; the loop logs every metric an objective returns. A metric named ``.../max`` or
-``.../min`` is an extreme instead (`EXTREMES`): the largest (smallest) value over the batch, combined across
-micro-batches by max (min) and never divided.
+per unit, at train and eval alike; the loop logs every metric an objective returns. A metric with units of its own
+may count none in a batch (KTO's undesirable rows in a batch of desirable ones): its mean is then NaN, the step
+reports its count beside it (`count_key`), and what is logged leaves it out, never 0 (`present`); a logging window
+or an evaluation averages it over the units it had, weighted by their counts. ``rewards/margins``, where an objective
+gives the chosen and rejected rewards over rows of their own but no margin, is their difference (`with_margins`),
+logged only where both are. A metric named ``.../max`` or ``.../min`` is an extreme instead (`EXTREMES`): the
+largest (smallest) value over the batch, combined across micro-batches by max (min) and never divided.
 
 An objective that trains several passes on one batch (``passes`` > 1: GRPO's ``num_iterations``), or that says it
 ``prepares`` (RLOO: its advantages need the whole batch and the reference), has its ``prepare(forward, weights,
@@ -41,12 +45,40 @@ from jaxtune.train.state import Batch, Forward
 
 Metrics = dict[str, jax.Array | tuple[jax.Array, jax.Array]]  # a sum (over the loss's count), or (sum, its count)
 EXTREMES = {"/max": (jnp.maximum, -jnp.inf), "/min": (jnp.minimum, jnp.inf)}  # name suffix: (combine, identity)
+COUNT_SUFFIX = "/count"  # `count_key`: a metric's own count, as the step reports it beside the metric's mean
+MARGINS = "rewards/margins"
 
 
 def extreme(name: str) -> tuple[Callable, float] | None:
     """How metric ``name`` combines over micro-batches and eval batches when it is an extreme (``.../max``,
     ``.../min``): (combine, identity); None for a sum."""
     return next((v for k, v in EXTREMES.items() if name.endswith(k)), None)
+
+
+def count_key(name: str) -> str:
+    """The step's key for how many units metric ``name`` is a mean of, where it has units of its own."""
+    return name + COUNT_SUFFIX
+
+
+def counts_of(metrics: Metrics) -> dict[str, jax.Array]:
+    """The counts of ``metrics``' (sum, count) pairs, keyed by `count_key`."""
+    return {count_key(k): v[1] for k, v in metrics.items() if isinstance(v, tuple) and not extreme(k)}
+
+
+def present(means: dict[str, float]) -> dict[str, float]:
+    """Host ``means`` (a step's, or a window's: each metric with units of its own beside its count, `count_key`)
+    without the counts, and without each metric that counted no units: a mean of nothing is absent, not 0."""
+    return {k: v for k, v in means.items()
+            if not k.endswith(COUNT_SUFFIX) and means.get(count_key(k), 1.0) > 0}
+
+
+def with_margins(means: dict[str, float]) -> dict[str, float]:
+    """``means`` with ``rewards/margins`` (chosen less rejected, TRL's KTOTrainer's) where it holds both rewards but
+    no margin: KTO's rewards are means over rows of their own, so the margin is known only where both are."""
+    chosen, rejected = (means.get(f"rewards/{side}") for side in ("chosen", "rejected"))
+    if MARGINS in means or chosen is None or rejected is None:
+        return means
+    return {**means, MARGINS: chosen - rejected}
 
 
 def combine_metrics(a: Metrics, b: Metrics) -> Metrics:

@@ -13,7 +13,9 @@ averaged over the rows (TRL's ``losses.nanmean()``). z = max(0, mean over the ba
 TRL: per device batch, then averaged over processes). ``loss_type: apo_zero_unpaired`` (TRL's): 1 - σ(βρ) for
 desirable rows and σ(βρ) for undesirable ones, no KL. Metrics (TRL's names, means over their rows):
 ``rewards/chosen`` and ``logps/chosen`` over the desirable rows (βρ, log π), ``rewards/rejected`` and
-``logps/rejected`` over the undesirable ones, and ``kl``.
+``logps/rejected`` over the undesirable ones, and ``kl``; each a (sum, count) pair, so a label without rows in a batch
+adds nothing to a mean and is not logged where no step had any, and ``rewards/margins`` (chosen less rejected) is
+logged where both are (`jaxtune.train.objectives.base.with_margins`).
 """
 
 from __future__ import annotations
