@@ -67,6 +67,25 @@ class CrossEntropyOfPicked(CrossEntropyWithAccuracy):
                                                                                   jnp.sum(picked))}
 
 
+@dataclass(frozen=True)
+class CrossEntropyOfBatchMean(CrossEntropyWithAccuracy):
+    """Cross-entropy that ``prepares`` a whole-batch statistic first (as KTO's KL baseline is): the batch's mean
+    counted tokens per row, reported as ``prepared`` (0 where the batch was not prepared, as KTO falls back to z = 0)."""
+
+    name: str = "ce_prepared"
+    metric_names: tuple[str, ...] = ("prepared",)
+    prepares: bool = True
+
+    def prepare(self, forward, weights, batch, reference=None):
+        mean = jnp.mean(jnp.sum(batch["loss_mask"], -1))
+        return {**batch, "batch_mean": jnp.broadcast_to(mean, batch["loss_mask"].shape[:1])}
+
+    def __call__(self, forward, weights, batch, key, reference=None):
+        total, count, _ = super().__call__(forward, weights, batch, key, reference)
+        mean = batch.get("batch_mean", jnp.zeros(batch["loss_mask"].shape[:1]))
+        return total, count, {"prepared": (jnp.sum(mean), jnp.asarray(mean.shape[0], jnp.float32))}
+
+
 def _batch(rows: int, t: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.RandomState(seed)
     toks = rng.randint(0, V, (rows, t + 1)).astype(np.int32)
@@ -100,6 +119,21 @@ def test_objective_metrics_are_per_unit_and_accumulate_over_micro_batches():
     ce = make_eval_step(objective_loss(CrossEntropy(), spec.forward(), spec.weights))
     s, n, extra = ce(params, {k: jnp.asarray(v) for k, v in batch.items()})
     assert extra == {} and abs(float(s / n) - out[1]["loss"]) <= 1e-6 * out[1]["loss"]
+
+
+def test_evaluation_prepares_the_batch_as_training_does():
+    """An objective that ``prepares`` (KTO's KL baseline from the batch's mismatched rows) is prepared in the eval step
+    too: held-out KTO ran without a baseline and logged kl 0 while training's was 8.3."""
+    over = ["model.preset=tiny", "model.max_seq_len=32", "optim.lr=1e-9"]
+    spec = make_state_spec(load_config(None, over), V, make_mesh(1, 1, 1, jax.devices()[:1]))
+    init = jax.device_get(spec.init(0))
+    batch = _batch(8)
+    want = float(batch["loss_mask"].sum(-1).mean())
+    steps = jit_steps(spec, CrossEntropyOfBatchMean(), load_config(None, over).train)
+    with sharding.use_mesh(spec.mesh):
+        _, m = steps.train(jax.device_put(init, spec.shardings), sharding.global_batch(spec.mesh, batch), Frozen())
+        held_out = steps.evaluate(jax.device_put(init.params, spec.shardings.params), Frozen(), [batch])
+    assert float(m["prepared"]) == want and held_out.metrics["prepared"] == want
 
 
 def test_a_metric_over_rows_of_its_own_is_absent_where_there_are_none(tmp_path):

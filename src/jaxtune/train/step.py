@@ -177,10 +177,14 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
     return train_step
 
 
-def make_eval_step(loss_fn: LossFn):
-    """(params, batch, frozen) -> (summed loss, count, metric sums); deterministic (no dropout)."""
+def make_eval_step(loss_fn: LossFn, prepare: Callable[[Any, Batch, Frozen], Batch] | None = None):
+    """(params, batch, frozen) -> (summed loss, count, metric sums); deterministic (no dropout). ``prepare``: what an
+    objective that ``prepares`` computes from the whole batch first (KTO's KL baseline from the held-out batch's own
+    mismatched rows, as TRL's evaluation does; without it the held-out loss had no baseline and ``kl`` read 0)."""
 
     def eval_step(params, batch, frozen=None):
+        if prepare is not None:
+            batch = prepare(params, batch, frozen)
         total, (count, metrics) = loss_fn(params, batch, None, frozen_of(frozen))
         return total, count, metrics
 
@@ -202,7 +206,7 @@ def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
     step = make_train_step(loss, spec.tx, spec.lr_schedule, micro_batches=train.micro_batches,
                            skip_nonfinite=train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key, passes=passes,
                            prepare=prepare)
-    return step, make_eval_step(loss)
+    return step, make_eval_step(loss, prepare if objective.prepares else None)
 
 
 @dataclass
