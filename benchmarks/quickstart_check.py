@@ -44,7 +44,7 @@ class Check:
 CHECKS = {
     "quickstart": Check("loss", "fall by at least 1.0", lambda a, b: a - b >= 1.0),
     "finetune-quickstart": Check("exact_match", "rise by at least 0.70", lambda a, b: b - a >= 0.70),
-    "dpo-quickstart": Check("rewards/accuracies", "end above 0.80", lambda a, b: b > 0.80),
+    "dpo-quickstart": Check("rewards/accuracies", "rise by at least 0.50", lambda a, b: b - a >= 0.50),
     "kto-quickstart": Check("rewards/margins", "rise to above 0.10", lambda a, b: b > 0.10 and b > a),
     "grpo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
     "rloo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
