@@ -18,6 +18,7 @@ from jaxtune.config import (
     load_config,
     objective_config,
 )
+from jaxtune.config.identity import RESPELLED
 from jaxtune.models import model_config
 from jaxtune.models.wheels import installed_file, is_wheel_ref, wheel_model
 
@@ -196,6 +197,26 @@ def test_grpo_old_logps_follow_the_compute_dtype_and_importance_sampling():
         load_config(None, [*grpo, "objective.importance_sampling_min=2", "objective.importance_sampling_max=1"])
 
 
+def test_grpo_reward_handling_keys_take_trls_values_and_refuse_what_would_be_dropped():
+    """scale_rewards group | batch | none (TRL's true/false read as group/none), multi_objective_aggregation, and
+    mask_truncated_completions (GRPO and RLOO); TRL's reward_weights list is one line pointing at each reward's own
+    weight, and scale_rewards beside GDPO's aggregation (which ignores it in TRL) is refused, not dropped."""
+    grpo = ["objective.name=grpo", "data.format=prompts", "objective.rewards=[{name: exact_number}]"]
+    objective = lambda *extra: load_config(None, [*grpo, *extra]).objective
+    assert objective().scale_rewards == "group" and objective().multi_objective_aggregation == "sum_then_normalize"
+    assert [objective(f"objective.scale_rewards={v}").scale_rewards for v in ("true", "false", "batch", "none")] == \
+        ["group", "none", "batch", "none"]
+    assert objective("objective.mask_truncated_completions=true").mask_truncated_completions
+    rloo = ["objective.name=rloo", *grpo[1:], "objective.mask_truncated_completions=true"]
+    assert load_config(None, rloo).objective.mask_truncated_completions
+    with pytest.raises(ConfigError, match="reward_weights is TRL's list .* its own weight"):
+        objective("objective.reward_weights=[1.0]")
+    with pytest.raises(ConfigError, match="scale_rewards=none does not apply with multi_objective_aggregation="):
+        objective("objective.multi_objective_aggregation=normalize_then_sum", "objective.scale_rewards=none")
+    with pytest.raises(ConfigError, match="multi_objective_aggregation does not apply to objective.name=rloo"):
+        load_config(None, [*rloo, "objective.multi_objective_aggregation=normalize_then_sum"])
+
+
 def test_a_grpo_step_is_counted_in_prompts_by_name():
     """GRPO's batch is objective.prompts_per_step (prompts, each sampled num_generations times), which sets and is
     recorded as train.batch_size; train.batch_size alone is refused as ambiguous (TRL counts completions) with the
@@ -263,8 +284,12 @@ def test_a_config_saved_with_every_objective_key_loads_and_resumes_unchanged(pat
     assert {k: v for k, v in now.items() if k != "objective"} == {k: v for k, v in saved.items() if k != "objective"}
     assert set(now["objective"]) == {"name", *type(cfg.objective).own_keys()}
     unset = {k for k, v in saved["objective"].items() if v is None}
-    assert {k: v for k, v in now["objective"].items() if k not in unset} == \
-        {k: saved["objective"][k] for k in now["objective"] if k not in unset}
+    added = set(now["objective"]) - set(saved["objective"])  # keys added since the fixture was saved: their defaults
+    fields = type(cfg.objective).model_fields
+    assert {k: now["objective"][k] for k in added} == {k: fields[k].get_default() for k in added}
+    respelled = lambda k, v: RESPELLED.get(f"objective.{k}", {}).get(v, v) if isinstance(v, bool) else v
+    assert {k: v for k, v in now["objective"].items() if k not in unset | added} == \
+        {k: respelled(k, saved["objective"][k]) for k in now["objective"] if k not in unset | added}
     o, was = cfg.objective, RESOLVED[path.stem]
     assert (o.beta_value, o.loss_type_value, [list(t) for t in o.weighted_loss_types], o.uses_reference, o.passes,
             o.generates) == (was["beta_value"], was["loss_type_value"], was["weighted_loss_types"],

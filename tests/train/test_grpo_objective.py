@@ -186,7 +186,7 @@ def test_rollout_layout():
     assert min(lengths) == 2 and max(lengths) == MAX_COMPLETION
     assert sum(c[-1] != EOS for c in COMPLETIONS) == 1
     assert np.all(ADVANTAGES[GROUP:] == 0) and np.all(ADVANTAGES[:GROUP] != 0)
-    assert rel(group_advantages(np.array(REWARDS), GROUP, True), ADVANTAGES) <= 1e-6
+    assert rel(group_advantages(np.array(REWARDS), GROUP, True)[0], ADVANTAGES) <= 1e-6
     batch, inputs = our_batch(), trl_inputs()
     assert np.array_equal(batch["loss_mask"], completion_to_rows(inputs["completion_mask"].float()))
     assert np.array_equal(batch["targets"] * batch["loss_mask"], completion_to_rows(inputs["completion_ids"].float()))

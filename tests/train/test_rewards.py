@@ -12,7 +12,7 @@ import torch
 from trl.rewards import get_soft_overlong_punishment
 
 from jaxtune.config import ConfigError, objective_config
-from jaxtune.train.rewards import RewardError, group_advantages, make_rewards
+from jaxtune.train.rewards import RewardError, Scores, group_advantages, make_rewards, normalized_then_summed
 
 
 def _rewards(*rewards: dict, **objective):
@@ -247,27 +247,66 @@ def test_a_wrong_number_of_scores_always_raises(tmp_path, monkeypatch):
             _score(_rewards({"name": "my_rewards_short:short"}, reward_errors=policy), ["a", "b"])
 
 
-def _torch_advantages(r: np.ndarray, g: int, scale: bool) -> np.ndarray:
-    """TRL's GRPOTrainer arithmetic (scale_rewards "group" / "none")."""
-    t = torch.tensor(r, dtype=torch.float32)
-    advantages = t - t.view(-1, g).mean(1).repeat_interleave(g)
-    if scale:
-        advantages = advantages / (t.view(-1, g).std(1).repeat_interleave(g) + 1e-4)
-    return advantages.numpy()
+def _trl_advantages(per_function: np.ndarray, weights: list[float], g: int, scale: str,
+                    aggregation: str = "sum_then_normalize") -> tuple[np.ndarray, np.ndarray]:
+    """TRL 1.16's GRPOTrainer advantage arithmetic (``_generate_and_score_completions``), step by step in float32
+    torch with TRL's own ``nanstd``: the weighted nansum (or GDPO's per-function normalisation first), unscorable
+    completions NaN, group or batch std, 1e-4, NaN advantages to 0; and its ``frac_reward_zero_std`` flags."""
+    from trl.trainer.utils import nanstd
+
+    r, w = torch.tensor(per_function, dtype=torch.float32), torch.tensor(weights, dtype=torch.float32)
+    unscorable = torch.isnan(r).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (r * w[None]).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        mean = torch.nanmean(rewards.view(-1, g), dim=1).repeat_interleave(g)
+        std = nanstd(rewards.view(-1, g), dim=1).repeat_interleave(g) if scale != "batch" else \
+            nanstd(rewards).expand_as(rewards)
+        advantages = rewards - mean
+        if scale != "none":
+            advantages = advantages / (std + 1e-4)
+    else:
+        grouped = r.view(-1, g, r.shape[1])
+        k = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+        rewards = (k.view(-1, r.shape[1]) * w[None]).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        std = nanstd(rewards).expand_as(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    zero = torch.isclose(std, torch.zeros_like(std))
+    return torch.nan_to_num(advantages, nan=0.0).numpy(), zero.numpy()
+
+
+def _scores(rng: np.random.Generator, n: int) -> list[np.ndarray]:
+    """(n, 2) score tables: normal; 0/1 answers and a format bonus; groups whose rewards agree (std 0); stds of the
+    order of the 1e-4 added; and "does not apply" (NaN) in one function here and there and in both for two rows."""
+    agree = np.repeat(np.array([[0.0, 1.0], [1.0, 1.0]]), n // 2, axis=0)
+    declined = rng.normal(size=(n, 2))
+    declined[rng.random(n) < 0.3, 1] = np.nan
+    declined[[1, n - 1]] = np.nan
+    return [rng.normal(size=(n, 2)), np.stack([rng.integers(0, 2, n), rng.integers(0, 2, n) * 0.5], 1), agree,
+            rng.normal(size=(n, 2)) * 1e-4, declined]
 
 
 @pytest.mark.parametrize("group", [2, 4, 8])
-@pytest.mark.parametrize("scale", [True, False])
-def test_group_advantages_match_torch(group, scale):
-    rng = np.random.default_rng(group)
-    rewards = [rng.normal(size=6 * group), rng.integers(0, 2, 6 * group).astype(np.float64),
-               np.repeat([0.0, 1.0, 0.5], 2 * group),  # groups of equal rewards: advantage 0
-               rng.normal(size=6 * group) * 1e-4]  # stds of the order of the 1e-4 added
-    for r in rewards:
-        r = r.astype(np.float32)
-        mine = group_advantages(r, group, scale)
-        assert mine.dtype == np.float32 and mine.shape == r.shape
-        np.testing.assert_allclose(mine, _torch_advantages(r, group, scale), rtol=0, atol=1e-6)
-    np.testing.assert_array_equal(group_advantages(np.array([1, 3, 5, 5], np.float32), 2, False), [-1, 1, 0, 0])
+@pytest.mark.parametrize(("scale", "aggregation"), [("group", "sum_then_normalize"), ("batch", "sum_then_normalize"),
+                                                    ("none", "sum_then_normalize"), ("group", "normalize_then_sum")])
+def test_grpo_advantages_match_trl(group, scale, aggregation):
+    """Advantages and zero-std flags equal TRL 1.16's (float32) to 1e-5 for every scale_rewards and
+    multi_objective_aggregation, with per-function weights and unscorable completions (0 advantage, left out of
+    their group's mean and std). GDPO's aggregation normalises over the batch itself (scale_rewards with it is
+    refused: tests/test_user_errors.py)."""
+    weights = [1.0, 0.5]  # sums exact in float32: equal rewards have std 0 in TRL too, not float32 noise
+    for per_function in _scores(np.random.default_rng(group), 6 * group):
+        done = Scores(per_function=per_function.astype(np.float32), errors={},
+                      total=np.nansum(per_function * weights, axis=1).astype(np.float32))
+        if aggregation == "sum_then_normalize":
+            mine, zero = group_advantages(done.scored_total, group, scale)
+        else:
+            mine, zero = normalized_then_summed(done.per_function, np.asarray(weights), group)
+        want, want_zero = _trl_advantages(per_function, weights, group, scale, aggregation)
+        assert mine.dtype == np.float32 and mine.shape == (6 * group,) and not np.isnan(mine).any()
+        np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(zero, want_zero)
+    assert group_advantages(np.array([1, 3, 5, 5], np.float32), 2, False)[0].tolist() == [-1, 1, 0, 0]
     with pytest.raises(ValueError, match="group=3"):
         group_advantages(np.zeros(8, np.float32), 3, scale)

@@ -247,3 +247,28 @@ def test_grpo_groups_as_rows_need_a_multiple_of_the_data_parallel_devices():
     with pytest.raises(ConfigError,
                        match=r"objective.prompts_per_step=3: .* multiple of 2 .* data.share_prompts=false"):
         rows_per_device(load_config(None, [*base, "data.share_prompts=true"]), 2)
+
+
+def test_masking_truncated_completions_leaves_out_their_tokens_in_either_layout():
+    """``mask_truncated_completions`` (TRL's: a completion whose last token is not an end token has no loss):
+    `completion_kept` zeros exactly the cut completions' tokens, in a row per completion and in a row per prompt
+    with the completions as branches, and keeps every token of the others."""
+    from jaxtune.config.kinds import BRANCH_KEY
+    from jaxtune.train.rollout import completion_kept
+
+    rng = np.random.default_rng(3)
+    g, prompts = 4, [rng.integers(1, V, rng.integers(10, 30)).tolist() for _ in range(3)]
+    prompt_ids = [p for p in prompts for _ in range(g)]
+    completions = [rng.integers(1, V, rng.integers(1, 20)).tolist() for _ in prompt_ids]
+    stopped = rng.random(len(completions)) < 0.5
+    stopped[:2] = [True, False]
+    zeros = [[0.0] * len(c) for c in completions]
+    plain = training_rows(prompt_ids, completions, zeros, T)
+    shared = shared_rows(prompt_ids, completions, zeros, g, T, 20)
+    kept_plain = plain["loss_mask"] * completion_kept(plain, stopped)
+    kept_shared = shared["loss_mask"] * completion_kept(shared, stopped)
+    want = [len(c) * s for c, s in zip(completions, stopped)]
+    assert kept_plain.sum(axis=1).tolist() == want
+    per_branch = [float((kept_shared[i // g] * (shared[BRANCH_KEY][i // g] == i % g + 1)).sum())
+                  for i in range(len(completions))]
+    assert per_branch == want and sum(want) < sum(len(c) for c in completions)

@@ -42,6 +42,11 @@ RESUMABLE_KEYS = (
 )
 
 
+# Values a later version spells otherwise for the same run (a saved config keeps the old spelling): TRL's former
+# boolean objective.scale_rewards.
+RESPELLED = {"objective.scale_rewards": {True: "group", False: "none"}}
+
+
 def is_identity_key(key: str) -> bool:
     """Whether the dotted ``key`` (``model.lora.rank``) is one of `IDENTITY_KEYS` or a key inside one."""
     return any(key == k or key.startswith(k + ".") for k in IDENTITY_KEYS)
@@ -54,6 +59,9 @@ def identity_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     a, b, defaults = _flatten(saved), _flatten(current), _flatten(Config().to_dict())
     for flat in (a, b):
         _objective_defaults(flat)
+        for key, spelling in RESPELLED.items():
+            if isinstance(flat.get(key), bool):
+                flat[key] = spelling[flat[key]]
         if flat.get("objective.name") == "grpo":  # keys added later, as runs before them behaved: the trainer's old
             # log-probs, and prompts_per_step the batch size (itself an identity key)
             flat["objective.old_logps"] = flat.get("objective.old_logps") or "trainer"

@@ -32,7 +32,8 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "desirable_weight": (1.0,), "undesirable_weight": (1.0,), "discopop_tau": (0.05,), "gamma": (0.5,),
     "precompute_ref_logps": (False,), "prompts_per_step": (None,), "num_generations": (8,), "teacher": (None,),
     "lmbda": (1.0,), "max_completion_length": (128,), "temperature": (1.0,), "top_p": (1.0,), "top_k": (None,),
-    "epsilon": (0.2,), "epsilon_high": (None,), "scale_rewards": (True,), "normalize_advantages": (False,),
+    "epsilon": (0.2,), "epsilon_high": (None,), "scale_rewards": (True, "group"), "normalize_advantages": (False,),
+    "multi_objective_aggregation": ("sum_then_normalize",), "mask_truncated_completions": (False,),
     "num_iterations": (1,), "rewards": ([],), "reward_errors": ("raise",), "old_logps": (None,),
     "importance_sampling": ("off",), "importance_sampling_max": (3.0,), "importance_sampling_min": (None,),
 }
@@ -208,6 +209,14 @@ class Sampling(ObjectiveSection):
         "prompts_per_step x num_generations completions (TRL's batch size counts those completions). It is the "
         "run's train.batch_size, which such a config does not set (default: train.batch_size's default)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_weight_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "reward_weights" in data:
+            raise ValueError("objective.reward_weights is TRL's list beside its reward functions; here each "
+                             "objective.rewards entry carries its own weight: write {name: ..., weight: W} per entry")
+        return data
+
     @model_validator(mode="after")
     def _groups_and_rewards(self) -> Sampling:
         spec = self.spec
@@ -231,6 +240,9 @@ class ClippedPolicy(Sampling):
     epsilon_high: float | None = Field(None, gt=0, description="the ratio's upper clip, 1 + epsilon_high (default "
                                        "epsilon); grpo's loss_type cispo: the ratio's cap itself (required)")
     num_iterations: int = Field(1, ge=1, description="optimisation passes over each batch of completions (TRL's mu)")
+    mask_truncated_completions: bool = Field(
+        False, description="leave completions cut at max_completion_length (no end token) out of the loss and its "
+        "token counts (DAPO's; they are still scored, and count in their group's baseline)")
     old_logps: Literal["sampler", "trainer"] | None = Field(
         None, description="with num_iterations > 1: where the old policy's log-probs come from: the sampler's own, "
         "returned with each token (no extra forward pass), or a trainer forward before the first update (default: "
@@ -343,8 +355,16 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
         "completion tokens), grpo (per sequence, then over sequences), dr_grpo (summed, over sequences x "
         "max_completion_length); or cispo (MiniMax-M1's: every token's log-prob weighted by its ratio capped at "
         "epsilon_high, an absolute cap, held constant; averaged as dapo)")
-    scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std (false: Dr. "
-                                "GRPO's unscaled advantages)")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="divide each advantage (the reward less its group's mean) by the std of its group's "
+        "rewards (group), of the whole batch's (batch: one std for every group, so a group whose rewards "
+        "nearly agree is not blown up), or not (none: Dr. GRPO's unscaled advantages); true and false, TRL's "
+        "former values, are group and none")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="with several rewards: sum them with their weights, then normalise the sum "
+        "by scale_rewards (sum_then_normalize), or normalise each function's scores in its group first, sum those "
+        "with the weights, and normalise the sums over the batch (normalize_then_sum, GDPO's: a reward with a large "
+        "spread no longer drowns the others)")
     importance_sampling: Literal[IMPORTANCE_SAMPLING] = Field(
         "off", description="correct for the sampler's distribution differing from the trainer's (bfloat16, other "
         "programs) with the ratio r = pi_trainer / pi_sampler of each token (token_*) or each completion (sequence_*: "
@@ -358,6 +378,19 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
     @property
     def corrects_sampler(self) -> bool:
         return self.importance_sampling != "off"
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_as_bool(cls, value: Any) -> Any:
+        return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _one_normalisation(self) -> GRPOConfig:
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards != "group":
+            raise ValueError(f"objective.scale_rewards={self.scale_rewards} does not apply with "
+                             "multi_objective_aggregation=normalize_then_sum, which normalises each reward in its "
+                             "group and then the sums over the batch (as TRL's); leave scale_rewards unset")
+        return self
 
     @model_validator(mode="after")
     def _cispo_cap(self) -> GRPOConfig:

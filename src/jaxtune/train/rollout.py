@@ -35,11 +35,20 @@ import jax
 import numpy as np
 
 from jaxtune.config import Config
-from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
+from jaxtune.config.kinds import BRANCH_KEY, SAMPLER_LOGPS_KEY
 from jaxtune.data import DataError, PromptRows, Tokenizer, stop_ids
 from jaxtune.data.encoded import shared_row
 from jaxtune.train.distributed import every_process, first_failure
-from jaxtune.train.rewards import RewardError, Rewards, Scores, group_advantages, leave_one_out_advantages, make_rewards
+from jaxtune.train.rewards import (
+    RewardError,
+    Rewards,
+    Scores,
+    group_advantages,
+    leave_one_out_advantages,
+    make_rewards,
+    nanstd,
+    normalized_then_summed,
+)
 from jaxtune.train.state import Sampler
 
 
@@ -163,8 +172,8 @@ class Rollout:
                                seed=rollout_seed(self.cfg.train.seed, step), step=step, local=True)
         else:
             done = self.given(source, rows, o.num_generations)
-        advantages = ADVANTAGES[o.spec.baseline](done, o)
-        metrics = self.metrics(done)  # over every process's completions
+        advantages, zero_std = ADVANTAGES[o.spec.baseline](done, o, self.rewards.weights)
+        metrics = self.metrics(done, zero_std)  # over every process's completions
         if mixed:
             metrics["on_policy"] = float(on_policy)
         if jax.process_count() > 1 and on_policy:  # this process trains on its own prompts' completions
@@ -176,9 +185,13 @@ class Rollout:
         if self.cfg.data.shares_prompts:  # a row per prompt: its prompt once, then its group's completions
             rows = shared_rows(done.prompt_ids, done.ids, done.logps, o.num_generations, self.cfg.data.seq_len,
                                o.max_completion_length)
-            return {**rows, "advantages": advantages.reshape(-1, o.num_generations)}, metrics
-        rows = training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len)
-        return {**rows, "advantages": advantages}, metrics
+            rows = {**rows, "advantages": advantages.reshape(-1, o.num_generations)}
+        else:
+            rows = {**training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len),
+                    "advantages": advantages}
+        if getattr(o, "mask_truncated_completions", False):
+            rows["loss_mask"] = rows["loss_mask"] * completion_kept(rows, done.stopped)
+        return rows, metrics
 
     def given(self, source: PromptRows, rows: list[int], group: int) -> Completions:
         """``group`` copies of each prompt row's own completion (its ``completion`` field, or the reply that ended
@@ -207,13 +220,17 @@ class Rollout:
                         total=np.zeros(n, np.float32), errors={}, logged={})
         return Completions(prompt_ids, ids, texts, expanded, scores, np.ones(n, bool), [[0.0] * len(c) for c in ids])
 
-    def metrics(self, done: Completions) -> dict[str, float]:
-        """TRL's rollout metrics (rewards, completion lengths), and the time spent sampling and scoring."""
-        total, g = done.scores.total, self.cfg.objective.num_generations
-        grouped = total.reshape(-1, g)
+    def metrics(self, done: Completions, zero_std: np.ndarray | None = None) -> dict[str, float]:
+        """TRL's rollout metrics (rewards, completion lengths), and the time spent sampling and scoring.
+        ``zero_std``: per completion, whether the std its advantage was scaled by is 0 (default: its group's)."""
+        total, g = done.scores.scored_total, self.cfg.objective.num_generations
+        if zero_std is None:
+            zero_std = np.isclose(np.nan_to_num(total.reshape(-1, g)).std(axis=1), 0.0)
         lengths = done.lengths
-        out = {"reward": float(total.mean()), "reward_std": float(total.std(ddof=1)) if total.size > 1 else 0.0,
-               "frac_reward_zero_std": float(np.mean(np.isclose(grouped.std(axis=1), 0.0))),
+        scored = total[~np.isnan(total)]
+        out = {"reward": float(scored.mean()) if scored.size else float("nan"),
+               "reward_std": nanstd(total).item() if scored.size > 1 else 0.0,
+               "frac_reward_zero_std": float(np.mean(zero_std)),
                "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
                "completions/clipped_ratio": float(np.mean(~done.stopped))}
         for k, label in enumerate(self.rewards.labels):  # NaN: "does not apply" (a TRL-form function's None)
@@ -234,12 +251,33 @@ class Rollout:
 # Each completion's advantage by the objective's baseline (`jaxtune.config.kinds.ObjectiveKind.baseline`), from its
 # group's scores: "none" when a companion, not a reward, says how good a token is (the rewards are logged only);
 # RLOO's KL penalty and normalisation follow in the step.
-ADVANTAGES: dict[str, Callable[[Completions, Any], np.ndarray]] = {
-    "none": lambda done, o: np.zeros(len(done.ids), np.float32),
-    "group": lambda done, o: group_advantages(done.scores.total, o.num_generations, o.scale_rewards).astype(np.float32),
-    "leave_one_out": lambda done, o: leave_one_out_advantages(done.scores.total, done.scores.per_function,
-                                                              o.num_generations),
+def grpo_advantages(done: Completions, o: Any, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GRPO's advantages and which were scaled by a zero std, by ``o.multi_objective_aggregation`` and
+    ``o.scale_rewards`` (`jaxtune.train.rewards`)."""
+    if o.multi_objective_aggregation == "normalize_then_sum":
+        return normalized_then_summed(done.scores.per_function, weights, o.num_generations)
+    return group_advantages(done.scores.scored_total, o.num_generations, o.scale_rewards)
+
+
+# ADVANTAGES[baseline](completions, objective config, reward weights) -> (advantages, zero-std flags or None).
+ADVANTAGES: dict[str, Callable[[Completions, Any, np.ndarray], tuple[np.ndarray, np.ndarray | None]]] = {
+    "none": lambda done, o, w: (np.zeros(len(done.ids), np.float32), None),
+    "group": grpo_advantages,
+    "leave_one_out": lambda done, o, w: (leave_one_out_advantages(done.scores.total, done.scores.per_function,
+                                                                  o.num_generations), None),
 }
+
+
+def completion_kept(rows: dict[str, np.ndarray], stopped: np.ndarray) -> np.ndarray:
+    """(rows, T) 1 on the tokens of completions that ``stopped`` (emitted an end token), 0 on those cut at the
+    length limit: ``mask_truncated_completions``. A row per completion, or a row per prompt with its completions as
+    branches (``branch_ids``: k on the k-th completion's tokens)."""
+    stopped = np.asarray(stopped, np.float32)
+    if BRANCH_KEY not in rows:
+        return stopped[:, None]
+    kept = stopped.reshape(len(rows[BRANCH_KEY]), -1)  # (prompts, G)
+    branch = rows[BRANCH_KEY]
+    return np.take_along_axis(kept, np.clip(branch - 1, 0, kept.shape[1] - 1), axis=1) * (branch > 0)
 
 
 def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
