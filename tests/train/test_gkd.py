@@ -151,6 +151,13 @@ def test_the_teacher_must_share_the_students_tokens(models, tmp_path):
     cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={shuffled}")
     with pytest.raises(ConfigError, match="its tokenizer splits text differently"):
         load_teacher(cfg, MESH, VOCAB, tokenizer)
+    renamed = tmp_path / "renamed"  # the same tokens, another EOS named (a chat run's export names its end of turn)
+    save_teacher(renamed)
+    config = json.loads((renamed / "tokenizer_config.json").read_text())
+    (renamed / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "w3"}))
+    assert load_tokenizer(TokenizerConfig.of_checkpoint(str(renamed)), cfg.data).eos_id != tokenizer.eos_id
+    cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={renamed}")
+    load_teacher(cfg, MESH, VOCAB, tokenizer)  # accepted: every id reads the same text
     cfg, _ = tiny_spec(models["student"], *base[1:], f"objective.teacher={tmp_path / 'nowhere'}")
     with pytest.raises(ConfigError, match="no Hugging Face model directory .* or .gguf file there"):
         load_teacher(cfg, MESH, VOCAB, tokenizer)
