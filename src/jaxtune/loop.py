@@ -257,7 +257,7 @@ def _next_batch(run: Run, state: TrainState, step: int) -> tuple[dict[str, Any],
     batch, sampled = next(run.data.train_iter), {}
     if run.rollout is not None:
         batch, sampled = run.rollout.batch(run.steps.weights(state.params, run.frozen), run.data.prompts.train,
-                                           batch, step)
+                                           batch, step, more=lambda: next(run.data.train_iter))
     batch, shape = run.shapes.fit(batch)
     return batch, shape, sampled
 

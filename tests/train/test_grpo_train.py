@@ -232,3 +232,53 @@ def test_grpo_with_shared_prompts_trains_as_a_row_per_completion(grpo, tmp_path)
     assert ra["tokens"] < rb["tokens"]  # the prompt once per group
     assert ra["sampler_logp_diff/max"] <= SAMPLER_TOL and rb["sampler_logp_diff/max"] <= SAMPLER_TOL, (ra, rb)
     assert ra["sampler_logp_diff/mean"] > 0  # computed, not a constant: two programs round differently
+
+
+HALF_MODULE = """
+def half(prompts, completions, rows):
+    # even sums: every completion 1 (a group without signal); odd sums: 1 for a completion of even length
+    return [1.0 if int(row["answer"]) % 2 == 0 else float(len(c) % 2 == 0) for c, row in zip(completions, rows)]
+
+
+def flat(prompts, completions, rows):
+    return [1.0 for _ in completions]
+"""
+
+
+def test_dynamic_sampling_trains_on_groups_with_signal(grpo, tmp_path, monkeypatch):
+    """objective.dynamic_sampling (DAPO's): a reward that gives half the prompts (even sums) no signal; each step
+    drops their groups and samples the data's next prompts until it holds prompts_per_step groups whose rewards
+    differ, so every trained group is informative where the budget sufficed (frac_reward_zero_std = 1 - the logged
+    informative fraction), some steps take extra rounds, and the groups sampled are 4 a round. With a reward that
+    never differs, every step spends its max_resample rounds and trains on groups without signal (advantage 0),
+    said by informative_fraction 0. The sampler compiles no extra program for the extra rounds."""
+    (tmp_path / "half_rewards.py").write_text(textwrap.dedent(HALF_MODULE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "half_rewards", raising=False)
+    rows = {}
+    for name, extra in (("half", []), ("flat", ["objective.max_resample=2"])):
+        cfg = load_config(None, [*grpo(f"objective.rewards=[{{name: 'half_rewards:{name}'}}]", "train.steps=3",
+                                       "eval.every=0", "eval.exact_match=0", "checkpoint.every=3",
+                                       "objective.dynamic_sampling=true", *extra), f"run_dir={tmp_path / name}"])
+        result = train(cfg)
+        assert result.sampler_compiles == 1, result.sampler_compiles
+        rows[name] = metric_rows(cfg.run_path, "train")
+    for r in rows["half"]:
+        assert r["dynamic_sampling/groups_sampled"] == 4 * r["dynamic_sampling/rounds"]
+        assert r["frac_reward_zero_std"] == pytest.approx(1 - r["dynamic_sampling/informative_fraction"])
+        assert r["dynamic_sampling/groups_dropped"] == r["dynamic_sampling/groups_sampled"] - 4
+    assert any(r["dynamic_sampling/rounds"] > 1 for r in rows["half"])
+    assert all(r["dynamic_sampling/informative_fraction"] == 1.0 for r in rows["half"]), rows["half"]
+    for r in rows["flat"]:
+        assert (r["dynamic_sampling/rounds"], r["dynamic_sampling/informative_fraction"]) == (3.0, 0.0)
+        assert r["frac_reward_zero_std"] == 1.0 and r["dynamic_sampling/groups_dropped"] == 8.0
+
+
+def test_dynamic_sampling_kill9_and_resume_is_bitwise(grpo, tmp_path):
+    """Dynamic sampling draws extra prompt batches from the data: a run killed after step 3 with step 2 committed
+    resumes at the data position the checkpoint saved and samples the same rounds, so its losses equal the
+    uninterrupted run's bitwise."""
+    over = ["model.lora.rank=4", "objective.dynamic_sampling=true", "objective.max_resample=2", "train.steps=4",
+            "eval.every=0", "eval.exact_match=0", "checkpoint.every=2", "checkpoint.keep=5"]
+    assert_kill9_resume_is_bitwise(tmp_path, grpo, over, steps=4, kill_at=3, commit=2)
+    assert all(r["dynamic_sampling/rounds"] > 1 for r in metric_rows(tmp_path / "ref", "train"))  # extra draws

@@ -70,7 +70,8 @@ class CrossEntropyOfPicked(CrossEntropyWithAccuracy):
 @dataclass(frozen=True)
 class CrossEntropyOfBatchMean(CrossEntropyWithAccuracy):
     """Cross-entropy that ``prepares`` a whole-batch statistic first (as KTO's KL baseline is): the batch's mean
-    counted tokens per row, reported as ``prepared`` (0 where the batch was not prepared, as KTO falls back to z = 0)."""
+    counted tokens per row, reported as ``prepared`` (0 where the batch was not prepared, as KTO falls back to
+    z = 0)."""
 
     name: str = "ce_prepared"
     metric_names: tuple[str, ...] = ("prepared",)

@@ -34,6 +34,7 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "lmbda": (1.0,), "max_completion_length": (128,), "temperature": (1.0,), "top_p": (1.0,), "top_k": (None,),
     "epsilon": (0.2,), "epsilon_high": (None,), "scale_rewards": (True, "group"), "normalize_advantages": (False,),
     "multi_objective_aggregation": ("sum_then_normalize",), "mask_truncated_completions": (False,),
+    "dynamic_sampling": (False,), "max_resample": (4,),
     "num_iterations": (1,), "rewards": ([],), "reward_errors": ("raise",), "old_logps": (None,),
     "importance_sampling": ("off",), "importance_sampling_max": (3.0,), "importance_sampling_min": (None,),
 }
@@ -243,6 +244,11 @@ class ClippedPolicy(Sampling):
     mask_truncated_completions: bool = Field(
         False, description="leave completions cut at max_completion_length (no end token) out of the loss and its "
         "token counts (DAPO's; they are still scored, and count in their group's baseline)")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling (verl's filter_groups): drop the groups whose rewards all agree "
+        "(their advantages are 0) and sample the data's next prompts until the step holds prompts_per_step groups "
+        "with signal, or max_resample more rounds were sampled")
+    max_resample: int = Field(4, ge=1, description="with dynamic_sampling: extra sampling rounds a step may take")
     old_logps: Literal["sampler", "trainer"] | None = Field(
         None, description="with num_iterations > 1: where the old policy's log-probs come from: the sampler's own, "
         "returned with each token (no extra forward pass), or a trainer forward before the first update (default: "

@@ -26,6 +26,7 @@ prompt then completion, one per completion, right-padded to ``data.seq_len``, th
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,15 @@ def rollout_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + 1) % (1 << 31)
 
 
+PromptBatch = dict[str, np.ndarray]  # a batch of prompt items: "row", each prompt's row in its source
+
+
+def resample_seed(seed: int, step: int, round_: int) -> int:
+    """The sampling seed of ``step``'s extra round ``round_`` ≥ 1 (dynamic sampling), apart from every step's own."""
+    return int.from_bytes(hashlib.sha256(f"jaxtune-resample:{seed}:{step}:{round_}".encode()).digest()[:4], "little") \
+        % (1 << 31)
+
+
 @dataclass
 class Completions:
     """Sampled completions of a batch of prompts, ``group`` per prompt, contiguous, scored."""
@@ -77,6 +87,33 @@ class Completions:
     @property
     def lengths(self) -> np.ndarray:
         return np.array([len(c) for c in self.ids], np.int32)
+
+    def groups(self, picked: list[int], group: int) -> Completions:
+        """The completions of the groups ``picked`` (indices of ``group``-sized groups), in that order."""
+        at = [g * group + k for g in picked for k in range(group)]
+        s = self.scores
+        scores = Scores(per_function=s.per_function[at], total=s.total[at], errors=s.errors, logged=s.logged)
+        return Completions([self.prompt_ids[i] for i in at], [self.ids[i] for i in at], [self.texts[i] for i in at],
+                           [self.rows[i] for i in at], scores, self.stopped[at], [self.logps[i] for i in at])
+
+    @staticmethod
+    def joined(parts: list[Completions]) -> Completions:
+        """The completions of ``parts`` one after the other (their reward errors added, the last logged metrics)."""
+        errors: dict[str, int] = {}
+        for part in parts:
+            for k, n in part.scores.errors.items():
+                errors[k] = errors.get(k, 0) + n
+        scores = Scores(per_function=np.concatenate([p.scores.per_function for p in parts]),
+                        total=np.concatenate([p.scores.total for p in parts]), errors=errors,
+                        logged=parts[-1].scores.logged)
+        cat = lambda name: [x for p in parts for x in getattr(p, name)]
+        return Completions(cat("prompt_ids"), cat("ids"), cat("texts"), cat("rows"), scores,
+                           np.concatenate([p.stopped for p in parts]), cat("logps"))
+
+    def informative(self, group: int) -> np.ndarray:
+        """(groups,) bool: whether a group's rewards differ (std > 0), so its advantages are not all 0."""
+        std = nanstd(self.scores.scored_total.reshape(-1, group).astype(np.float64), axis=1)[:, 0]
+        return ~np.isclose(np.nan_to_num(std), 0.0)
 
 
 @dataclass
@@ -159,21 +196,24 @@ class Rollout:
             scores["accuracy"] = float(np.mean(done.scores.per_function[:, self.rewards.accuracy] >= 1.0))
         return done, scores
 
-    def batch(self, weights: Any, source: PromptRows, prompts: dict[str, np.ndarray],
-              step: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    def batch(self, weights: Any, source: PromptRows, prompts: PromptBatch, step: int,
+              more: Callable[[], PromptBatch] | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """The training batch for the prompt batch ``prompts`` at ``step`` (N = prompts × ``num_generations`` rows)
-        and the rollout's metrics."""
+        and the rollout's metrics. ``more()``: the next prompt batch of the data, for dynamic sampling."""
         o = self.cfg.objective
         rows = [int(r) for r in prompts["row"]]
         mixed = o.spec.completions == "mixed"  # some steps train on the data's completions (gkd's lmbda)
         on_policy = not mixed or on_policy_step(self.cfg.train.seed, step, o.lmbda)
+        resampled: dict[str, float] = {}
         if on_policy:
             done = self.sample(weights, source, rows, group=o.num_generations, temperature=o.temperature,
                                seed=rollout_seed(self.cfg.train.seed, step), step=step, local=True)
+            if getattr(o, "dynamic_sampling", False):
+                done, resampled = self.resampled(done, weights, source, more, step)
         else:
             done = self.given(source, rows, o.num_generations)
         advantages, zero_std = ADVANTAGES[o.spec.baseline](done, o, self.rewards.weights)
-        metrics = self.metrics(done, zero_std)  # over every process's completions
+        metrics = {**self.metrics(done, zero_std), **resampled}  # over every process's completions
         if mixed:
             metrics["on_policy"] = float(on_policy)
         if jax.process_count() > 1 and on_policy:  # this process trains on its own prompts' completions
@@ -219,6 +259,34 @@ class Rollout:
         scores = Scores(per_function=np.zeros((n, len(self.rewards.labels)), np.float32),
                         total=np.zeros(n, np.float32), errors={}, logged={})
         return Completions(prompt_ids, ids, texts, expanded, scores, np.ones(n, bool), [[0.0] * len(c) for c in ids])
+
+    def resampled(self, done: Completions, weights: Any, source: PromptRows,
+                  more: Callable[[], PromptBatch] | None, step: int) -> tuple[Completions, dict[str, float]]:
+        """DAPO's dynamic sampling (``objective.dynamic_sampling``): groups whose rewards all agree carry no signal,
+        so they are dropped and the next prompt batches of the data sampled (each with its own key, a function of the
+        seed, the step and the round) until the step holds as many informative groups as it trains on, or
+        ``max_resample`` more rounds were sampled; then the first informative groups in sampling order, and if too
+        few, the last uninformative ones after them (advantage 0, as a step without filtering has). Every process
+        sees every process's scores, so all decide alike and sample the same rounds; the data position each extra
+        batch consumes is the iterator's, saved with the checkpoint, so a resumed run draws the same prompts."""
+        o, g = self.cfg.objective, self.cfg.objective.num_generations
+        want, parts, timings = len(done.ids) // g, [done], dict(self.timings)
+        found = int(done.informative(g).sum())
+        while found < want and len(parts) <= o.max_resample and more is not None:
+            rows = [int(r) for r in more()["row"]]
+            parts.append(self.sample(weights, source, rows, group=g, temperature=o.temperature, step=step,
+                                     seed=resample_seed(self.cfg.train.seed, step, len(parts)), local=True))
+            timings = {k: timings[k] + self.timings[k] for k in timings}
+            found += int(parts[-1].informative(g).sum())
+        every = Completions.joined(parts)
+        useful = every.informative(g)
+        picked = [*np.flatnonzero(useful)[:want], *np.flatnonzero(~useful)[::-1]][:want]
+        self.timings = timings
+        stats = {"dynamic_sampling/rounds": float(len(parts)), "dynamic_sampling/groups_sampled": float(useful.size),
+                 "dynamic_sampling/groups_dropped": float(useful.size - want),
+                 "dynamic_sampling/informative_fraction": min(found, want) / want,
+                 "dynamic_sampling/reward": float(np.nanmean(every.scores.scored_total))}
+        return every.groups([int(i) for i in picked], g), stats
 
     def metrics(self, done: Completions, zero_std: np.ndarray | None = None) -> dict[str, float]:
         """TRL's rollout metrics (rewards, completion lengths), and the time spent sampling and scoring.
