@@ -217,6 +217,52 @@ def test_grpo_reward_handling_keys_take_trls_values_and_refuse_what_would_be_dro
         load_config(None, [*rloo, "objective.multi_objective_aggregation=normalize_then_sum"])
 
 
+def test_sync_ref_model_applies_where_a_reference_copy_can_be_mixed():
+    """TR-DPO's keys at TRL 1.16's defaults on every objective with a reference model (dpo, kto, grpo, rloo); refused,
+    one line naming the keys, where there is no copy to mix (LoRA's base, precomputed log-probs, grpo with beta 0)
+    or no reference at all (the key does not apply); and a run resumed with sync turned on is another run."""
+    kinds = {"dpo": ["data.format=preference"], "kto": ["data.format=unpaired"],
+             "grpo": ["data.format=prompts", "objective.beta=0.04", "objective.rewards=[{name: exact_number}]"],
+             "rloo": ["data.format=prompts", "objective.rewards=[{name: exact_number}]"]}
+    for name, rest in kinds.items():
+        obj = load_config(None, [f"objective.name={name}", *rest]).objective
+        assert (obj.sync_ref_model, obj.ref_model_mixup_alpha, obj.ref_model_sync_steps) == (False, 0.6, 512), name
+        assert not obj.syncs_reference
+        synced = load_config(None, [f"objective.name={name}", *rest, "objective.sync_ref_model=true"]).objective
+        assert synced.syncs_reference, name
+    dpo = ["objective.name=dpo", "data.format=preference", "objective.sync_ref_model=true"]
+    with pytest.raises(ConfigError, match=r"objective.sync_ref_model=true mixes the policy into a reference copy of "
+                                          r"its own, and with model.lora.rank=4 the reference is the base with the "
+                                          r"adapters off \(no copy\); set sync_ref_model=false, or model.lora.rank=0"):
+        load_config(None, [*dpo, "model.lora.rank=4"])
+    for name in ("dpo", "kto"):
+        with pytest.raises(ConfigError, match=r"sync_ref_model=true changes the reference model during training, so "
+                                              r"log-probs computed once before it \(objective.precompute_ref_logps="
+                                              r"true\) would be stale; set one of them false"):
+            load_config(None, [f"objective.name={name}", *kinds[name], "objective.sync_ref_model=true",
+                               "objective.precompute_ref_logps=true"])
+    with pytest.raises(ConfigError, match=r"sync_ref_model=true mixes the policy into the reference model, and grpo "
+                                          r"with objective.beta=0 holds none; set objective.beta > 0"):
+        load_config(None, ["objective.name=grpo", "data.format=prompts", "objective.rewards=[{name: exact_number}]",
+                           "objective.sync_ref_model=true"])
+    free = {"simpo": ["data.format=preference"], "gkd": ["data.format=prompts", "objective.teacher=some/model"],
+            "cross_entropy": ["data.format=messages"]}
+    for name, rest in free.items():
+        with pytest.raises(ConfigError, match=f"objective.sync_ref_model does not apply to objective.name={name}"):
+            load_config(None, [f"objective.name={name}", *rest, "objective.sync_ref_model=true"])
+        unset = load_config(None, [f"objective.name={name}", *rest, "objective.sync_ref_model=false"])
+        assert "sync_ref_model" not in unset.to_dict()["objective"] and not unset.objective.syncs_reference
+    for bad in ("objective.ref_model_mixup_alpha=0", "objective.ref_model_mixup_alpha=1.5",
+                "objective.ref_model_sync_steps=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(None, [*dpo, bad])
+    before = load_config(None, dpo[:2]).to_dict()
+    del before["objective"]["sync_ref_model"]  # a checkpoint's config from before the key: it counts as false
+    assert identity_diff(before, load_config(None, dpo[:2]).to_dict()) == []
+    assert identity_diff(before, load_config(None, dpo).to_dict()) == \
+        ["objective.sync_ref_model: checkpoint has False, config has True"]
+
+
 def test_a_grpo_step_is_counted_in_prompts_by_name():
     """GRPO's batch is objective.prompts_per_step (prompts, each sampled num_generations times), which sets and is
     recorded as train.batch_size; train.batch_size alone is refused as ambiguous (TRL counts completions) with the
@@ -304,7 +350,8 @@ def test_a_key_of_another_objective_is_refused_unless_unset():
     saved["objective"]["lmbda"] = 0.5
     with pytest.raises(ConfigError, match=r"objective: objective.lmbda does not apply to objective.name=dpo; its "
                                           r"keys: beta, discopop_tau, label_smoothing, loss_type, loss_weights, "
-                                          r"precompute_ref_logps$"):
+                                          r"precompute_ref_logps, ref_model_mixup_alpha, ref_model_sync_steps, "
+                                          r"sync_ref_model$"):
         config_from_dict(saved)
     with pytest.raises(ConfigError, match=r"objective.teacher does not apply to objective.name=cross_entropy$"):
         load_config(None, ["objective.teacher=some/model"])
@@ -314,8 +361,9 @@ def test_a_key_of_another_objective_is_refused_unless_unset():
         load_config(None, ["objective.name=ppo"])
     assert load_config(None, ["objective.name=dpo", "data.format=preference", "objective.lmbda=1.0",
                               "objective.num_generations=8"]).to_dict()["objective"] == \
-        {"name": "dpo", "beta": 0.1, "label_smoothing": 0.0, "precompute_ref_logps": False, "loss_type": "sigmoid",
-         "loss_weights": None, "discopop_tau": 0.05}
+        {"name": "dpo", "beta": 0.1, "label_smoothing": 0.0, "sync_ref_model": False, "ref_model_mixup_alpha": 0.6,
+         "ref_model_sync_steps": 512, "precompute_ref_logps": False, "loss_type": "sigmoid", "loss_weights": None,
+         "discopop_tau": 0.05}
 
 
 @pytest.mark.parametrize("name", list(OBJECTIVE_SECTIONS))

@@ -4,7 +4,8 @@ Each class holds only the keys that apply to its objective, at that objective's 
 `jaxtune.config.kinds.OBJECTIVES` (which says what the rest of jaxtune needs to know about it). Keys objectives share
 in meaning come from a base they share: `Sampling` (objectives that sample completions: grpo, rloo, gkd),
 `ClippedPolicy` (a clipped policy ratio over several passes: grpo, rloo), `Weighted` (a ``beta``), `LossTypes`,
-`Smoothed` and `PrecomputedReference`. Each check lives in the class whose keys it reads.
+`Smoothed`, `SyncedReference` (the reference moved towards the policy: dpo, kto, grpo, rloo) and
+`PrecomputedReference`. Each check lives in the class whose keys it reads.
 
 A key of another objective is an error naming it and listing this objective's keys, unless it holds its unset value
 (`UNSET`, what a config listing every objective's keys holds for those that do not apply): then it is dropped.
@@ -34,7 +35,8 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "lmbda": (1.0,), "max_completion_length": (128,), "temperature": (1.0,), "top_p": (1.0,), "top_k": (None,),
     "epsilon": (0.2,), "epsilon_high": (None,), "scale_rewards": (True, "group"), "normalize_advantages": (False,),
     "multi_objective_aggregation": ("sum_then_normalize",), "mask_truncated_completions": (False,),
-    "dynamic_sampling": (False,), "max_resample": (4,),
+    "dynamic_sampling": (False,), "max_resample": (4,), "sync_ref_model": (False,), "ref_model_mixup_alpha": (0.6,),
+    "ref_model_sync_steps": (512,),
     "num_iterations": (1,), "rewards": ([],), "reward_errors": ("raise",), "old_logps": (None,),
     "importance_sampling": ("off",), "importance_sampling_max": (3.0,), "importance_sampling_min": (None,),
 }
@@ -99,6 +101,11 @@ class ObjectiveSection(Section):
     @property
     def precomputed_reference(self) -> bool:
         """Whether the reference's log-probs are computed once before training (no reference model held)."""
+        return False
+
+    @property
+    def syncs_reference(self) -> bool:
+        """Whether the reference model is mixed with the policy during training (TR-DPO, `SyncedReference`)."""
         return False
 
     @property
@@ -181,7 +188,33 @@ class Smoothed(ObjectiveSection):
                                    "> 0, the EXO paper: 1e-3), aot and aot_unpaired")
 
 
-class PrecomputedReference(ObjectiveSection):
+class SyncedReference(ObjectiveSection):
+    """TR-DPO (arXiv 2404.09656; TRL's keys and defaults): the reference model moves towards the policy during
+    training (`jaxtune.train.reference.ReferenceSync`)."""
+
+    sync_ref_model: bool = Field(False, description="every ref_model_sync_steps optimizer updates, make the reference "
+                                 "model ref_model_mixup_alpha x policy + (1 - ref_model_mixup_alpha) x reference "
+                                 "(TR-DPO); the mixed reference is saved with each checkpoint. Needs a reference copy "
+                                 "of its own: full fine-tuning, reference log-probs not precomputed")
+    ref_model_mixup_alpha: float = Field(0.6, gt=0, le=1, description="with sync_ref_model: the policy's share of "
+                                         "the new reference (TR-DPO's alpha)")
+    ref_model_sync_steps: int = Field(512, ge=1, description="with sync_ref_model: optimizer updates between two "
+                                      "syncs (TR-DPO's tau; grpo and rloo count each of num_iterations)")
+
+    @property
+    def syncs_reference(self) -> bool:
+        return self.sync_ref_model
+
+    @model_validator(mode="after")
+    def _sync_needs_reference(self) -> SyncedReference:
+        if self.sync_ref_model and not self.uses_reference:
+            raise ValueError(f"objective.sync_ref_model=true mixes the policy into the reference model, and "
+                             f"{self.name} with objective.beta=0 holds none; set objective.beta > 0, or "
+                             "sync_ref_model=false")
+        return self
+
+
+class PrecomputedReference(SyncedReference):
     precompute_ref_logps: bool = Field(False, description="compute the reference log-probs of every pair (kto: "
                                        "every row and its KL row) once before training (stored in the run "
                                        "directory), so no reference model is held while training")
@@ -189,6 +222,14 @@ class PrecomputedReference(ObjectiveSection):
     @property
     def precomputed_reference(self) -> bool:
         return self.uses_reference and self.precompute_ref_logps
+
+    @model_validator(mode="after")
+    def _sync_needs_live_reference(self) -> PrecomputedReference:
+        if self.sync_ref_model and self.precompute_ref_logps:
+            raise ValueError("objective.sync_ref_model=true changes the reference model during training, so log-probs "
+                             "computed once before it (objective.precompute_ref_logps=true) would be stale; set one "
+                             "of them false")
+        return self
 
 
 class Sampling(ObjectiveSection):
@@ -349,7 +390,7 @@ class KTOConfig(PrecomputedReference, LossTypes, Weighted):
 _GRPO = OBJECTIVES["grpo"]
 
 
-class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
+class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
     """GRPO, RL with verifiable rewards on prompts (``data.format: prompts``): ``num_generations`` completions sampled
     per prompt inside the loop, scored by ``rewards``, the clipped policy-gradient surrogate on group-normalised
     advantages, and with ``beta`` > 0 a KL penalty to the reference model."""
@@ -417,7 +458,7 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
         return self
 
 
-class RLOOConfig(ClippedPolicy, Weighted):
+class RLOOConfig(ClippedPolicy, SyncedReference, Weighted):
     """REINFORCE leave-one-out on prompts (``data.format: prompts``): completions sampled and scored as GRPO's, each
     one's baseline the mean reward of its group's others, the KL to the reference in the reward, a clipped ratio per
     sequence (TRL's RLOOTrainer)."""

@@ -120,6 +120,16 @@ class Config(Section):
                              "raise data.seq_len or lower max_completion_length")
         return self
 
+    @model_validator(mode="after")
+    def _synced_reference_is_a_copy(self) -> Config:
+        """TR-DPO mixes the policy into the reference: a frozen copy (full fine-tuning), never LoRA's base."""
+        if self.objective.syncs_reference and self.model.lora.rank:
+            raise ValueError(f"objective.sync_ref_model=true mixes the policy into a reference copy of its own, and "
+                             f"with model.lora.rank={self.model.lora.rank} the reference is the base with the "
+                             "adapters off (no copy); set sync_ref_model=false, or model.lora.rank=0 (full "
+                             "fine-tuning)")
+        return self
+
     @property
     def max_prompt_tokens(self) -> int | None:
         """Objectives that generate (GRPO): the longest prompt in tokens, what ``data.seq_len`` leaves after
