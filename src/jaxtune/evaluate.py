@@ -15,12 +15,13 @@ from jaxtune.config import REFERENCE_HELD_OUT, ConfigError
 from jaxtune.data import make_sequence_batches, make_training_data, test_sequences
 from jaxtune.models.fits import check_fits
 from jaxtune.run import LoadedRun, load_run
+from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import perplexity
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import Frozen, step_reference
 from jaxtune.train.rollout import make_rollout
 from jaxtune.train.shapes import BatchShapes
-from jaxtune.train.step import jit_steps
+from jaxtune.train.step import Steps, jit_steps
 
 
 def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), batches: int | None = None,
@@ -30,9 +31,9 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     Without ``data``: the run's own held-out split (``eval.batches`` batches). With ``data`` (a file, glob or
     ``hf:`` dataset in the run's ``data.format``): every sequence of it, loss on the tokens the run trains on
     (the assistant's, for chat data). An objective with a reference model (DPO, KTO) compares a run with its own
-    reference (its starting weights, or its base with the adapters off); a model directory has none, so
-    ``reference`` (a model directory of the same architecture, e.g. the model it was trained from) is required
-    there, and replaces a full fine-tuning run's own."""
+    reference (its starting weights, as mixed by that checkpoint with ``objective.sync_ref_model``, or its base
+    with the adapters off); a model directory has none, so ``reference`` (a model directory of the same
+    architecture, e.g. the model it was trained from) is required there, and replaces a full fine-tuning run's own."""
     run = load_run(target, overrides)
     cfg, tok, spec = run.cfg, run.tokenizer, run.spec
     ref_copy = _reference_weights(run, target, reference)
@@ -55,7 +56,7 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     # A reference model is held here even where training precomputed its log-probs: --data pairs have none stored.
     reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk)
     steps = jit_steps(spec, make_objective(cfg.objective), cfg.train, reference)
-    frozen = Frozen(run.frozen, ref_copy[0]) if ref_copy else steps.frozen(run.frozen, cfg.train.seed)
+    frozen = Frozen(run.frozen, ref_copy[0]) if ref_copy else _own_reference(run, steps)
     shapes = BatchShapes.of(cfg)
     eval_batches = [shapes.fit(b)[0] for b in eval_batches]  # each at its length bucket
     with sharding.use_mesh(spec.mesh):
@@ -64,6 +65,19 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
     # A perplexity is exp of a per-token language-model loss; a preference loss has none.
     ppl = {"perplexity": perplexity(result.loss)} if kind.held_out == "loss" else {}
     return {"step": run.step, "loss": result.loss, **ppl, kind.unit: result.count, **result.metrics, **extra}
+
+
+def _own_reference(run: LoadedRun, steps: Steps) -> Frozen:
+    """The steps' frozen weights with the run's own reference: as it started, or where training mixed it with the
+    policy (``objective.sync_ref_model``), as the evaluated checkpoint holds it."""
+    cfg = run.cfg
+    if not (cfg.objective.syncs_reference and run.step):
+        return steps.frozen(run.frozen, cfg.train.seed)
+    ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
+    try:
+        return Frozen(run.frozen, ckpt.restore_reference(run.step, steps.companion.abstract))
+    finally:
+        ckpt.close()
 
 
 def _reference_weights(run: LoadedRun, target: str | Path, reference: str | Path | None) -> tuple:

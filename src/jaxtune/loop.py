@@ -37,7 +37,7 @@ from jaxtune.train.metrics import (
     write_summary,
 )
 from jaxtune.train.profile import Profiler
-from jaxtune.train.reference import Frozen, Precomputed, precompute_reference
+from jaxtune.train.reference import Frozen, Precomputed, ReferenceSync, precompute_reference, reference_sync
 from jaxtune.train.rollout import Rollout, make_rollout
 from jaxtune.train.run_dir import RunDirError, claim, make_run_dir
 from jaxtune.train.shapes import BatchShapes, Shape
@@ -104,7 +104,8 @@ class Run:
     spec: ModelSpec
     steps: Steps
     rollout: Rollout | None  # GRPO: samples each batch's completions
-    frozen: Frozen  # weights the steps read and never train (a LoRA base, the companion's)
+    sync: ReferenceSync | None  # TR-DPO: the reference copy mixed with the policy every so many updates
+    frozen: Frozen  # weights the steps read and never train (a LoRA base, the companion's), as restored
     state: TrainState  # restored, or initialised
     start: int  # the step restored (0: from scratch)
     params: ParameterCount  # all, and those trained
@@ -157,15 +158,18 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Ru
     runtime.release_malloc(4 * spec.model_cfg.num_params())  # a large model: give freed memory back (runtime.py)
     steps = run_steps(spec, cfg, loaded_companion(cfg, mesh, spec.model_cfg.vocab_size, tokenizer))
     rollout = make_rollout(cfg, spec.generator(), tokenizer) if data.prompts is not None else None
+    sync = reference_sync(cfg.objective, steps.companion)
     params, notes = _model_notes(cfg, spec, rollout)
-    frozen, data, reference_notes = _frozen(cfg, run_dir, spec, steps, data)
 
-    # Restore or init.
+    # Restore or init, then the frozen weights (a synced reference is the restored step's), then the data position.
     if start:
         start, state, data_state = ckpt.restore(start, spec.abstract)  # an older step if this one is damaged
-        data.train_iter.set_state(data_state)
     else:
-        state = spec.init(cfg.train.seed)
+        state, data_state = spec.init(cfg.train.seed), None
+    synced = ckpt.restore_reference(start, sync.abstract) if start and sync is not None else None
+    frozen, data, reference_notes = _frozen(cfg, run_dir, spec, steps, data, synced)
+    if data_state is not None:
+        data.train_iter.set_state(data_state)
 
     # Components that report.
     log = StepLog(run_dir, cfg, start, spec.model_cfg)
@@ -178,7 +182,7 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Ru
     profiler = Profiler(cfg.train.profile_steps, run_dir, start, log.message)
     if proc == 0:
         prefetch_plotting()  # loss.png at the end
-    return Run(cfg=cfg, run_dir=run_dir, mesh=mesh, data=data, spec=spec, steps=steps, rollout=rollout,
+    return Run(cfg=cfg, run_dir=run_dir, mesh=mesh, data=data, spec=spec, steps=steps, rollout=rollout, sync=sync,
                frozen=frozen, state=state, start=start, params=params, ckpt=ckpt, log=log, evaluator=evaluator,
                shapes=shapes, profiler=profiler, laps=laps)
 
@@ -200,43 +204,48 @@ def _model_notes(cfg: Config, spec: ModelSpec, rollout: Rollout | None) -> tuple
     return params, notes
 
 
-def _frozen(cfg: Config, run_dir: Path, spec: ModelSpec, steps: Steps,
-            data: TrainingData) -> tuple[Frozen, TrainingData, list[str]]:
-    """The frozen weights (a LoRA base, a reference copy, a teacher: not in the checkpoint, read again), and the data
-    with the reference log-probs computed once put into its batches (before the data position is restored)."""
+def _frozen(cfg: Config, run_dir: Path, spec: ModelSpec, steps: Steps, data: TrainingData,
+            synced: Any = None) -> tuple[Frozen, TrainingData, list[str]]:
+    """The frozen weights (a LoRA base, a reference copy, a teacher: not in the checkpoint, read again; ``synced``: a
+    reference copy the checkpoint holds, mixed with the policy), and the data with the reference log-probs computed
+    once put into its batches (before the data position is restored)."""
     model = spec.load_frozen(cfg.train.seed)
     notes = []
     if isinstance(steps.companion, Precomputed):  # the reference's log-probs
         logps, note = precompute_reference(run_dir, spec, cfg, data, model)
         data = data.with_reference(logps)
         notes.append(note)
-    return steps.frozen(model, cfg.train.seed), data, notes
+    frozen = steps.frozen(model, cfg.train.seed) if synced is None else Frozen(tuple(model), synced)
+    return frozen, data, notes
 
 
 def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int]:
     """The steps from the restored one to ``train.steps`` (or the step a preemption stops at), then the last save
     and evaluation; each component keeps its own schedule (``eval.every``, ``checkpoint.every``, ``logging.every``)."""
     cfg, log, laps, evaluator, ckpt, profiler = run.cfg, run.log, run.laps, run.evaluator, run.ckpt, run.profiler
-    total, state, step = cfg.train.steps, run.state, run.start
+    total, state, step, frozen = cfg.train.steps, run.state, run.start, run.frozen
     if step == 0 and evaluator.active:
         if not cfg.logging.progress:  # else its progress bar says so
             log.message("step 0: evaluating the starting model (the baseline report.md compares against) ...")
-        evaluator.run(0, state.params, run.frozen, bar=cfg.logging.progress)
+        evaluator.run(0, state.params, frozen, bar=cfg.logging.progress)
         laps.lap("eval")
     while step < total:
         profiler.before(step + 1)  # the trace holds the whole step: its batch, GRPO's sampling, the update
-        batch, shape, sampled = _next_batch(run, state, step)
-        state, metrics = _train_step(run, state, batch, shape, step + 1)
+        batch, shape, sampled = _next_batch(run, state, frozen, step)
+        state, metrics = _train_step(run, state, frozen, batch, shape, step + 1)
         if step == run.start:
             laps.lap("compile")  # the first dispatch compiled the step (or loaded it from the cache)
         step += 1
         profiler.after(step, state)
         _check(run, log.push(step, {**metrics, **sampled}, shape))
+        if run.sync is not None and run.sync.due(step):  # before this step's evaluation and save, as TRL's
+            frozen = run.sync(frozen, state.params)
+            log.message(run.sync.note(step))
         if evaluator.due(step):
-            _evaluate(run, step, state)
+            _evaluate(run, step, state, frozen)
         stop = preemption.reached(step)
         if ckpt.due(step) or step == total or stop:
-            _save(run, step, state)
+            _save(run, step, state, frozen)
         if stop:
             ckpt.wait()  # saved before saying so (a second Ctrl-C meanwhile still aborts at once)
             log.message(f"{preemption.signal}: saved step {step}, exiting; re-run the same command to resume")
@@ -245,27 +254,28 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
     laps.lap("steps")
     if step == total:
         if ckpt.latest_step() != total:
-            _save(run, total, state)
-        evaluator.run(total, state.params, run.frozen)
+            _save(run, total, state, frozen)
+        evaluator.run(total, state.params, frozen)
         laps.lap("eval")
     return state, step
 
 
-def _next_batch(run: Run, state: TrainState, step: int) -> tuple[dict[str, Any], Shape, dict[str, float]]:
+def _next_batch(run: Run, state: TrainState, frozen: Frozen,
+                step: int) -> tuple[dict[str, Any], Shape, dict[str, float]]:
     """The batch of step ``step + 1`` cut to its length bucket (fine-tuning rows, pairs, completions), its shape,
     and GRPO's rollout metrics: its completions sampled by the policy as it is now."""
     batch, sampled = next(run.data.train_iter), {}
     if run.rollout is not None:
-        batch, sampled = run.rollout.batch(run.steps.weights(state.params, run.frozen), run.data.prompts.train,
+        batch, sampled = run.rollout.batch(run.steps.weights(state.params, frozen), run.data.prompts.train,
                                            batch, step, more=lambda: next(run.data.train_iter))
     batch, shape = run.shapes.fit(batch)
     return batch, shape, sampled
 
 
-def _train_step(run: Run, state: TrainState, batch: dict[str, Any], shape: Shape,
+def _train_step(run: Run, state: TrainState, frozen: Frozen, batch: dict[str, Any], shape: Shape,
                 step: int) -> tuple[TrainState, dict[str, Any]]:
     """Train step ``step`` on the host ``batch`` (a length bucket's first batch compiles its program, said)."""
-    return run.shapes.step(lambda: run.steps.train(state, sharding.global_batch(run.mesh, batch), run.frozen), shape,
+    return run.shapes.step(lambda: run.steps.train(state, sharding.global_batch(run.mesh, batch), frozen), shape,
                            step, run.log.message)
 
 
@@ -277,17 +287,18 @@ def _check(run: Run, stop: NonFinite | None) -> None:
         raise stop.error(run.ckpt.latest_step())
 
 
-def _evaluate(run: Run, step: int, state: TrainState) -> None:
+def _evaluate(run: Run, step: int, state: TrainState, frozen: Frozen) -> None:
     _check(run, run.log.drain())  # the steps' time ends at a host sync
     run.laps.lap("steps")
-    run.evaluator.run(step, state.params, run.frozen)
+    run.evaluator.run(step, state.params, frozen)
     run.laps.lap("eval")
 
 
-def _save(run: Run, step: int, state: TrainState) -> None:
+def _save(run: Run, step: int, state: TrainState, frozen: Frozen) -> None:
     _check(run, run.log.drain())  # never save a state whose loss has not been checked
     run.laps.lap("steps")
-    run.ckpt.save(step, state, run.data.train_iter.get_state(), run.cfg.to_dict())
+    synced = frozen.companion if run.sync is not None else None  # a reference that training changes is state
+    run.ckpt.save(step, state, run.data.train_iter.get_state(), run.cfg.to_dict(), reference=synced)
     run.laps.lap("save")
 
 

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from jaxtune.backends import make_state_spec
+from jaxtune.data import load_tokenizer_dir
 from jaxtune.sharding import make_mesh
 from jaxtune.train.checkpoint import Checkpointer
 
@@ -25,9 +26,10 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["step_loss"] for row in metric_rows(run_dir, "train")}
 
 
-def final_params(cfg, step: int, vocab: int = 512):
-    """(params as numpy arrays, data state) of ``cfg``'s run (its tokenizer's ``vocab``) restored from checkpoint
-    ``step``, on one device."""
+def final_params(cfg, step: int, vocab: int | None = None):
+    """(params as numpy arrays, data state) of ``cfg``'s run (its tokenizer's ``vocab``, default the one saved in its
+    run directory) restored from checkpoint ``step``, on one device."""
+    vocab = vocab or load_tokenizer_dir(cfg.run_path / "tokenizer").vocab_size
     spec = make_state_spec(cfg, vocab, make_mesh(1, 1, 1, jax.devices()[:1]))
     ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
     got, state, data_state = ckpt.restore(step, spec.abstract)

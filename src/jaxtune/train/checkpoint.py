@@ -1,4 +1,5 @@
-"""Orbax checkpoints of the whole run: train state, data-iterator position and the resolved config.
+"""Orbax checkpoints of the whole run: train state, data-iterator position and the resolved config; and, in a run
+whose reference model is state (TR-DPO's, mixed with the policy during training), that reference.
 
 Orbax writes each step into a temporary directory and renames it on commit, then marks it with
 ``commit_success.txt``. A step directory without that mark was interrupted: it is moved aside
@@ -44,6 +45,7 @@ from jaxtune.train.run_dir import WriteError
 log = logging.getLogger(__name__)
 
 COMMIT_MARK = "commit_success.txt"
+REFERENCE = "reference"  # the item of a reference model that training changes (objective.sync_ref_model)
 
 
 # Orbax's temporary directory of a step being saved: <step>.orbax-checkpoint-tmp[-<id>]
@@ -185,7 +187,7 @@ def _quiet_orbax_failure_reports() -> None:
 
 
 class Checkpointer:
-    """Saves and restores ``{state, data, config}`` under ``directory/<step>/``."""
+    """Saves and restores ``{state, data, config}`` (and a changed ``reference``) under ``directory/<step>/``."""
 
     def __init__(self, directory: Path, cfg: CheckpointConfig):
         self.directory = Path(directory).absolute()
@@ -204,7 +206,8 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # Orbax's own temp dirs from a killed save
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
+        items = ("state", "data", "config", REFERENCE)  # a step without a reference writes the first three only
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=items)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -270,13 +273,15 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def save(self, step: int, state: Any, data_state: dict[str, Any], config: dict[str, Any]) -> None:
-        """Start saving (asynchronously when configured); a second save waits for the first."""
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(data_state),
-            config=ocp.args.JsonSave(config),
-        )
+    def save(self, step: int, state: Any, data_state: dict[str, Any], config: dict[str, Any],
+             reference: Any = None) -> None:
+        """Start saving (asynchronously when configured); a second save waits for the first. ``reference``: a
+        reference model that training changes, saved beside the state (None: there is none)."""
+        items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state),
+                 "config": ocp.args.JsonSave(config)}
+        if reference is not None:
+            items[REFERENCE] = ocp.args.StandardSave(reference)
+        args = ocp.args.Composite(**items)
         with self._as_write_error(step):
             self.manager.save(step, args=args, force=True)  # waits for the previous save to finish first
         self._seal_in_background(self.saving)
@@ -353,6 +358,19 @@ class Checkpointer:
                 continue
             self._set_aside_unreadable(failed)
             return step, out["state"], out["data"]
+
+    def restore_reference(self, step: int, abstract: Any) -> Any:
+        """The reference model saved with ``step`` (one that training changed), restored straight into the shardings
+        ``abstract`` carries."""
+        if not (self.directory / str(step) / REFERENCE).is_dir():
+            raise ConfigError(f"checkpoint step {step} in {self.directory} holds no reference model, which "
+                              "objective.sync_ref_model=true resumes with; use another run_dir to start over with it")
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(
+                **{REFERENCE: ocp.args.StandardRestore(abstract)}))[REFERENCE]
+        except Exception as e:  # noqa: BLE001 (said in one line, with the step)
+            raise CheckpointError(f"checkpoint step {step}: its reference model cannot be restored: "
+                                  f"{_first_line(e)}") from None
 
     def read_config(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]

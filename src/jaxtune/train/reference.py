@@ -18,7 +18,8 @@ A `Teacher` (GKD's) is another model, loaded by its backend (`jaxtune.companions
 `Frozen.companion` and whose whole next-token distributions the objective reads.
 
 The copy and the precomputed log-probs come from the initial weights, not from a resumed state, so a resumed run
-compares with the same reference as the run it continues.
+compares with the same reference as the run it continues. The exception is a copy that `ReferenceSync` moves towards
+the policy (TR-DPO, ``objective.sync_ref_model``): it is state, saved with each checkpoint and read back on resume.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune import sharding
-from jaxtune.config import Config, ObjectiveConfig
+from jaxtune.config import Config, ConfigError, ObjectiveConfig
 from jaxtune.data import make_sequence_batches
 from jaxtune.data.progress import Progress
 from jaxtune.train.objectives.base import Reference
@@ -211,6 +212,67 @@ def with_companion(model: tuple, companion: Companion | None, seed: int) -> Froz
     the initial weights, a teacher's)."""
     held = companion is not None and companion.holds_weights
     return Frozen(tuple(model), companion.load(seed) if held else None)
+
+
+def mixed(alpha: float, reference: Any, params: Any) -> Any:
+    """alpha x ``params`` + (1 - alpha) x ``reference``, weight by weight, computed in float32 and kept in the
+    reference's dtype (a bfloat16 copy is rounded once, not after each product)."""
+    f32 = jnp.float32
+    return jax.tree.map(lambda r, p: (alpha * p.astype(f32) + (1.0 - alpha) * r.astype(f32)).astype(r.dtype),
+                        reference, params)
+
+
+@dataclass(frozen=True)
+class ReferenceSync:
+    """TR-DPO's reference updates (``objective.sync_ref_model``, arXiv 2404.09656): after every ``every`` optimizer
+    updates, the frozen copy becomes ``alpha`` x policy + (1 - ``alpha``) x itself. It keeps its own schedule
+    (`due`) and one program (`mix`, jitted once on the copy's shardings with the old copy donated: the update stays
+    on the devices and one copy is held). The mixed copy is no longer the seed's, so it is state: each checkpoint
+    saves it and a resumed run restores it into ``abstract``'s shardings."""
+
+    alpha: float
+    every: int
+    passes: int  # optimizer updates per step (GRPO's num_iterations), what ``every`` counts
+    mix: Callable[[Any, Any], Any]  # (reference, params) -> the mixed reference
+    abstract: Any  # the copy's ShapeDtypeStructs, with their shardings
+    traces: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def compiles(self) -> int:
+        return self.traces[0]
+
+    def due(self, step: int) -> bool:
+        """Whether one of step ``step``'s optimizer updates is a multiple of ``every`` (TRL syncs right after that
+        update; here after the step that holds it, before the step's evaluation and save)."""
+        return step * self.passes // self.every > (step - 1) * self.passes // self.every
+
+    def __call__(self, frozen: Frozen, params: Any) -> Frozen:
+        """``frozen`` with its reference copy mixed with the trained ``params`` (the old copy is donated)."""
+        return Frozen(frozen.model, self.mix(frozen.companion, params))
+
+    def note(self, step: int) -> str:
+        """The run log's line for a sync after step ``step``."""
+        return (f"step {step}: ref_sync: reference = {self.alpha:g} x policy + {1 - self.alpha:g} x reference "
+                f"(objective.sync_ref_model, every {self.every} updates)")
+
+
+def reference_sync(objective: ObjectiveConfig, companion: Companion | None) -> ReferenceSync | None:
+    """The run's `ReferenceSync`, None without ``objective.sync_ref_model``. Only a frozen copy can be mixed (the
+    config refuses LoRA and precomputed log-probs with it)."""
+    if not objective.syncs_reference:
+        return None
+    if not isinstance(companion, FrozenCopy):
+        held = type(companion).__name__
+        raise ConfigError(f"objective.sync_ref_model=true needs a frozen reference copy, not {held}; train every "
+                          "weight (model.lora.rank=0), with objective.precompute_ref_logps=false")
+    alpha, traces, shardings = objective.ref_model_mixup_alpha, [0], companion.shardings
+
+    def counted(reference, params):
+        traces[0] += 1
+        return mixed(alpha, reference, params)
+
+    program = jax.jit(counted, in_shardings=(shardings, shardings), out_shardings=shardings, donate_argnums=0)
+    return ReferenceSync(alpha, objective.ref_model_sync_steps, objective.passes, program, companion.abstract, traces)
 
 
 def precompute(ref: AdaptersOff | FrozenCopy, frozen: Frozen, batches: Iterable[dict[str, np.ndarray]], mesh: Any,
