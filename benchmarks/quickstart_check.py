@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from jaxtune.config import load_config
 from jaxtune.config.load import resolve_config_path
 
 
@@ -86,10 +87,19 @@ def seeded(cmd: list[str], seed: int) -> list[str]:
     return [*args, f"train.seed={seed}", "logging.progress=false"] if cmd[1] == "train" else args
 
 
-def run_chain(recipe: str, work: Path, seed: int, done: set[str]) -> bool:
-    """Run the recipe's commands in ``work`` that this seed has not run yet; False when one fails."""
+def made(cmd: list[str], work: Path) -> bool:
+    """Whether ``cmd``'s output is already in ``work``: a train command's finished run (its summary.json, written
+    last), an export's directory (its config.json)."""
+    if cmd[1] == "export":
+        return (work / cmd[3] / "config.json").is_file()
+    return (work / load_config(cmd[2], cmd[3:]).run_dir / "summary.json").is_file()
+
+
+def run_chain(recipe: str, work: Path, seed: int, done: set[str], reuse: bool = False) -> bool:
+    """Run the recipe's commands in ``work`` that this seed has not run yet (``reuse``: nor left finished in
+    ``work`` by an earlier check); False when one fails."""
     for cmd in header_commands(recipe):
-        if shlex.join(cmd) in done:
+        if shlex.join(cmd) in done or (reuse and cmd[2] != recipe and made(cmd, work)):
             continue
         print(f"$ {shlex.join(cmd)}  (seed {seed})", flush=True)
         if subprocess.run(seeded(cmd, seed), cwd=work, check=False).returncode:
@@ -104,10 +114,10 @@ def evaluations(run_dir: Path, metric: str) -> list[dict]:
     return [r for r in rows if r.get("kind") == "eval" and metric in r]
 
 
-def check_one(recipe: str, work: Path, seed: int, done: set[str]) -> Outcome | None:
+def check_one(recipe: str, work: Path, seed: int, done: set[str], reuse: bool = False) -> Outcome | None:
     """Run one recipe's chain on one seed and judge its metric; None when a command failed."""
     check, started = CHECKS[recipe], time.perf_counter()
-    if not run_chain(recipe, work, seed, done):
+    if not run_chain(recipe, work, seed, done, reuse):
         return None
     evals = evaluations(work / "runs" / recipe, check.metric)
     first, last = evals[0], evals[-1]
@@ -142,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (default 1: the recipes' own seed 0)")
     ap.add_argument("--keep", help="run in this directory (kept) instead of a temporary one")
     ap.add_argument("--json", help="write every outcome here")
+    ap.add_argument("--reuse", action="store_true", help="with --keep: skip the commands before each recipe's own "
+                    "train whose output an earlier check left finished there (the recipe itself always runs)")
     args = ap.parse_args(argv)
     unknown = [r for r in args.recipes if r not in CHECKS]
     if unknown:
@@ -152,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_dir, done = work / f"seed-{seed}", set()
         seed_dir.mkdir(parents=True, exist_ok=True)
         for recipe in args.recipes or list(CHECKS):
-            outcome = check_one(recipe, seed_dir, seed, done)
+            outcome = check_one(recipe, seed_dir, seed, done, args.reuse)
             failed |= outcome is None
             outcomes += [outcome] if outcome else []
     print(f"\n{platform.processor() or platform.machine()}, in {work}\n{table(outcomes)}")

@@ -70,7 +70,7 @@ def test_every_sum_once_worked_right():
 
 def test_the_careless_tutor_forgets_carries_only():
     """synthetic:arithmetic-careless (the RL quickstarts' SFT data): the arithmetic rows, same sums, order and
-    questions; a sum without a carry is worked right, and a sum with one forgets it in 70% ± 2 of the 4,500 (a binomial
+    questions; a sum without a carry is worked right, and a sum with one forgets it in 85% ± 2 of the 4,500 (a binomial
     draw: ±2 points is over 4 standard deviations), its working and total agreeing with the slip: the RL quickstarts
     start near 56% because of exactly this mistake, which sampling still avoids now and then."""
     right, careless = list(GENERATORS["arithmetic"]()), list(GENERATORS["arithmetic-careless"]())
@@ -86,7 +86,7 @@ def test_the_careless_tutor_forgets_carries_only():
         forgot += not carry
         assert int(tens) == int(t1) + int(t2) + bool(carry), answer
         assert answer.endswith(f", so {int(tens) * 10 + int(ones) % 10}."), answer
-    assert carries == 4500 and abs(forgot / carries - 0.70) <= 0.02, (forgot, carries)
+    assert carries == 4500 and abs(forgot / carries - 0.85) <= 0.02, (forgot, carries)
 
 
 def test_quickstart_tokenizer_keeps_digits_apart(data_cache):

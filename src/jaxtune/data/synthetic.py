@@ -35,12 +35,12 @@ the ``exact_number`` reward on ``answer``)::
     answer: "132"
 
 ``synthetic:arithmetic-careless`` (generated): ``synthetic:arithmetic``'s rows, but written by a careless tutor: in
-70% of the sums with a carry (seeded, the same on every machine) the carry is forgotten, working and total agreeing
+85% of the sums with a carry (seeded, the same on every machine) the carry is forgotten, working and total agreeing
 ("7+5=12, 4+8=12, so 122."). A model fine-tuned on it carries too rarely, and answering greedily it forgets most
-carries: it is right on the sums without one and wrong on most with one (45 in 100), about 55-65% held-out, while its
-samples still carry now and then. A verifiable reward (``exact_number``) finds those samples, so RL (the GRPO and RLOO
-quickstarts) and distillation from a careful teacher (GKD's) have a clear mistake to correct that supervised data
-alone taught.
+carries: it is right on the sums without one and wrong on most with one (45 in 100), about 56-58% held-out, while
+its samples still carry now and then. A verifiable reward (``exact_number``) finds those samples, so RL (the GRPO
+and RLOO quickstarts) and distillation from a careful teacher (GKD's) have a clear mistake to correct that
+supervised data alone taught.
 
 ``synthetic:chat-small`` (shipped): 552 human-written English conversations from the ChatterBot corpus, BSD-3-Clause
 (``chat_small.jsonl``; its source, selection and licence are in ``chat_small.README.md`` beside it).
@@ -111,7 +111,7 @@ def arithmetic_unpaired(seed: int = 0) -> Iterator[dict]:
         yield {"prompt": row["prompt"], "completion": row["chosen" if wanted else "rejected"], "label": wanted}
 
 
-CARELESS = 0.7  # the share of carries synthetic:arithmetic-careless forgets
+CARELESS = 0.85  # the share of carries synthetic:arithmetic-careless forgets
 
 
 def arithmetic_careless(seed: int = 0) -> Iterator[dict]:
