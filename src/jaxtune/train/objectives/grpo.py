@@ -130,9 +130,7 @@ class GRPO:
         if self.importance_sampling.startswith("sequence"):  # each completion's mean gap, on its tokens
             # (the geometric mean of its token ratios, as GSPO's sequence ratio: a sum's spread would grow with the
             # completion's length, and the cap would cut most long completions)
-            per = pg.per_completion(gap, completions) / jnp.maximum(
-                pg.per_completion(mask, completions), 1.0)  # (rows, completions in a row)
-            gap = jnp.sum(per[:, :, None] * completions, 1)
+            gap = pg.on_tokens(pg.completion_means(gap, mask, completions), completions)
         ratio = jnp.exp(gap)
         lo = -jnp.inf if self.importance_sampling_min is None else self.importance_sampling_min
         hi = jnp.inf if self.importance_sampling_max is None else self.importance_sampling_max
@@ -175,8 +173,7 @@ class GRPO:
         summed = per_token * mask
         n = jnp.asarray(batch["advantages"].size, jnp.float32)  # completions
         if self.loss_type == "grpo":  # each completion's mean token loss
-            per = lambda x: pg.per_completion(x, completions)  # (rows, completions in a row)
-            total, count = jnp.sum(per(summed) / jnp.maximum(per(mask), 1.0)), n
+            total, count = jnp.sum(pg.completion_means(summed, mask, completions)), n
         elif self.loss_type == "dr_grpo":
             total, count = jnp.sum(summed), n * self.max_completion_length
         else:  # dapo, cispo
