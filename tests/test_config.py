@@ -254,15 +254,18 @@ RESOLVED = yaml.safe_load((FIXTURES / "saved_configs_resolved.yaml").read_text()
 @pytest.mark.parametrize("path", SAVED, ids=lambda p: p.stem)
 def test_a_config_saved_with_every_objective_key_loads_and_resumes_unchanged(path):
     """A saved config listing all 29 objective keys (those that do not apply at their unset values) loads: those
-    keys are dropped, every other value is the saved one (an unset beta or loss_type: the objective's default),
-    the objective resolves as before, and resuming its checkpoint sees no identity change."""
+    keys are dropped, every other value is the saved one (an unset beta or loss_type, or a key added since: the
+    objective's default), the objective resolves as before, and resuming its checkpoint sees no identity change."""
     saved = yaml.safe_load(path.read_text())
     cfg = load_config(path)
     now = cfg.to_dict()
     assert identity_diff(saved, now) == []
     assert {k: v for k, v in now.items() if k != "objective"} == {k: v for k, v in saved.items() if k != "objective"}
     assert set(now["objective"]) == {"name", *type(cfg.objective).own_keys()}
-    unset = {k for k, v in saved["objective"].items() if v is None}
+    added = set(now["objective"]) - set(saved["objective"])
+    fields = type(cfg.objective).model_fields
+    assert {k: now["objective"][k] for k in added} == {k: fields[k].default for k in added}
+    unset = {k for k, v in saved["objective"].items() if v is None} | added
     assert {k: v for k, v in now["objective"].items() if k not in unset} == \
         {k: saved["objective"][k] for k in now["objective"] if k not in unset}
     o, was = cfg.objective, RESOLVED[path.stem]

@@ -12,6 +12,7 @@ A key of another objective is an error naming it and listing this objective's ke
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
@@ -24,6 +25,13 @@ from jaxtune.config.rewards import RewardConfig
 # TRL 1.16's sigmoid has none), robust, exo_pair (which needs it > 0), aot and aot_unpaired; and simpo's loss.
 SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# Where GRPO's policy ratio is taken: per token, or per completion (GSPO), its gradient through the completion's mean
+# log-ratio (sequence) or each token's own (sequence_token, GSPO-token).
+RATIO_LEVELS = ("token", "sequence", "sequence_token")
+# The loss types that sum token losses over the batch: a sequence-level ratio then counts each completion by its length.
+TOKEN_SUMS = ("dapo", "dr_grpo", "cispo")
+
+log = logging.getLogger(__name__)
 
 # Every objective key's unset values: a key that does not apply to the configured objective is dropped where it
 # holds one of these, and refused otherwise (``loss_type: sigmoid`` is unset on objectives without loss types).
@@ -35,6 +43,7 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "epsilon": (0.2,), "epsilon_high": (None,), "scale_rewards": (True,), "normalize_advantages": (False,),
     "num_iterations": (1,), "rewards": ([],), "reward_errors": ("raise",), "old_logps": (None,),
     "importance_sampling": ("off",), "importance_sampling_max": (3.0,), "importance_sampling_min": (None,),
+    "importance_sampling_level": ("token",),
 }
 
 
@@ -354,6 +363,13 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
     importance_sampling_max: float | None = Field(3.0, gt=0, description="the ratio's upper bound C_max")
     importance_sampling_min: float | None = Field(None, ge=0, description="the ratio's lower bound C_min (default "
                                                   "none)")
+    importance_sampling_level: Literal[RATIO_LEVELS] = Field(
+        "token", description="the policy ratio pi / pi_old that is clipped and weighs the loss: each token's (token), "
+        "or one per completion, exp of the mean over its tokens of log pi - log pi_old (GSPO): its gradient through "
+        "that mean (sequence, TRL's) or each token's own, sg[ratio] x pi(token) / sg[pi(token)] (sequence_token, the "
+        "GSPO paper's GSPO-token, not in TRL 1.16: with one advantage per completion only the KL term's gradient "
+        "differs). GSPO averages as loss_type grpo; with dapo, dr_grpo or cispo a completion counts by its length (a "
+        "warning says so). Not importance_sampling, which corrects the sampler")
 
     @property
     def corrects_sampler(self) -> bool:
@@ -364,6 +380,16 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
         if self.loss_type == "cispo" and self.epsilon_high is None:
             raise ValueError("objective.loss_type=cispo caps each token's ratio at objective.epsilon_high (an absolute "
                              "cap, not 1 + epsilon_high); set it, e.g. 5.0 (the ScaleRL paper's)")
+        return self
+
+    @model_validator(mode="after")
+    def _ratio_level(self) -> GRPOConfig:
+        # A warning, not a refusal: the sum is well defined and TRL runs it, but someone who asks for GSPO's
+        # sequence ratio and keeps the default loss type (dapo) gets a length-weighted loss, not the paper's.
+        if self.importance_sampling_level != "token" and self.loss_type in TOKEN_SUMS:
+            log.warning("objective.importance_sampling_level=%s with loss_type=%s sums token losses, so each "
+                        "completion's sequence loss counts by its length; GSPO averages per completion: "
+                        "loss_type grpo", self.importance_sampling_level, self.loss_type)
         return self
 
     @model_validator(mode="after")

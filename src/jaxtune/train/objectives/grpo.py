@@ -16,6 +16,14 @@ Per completion token, with the log-probs of the tempered distribution the tokens
 gradient), the weights before the step's first update on later passes (``num_iterations`` > 1: the batch's
 ``old_logps``, from `GRPO.prepare`). ``beta`` = 0 needs no reference model.
 
+``importance_sampling_level`` (TRL's) is where r is taken: per token (``token``), or once per completion, GSPO's
+s = exp(mean over its tokens of log π - log π_old) on each of its tokens, in the clip and the KL term alike; its
+gradient flows through that mean (``sequence``, as TRL) or is each token's own, s_t = sg[s] · π(token) / sg[π(token)]
+(``sequence_token``, the GSPO paper's GSPO-token: the same values). With one advantage per completion the two
+policy terms have the same gradient (the paper's remark); the KL term's weight tells them apart. The clip metrics
+then count completions, as TRL's do. GSPO averages as ``grpo``; the loss types that sum token losses weigh each
+completion by its length.
+
 How the token losses are averaged (``loss_type``, TRL's names): ``grpo``, each completion's mean, then the mean over
 completions; ``dapo``, the mean over every completion token of the batch; ``dr_grpo``, the sum over completion tokens
 divided by (completions × ``max_completion_length``). Each is a sum and a count here, so micro-batches add up to the
@@ -28,14 +36,15 @@ held constant, ``loss_t = -stop_gradient(min(r, epsilon_high)) * A * log π(toke
 ``cispo_clip_ratio`` is the share of completion tokens with a positive advantage whose ratio was capped.
 
 Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``,
-``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens whose ratio was clipped below,
-above, either). What RLOO does the same way (the old log-probs, the clip, its metrics) is `policy_gradient`'s.
+``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens, or of completions at
+sequence level, whose ratio was clipped below, above, either). What RLOO does the same way (the old log-probs, the
+clip, its metrics) is `policy_gradient`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +68,24 @@ def token_advantages(batch: Batch) -> jax.Array:
     return jnp.take_along_axis(adv, jnp.clip(branch - 1, 0, adv.shape[1] - 1), axis=1)
 
 
+class Ratio(NamedTuple):
+    """The policy ratio π / π_old at ``importance_sampling_level``: ``tokens``, what each token's loss weighs ((N, T),
+    or (N, 1) where a row's completion has one); and where its clip metrics count it, as TRL's: ``units`` with their
+    advantages ``adv``, those ``mask`` keeps (None: every one), ``count`` of them: each completion token, or each
+    completion ((rows, C)) at sequence level."""
+
+    tokens: jax.Array
+    units: jax.Array
+    adv: jax.Array
+    mask: jax.Array | None
+    count: jax.Array
+
+    def share(self, hit: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The share of counted units where ``hit`` (bool, shaped like ``units``), as (sum, count)."""
+        fixed = jax.lax.stop_gradient(hit.astype(jnp.float32))
+        return jnp.sum(fixed) if self.mask is None else jnp.sum(fixed * self.mask), self.count
+
+
 @dataclass(frozen=True)
 class GRPO:
     name: str = "grpo"
@@ -74,6 +101,7 @@ class GRPO:
     importance_sampling: str = "off"  # TRL's vllm_importance_sampling_mode, or off
     importance_sampling_max: float | None = 3.0
     importance_sampling_min: float | None = None
+    importance_sampling_level: str = "token"  # TRL's: where the policy ratio is taken (see the module)
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
@@ -82,7 +110,8 @@ class GRPO:
                    max_completion_length=cfg.max_completion_length, passes=cfg.passes,
                    old_from_sampler=cfg.old_logps == "sampler", importance_sampling=cfg.importance_sampling,
                    importance_sampling_max=cfg.importance_sampling_max,
-                   importance_sampling_min=cfg.importance_sampling_min)
+                   importance_sampling_min=cfg.importance_sampling_min,
+                   importance_sampling_level=cfg.importance_sampling_level)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -98,17 +127,33 @@ class GRPO:
             "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
         return ("kl", *clipped)
 
-    def surrogate(self, logps: jax.Array, ratio: jax.Array, adv: jax.Array, tokens: jax.Array,
-                  mask: jax.Array) -> tuple[jax.Array, Metrics]:
+    def ratio(self, logps: jax.Array, old: jax.Array, batch: Batch, adv: jax.Array, completions: jax.Array,
+              tokens: jax.Array) -> Ratio:
+        """π / π_old at ``importance_sampling_level``: each token's, or each completion's exp of its tokens' mean
+        log-ratio (GSPO's s), whose gradient flows through that mean (``sequence``) or is each token's own
+        (``sequence_token``: sg[s] · π(token) / sg[π(token)]). ``adv`` the tokens' advantages, ``tokens`` their
+        count."""
+        mask = batch["loss_mask"]
+        if self.importance_sampling_level == "token":
+            ratio = jnp.exp(logps - old)
+            return Ratio(ratio, ratio, adv, mask, tokens)
+        per = jnp.exp(pg.completion_means((logps - old) * mask, mask, completions))  # (rows, C)
+        on_tokens = pg.on_tokens(per, completions)
+        if self.importance_sampling_level == "sequence_token":
+            on_tokens = jax.lax.stop_gradient(on_tokens) * jnp.exp(logps - jax.lax.stop_gradient(logps))
+        per_adv = pg.completion_advantages(batch, completions)
+        return Ratio(on_tokens, per, per_adv, None, jnp.asarray(per_adv.size, jnp.float32))
+
+    def surrogate(self, logps: jax.Array, ratio: Ratio, adv: jax.Array) -> tuple[jax.Array, Metrics]:
         """Each token's policy-gradient loss before the KL term, and its clip metrics: PPO's clipped ratio, or
         CISPO's capped weight on the log-prob (see the module)."""
         if self.loss_type == "cispo":
             cap = self.epsilon_high
-            capped = ((ratio > cap) & (adv > 0)).astype(jnp.float32)
-            per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, cap)) * adv * logps
-            return per_token, {"cispo_clip_ratio": (jnp.sum(jax.lax.stop_gradient(capped) * mask), tokens)}
+            per_token = -jax.lax.stop_gradient(jnp.minimum(ratio.tokens, cap)) * adv * logps
+            return per_token, {"cispo_clip_ratio": ratio.share((ratio.units > cap) & (ratio.adv > 0))}
         bounds = pg.ClipBounds.of(self.epsilon, self.epsilon_high)
-        return pg.clipped_surrogate(ratio, adv, bounds), pg.clip_metrics(ratio, adv, bounds, tokens, mask)
+        return pg.clipped_surrogate(ratio.tokens, adv, bounds), pg.clip_metrics(
+            ratio.units, ratio.adv, bounds, ratio.count, ratio.mask)
 
     def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
         """(N, T) log-probs of the batch's targets under the tempered policy."""
@@ -150,10 +195,10 @@ class GRPO:
         mask = batch["loss_mask"]
         logps = self.logps(forward, weights, batch, key)
         old = pg.old_logps(batch, logps)
-        ratio = jnp.exp(logps - old)
         adv, completions = token_advantages(batch), pg.completion_masks(batch)
         tokens = jnp.sum(mask)
-        per_token, clip_metrics = self.surrogate(logps, ratio, adv, tokens, mask)
+        ratio = self.ratio(logps, old, batch, adv, completions, tokens)
+        per_token, clip_metrics = self.surrogate(logps, ratio, adv)
         metrics = pg.sampler_agreement(batch, logps)
         if metrics and self.importance_sampling != "off":
             weight, weight_metrics = self.importance_weight(batch, old, completions)
@@ -164,7 +209,7 @@ class GRPO:
                 raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
             ref = pg.reference_logps(reference, batch, self.temperature)
             delta = ref - pinned(logps, ref, reference)  # exactly 0 while the policy is the reference
-            kl = (jnp.exp(delta) - delta - 1.0) * ratio  # TRL's bias correction: weighted by the ratio
+            kl = (jnp.exp(delta) - delta - 1.0) * ratio.tokens  # TRL's bias correction: weighted by the ratio
             per_token = per_token + self.beta * kl
             metrics["kl"] = (jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens)
         else:
