@@ -40,6 +40,8 @@ Error measure: rel(ours, ref) = max|ours - ref| / max|ref|, float32 on both side
     shared-prompt rows: loss, gradients, the clip ratios (per completion) and kl                  rel <= 1e-5
   * sequence_token vs the GSPO-token formula written out in the test (jaxtune on both sides): loss and every
     gradient leaf; its loss and metrics vs sequence's                                              rel <= 1e-5
+  * sapo (on- and off-policy, with beta, other temperatures, a sequence ratio), rows and shared-prompt rows: loss,
+    gradients and kl                                                                               rel <= 1e-5
   * the train step (dapo, with ``old_logps``) in 2 micro-batches of different token counts vs 1: loss, metrics, and
     every parameter's update                                                                       rel <= 1e-6
   * objective.num_iterations=2 through the train step: `GRPO.prepare` called once, 2 AdamW updates, every
@@ -483,6 +485,38 @@ def test_a_sequence_ratio_summed_over_tokens_is_warned_of(caplog):
         caplog.clear()
         objective_cfg(importance_sampling_level="sequence_token", loss_type="grpo")
         assert not caplog.records
+
+
+@pytest.mark.parametrize("off, beta, level, temperatures", [
+    (True, 0.0, "token", {}), (True, 0.04, "token", {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5}),
+    (False, 0.04, "token", {"sapo_temperature_pos": 0.5}), (True, 0.0, "sequence", {})],
+    ids=["off", "off-kl-tau", "on-kl-tau", "off-sequence"])
+def test_sapo_matches_trl(checkpoints, tokenizer, native, tmp_path, off, beta, level, temperatures):
+    """loss_type=sapo (the soft gate 4/τ · σ(τ (r - 1)) in place of the clip, averaged as grpo): loss, gradients and
+    the kl metric equal GRPOTrainer's, on-policy and with the old checkpoint's log-probs, at TRL's temperatures and
+    others, with token and sequence ratios, in rows and shared-prompt rows; no clip ratios logged on either side.
+    Off-policy its update is not the clipped one's. (On-policy the gate is 2/τ and a group's advantages sum to 0, so
+    at TRL's temperatures the loss nearly cancels; the on-policy case takes another τ where A > 0.)"""
+    keys = {"loss_type": "sapo", "beta": beta, "importance_sampling_level": level, **temperatures}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=off, **keys)
+    assert not any(k.startswith(("clip_ratio", "cispo")) for k in theirs.metrics), theirs.metrics
+    for batch in (our_batch(theirs.old_logps), shared_batch(theirs.old_logps)):
+        mine = ours(native, native.policy, batch, **keys)
+        assert_matches(mine, theirs, ("kl",) if beta else ())
+        assert set(mine.metrics) == {"kl", "sampler_logp_diff/mean", "sampler_logp_diff/max"}
+    if off:
+        clipped = ours(native, native.policy, our_batch(theirs.old_logps), loss_type="grpo", beta=beta,
+                       importance_sampling_level=level)
+        assert rel(mine.grads["lm_head"]["embedding"], clipped.grads["lm_head"]["embedding"]) > 1e-3
+
+
+def test_a_loss_types_keys_are_refused_under_another():
+    """sapo's temperatures under another loss type would change nothing: refused, naming the key, the loss type it
+    applies to and the one set; at their defaults (what a saved config lists) they load."""
+    with pytest.raises(ValueError, match=r"objective.sapo_temperature_neg applies to loss_type sapo, not dapo: drop "
+                                         r"it or set objective.loss_type=sapo"):
+        objective_cfg(sapo_temperature_neg=2.0)
+    assert objective_cfg(loss_type="grpo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05).loss_type == "grpo"
 
 
 @pytest.fixture(scope="module")

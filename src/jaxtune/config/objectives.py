@@ -30,6 +30,8 @@ IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate
 RATIO_LEVELS = ("token", "sequence", "sequence_token")
 # The loss types that sum token losses over the batch: a sequence-level ratio then counts each completion by its length.
 TOKEN_SUMS = ("dapo", "dr_grpo", "cispo")
+# The keys of one GRPO loss type, refused under another unless at their defaults (what a saved config holds).
+LOSS_TYPE_KEYS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg")}
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "epsilon": (0.2,), "epsilon_high": (None,), "scale_rewards": (True,), "normalize_advantages": (False,),
     "num_iterations": (1,), "rewards": ([],), "reward_errors": ("raise",), "old_logps": (None,),
     "importance_sampling": ("off",), "importance_sampling_max": (3.0,), "importance_sampling_min": (None,),
-    "importance_sampling_level": ("token",),
+    "importance_sampling_level": ("token",), "sapo_temperature_pos": (1.0,), "sapo_temperature_neg": (1.05,),
 }
 
 
@@ -350,8 +352,9 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
     loss_type: Literal[_GRPO.loss_types] = Field(
         _GRPO.default_loss_type, description="how the per-token losses are averaged: dapo (over the whole batch's "
         "completion tokens), grpo (per sequence, then over sequences), dr_grpo (summed, over sequences x "
-        "max_completion_length); or cispo (MiniMax-M1's: every token's log-prob weighted by its ratio capped at "
-        "epsilon_high, an absolute cap, held constant; averaged as dapo)")
+        "max_completion_length); cispo (MiniMax-M1's: every token's log-prob weighted by its ratio capped at "
+        "epsilon_high, an absolute cap, held constant; averaged as dapo); sapo (SAPO's soft gate 4/tau x "
+        "sigmoid(tau (r - 1)) in place of the clip; averaged as grpo)")
     scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std (false: Dr. "
                                 "GRPO's unscaled advantages)")
     importance_sampling: Literal[IMPORTANCE_SAMPLING] = Field(
@@ -370,6 +373,10 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
         "GSPO paper's GSPO-token, not in TRL 1.16: with one advantage per completion only the KL term's gradient "
         "differs). GSPO averages as loss_type grpo; with dapo, dr_grpo or cispo a completion counts by its length (a "
         "warning says so). Not importance_sampling, which corrects the sampler")
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="loss_type sapo: the gate's temperature tau for "
+                                        "tokens with a positive advantage (larger: a narrower gate)")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="loss_type sapo: the gate's temperature tau for "
+                                        "tokens with an advantage <= 0")
 
     @property
     def corrects_sampler(self) -> bool:
@@ -380,6 +387,15 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
         if self.loss_type == "cispo" and self.epsilon_high is None:
             raise ValueError("objective.loss_type=cispo caps each token's ratio at objective.epsilon_high (an absolute "
                              "cap, not 1 + epsilon_high); set it, e.g. 5.0 (the ScaleRL paper's)")
+        return self
+
+    @model_validator(mode="after")
+    def _loss_type_keys(self) -> GRPOConfig:
+        for loss_type, keys in LOSS_TYPE_KEYS.items():
+            changed = [k for k in keys if getattr(self, k) != type(self).model_fields[k].default]
+            if changed and self.loss_type != loss_type:
+                raise ValueError(f"objective.{changed[0]} applies to loss_type {loss_type}, not {self.loss_type}: "
+                                 f"drop it or set objective.loss_type={loss_type}")
         return self
 
     @model_validator(mode="after")

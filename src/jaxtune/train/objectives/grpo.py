@@ -35,6 +35,12 @@ token keeps its gradient, weighted by its ratio capped at ``epsilon_high`` (an a
 held constant, ``loss_t = -stop_gradient(min(r, epsilon_high)) * A * log π(token)``, averaged as ``dapo``; its metric
 ``cispo_clip_ratio`` is the share of completion tokens with a positive advantage whose ratio was capped.
 
+``sapo`` (SAPO, as TRL runs it) replaces the clip by a soft gate: ``loss_t = -(4 / τ) · σ(τ (r - 1)) · A``, with
+τ = ``sapo_temperature_pos`` where A > 0 and ``sapo_temperature_neg`` elsewhere. At r = 1 its gradient is PPO's
+(the gate's slope there is 4 σ'(0) = 1); away from 1 the gradient fades smoothly instead of stopping at the clip,
+faster for the larger τ (negative advantages get the larger by default: their updates destabilise more). Averaged as
+``grpo``; nothing is clipped, so it logs no clip ratios.
+
 Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``,
 ``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens, or of completions at
 sequence level, whose ratio was clipped below, above, either). What RLOO does the same way (the old log-probs, the
@@ -102,6 +108,8 @@ class GRPO:
     importance_sampling_max: float | None = 3.0
     importance_sampling_min: float | None = None
     importance_sampling_level: str = "token"  # TRL's: where the policy ratio is taken (see the module)
+    sapo_temperature_pos: float = 1.0  # sapo's gate temperature where A > 0
+    sapo_temperature_neg: float = 1.05  # and where A <= 0
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
@@ -111,7 +119,8 @@ class GRPO:
                    old_from_sampler=cfg.old_logps == "sampler", importance_sampling=cfg.importance_sampling,
                    importance_sampling_max=cfg.importance_sampling_max,
                    importance_sampling_min=cfg.importance_sampling_min,
-                   importance_sampling_level=cfg.importance_sampling_level)
+                   importance_sampling_level=cfg.importance_sampling_level,
+                   sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -123,6 +132,8 @@ class GRPO:
 
     @property
     def metric_names(self) -> tuple[str, ...]:
+        if self.loss_type == "sapo":  # a gate, nothing clipped
+            return ("kl",)
         clipped = ("cispo_clip_ratio",) if self.loss_type == "cispo" else (
             "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
         return ("kl", *clipped)
@@ -145,8 +156,11 @@ class GRPO:
         return Ratio(on_tokens, per, per_adv, None, jnp.asarray(per_adv.size, jnp.float32))
 
     def surrogate(self, logps: jax.Array, ratio: Ratio, adv: jax.Array) -> tuple[jax.Array, Metrics]:
-        """Each token's policy-gradient loss before the KL term, and its clip metrics: PPO's clipped ratio, or
-        CISPO's capped weight on the log-prob (see the module)."""
+        """Each token's policy-gradient loss before the KL term, and its clip metrics: PPO's clipped ratio, CISPO's
+        capped weight on the log-prob, or SAPO's gate (see the module)."""
+        if self.loss_type == "sapo":
+            tau = jnp.where(adv > 0, self.sapo_temperature_pos, self.sapo_temperature_neg)
+            return -jax.nn.sigmoid(tau * (ratio.tokens - 1.0)) * (4.0 / tau) * adv, {}
         if self.loss_type == "cispo":
             cap = self.epsilon_high
             per_token = -jax.lax.stop_gradient(jnp.minimum(ratio.tokens, cap)) * adv * logps
@@ -217,7 +231,7 @@ class GRPO:
         metrics.update(clip_metrics)
         summed = per_token * mask
         n = jnp.asarray(batch["advantages"].size, jnp.float32)  # completions
-        if self.loss_type == "grpo":  # each completion's mean token loss
+        if self.loss_type in ("grpo", "sapo"):  # each completion's mean token loss
             total, count = jnp.sum(pg.completion_means(summed, mask, completions)), n
         elif self.loss_type == "dr_grpo":
             total, count = jnp.sum(summed), n * self.max_completion_length
