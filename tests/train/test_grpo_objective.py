@@ -42,6 +42,8 @@ Error measure: rel(ours, ref) = max|ours - ref| / max|ref|, float32 on both side
     gradient leaf; its loss and metrics vs sequence's                                              rel <= 1e-5
   * sapo (on- and off-policy, with beta, other temperatures, a sequence ratio), rows and shared-prompt rows: loss,
     gradients and kl                                                                               rel <= 1e-5
+  * luspo (a sequence ratio on- and off-policy, with beta; token ratios), rows and shared-prompt rows: loss,
+    gradients, clip ratios and kl                                                                  rel <= 1e-5
   * the train step (dapo, with ``old_logps``) in 2 micro-batches of different token counts vs 1: loss, metrics, and
     every parameter's update                                                                       rel <= 1e-6
   * objective.num_iterations=2 through the train step: `GRPO.prepare` called once, 2 AdamW updates, every
@@ -508,6 +510,28 @@ def test_sapo_matches_trl(checkpoints, tokenizer, native, tmp_path, off, beta, l
         clipped = ours(native, native.policy, our_batch(theirs.old_logps), loss_type="grpo", beta=beta,
                        importance_sampling_level=level)
         assert rel(mine.grads["lm_head"]["embedding"], clipped.grads["lm_head"]["embedding"]) > 1e-3
+
+
+@pytest.mark.parametrize("off, beta, level", [(True, 0.0, "sequence"), (True, 0.04, "sequence"),
+                                              (False, 0.0, "sequence"), (True, 0.0, "token")],
+                         ids=["off", "off-kl", "on", "off-token-ratios"])
+def test_luspo_matches_trl(checkpoints, tokenizer, native, tmp_path, caplog, off, beta, level):
+    """loss_type=luspo (each completion's summed loss, then the mean over completions): loss, gradients and the
+    metrics (clip ratios per completion with a sequence ratio, per token with token ratios; kl) equal
+    GRPOTrainer's, with LUSPO's sequence ratio on- and off-policy, with the KL term, and with token ratios (which
+    TRL and jaxtune warn of), in rows and shared-prompt rows; the count is the completions."""
+    keys = {"loss_type": "luspo", "beta": beta, "importance_sampling_level": level,
+            **(SEQUENCE_CLIP if level == "sequence" else OFF_POLICY)}
+    with caplog.at_level("WARNING", logger="jaxtune.config.objectives"):
+        objective_cfg(**keys)
+    assert ("LUSPO's is the sequence ratio" in caplog.text) == (level == "token")
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=off, **keys)
+    assert (theirs.metrics["clip_ratio/region_mean"] > 0) == off
+    names = tuple(k for k in CLIP_METRICS if theirs.metrics[k]) + (("kl",) if beta else ())
+    for batch in (our_batch(theirs.old_logps), shared_batch(theirs.old_logps)):
+        mine = ours(native, native.policy, batch, **keys)
+        assert mine.count == N
+        assert_matches(mine, theirs, names)
 
 
 def test_a_loss_types_keys_are_refused_under_another():

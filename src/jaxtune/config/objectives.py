@@ -354,7 +354,9 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
         "completion tokens), grpo (per sequence, then over sequences), dr_grpo (summed, over sequences x "
         "max_completion_length); cispo (MiniMax-M1's: every token's log-prob weighted by its ratio capped at "
         "epsilon_high, an absolute cap, held constant; averaged as dapo); sapo (SAPO's soft gate 4/tau x "
-        "sigmoid(tau (r - 1)) in place of the clip; averaged as grpo)")
+        "sigmoid(tau (r - 1)) in place of the clip; averaged as grpo); luspo (LUSPO: each completion's summed loss, "
+        "then the mean over completions, so a completion counts by its length; with importance_sampling_level "
+        "sequence)")
     scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std (false: Dr. "
                                 "GRPO's unscaled advantages)")
     importance_sampling: Literal[IMPORTANCE_SAMPLING] = Field(
@@ -406,6 +408,9 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
             log.warning("objective.importance_sampling_level=%s with loss_type=%s sums token losses, so each "
                         "completion's sequence loss counts by its length; GSPO averages per completion: "
                         "loss_type grpo", self.importance_sampling_level, self.loss_type)
+        if self.importance_sampling_level == "token" and self.loss_type == "luspo":
+            log.warning("objective.loss_type=luspo with importance_sampling_level=token sums token ratios' losses "
+                        "per completion; LUSPO's is the sequence ratio: importance_sampling_level sequence")
         return self
 
     @model_validator(mode="after")
