@@ -44,6 +44,8 @@ Error measure: rel(ours, ref) = max|ours - ref| / max|ref|, float32 on both side
     gradients and kl                                                                               rel <= 1e-5
   * luspo (a sequence ratio on- and off-policy, with beta; token ratios), rows and shared-prompt rows: loss,
     gradients, clip ratios and kl                                                                  rel <= 1e-5
+  * vespo (on- and off-policy, with beta, other k and lambda; rows and shared-prompt rows; token_truncate and
+    token_mask sampler weights): loss, gradients, vespo/phi_seq_mean and kl                       rel <= 1e-5
   * the train step (dapo, with ``old_logps``) in 2 micro-batches of different token counts vs 1: loss, metrics, and
     every parameter's update                                                                       rel <= 1e-6
   * objective.num_iterations=2 through the train step: `GRPO.prepare` called once, 2 AdamW updates, every
@@ -534,12 +536,61 @@ def test_luspo_matches_trl(checkpoints, tokenizer, native, tmp_path, caplog, off
         assert_matches(mine, theirs, names)
 
 
+VESPO_GAMMA = {"vespo_k_pos": 1.0, "vespo_lambda_pos": 1.5, "vespo_k_neg": 4.0, "vespo_lambda_neg": 0.5}
+
+
+@pytest.mark.parametrize("off, beta, gamma", [(True, 0.0, {}), (True, 0.04, VESPO_GAMMA), (False, 0.0, {})],
+                         ids=["off", "off-kl-gamma", "on"])
+def test_vespo_matches_trl(checkpoints, tokenizer, native, tmp_path, off, beta, gamma):
+    """loss_type=vespo (each token's log-prob weighted by its completion's gamma weight φ(w) of the sequence ratio,
+    held constant; averaged as dapo): loss, gradients, ``vespo/phi_seq_mean`` and kl equal GRPOTrainer's,
+    on-policy (φ = 1) and with the old checkpoint's log-probs, at TRL's k and λ and others, with the KL term, in rows
+    and shared-prompt rows; no clip ratios."""
+    keys = {"loss_type": "vespo", "beta": beta, **gamma}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=off, **keys)
+    phi = theirs.metrics["vespo/phi_seq_mean"]
+    assert (abs(phi - 1) > 1e-2) if off else phi == pytest.approx(1.0, abs=1e-6), phi
+    for batch in (our_batch(theirs.old_logps), shared_batch(theirs.old_logps)):
+        mine = ours(native, native.policy, batch, **keys)
+        assert_matches(mine, theirs, ("vespo/phi_seq_mean",) + (("kl",) if beta else ()))
+        assert not any(k.startswith(("clip_ratio", "cispo")) for k in {*mine.metrics, *theirs.metrics})
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max", [("token_truncate", None, 1.05), ("token_mask", 0.3, 3.0)])
+def test_vespo_folds_the_sampler_weights_in_as_trl(checkpoints, tokenizer, native, tmp_path, mode, clip_min,
+                                                   clip_max):
+    """vespo with objective.importance_sampling (the old checkpoint's log-probs as the sampler's): the sampler's
+    token weights enter each completion's sequence ratio, not the loss (a weight masked to 0 as 1e-8), as
+    GRPOTrainer's vLLM correction does: loss, gradients and ``vespo/phi_seq_mean`` equal its. Sequence-level
+    weights are refused (TRL's rule); a sequence policy ratio under vespo weighs only the KL term, which is warned
+    of."""
+    bounds = {"clip_min": clip_min, "clip_max": clip_max}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, importance={"mode": mode, **bounds}, loss_type="vespo")
+    mine = ours(native, native.policy, our_batch(sampler_logps=theirs.sampler_logps), loss_type="vespo",
+                importance_sampling=mode, importance_sampling_min=clip_min, importance_sampling_max=clip_max)
+    assert abs(theirs.metrics["vespo/phi_seq_mean"] - 1) > 1e-2, theirs.metrics
+    assert_matches(mine, theirs, ("vespo/phi_seq_mean",))
+    with pytest.raises(ValueError, match=r"objective.importance_sampling=sequence_mask with loss_type=vespo: .* "
+                                         r"choose token_truncate or token_mask"):
+        objective_cfg(loss_type="vespo", importance_sampling="sequence_mask")
+
+
+def test_vespo_with_a_sequence_policy_ratio_is_warned_of(caplog):
+    """VESPO takes its own sequence ratio, so importance_sampling_level sequence under it weighs only the KL term:
+    TRL's warning, one line."""
+    with caplog.at_level("WARNING", logger="jaxtune.config.objectives"):
+        objective_cfg(loss_type="vespo", importance_sampling_level="sequence")
+    assert "importance_sampling_level=sequence under loss_type=vespo weighs only the KL term" in caplog.text
+
+
 def test_a_loss_types_keys_are_refused_under_another():
-    """sapo's temperatures under another loss type would change nothing: refused, naming the key, the loss type it
-    applies to and the one set; at their defaults (what a saved config lists) they load."""
+    """sapo's temperatures or vespo's gamma keys under another loss type would change nothing: refused, naming the
+    key, the loss type it applies to and the one set; at their defaults (what a saved config lists) they load."""
     with pytest.raises(ValueError, match=r"objective.sapo_temperature_neg applies to loss_type sapo, not dapo: drop "
                                          r"it or set objective.loss_type=sapo"):
         objective_cfg(sapo_temperature_neg=2.0)
+    with pytest.raises(ValueError, match=r"objective.vespo_lambda_pos applies to loss_type vespo, not sapo"):
+        objective_cfg(loss_type="sapo", vespo_lambda_pos=1.0)
     assert objective_cfg(loss_type="grpo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05).loss_type == "grpo"
 
 

@@ -31,7 +31,8 @@ RATIO_LEVELS = ("token", "sequence", "sequence_token")
 # The loss types that sum token losses over the batch: a sequence-level ratio then counts each completion by its length.
 TOKEN_SUMS = ("dapo", "dr_grpo", "cispo")
 # The keys of one GRPO loss type, refused under another unless at their defaults (what a saved config holds).
-LOSS_TYPE_KEYS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg")}
+LOSS_TYPE_KEYS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+                  "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "num_iterations": (1,), "rewards": ([],), "reward_errors": ("raise",), "old_logps": (None,),
     "importance_sampling": ("off",), "importance_sampling_max": (3.0,), "importance_sampling_min": (None,),
     "importance_sampling_level": ("token",), "sapo_temperature_pos": (1.0,), "sapo_temperature_neg": (1.05,),
+    "vespo_k_pos": (2.0,), "vespo_lambda_pos": (3.0,), "vespo_k_neg": (3.0,), "vespo_lambda_neg": (2.0,),
 }
 
 
@@ -356,7 +358,8 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
         "epsilon_high, an absolute cap, held constant; averaged as dapo); sapo (SAPO's soft gate 4/tau x "
         "sigmoid(tau (r - 1)) in place of the clip; averaged as grpo); luspo (LUSPO: each completion's summed loss, "
         "then the mean over completions, so a completion counts by its length; with importance_sampling_level "
-        "sequence)")
+        "sequence); vespo (VESPO: each token's log-prob weighted by its completion's gamma weight of the sequence "
+        "ratio, held constant, no clip; averaged as dapo)")
     scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std (false: Dr. "
                                 "GRPO's unscaled advantages)")
     importance_sampling: Literal[IMPORTANCE_SAMPLING] = Field(
@@ -379,6 +382,14 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
                                         "tokens with a positive advantage (larger: a narrower gate)")
     sapo_temperature_neg: float = Field(1.05, gt=0, description="loss_type sapo: the gate's temperature tau for "
                                         "tokens with an advantage <= 0")
+    vespo_k_pos: float = Field(2.0, ge=0, description="loss_type vespo: the power k of the gamma weight w^k "
+                               "exp(lambda (1 - w)) of a completion's sequence ratio w, where its advantage is >= 0: "
+                               "how hard w < 1 is weighed down")
+    vespo_lambda_pos: float = Field(3.0, gt=0, description="loss_type vespo: the decay lambda of the gamma weight "
+                                    "where the advantage is >= 0: how hard w > 1 is weighed down")
+    vespo_k_neg: float = Field(3.0, ge=0, description="loss_type vespo: the power k where the advantage is < 0")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="loss_type vespo: the decay lambda where the advantage "
+                                    "is < 0")
 
     @property
     def corrects_sampler(self) -> bool:
@@ -408,6 +419,10 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
             log.warning("objective.importance_sampling_level=%s with loss_type=%s sums token losses, so each "
                         "completion's sequence loss counts by its length; GSPO averages per completion: "
                         "loss_type grpo", self.importance_sampling_level, self.loss_type)
+        if self.importance_sampling_level != "token" and self.loss_type == "vespo":
+            log.warning("objective.importance_sampling_level=%s under loss_type=vespo weighs only the KL term: "
+                        "VESPO weighs each completion by its own sequence ratio; leave it at token",
+                        self.importance_sampling_level)
         if self.importance_sampling_level == "token" and self.loss_type == "luspo":
             log.warning("objective.loss_type=luspo with importance_sampling_level=token sums token ratios' losses "
                         "per completion; LUSPO's is the sequence ratio: importance_sampling_level sequence")
@@ -418,6 +433,10 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
         lo, hi = self.importance_sampling_min, self.importance_sampling_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"objective.importance_sampling_min={lo} is above importance_sampling_max={hi}")
+        if self.loss_type == "vespo" and self.importance_sampling.startswith("sequence"):
+            raise ValueError(f"objective.importance_sampling={self.importance_sampling} with loss_type=vespo: VESPO "
+                             "multiplies the sampler's token ratios into its sequence ratio; choose token_truncate "
+                             "or token_mask")
         if self.corrects_sampler and self.old_logps == "sampler" and self.num_iterations > 1:
             raise ValueError("objective.importance_sampling corrects the sampler's log-probs with the trainer's: "
                              "with num_iterations > 1 it needs objective.old_logps=trainer (sampler makes every "

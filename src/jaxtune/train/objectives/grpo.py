@@ -42,6 +42,14 @@ held constant, ``loss_t = -stop_gradient(min(r, epsilon_high)) * A * log π(toke
 faster for the larger τ (negative advantages get the larger by default: their updates destabilise more). Averaged as
 ``grpo``; nothing is clipped, so it logs no clip ratios.
 
+``vespo`` (VESPO, as TRL runs it) weighs each token's log-prob by a smooth function of its completion's sequence
+ratio w = Π_t r_t (times the sampler's token weights when ``importance_sampling`` corrects for them, instead of
+multiplying the loss): ``loss_t = -φ(w) · A · log π(token)``, φ(w) = e^λ w^k e^(-λ w) held constant, 1 at w = 1 and
+falling on both sides (k how fast below 1, λ above), with ``vespo_k_pos``/``vespo_lambda_pos`` where A >= 0 and
+``vespo_k_neg``/``vespo_lambda_neg`` where A < 0. It replaces the clip, so it logs the mean φ per completion
+(``vespo/phi_seq_mean``) instead of clip ratios; averaged as ``dapo``; ``importance_sampling_level`` then weighs only
+the KL term.
+
 Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``,
 ``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens, or of completions at
 sequence level, whose ratio was clipped below, above, either). What RLOO does the same way (the old log-probs, the
@@ -50,6 +58,7 @@ clip, its metrics) is `policy_gradient`'s.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -63,6 +72,9 @@ from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
 LOSS_TYPES = OBJECTIVES["grpo"].loss_types
+# VESPO's log sequence ratio is cut to [log 1e-8, 20] (TRL's bounds), its token log-ratios to ±20: the weight stays
+# finite, and a sampler weight masked to 0 counts as 1e-8, not -inf.
+LOG_FLOOR, LOG_CEILING = math.log(1e-8), 20.0
 
 
 def token_advantages(batch: Batch) -> jax.Array:
@@ -111,6 +123,10 @@ class GRPO:
     importance_sampling_level: str = "token"  # TRL's: where the policy ratio is taken (see the module)
     sapo_temperature_pos: float = 1.0  # sapo's gate temperature where A > 0
     sapo_temperature_neg: float = 1.05  # and where A <= 0
+    vespo_k_pos: float = 2.0  # vespo's gamma weight where A >= 0: power k, decay lambda
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0  # and where A < 0
+    vespo_lambda_neg: float = 2.0
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
@@ -121,7 +137,9 @@ class GRPO:
                    importance_sampling_max=cfg.importance_sampling_max,
                    importance_sampling_min=cfg.importance_sampling_min,
                    importance_sampling_level=cfg.importance_sampling_level,
-                   sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg)
+                   sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+                   vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
+                   vespo_lambda_neg=cfg.vespo_lambda_neg)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -135,6 +153,8 @@ class GRPO:
     def metric_names(self) -> tuple[str, ...]:
         if self.loss_type == "sapo":  # a gate, nothing clipped
             return ("kl",)
+        if self.loss_type == "vespo":
+            return ("kl", "vespo/phi_seq_mean")
         clipped = ("cispo_clip_ratio",) if self.loss_type == "cispo" else (
             "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
         return ("kl", *clipped)
@@ -169,6 +189,24 @@ class GRPO:
         bounds = pg.ClipBounds.of(self.epsilon, self.epsilon_high)
         return pg.clipped_surrogate(ratio.tokens, adv, bounds), pg.clip_metrics(
             ratio.units, ratio.adv, bounds, ratio.count, ratio.mask)
+
+    def gamma_weighted(self, logps: jax.Array, old: jax.Array, adv: jax.Array, batch: Batch, completions: jax.Array,
+                       weight: jax.Array | None) -> tuple[jax.Array, Metrics]:
+        """VESPO's loss per token, -φ(w) · A · log π(token), and ``vespo/phi_seq_mean``: φ(w) = e^λ w^k e^(-λ w), held
+        constant, of its completion's sequence ratio w = Π π / π_old over its tokens, times the sampler's token
+        weights ``weight`` (if any); k and λ by the sign of A (``adv``, the tokens')."""
+        mask = batch["loss_mask"]
+        log_ratio = jnp.clip(jax.lax.stop_gradient(logps) - old, -LOG_CEILING, LOG_CEILING) * mask
+        log_w = pg.per_completion(log_ratio, completions)  # (rows, C)
+        if weight is not None:
+            log_w = log_w + pg.per_completion(jnp.clip(jnp.log(weight), LOG_FLOOR, LOG_CEILING) * mask, completions)
+        log_w = jnp.clip(log_w, LOG_FLOOR, LOG_CEILING)
+        gains = pg.completion_advantages(batch, completions) >= 0
+        k = jnp.where(gains, self.vespo_k_pos, self.vespo_k_neg)
+        lam = jnp.where(gains, self.vespo_lambda_pos, self.vespo_lambda_neg)
+        phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))  # (rows, C); 1 at w = 1
+        per_token = -pg.on_tokens(phi, completions) * adv * logps
+        return per_token, {"vespo/phi_seq_mean": (jnp.sum(phi), jnp.asarray(phi.size, jnp.float32))}
 
     def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
         """(N, T) log-probs of the batch's targets under the tempered policy."""
@@ -213,12 +251,15 @@ class GRPO:
         adv, completions = token_advantages(batch), pg.completion_masks(batch)
         tokens = jnp.sum(mask)
         ratio = self.ratio(logps, old, batch, adv, completions, tokens)
-        per_token, clip_metrics = self.surrogate(logps, ratio, adv)
-        metrics = pg.sampler_agreement(batch, logps)
+        metrics, weight = pg.sampler_agreement(batch, logps), None
         if metrics and self.importance_sampling != "off":
             weight, weight_metrics = self.importance_weight(batch, old, completions)
-            per_token = per_token * weight
             metrics.update(weight_metrics)
+        if self.loss_type == "vespo":  # the sampler's weights enter its sequence ratio (TRL's), not the loss
+            per_token, policy_metrics = self.gamma_weighted(logps, old, adv, batch, completions, weight)
+        else:
+            per_token, policy_metrics = self.surrogate(logps, ratio, adv)
+            per_token = per_token if weight is None else per_token * weight
         if self.beta > 0:
             if reference is None:
                 raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
@@ -229,7 +270,7 @@ class GRPO:
             metrics["kl"] = (jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens)
         else:
             metrics["kl"] = (jnp.zeros((), jnp.float32), tokens)
-        metrics.update(clip_metrics)
+        metrics.update(policy_metrics)
         summed = per_token * mask
         n = jnp.asarray(batch["advantages"].size, jnp.float32)  # completions
         if self.loss_type in ("grpo", "sapo"):  # each completion's mean token loss
@@ -238,6 +279,6 @@ class GRPO:
             total, count = jnp.sum(summed), n * self.max_completion_length
         elif self.loss_type == "luspo":  # each completion's summed token loss
             total, count = jnp.sum(summed), n
-        else:  # dapo, cispo
+        else:  # dapo, cispo, vespo
             total, count = jnp.sum(summed), tokens
         return total, count, metrics
