@@ -46,6 +46,8 @@ Error measure: rel(ours, ref) = max|ours - ref| / max|ref|, float32 on both side
     gradients, clip ratios and kl                                                                  rel <= 1e-5
   * vespo (on- and off-policy, with beta, other k and lambda; rows and shared-prompt rows; token_truncate and
     token_mask sampler weights): loss, gradients, vespo/phi_seq_mean and kl                       rel <= 1e-5
+  * bnpo vs TRL's bnpo on one micro-batch (on- and off-policy): loss, gradients, clip ratios       rel <= 1e-5
+    and vs our dapo                                                                                bitwise
   * the train step (dapo, with ``old_logps``) in 2 micro-batches of different token counts vs 1: loss, metrics, and
     every parameter's update                                                                       rel <= 1e-6
   * objective.num_iterations=2 through the train step: `GRPO.prepare` called once, 2 AdamW updates, every
@@ -534,6 +536,25 @@ def test_luspo_matches_trl(checkpoints, tokenizer, native, tmp_path, caplog, off
         mine = ours(native, native.policy, batch, **keys)
         assert mine.count == N
         assert_matches(mine, theirs, names)
+
+
+@pytest.mark.parametrize("off", [True, False], ids=["off", "on"])
+def test_bnpo_is_dapo_and_trls_bnpo_on_one_micro_batch(checkpoints, tokenizer, native, tmp_path, off):
+    """loss_type=bnpo is TRL's token mean per micro-batch. jaxtune's micro-batches add their sums and counts
+    exactly, so its token mean is the whole batch's, dapo's, whatever the micro-batches
+    (test_micro_batches_give_the_same_update): on one micro-batch, the batch TRL's bnpo sees here, loss, gradients
+    and clip ratios equal GRPOTrainer's bnpo, on-policy and with the old checkpoint's log-probs; and they are our
+    dapo's bit for bit, with the same count."""
+    keys = {"loss_type": "bnpo", **OFF_POLICY}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=off, **keys)
+    batch = our_batch(theirs.old_logps)
+    mine = ours(native, native.policy, batch, **keys)
+    assert_matches(mine, theirs, CLIP_METRICS if off else ())
+    assert all(theirs.metrics[k] > 0 for k in CLIP_METRICS) == off
+    dapo = ours(native, native.policy, batch, **{**keys, "loss_type": "dapo"})
+    assert (mine.loss, mine.count, mine.metrics) == (dapo.loss, dapo.count, dapo.metrics)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(mine.grads), jax.tree.leaves(dapo.grads),
+                                                    strict=True))
 
 
 VESPO_GAMMA = {"vespo_k_pos": 1.0, "vespo_lambda_pos": 1.5, "vespo_k_neg": 4.0, "vespo_lambda_neg": 0.5}

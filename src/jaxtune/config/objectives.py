@@ -29,7 +29,7 @@ IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate
 # log-ratio (sequence) or each token's own (sequence_token, GSPO-token).
 RATIO_LEVELS = ("token", "sequence", "sequence_token")
 # The loss types that sum token losses over the batch: a sequence-level ratio then counts each completion by its length.
-TOKEN_SUMS = ("dapo", "dr_grpo", "cispo")
+TOKEN_SUMS = ("dapo", "dr_grpo", "bnpo", "cispo")
 # The keys of one GRPO loss type, refused under another unless at their defaults (what a saved config holds).
 LOSS_TYPE_KEYS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
                   "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
@@ -354,9 +354,10 @@ class GRPOConfig(ClippedPolicy, LossTypes, Weighted):
     loss_type: Literal[_GRPO.loss_types] = Field(
         _GRPO.default_loss_type, description="how the per-token losses are averaged: dapo (over the whole batch's "
         "completion tokens), grpo (per sequence, then over sequences), dr_grpo (summed, over sequences x "
-        "max_completion_length); cispo (MiniMax-M1's: every token's log-prob weighted by its ratio capped at "
-        "epsilon_high, an absolute cap, held constant; averaged as dapo); sapo (SAPO's soft gate 4/tau x "
-        "sigmoid(tau (r - 1)) in place of the clip; averaged as grpo); luspo (LUSPO: each completion's summed loss, "
+        "max_completion_length), bnpo (TRL's token mean per micro-batch: here the exact whole-batch token mean, "
+        "dapo's, which TRL's bnpo is on one micro-batch); cispo (MiniMax-M1's: every token's log-prob weighted by its "
+        "ratio capped at epsilon_high, an absolute cap, held constant; averaged as dapo); sapo (SAPO's soft gate 4/tau "
+        "x sigmoid(tau (r - 1)) in place of the clip; averaged as grpo); luspo (LUSPO: each completion's summed loss, "
         "then the mean over completions, so a completion counts by its length; with importance_sampling_level "
         "sequence); vespo (VESPO: each token's log-prob weighted by its completion's gamma weight of the sequence "
         "ratio, held constant, no clip; averaged as dapo)")

@@ -28,8 +28,10 @@ How the token losses are averaged (``loss_type``, TRL's names): ``grpo``, each c
 completions; ``dapo``, the mean over every completion token of the batch; ``dr_grpo``, the sum over completion tokens
 divided by (completions × ``max_completion_length``); ``luspo`` (LUSPO, made for a ``sequence`` ratio: GSPO's loss
 with each completion counted by its length), each completion's sum, then the mean over completions. Each is a sum and
-a count here, so micro-batches add up to the whole batch's value. (TRL's ``bnpo``, a mean of per-micro-batch token
-means, is not a sum over a count: it is ``dapo`` when there is one micro-batch.)
+a count here, so micro-batches add up to the whole batch's value. ``bnpo`` is TRL's name for a token mean per
+micro-batch (then the mean over micro-batches); here micro-batches add their sums and counts exactly, so its token mean
+is the whole batch's: ``dapo``'s, and TRL's ``bnpo`` when the batch is one micro-batch. It is accepted under its name
+for configs written for TRL, and computed as ``dapo``.
 
 ``cispo`` (MiniMax-M1's CISPO, as ScaleRL and TRL run it) clips the importance weight instead of the update: every
 token keeps its gradient, weighted by its ratio capped at ``epsilon_high`` (an absolute cap, ε_max, not 1 + ε) and
@@ -279,6 +281,6 @@ class GRPO:
             total, count = jnp.sum(summed), n * self.max_completion_length
         elif self.loss_type == "luspo":  # each completion's summed token loss
             total, count = jnp.sum(summed), n
-        else:  # dapo, cispo, vespo
+        else:  # dapo, bnpo (see the module), cispo, vespo
             total, count = jnp.sum(summed), tokens
         return total, count, metrics
