@@ -321,8 +321,8 @@ RESOLVED = yaml.safe_load((FIXTURES / "saved_configs_resolved.yaml").read_text()
 @pytest.mark.parametrize("path", SAVED, ids=lambda p: p.stem)
 def test_a_config_saved_with_every_objective_key_loads_and_resumes_unchanged(path):
     """A saved config listing all 29 objective keys (those that do not apply at their unset values) loads: those
-    keys are dropped, every other value is the saved one (an unset beta or loss_type: the objective's default),
-    the objective resolves as before, and resuming its checkpoint sees no identity change."""
+    keys are dropped, every other value is the saved one (an unset beta or loss_type, or a key added since: the
+    objective's default), the objective resolves as before, and resuming its checkpoint sees no identity change."""
     saved = yaml.safe_load(path.read_text())
     cfg = load_config(path)
     now = cfg.to_dict()

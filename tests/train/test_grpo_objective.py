@@ -6,7 +6,8 @@ The rollout is made by hand: 2 prompts (3 and 9 tokens) x a group of 4 completio
 ending in EOS but one cut at ``max_completion_length`` = 12; made-up rewards, one group's all equal; advantages by
 TRL's group normalisation ((r - group mean) / (group std + 1e-4), `trl.trainer.utils.nanstd`), which
 `jaxtune.train.rewards.group_advantages` is checked to reproduce. Both sides get those advantages. Ours lays the
-rollout out as the loop does (`jaxtune.train.rollout.training_rows`, right-padded rows of prompt then completion);
+rollout out as the loop does (`jaxtune.train.rollout.training_rows`, right-padded rows of prompt then completion;
+where a check says so, also `shared_rows`, each prompt once then its completions in regions: `shared_batch`);
 TRL's inputs are as ``_generate_and_score_completions`` makes them: ``prompt_ids``/``prompt_mask`` left-padded,
 ``completion_ids``/``completion_mask`` right-padded (the mask through the EOS, all ones for the cut one),
 ``advantages`` (B,), ``num_items_in_batch`` (the completion tokens), ``ref_per_token_logps`` when beta > 0 and
@@ -35,6 +36,18 @@ Error measure: rel(ours, ref) = max|ours - ref| / max|ref|, float32 on both side
   * dapo, beta = 0.04, with ``old_logps``: loss and gradients (the KL term weighted by the ratio, TRL's
     use_bias_correction_kl)                                                                        rel <= 1e-5
     and the ``kl`` metric vs TRL's logged one (both the ratio-weighted mean the loss adds)          rel <= 1e-5
+  * importance_sampling_level sequence (grpo with and without beta, cispo, off-policy; dapo on-policy), in rows and
+    shared-prompt rows: loss, gradients, the clip ratios (per completion) and kl                  rel <= 1e-5
+  * sequence_token vs the GSPO-token formula written out in the test (jaxtune on both sides): loss and every
+    gradient leaf; its loss and metrics vs sequence's                                              rel <= 1e-5
+  * sapo (on- and off-policy, with beta, other temperatures, a sequence ratio), rows and shared-prompt rows: loss,
+    gradients and kl                                                                               rel <= 1e-5
+  * luspo (a sequence ratio on- and off-policy, with beta; token ratios), rows and shared-prompt rows: loss,
+    gradients, clip ratios and kl                                                                  rel <= 1e-5
+  * vespo (on- and off-policy, with beta, other k and lambda; rows and shared-prompt rows; token_truncate and
+    token_mask sampler weights): loss, gradients, vespo/phi_seq_mean and kl                       rel <= 1e-5
+  * bnpo vs TRL's bnpo on one micro-batch (on- and off-policy): loss, gradients, clip ratios       rel <= 1e-5
+    and vs our dapo                                                                                bitwise
   * the train step (dapo, with ``old_logps``) in 2 micro-batches of different token counts vs 1: loss, metrics, and
     every parameter's update                                                                       rel <= 1e-6
   * objective.num_iterations=2 through the train step: `GRPO.prepare` called once, 2 AdamW updates, every
@@ -69,7 +82,7 @@ from jaxtune.config import ObjectiveConfig, TrainConfig, objective_config
 from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.train.objectives import GRPO, RLOO, Reference, make_objective
 from jaxtune.train.rewards import group_advantages, leave_one_out_advantages
-from jaxtune.train.rollout import training_rows
+from jaxtune.train.rollout import shared_rows, training_rows
 from jaxtune.train.step import build_steps, per_unit
 
 torch = pytest.importorskip("torch", reason="the TRL comparisons run PyTorch")
@@ -90,6 +103,9 @@ REWARDS = [1.0, 0.0, 0.5, -0.5, 0.5, 0.5, 0.5, 0.5]  # the second group's all eq
 N = len(COMPLETIONS)
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 OFF_POLICY = {"epsilon": 0.2, "epsilon_high": 0.28}  # the mu > 1 checks' clipping (DAPO's clip-higher)
+# A sequence's ratio (the geometric mean of its tokens') moves less than its tokens': a narrower clip, which some of the
+# old checkpoint's completions leave
+SEQUENCE_CLIP = {"epsilon": 0.02, "epsilon_high": 0.02}
 
 
 def update_error(new, ref_new, start, ulps: int = 1) -> float:
@@ -149,6 +165,20 @@ def our_batch(old_logps: np.ndarray | None = None, sampler_logps: np.ndarray | N
     if sampler_logps is not None:
         batch[SAMPLER_LOGPS_KEY] = sampler_logps
     return batch if old_logps is None else {**batch, "old_logps": old_logps}
+
+
+def shared_batch(old_logps: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The rollout as shared-prompt rows, as the loop lays it out by default (`shared_rows`: each prompt once, then
+    its GROUP completions in MAX_COMPLETION slots each), advantages (prompts, GROUP); ``old_logps`` (N, T), in
+    our_batch's rows, moved to the completions' slots."""
+    prompt_ids = [prompt_of(i) for i in range(N)]
+    lay = lambda values: shared_rows(prompt_ids, COMPLETIONS, values, GROUP, T, MAX_COMPLETION)
+    batch = {**lay([[0.0] * len(c) for c in COMPLETIONS]), "advantages": ADVANTAGES.reshape(-1, GROUP)}
+    if old_logps is None:
+        return batch
+    starts = [len(prompt_of(i)) - 1 for i in range(N)]
+    moved = [old_logps[i, s:s + len(c)].tolist() for i, (s, c) in enumerate(zip(starts, COMPLETIONS))]
+    return {**batch, "old_logps": lay(moved)[SAMPLER_LOGPS_KEY]}
 
 
 def completion_to_rows(x: torch.Tensor) -> np.ndarray:
@@ -387,6 +417,202 @@ def test_cispo_needs_its_cap():
     weight cut to 0.2, as TRL does), so it is refused, naming the key."""
     with pytest.raises(ValueError, match="loss_type=cispo caps each token's ratio at objective.epsilon_high"):
         objective_cfg(loss_type="cispo")
+
+
+@pytest.mark.parametrize("loss_type, beta, off", [("grpo", 0.0, True), ("grpo", 0.04, True), ("dapo", 0.0, False),
+                                                ("cispo", 0.0, True)])
+def test_sequence_level_matches_trl(checkpoints, tokenizer, native, tmp_path, loss_type, beta, off):
+    """importance_sampling_level=sequence (GSPO: each completion's ratio the exp of its tokens' mean log-ratio, the
+    gradient through that mean, weighing its tokens' losses and the KL term): loss, gradients and the clip metrics,
+    counted per completion as TRL logs them, equal GRPOTrainer's, with the old checkpoint's log-probs (some
+    completions clipped, not all) and on-policy (dapo: none clipped), with and without the KL term, in rows and in
+    shared-prompt rows."""
+    clip = {"epsilon_high": 1 + SEQUENCE_CLIP["epsilon_high"]} if loss_type == "cispo" else SEQUENCE_CLIP
+    keys = {"beta": beta, "loss_type": loss_type, "importance_sampling_level": "sequence", **clip}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=off, **keys)
+    clipped = ("cispo_clip_ratio",) if loss_type == "cispo" else CLIP_METRICS
+    shares = {k: theirs.metrics[k] * N for k in clipped}  # completions, not tokens: whole numbers
+    assert all(v == pytest.approx(round(v), abs=1e-6) for v in shares.values()), shares
+    region = shares.get("cispo_clip_ratio", shares.get("clip_ratio/region_mean"))
+    assert 0 < region < N if off else region == 0, shares
+    names = tuple(k for k in clipped if shares[k]) + (("kl",) if beta else ())
+    for batch in (our_batch(theirs.old_logps), shared_batch(theirs.old_logps)):
+        mine = ours(native, native.policy, batch, **keys)
+        assert_matches(mine, theirs, names)
+        assert all(mine.metrics[k] == 0 for k in clipped if not shares[k])
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_sequence_token_is_gspo_token(native, off_policy, beta):
+    """importance_sampling_level=sequence_token (GSPO-token, which TRL 1.16 lacks) is the GSPO paper's formula,
+    written out below: s_t = sg[s] · π(y_t) / sg[π(y_t)] with s the completion's exp mean log-ratio, -min(s_t A,
+    clip(s_t) A) plus beta times the k3 KL weighted by s_t, each completion's mean, then the mean over completions.
+    With the old checkpoint's log-probs its loss and gradients are the formula's, in rows and shared-prompt rows;
+    its loss and metrics are ``sequence``'s (s_t's value is s). With one advantage per completion its policy term's
+    gradient is ``sequence``'s too (the GSPO paper's remark): they differ through the KL term's weight, whose
+    gradient is each token's own."""
+    keys = {"loss_type": "grpo", "beta": beta, **SEQUENCE_CLIP}
+    old, batch = off_policy.old_logps, our_batch(off_policy.old_logps)
+    forward = native.spec.forward()
+    rows = {k: jnp.asarray(v) for k, v in batch.items() if k in ("inputs", "targets", "positions", "segment_ids")}
+    mask, adv = jnp.asarray(batch["loss_mask"]), jnp.asarray(ADVANTAGES)[:, None]
+    low, high = 1 - SEQUENCE_CLIP["epsilon"], 1 + SEQUENCE_CLIP["epsilon_high"]
+
+    def gspo_token(params, ref):
+        logps = forward.token_logps(params, rows)
+        s = jnp.exp(jnp.sum((logps - old) * mask, 1, keepdims=True) / jnp.sum(mask, 1, keepdims=True))
+        s_t = jax.lax.stop_gradient(s) * jnp.exp(logps - jax.lax.stop_gradient(logps))
+        delta = forward.token_logps(ref, rows) - logps
+        per_token = -jnp.minimum(s_t * adv, jnp.clip(s_t, low, high) * adv) + beta * (
+            jnp.exp(delta) - delta - 1) * s_t
+        return jnp.mean(jnp.sum(per_token * mask, 1) / jnp.sum(mask, 1))
+
+    with sharding.use_mesh(MESH):
+        loss, grads = jax.jit(jax.value_and_grad(gspo_token), compiler_options=trl_reference.FAST_COMPILE)(
+            native.policy, native.ref)
+    sequence = ours(native, native.policy, batch, importance_sampling_level="sequence", **keys)
+    assert 0 < sequence.metrics["clip_ratio/region_mean"] < 1
+    for layout in (batch, shared_batch(old)):
+        mine = ours(native, native.policy, layout, importance_sampling_level="sequence_token", **keys)
+        assert rel(mine.loss, float(loss)) <= TOL and rel(mine.loss, sequence.loss) <= TOL
+        assert all(rel(mine.metrics[k], v) <= TOL for k, v in sequence.metrics.items() if v), mine.metrics
+        errors = [rel(a, b) for a, b in zip(jax.tree.leaves(mine.grads), jax.tree.leaves(grads), strict=True)]
+        assert max(errors) <= TOL, errors
+    apart = rel(mine.grads["lm_head"]["embedding"], sequence.grads["lm_head"]["embedding"])
+    assert apart > 1e-3 if beta else apart <= TOL
+
+
+def test_a_sequence_ratio_summed_over_tokens_is_warned_of(caplog):
+    """A sequence-level ratio with a loss type that sums token losses (dapo, the default; dr_grpo; cispo) counts
+    each completion by its length: TRL's warning, one line naming both keys and GSPO's loss type; none with grpo."""
+    with caplog.at_level("WARNING", logger="jaxtune.config.objectives"):
+        objective_cfg(importance_sampling_level="sequence")
+        assert "importance_sampling_level=sequence with loss_type=dapo sums token losses" in caplog.text
+        caplog.clear()
+        objective_cfg(importance_sampling_level="sequence_token", loss_type="grpo")
+        assert not caplog.records
+
+
+@pytest.mark.parametrize("off, beta, level, temperatures", [
+    (True, 0.0, "token", {}), (True, 0.04, "token", {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5}),
+    (False, 0.04, "token", {"sapo_temperature_pos": 0.5}), (True, 0.0, "sequence", {})],
+    ids=["off", "off-kl-tau", "on-kl-tau", "off-sequence"])
+def test_sapo_matches_trl(checkpoints, tokenizer, native, tmp_path, off, beta, level, temperatures):
+    """loss_type=sapo (the soft gate 4/τ · σ(τ (r - 1)) in place of the clip, averaged as grpo): loss, gradients and
+    the kl metric equal GRPOTrainer's, on-policy and with the old checkpoint's log-probs, at TRL's temperatures and
+    others, with token and sequence ratios, in rows and shared-prompt rows; no clip ratios logged on either side.
+    Off-policy its update is not the clipped one's. (On-policy the gate is 2/τ and a group's advantages sum to 0, so
+    at TRL's temperatures the loss nearly cancels; the on-policy case takes another τ where A > 0.)"""
+    keys = {"loss_type": "sapo", "beta": beta, "importance_sampling_level": level, **temperatures}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=off, **keys)
+    assert not any(k.startswith(("clip_ratio", "cispo")) for k in theirs.metrics), theirs.metrics
+    for batch in (our_batch(theirs.old_logps), shared_batch(theirs.old_logps)):
+        mine = ours(native, native.policy, batch, **keys)
+        assert_matches(mine, theirs, ("kl",) if beta else ())
+        assert set(mine.metrics) == {"kl", "sampler_logp_diff/mean", "sampler_logp_diff/max"}
+    if off:
+        clipped = ours(native, native.policy, our_batch(theirs.old_logps), loss_type="grpo", beta=beta,
+                       importance_sampling_level=level)
+        assert rel(mine.grads["lm_head"]["embedding"], clipped.grads["lm_head"]["embedding"]) > 1e-3
+
+
+@pytest.mark.parametrize("off, beta, level", [(True, 0.0, "sequence"), (True, 0.04, "sequence"),
+                                              (False, 0.0, "sequence"), (True, 0.0, "token")],
+                         ids=["off", "off-kl", "on", "off-token-ratios"])
+def test_luspo_matches_trl(checkpoints, tokenizer, native, tmp_path, caplog, off, beta, level):
+    """loss_type=luspo (each completion's summed loss, then the mean over completions): loss, gradients and the
+    metrics (clip ratios per completion with a sequence ratio, per token with token ratios; kl) equal
+    GRPOTrainer's, with LUSPO's sequence ratio on- and off-policy, with the KL term, and with token ratios (which
+    TRL and jaxtune warn of), in rows and shared-prompt rows; the count is the completions."""
+    keys = {"loss_type": "luspo", "beta": beta, "importance_sampling_level": level,
+            **(SEQUENCE_CLIP if level == "sequence" else OFF_POLICY)}
+    with caplog.at_level("WARNING", logger="jaxtune.config.objectives"):
+        objective_cfg(**keys)
+    assert ("LUSPO's is the sequence ratio" in caplog.text) == (level == "token")
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=off, **keys)
+    assert (theirs.metrics["clip_ratio/region_mean"] > 0) == off
+    names = tuple(k for k in CLIP_METRICS if theirs.metrics[k]) + (("kl",) if beta else ())
+    for batch in (our_batch(theirs.old_logps), shared_batch(theirs.old_logps)):
+        mine = ours(native, native.policy, batch, **keys)
+        assert mine.count == N
+        assert_matches(mine, theirs, names)
+
+
+@pytest.mark.parametrize("off", [True, False], ids=["off", "on"])
+def test_bnpo_is_dapo_and_trls_bnpo_on_one_micro_batch(checkpoints, tokenizer, native, tmp_path, off):
+    """loss_type=bnpo is TRL's token mean per micro-batch. jaxtune's micro-batches add their sums and counts
+    exactly, so its token mean is the whole batch's, dapo's, whatever the micro-batches
+    (test_micro_batches_give_the_same_update): on one micro-batch, the batch TRL's bnpo sees here, loss, gradients
+    and clip ratios equal GRPOTrainer's bnpo, on-policy and with the old checkpoint's log-probs; and they are our
+    dapo's bit for bit, with the same count."""
+    keys = {"loss_type": "bnpo", **OFF_POLICY}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=off, **keys)
+    batch = our_batch(theirs.old_logps)
+    mine = ours(native, native.policy, batch, **keys)
+    assert_matches(mine, theirs, CLIP_METRICS if off else ())
+    assert all(theirs.metrics[k] > 0 for k in CLIP_METRICS) == off
+    dapo = ours(native, native.policy, batch, **{**keys, "loss_type": "dapo"})
+    assert (mine.loss, mine.count, mine.metrics) == (dapo.loss, dapo.count, dapo.metrics)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(mine.grads), jax.tree.leaves(dapo.grads),
+                                                    strict=True))
+
+
+VESPO_GAMMA = {"vespo_k_pos": 1.0, "vespo_lambda_pos": 1.5, "vespo_k_neg": 4.0, "vespo_lambda_neg": 0.5}
+
+
+@pytest.mark.parametrize("off, beta, gamma", [(True, 0.0, {}), (True, 0.04, VESPO_GAMMA), (False, 0.0, {})],
+                         ids=["off", "off-kl-gamma", "on"])
+def test_vespo_matches_trl(checkpoints, tokenizer, native, tmp_path, off, beta, gamma):
+    """loss_type=vespo (each token's log-prob weighted by its completion's gamma weight φ(w) of the sequence ratio,
+    held constant; averaged as dapo): loss, gradients, ``vespo/phi_seq_mean`` and kl equal GRPOTrainer's,
+    on-policy (φ = 1) and with the old checkpoint's log-probs, at TRL's k and λ and others, with the KL term, in rows
+    and shared-prompt rows; no clip ratios."""
+    keys = {"loss_type": "vespo", "beta": beta, **gamma}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=off, **keys)
+    phi = theirs.metrics["vespo/phi_seq_mean"]
+    assert (abs(phi - 1) > 1e-2) if off else phi == pytest.approx(1.0, abs=1e-6), phi
+    for batch in (our_batch(theirs.old_logps), shared_batch(theirs.old_logps)):
+        mine = ours(native, native.policy, batch, **keys)
+        assert_matches(mine, theirs, ("vespo/phi_seq_mean",) + (("kl",) if beta else ()))
+        assert not any(k.startswith(("clip_ratio", "cispo")) for k in {*mine.metrics, *theirs.metrics})
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max", [("token_truncate", None, 1.05), ("token_mask", 0.3, 3.0)])
+def test_vespo_folds_the_sampler_weights_in_as_trl(checkpoints, tokenizer, native, tmp_path, mode, clip_min,
+                                                   clip_max):
+    """vespo with objective.importance_sampling (the old checkpoint's log-probs as the sampler's): the sampler's
+    token weights enter each completion's sequence ratio, not the loss (a weight masked to 0 as 1e-8), as
+    GRPOTrainer's vLLM correction does: loss, gradients and ``vespo/phi_seq_mean`` equal its. Sequence-level
+    weights are refused (TRL's rule); a sequence policy ratio under vespo weighs only the KL term, which is warned
+    of."""
+    bounds = {"clip_min": clip_min, "clip_max": clip_max}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, importance={"mode": mode, **bounds}, loss_type="vespo")
+    mine = ours(native, native.policy, our_batch(sampler_logps=theirs.sampler_logps), loss_type="vespo",
+                importance_sampling=mode, importance_sampling_min=clip_min, importance_sampling_max=clip_max)
+    assert abs(theirs.metrics["vespo/phi_seq_mean"] - 1) > 1e-2, theirs.metrics
+    assert_matches(mine, theirs, ("vespo/phi_seq_mean",))
+    with pytest.raises(ValueError, match=r"objective.importance_sampling=sequence_mask with loss_type=vespo: .* "
+                                         r"choose token_truncate or token_mask"):
+        objective_cfg(loss_type="vespo", importance_sampling="sequence_mask")
+
+
+def test_vespo_with_a_sequence_policy_ratio_is_warned_of(caplog):
+    """VESPO takes its own sequence ratio, so importance_sampling_level sequence under it weighs only the KL term:
+    TRL's warning, one line."""
+    with caplog.at_level("WARNING", logger="jaxtune.config.objectives"):
+        objective_cfg(loss_type="vespo", importance_sampling_level="sequence")
+    assert "importance_sampling_level=sequence under loss_type=vespo weighs only the KL term" in caplog.text
+
+
+def test_a_loss_types_keys_are_refused_under_another():
+    """sapo's temperatures or vespo's gamma keys under another loss type would change nothing: refused, naming the
+    key, the loss type it applies to and the one set; at their defaults (what a saved config lists) they load."""
+    with pytest.raises(ValueError, match=r"objective.sapo_temperature_neg applies to loss_type sapo, not dapo: drop "
+                                         r"it or set objective.loss_type=sapo"):
+        objective_cfg(sapo_temperature_neg=2.0)
+    with pytest.raises(ValueError, match=r"objective.vespo_lambda_pos applies to loss_type vespo, not sapo"):
+        objective_cfg(loss_type="sapo", vespo_lambda_pos=1.0)
+    assert objective_cfg(loss_type="grpo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05).loss_type == "grpo"
 
 
 @pytest.fixture(scope="module")

@@ -213,8 +213,9 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("simpo", (PAIRS,), "SimPO: length-normalised, reference-free, with a target margin"),
     ObjectiveKind("orpo", (PAIRS,), "ORPO: the chosen reply's NLL plus an odds-ratio term, reference-free"),
     ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
-                  loss_types=("dapo", "grpo", "dr_grpo", "cispo"), beta_range="nonnegative", companion="reference",
-                  companion_when="beta", passes_key="num_iterations", completions="sampled", min_generations=2),
+                  loss_types=("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"),
+                  beta_range="nonnegative", companion="reference", companion_when="beta", passes_key="num_iterations",
+                  completions="sampled", min_generations=2),
     ObjectiveKind("kto", (UNPAIRED,), "KTO: unpaired desirable and undesirable completions against a frozen "
                   "reference, each reward measured from a KL baseline estimated on mismatched rows (TRL's KTOTrainer)",
                   loss_types=("kto", "apo_zero_unpaired"), companion="reference", prepares=True,

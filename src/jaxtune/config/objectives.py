@@ -13,6 +13,7 @@ A key of another objective is an error naming it and listing this objective's ke
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
@@ -25,6 +26,16 @@ from jaxtune.config.rewards import RewardConfig
 # TRL 1.16's sigmoid has none), robust, exo_pair (which needs it > 0), aot and aot_unpaired; and simpo's loss.
 SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# Where GRPO's policy ratio is taken: per token, or per completion (GSPO), its gradient through the completion's mean
+# log-ratio (sequence) or each token's own (sequence_token, GSPO-token).
+RATIO_LEVELS = ("token", "sequence", "sequence_token")
+# The loss types that sum token losses over the batch: a sequence-level ratio then counts each completion by its length.
+TOKEN_SUMS = ("dapo", "dr_grpo", "bnpo", "cispo")
+# The keys of one GRPO loss type, refused under another unless at their defaults (what a saved config holds).
+LOSS_TYPE_KEYS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+                  "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
+
+log = logging.getLogger(__name__)
 
 # Every objective key's unset values: a key that does not apply to the configured objective is dropped where it
 # holds one of these, and refused otherwise (``loss_type: sigmoid`` is unset on objectives without loss types).
@@ -39,6 +50,8 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "ref_model_sync_steps": (512,),
     "num_iterations": (1,), "rewards": ([],), "reward_errors": ("raise",), "old_logps": (None,),
     "importance_sampling": ("off",), "importance_sampling_max": (3.0,), "importance_sampling_min": (None,),
+    "importance_sampling_level": ("token",), "sapo_temperature_pos": (1.0,), "sapo_temperature_neg": (1.05,),
+    "vespo_k_pos": (2.0,), "vespo_lambda_pos": (3.0,), "vespo_k_neg": (3.0,), "vespo_lambda_neg": (2.0,),
 }
 
 
@@ -400,8 +413,13 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
     loss_type: Literal[_GRPO.loss_types] = Field(
         _GRPO.default_loss_type, description="how the per-token losses are averaged: dapo (over the whole batch's "
         "completion tokens), grpo (per sequence, then over sequences), dr_grpo (summed, over sequences x "
-        "max_completion_length); or cispo (MiniMax-M1's: every token's log-prob weighted by its ratio capped at "
-        "epsilon_high, an absolute cap, held constant; averaged as dapo)")
+        "max_completion_length), bnpo (TRL's token mean per micro-batch: here the exact whole-batch token mean, "
+        "dapo's, which TRL's bnpo is on one micro-batch); cispo (MiniMax-M1's: every token's log-prob weighted by its "
+        "ratio capped at epsilon_high, an absolute cap, held constant; averaged as dapo); sapo (SAPO's soft gate 4/tau "
+        "x sigmoid(tau (r - 1)) in place of the clip; averaged as grpo); luspo (LUSPO: each completion's summed loss, "
+        "then the mean over completions, so a completion counts by its length; with importance_sampling_level "
+        "sequence); vespo (VESPO: each token's log-prob weighted by its completion's gamma weight of the sequence "
+        "ratio, held constant, no clip; averaged as dapo)")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide each advantage (the reward less its group's mean) by the std of its group's "
         "rewards (group), of the whole batch's (batch: one std for every group, so a group whose rewards "
@@ -421,6 +439,25 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
     importance_sampling_max: float | None = Field(3.0, gt=0, description="the ratio's upper bound C_max")
     importance_sampling_min: float | None = Field(None, ge=0, description="the ratio's lower bound C_min (default "
                                                   "none)")
+    importance_sampling_level: Literal[RATIO_LEVELS] = Field(
+        "token", description="the policy ratio pi / pi_old that is clipped and weighs the loss: each token's (token), "
+        "or one per completion, exp of the mean over its tokens of log pi - log pi_old (GSPO): its gradient through "
+        "that mean (sequence, TRL's) or each token's own, sg[ratio] x pi(token) / sg[pi(token)] (sequence_token, the "
+        "GSPO paper's GSPO-token, not in TRL 1.16: with one advantage per completion only the KL term's gradient "
+        "differs). GSPO averages as loss_type grpo; with dapo, dr_grpo or cispo a completion counts by its length (a "
+        "warning says so). Not importance_sampling, which corrects the sampler")
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="loss_type sapo: the gate's temperature tau for "
+                                        "tokens with a positive advantage (larger: a narrower gate)")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="loss_type sapo: the gate's temperature tau for "
+                                        "tokens with an advantage <= 0")
+    vespo_k_pos: float = Field(2.0, ge=0, description="loss_type vespo: the power k of the gamma weight w^k "
+                               "exp(lambda (1 - w)) of a completion's sequence ratio w, where its advantage is >= 0: "
+                               "how hard w < 1 is weighed down")
+    vespo_lambda_pos: float = Field(3.0, gt=0, description="loss_type vespo: the decay lambda of the gamma weight "
+                                    "where the advantage is >= 0: how hard w > 1 is weighed down")
+    vespo_k_neg: float = Field(3.0, ge=0, description="loss_type vespo: the power k where the advantage is < 0")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="loss_type vespo: the decay lambda where the advantage "
+                                    "is < 0")
 
     @property
     def corrects_sampler(self) -> bool:
@@ -447,10 +484,40 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
         return self
 
     @model_validator(mode="after")
+    def _loss_type_keys(self) -> GRPOConfig:
+        for loss_type, keys in LOSS_TYPE_KEYS.items():
+            changed = [k for k in keys if getattr(self, k) != type(self).model_fields[k].default]
+            if changed and self.loss_type != loss_type:
+                raise ValueError(f"objective.{changed[0]} applies to loss_type {loss_type}, not {self.loss_type}: "
+                                 f"drop it or set objective.loss_type={loss_type}")
+        return self
+
+    @model_validator(mode="after")
+    def _ratio_level(self) -> GRPOConfig:
+        # A warning, not a refusal: the sum is well defined and TRL runs it, but someone who asks for GSPO's
+        # sequence ratio and keeps the default loss type (dapo) gets a length-weighted loss, not the paper's.
+        if self.importance_sampling_level != "token" and self.loss_type in TOKEN_SUMS:
+            log.warning("objective.importance_sampling_level=%s with loss_type=%s sums token losses, so each "
+                        "completion's sequence loss counts by its length; GSPO averages per completion: "
+                        "loss_type grpo", self.importance_sampling_level, self.loss_type)
+        if self.importance_sampling_level != "token" and self.loss_type == "vespo":
+            log.warning("objective.importance_sampling_level=%s under loss_type=vespo weighs only the KL term: "
+                        "VESPO weighs each completion by its own sequence ratio; leave it at token",
+                        self.importance_sampling_level)
+        if self.importance_sampling_level == "token" and self.loss_type == "luspo":
+            log.warning("objective.loss_type=luspo with importance_sampling_level=token sums token ratios' losses "
+                        "per completion; LUSPO's is the sequence ratio: importance_sampling_level sequence")
+        return self
+
+    @model_validator(mode="after")
     def _importance_sampling(self) -> GRPOConfig:
         lo, hi = self.importance_sampling_min, self.importance_sampling_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"objective.importance_sampling_min={lo} is above importance_sampling_max={hi}")
+        if self.loss_type == "vespo" and self.importance_sampling.startswith("sequence"):
+            raise ValueError(f"objective.importance_sampling={self.importance_sampling} with loss_type=vespo: VESPO "
+                             "multiplies the sampler's token ratios into its sequence ratio; choose token_truncate "
+                             "or token_mask")
         if self.corrects_sampler and self.old_logps == "sampler" and self.num_iterations > 1:
             raise ValueError("objective.importance_sampling corrects the sampler's log-probs with the trainer's: "
                              "with num_iterations > 1 it needs objective.old_logps=trainer (sampler makes every "

@@ -16,26 +16,53 @@ Per completion token, with the log-probs of the tempered distribution the tokens
 gradient), the weights before the step's first update on later passes (``num_iterations`` > 1: the batch's
 ``old_logps``, from `GRPO.prepare`). ``beta`` = 0 needs no reference model.
 
+``importance_sampling_level`` (TRL's) is where r is taken: per token (``token``), or once per completion, GSPO's
+s = exp(mean over its tokens of log π - log π_old) on each of its tokens, in the clip and the KL term alike; its
+gradient flows through that mean (``sequence``, as TRL) or is each token's own, s_t = sg[s] · π(token) / sg[π(token)]
+(``sequence_token``, the GSPO paper's GSPO-token: the same values). With one advantage per completion the two
+policy terms have the same gradient (the paper's remark); the KL term's weight tells them apart. The clip metrics
+then count completions, as TRL's do. GSPO averages as ``grpo``; the loss types that sum token losses weigh each
+completion by its length.
+
 How the token losses are averaged (``loss_type``, TRL's names): ``grpo``, each completion's mean, then the mean over
 completions; ``dapo``, the mean over every completion token of the batch; ``dr_grpo``, the sum over completion tokens
-divided by (completions × ``max_completion_length``). Each is a sum and a count here, so micro-batches add up to the
-whole batch's value. (TRL's ``bnpo``, a mean of per-micro-batch token means, is not a sum over a count: it is
-``dapo`` when there is one micro-batch.)
+divided by (completions × ``max_completion_length``); ``luspo`` (LUSPO, made for a ``sequence`` ratio: GSPO's loss
+with each completion counted by its length), each completion's sum, then the mean over completions. Each is a sum and
+a count here, so micro-batches add up to the whole batch's value. ``bnpo`` is TRL's name for a token mean per
+micro-batch (then the mean over micro-batches); here micro-batches add their sums and counts exactly, so its token mean
+is the whole batch's: ``dapo``'s, and TRL's ``bnpo`` when the batch is one micro-batch. It is accepted under its name
+for configs written for TRL, and computed as ``dapo``.
 
 ``cispo`` (MiniMax-M1's CISPO, as ScaleRL and TRL run it) clips the importance weight instead of the update: every
 token keeps its gradient, weighted by its ratio capped at ``epsilon_high`` (an absolute cap, ε_max, not 1 + ε) and
 held constant, ``loss_t = -stop_gradient(min(r, epsilon_high)) * A * log π(token)``, averaged as ``dapo``; its metric
 ``cispo_clip_ratio`` is the share of completion tokens with a positive advantage whose ratio was capped.
 
+``sapo`` (SAPO, as TRL runs it) replaces the clip by a soft gate: ``loss_t = -(4 / τ) · σ(τ (r - 1)) · A``, with
+τ = ``sapo_temperature_pos`` where A > 0 and ``sapo_temperature_neg`` elsewhere. At r = 1 its gradient is PPO's
+(the gate's slope there is 4 σ'(0) = 1); away from 1 the gradient fades smoothly instead of stopping at the clip,
+faster for the larger τ (negative advantages get the larger by default: their updates destabilise more). Averaged as
+``grpo``; nothing is clipped, so it logs no clip ratios.
+
+``vespo`` (VESPO, as TRL runs it) weighs each token's log-prob by a smooth function of its completion's sequence
+ratio w = Π_t r_t (times the sampler's token weights when ``importance_sampling`` corrects for them, instead of
+multiplying the loss): ``loss_t = -φ(w) · A · log π(token)``, φ(w) = e^λ w^k e^(-λ w) held constant, 1 at w = 1 and
+falling on both sides (k how fast below 1, λ above), with ``vespo_k_pos``/``vespo_lambda_pos`` where A >= 0 and
+``vespo_k_neg``/``vespo_lambda_neg`` where A < 0. It replaces the clip, so it logs the mean φ per completion
+(``vespo/phi_seq_mean``) instead of clip ratios; averaged as ``dapo``; ``importance_sampling_level`` then weighs only
+the KL term.
+
 Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``,
-``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens whose ratio was clipped below,
-above, either). What RLOO does the same way (the old log-probs, the clip, its metrics) is `policy_gradient`'s.
+``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens, or of completions at
+sequence level, whose ratio was clipped below, above, either). What RLOO does the same way (the old log-probs, the
+clip, its metrics) is `policy_gradient`'s.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +74,9 @@ from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
 LOSS_TYPES = OBJECTIVES["grpo"].loss_types
+# VESPO's log sequence ratio is cut to [log 1e-8, 20] (TRL's bounds), its token log-ratios to ±20: the weight stays
+# finite, and a sampler weight masked to 0 counts as 1e-8, not -inf.
+LOG_FLOOR, LOG_CEILING = math.log(1e-8), 20.0
 
 
 def token_advantages(batch: Batch) -> jax.Array:
@@ -57,6 +87,24 @@ def token_advantages(batch: Batch) -> jax.Array:
         return adv[:, None]
     branch = batch[BRANCH_KEY]  # (B, T): 0 the prompt, k the k-th completion; advantages (B, G)
     return jnp.take_along_axis(adv, jnp.clip(branch - 1, 0, adv.shape[1] - 1), axis=1)
+
+
+class Ratio(NamedTuple):
+    """The policy ratio π / π_old at ``importance_sampling_level``: ``tokens``, what each token's loss weighs ((N, T),
+    or (N, 1) where a row's completion has one); and where its clip metrics count it, as TRL's: ``units`` with their
+    advantages ``adv``, those ``mask`` keeps (None: every one), ``count`` of them: each completion token, or each
+    completion ((rows, C)) at sequence level."""
+
+    tokens: jax.Array
+    units: jax.Array
+    adv: jax.Array
+    mask: jax.Array | None
+    count: jax.Array
+
+    def share(self, hit: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The share of counted units where ``hit`` (bool, shaped like ``units``), as (sum, count)."""
+        fixed = jax.lax.stop_gradient(hit.astype(jnp.float32))
+        return jnp.sum(fixed) if self.mask is None else jnp.sum(fixed * self.mask), self.count
 
 
 @dataclass(frozen=True)
@@ -74,6 +122,13 @@ class GRPO:
     importance_sampling: str = "off"  # TRL's vllm_importance_sampling_mode, or off
     importance_sampling_max: float | None = 3.0
     importance_sampling_min: float | None = None
+    importance_sampling_level: str = "token"  # TRL's: where the policy ratio is taken (see the module)
+    sapo_temperature_pos: float = 1.0  # sapo's gate temperature where A > 0
+    sapo_temperature_neg: float = 1.05  # and where A <= 0
+    vespo_k_pos: float = 2.0  # vespo's gamma weight where A >= 0: power k, decay lambda
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0  # and where A < 0
+    vespo_lambda_neg: float = 2.0
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
@@ -82,7 +137,11 @@ class GRPO:
                    max_completion_length=cfg.max_completion_length, passes=cfg.passes,
                    old_from_sampler=cfg.old_logps == "sampler", importance_sampling=cfg.importance_sampling,
                    importance_sampling_max=cfg.importance_sampling_max,
-                   importance_sampling_min=cfg.importance_sampling_min)
+                   importance_sampling_min=cfg.importance_sampling_min,
+                   importance_sampling_level=cfg.importance_sampling_level,
+                   sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+                   vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
+                   vespo_lambda_neg=cfg.vespo_lambda_neg)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -94,21 +153,62 @@ class GRPO:
 
     @property
     def metric_names(self) -> tuple[str, ...]:
+        if self.loss_type == "sapo":  # a gate, nothing clipped
+            return ("kl",)
+        if self.loss_type == "vespo":
+            return ("kl", "vespo/phi_seq_mean")
         clipped = ("cispo_clip_ratio",) if self.loss_type == "cispo" else (
             "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
         return ("kl", *clipped)
 
-    def surrogate(self, logps: jax.Array, ratio: jax.Array, adv: jax.Array, tokens: jax.Array,
-                  mask: jax.Array) -> tuple[jax.Array, Metrics]:
-        """Each token's policy-gradient loss before the KL term, and its clip metrics: PPO's clipped ratio, or
-        CISPO's capped weight on the log-prob (see the module)."""
+    def ratio(self, logps: jax.Array, old: jax.Array, batch: Batch, adv: jax.Array, completions: jax.Array,
+              tokens: jax.Array) -> Ratio:
+        """π / π_old at ``importance_sampling_level``: each token's, or each completion's exp of its tokens' mean
+        log-ratio (GSPO's s), whose gradient flows through that mean (``sequence``) or is each token's own
+        (``sequence_token``: sg[s] · π(token) / sg[π(token)]). ``adv`` the tokens' advantages, ``tokens`` their
+        count."""
+        mask = batch["loss_mask"]
+        if self.importance_sampling_level == "token":
+            ratio = jnp.exp(logps - old)
+            return Ratio(ratio, ratio, adv, mask, tokens)
+        per = jnp.exp(pg.completion_means((logps - old) * mask, mask, completions))  # (rows, C)
+        on_tokens = pg.on_tokens(per, completions)
+        if self.importance_sampling_level == "sequence_token":
+            on_tokens = jax.lax.stop_gradient(on_tokens) * jnp.exp(logps - jax.lax.stop_gradient(logps))
+        per_adv = pg.completion_advantages(batch, completions)
+        return Ratio(on_tokens, per, per_adv, None, jnp.asarray(per_adv.size, jnp.float32))
+
+    def surrogate(self, logps: jax.Array, ratio: Ratio, adv: jax.Array) -> tuple[jax.Array, Metrics]:
+        """Each token's policy-gradient loss before the KL term, and its clip metrics: PPO's clipped ratio, CISPO's
+        capped weight on the log-prob, or SAPO's gate (see the module)."""
+        if self.loss_type == "sapo":
+            tau = jnp.where(adv > 0, self.sapo_temperature_pos, self.sapo_temperature_neg)
+            return -jax.nn.sigmoid(tau * (ratio.tokens - 1.0)) * (4.0 / tau) * adv, {}
         if self.loss_type == "cispo":
             cap = self.epsilon_high
-            capped = ((ratio > cap) & (adv > 0)).astype(jnp.float32)
-            per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, cap)) * adv * logps
-            return per_token, {"cispo_clip_ratio": (jnp.sum(jax.lax.stop_gradient(capped) * mask), tokens)}
+            per_token = -jax.lax.stop_gradient(jnp.minimum(ratio.tokens, cap)) * adv * logps
+            return per_token, {"cispo_clip_ratio": ratio.share((ratio.units > cap) & (ratio.adv > 0))}
         bounds = pg.ClipBounds.of(self.epsilon, self.epsilon_high)
-        return pg.clipped_surrogate(ratio, adv, bounds), pg.clip_metrics(ratio, adv, bounds, tokens, mask)
+        return pg.clipped_surrogate(ratio.tokens, adv, bounds), pg.clip_metrics(
+            ratio.units, ratio.adv, bounds, ratio.count, ratio.mask)
+
+    def gamma_weighted(self, logps: jax.Array, old: jax.Array, adv: jax.Array, batch: Batch, completions: jax.Array,
+                       weight: jax.Array | None) -> tuple[jax.Array, Metrics]:
+        """VESPO's loss per token, -φ(w) · A · log π(token), and ``vespo/phi_seq_mean``: φ(w) = e^λ w^k e^(-λ w), held
+        constant, of its completion's sequence ratio w = Π π / π_old over its tokens, times the sampler's token
+        weights ``weight`` (if any); k and λ by the sign of A (``adv``, the tokens')."""
+        mask = batch["loss_mask"]
+        log_ratio = jnp.clip(jax.lax.stop_gradient(logps) - old, -LOG_CEILING, LOG_CEILING) * mask
+        log_w = pg.per_completion(log_ratio, completions)  # (rows, C)
+        if weight is not None:
+            log_w = log_w + pg.per_completion(jnp.clip(jnp.log(weight), LOG_FLOOR, LOG_CEILING) * mask, completions)
+        log_w = jnp.clip(log_w, LOG_FLOOR, LOG_CEILING)
+        gains = pg.completion_advantages(batch, completions) >= 0
+        k = jnp.where(gains, self.vespo_k_pos, self.vespo_k_neg)
+        lam = jnp.where(gains, self.vespo_lambda_pos, self.vespo_lambda_neg)
+        phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))  # (rows, C); 1 at w = 1
+        per_token = -pg.on_tokens(phi, completions) * adv * logps
+        return per_token, {"vespo/phi_seq_mean": (jnp.sum(phi), jnp.asarray(phi.size, jnp.float32))}
 
     def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
         """(N, T) log-probs of the batch's targets under the tempered policy."""
@@ -130,9 +230,7 @@ class GRPO:
         if self.importance_sampling.startswith("sequence"):  # each completion's mean gap, on its tokens
             # (the geometric mean of its token ratios, as GSPO's sequence ratio: a sum's spread would grow with the
             # completion's length, and the cap would cut most long completions)
-            per = pg.per_completion(gap, completions) / jnp.maximum(
-                pg.per_completion(mask, completions), 1.0)  # (rows, completions in a row)
-            gap = jnp.sum(per[:, :, None] * completions, 1)
+            gap = pg.on_tokens(pg.completion_means(gap, mask, completions), completions)
         ratio = jnp.exp(gap)
         lo = -jnp.inf if self.importance_sampling_min is None else self.importance_sampling_min
         hi = jnp.inf if self.importance_sampling_max is None else self.importance_sampling_max
@@ -152,33 +250,37 @@ class GRPO:
         mask = batch["loss_mask"]
         logps = self.logps(forward, weights, batch, key)
         old = pg.old_logps(batch, logps)
-        ratio = jnp.exp(logps - old)
         adv, completions = token_advantages(batch), pg.completion_masks(batch)
         tokens = jnp.sum(mask)
-        per_token, clip_metrics = self.surrogate(logps, ratio, adv, tokens, mask)
-        metrics = pg.sampler_agreement(batch, logps)
+        ratio = self.ratio(logps, old, batch, adv, completions, tokens)
+        metrics, weight = pg.sampler_agreement(batch, logps), None
         if metrics and self.importance_sampling != "off":
             weight, weight_metrics = self.importance_weight(batch, old, completions)
-            per_token = per_token * weight
             metrics.update(weight_metrics)
+        if self.loss_type == "vespo":  # the sampler's weights enter its sequence ratio (TRL's), not the loss
+            per_token, policy_metrics = self.gamma_weighted(logps, old, adv, batch, completions, weight)
+        else:
+            per_token, policy_metrics = self.surrogate(logps, ratio, adv)
+            per_token = per_token if weight is None else per_token * weight
         if self.beta > 0:
             if reference is None:
                 raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
             ref = pg.reference_logps(reference, batch, self.temperature)
             delta = ref - pinned(logps, ref, reference)  # exactly 0 while the policy is the reference
-            kl = (jnp.exp(delta) - delta - 1.0) * ratio  # TRL's bias correction: weighted by the ratio
+            kl = (jnp.exp(delta) - delta - 1.0) * ratio.tokens  # TRL's bias correction: weighted by the ratio
             per_token = per_token + self.beta * kl
             metrics["kl"] = (jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens)
         else:
             metrics["kl"] = (jnp.zeros((), jnp.float32), tokens)
-        metrics.update(clip_metrics)
+        metrics.update(policy_metrics)
         summed = per_token * mask
         n = jnp.asarray(batch["advantages"].size, jnp.float32)  # completions
-        if self.loss_type == "grpo":  # each completion's mean token loss
-            per = lambda x: pg.per_completion(x, completions)  # (rows, completions in a row)
-            total, count = jnp.sum(per(summed) / jnp.maximum(per(mask), 1.0)), n
+        if self.loss_type in ("grpo", "sapo"):  # each completion's mean token loss
+            total, count = jnp.sum(pg.completion_means(summed, mask, completions)), n
         elif self.loss_type == "dr_grpo":
             total, count = jnp.sum(summed), n * self.max_completion_length
-        else:  # dapo, cispo
+        elif self.loss_type == "luspo":  # each completion's summed token loss
+            total, count = jnp.sum(summed), n
+        else:  # dapo, bnpo (see the module), cispo, vespo
             total, count = jnp.sum(summed), tokens
         return total, count, metrics

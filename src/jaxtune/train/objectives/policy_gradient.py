@@ -77,6 +77,23 @@ def per_completion(x: jax.Array, completions: jax.Array) -> jax.Array:
     return jnp.sum(x[:, None, :] * completions, -1)
 
 
+def completion_means(masked: jax.Array, mask: jax.Array, completions: jax.Array) -> jax.Array:
+    """(rows, C): each completion's mean of (rows, T) ``masked``, which is 0 off the tokens ``mask`` keeps (a
+    completion without tokens: 0)."""
+    return per_completion(masked, completions) / jnp.maximum(per_completion(mask, completions), 1.0)
+
+
+def on_tokens(per: jax.Array, completions: jax.Array) -> jax.Array:
+    """(rows, C) values, one per completion, on each completion's tokens: (rows, T), or (rows, 1) for a row per
+    completion (broadcast over its tokens)."""
+    return jnp.sum(per[:, :, None] * completions, 1)
+
+
+def completion_advantages(batch: Batch, completions: jax.Array) -> jax.Array:
+    """Each completion's advantage as (rows, C), C from ``completions`` (`completion_masks`)."""
+    return batch["advantages"].reshape(completions.shape[:2])
+
+
 class ClipBounds(NamedTuple):
     """Where the ratio is clipped: [1 - epsilon, 1 + epsilon_high] (epsilon_high None: epsilon, a symmetric clip)."""
 

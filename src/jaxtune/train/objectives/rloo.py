@@ -34,11 +34,6 @@ from jaxtune.train.state import Batch, Forward
 SEQUENCE_KL_KEY = "sequence_kl"  # what `RLOO.prepare` adds: each completion's Σ_t (old - ref), for the kl metric
 
 
-def completion_advantages(batch: Batch, completions: jax.Array) -> jax.Array:
-    """Each completion's advantage as (rows, C), C from ``completions`` (`policy_gradient.completion_masks`)."""
-    return batch["advantages"].reshape(completions.shape[:2])
-
-
 def normalized(adv: jax.Array) -> jax.Array:
     """(A - mean) / (std + 1e-4) over the batch's scorable (not NaN) advantages, the std Bessel-corrected
     (`trl.trainer.utils.nanstd`); NaN stays NaN."""
@@ -86,7 +81,7 @@ class RLOO:
         if self.passes > 1:
             batch = pg.with_old_logps(forward, weights, batch, self.temperature, self.old_from_sampler)
         completions = pg.completion_masks(batch)
-        adv = completion_advantages(batch, completions)
+        adv = pg.completion_advantages(batch, completions)
         if self.beta > 0:
             if reference is None:
                 raise ValueError("rloo with beta > 0 needs the reference model's log-probs")
@@ -122,7 +117,7 @@ class RLOO:
         logps = self.logps(forward, weights, batch, key)
         old = pg.old_logps(batch, logps)
         completions = pg.completion_masks(batch)
-        adv = completion_advantages(batch, completions)
+        adv = pg.completion_advantages(batch, completions)
         ratio = jnp.exp(pg.per_completion((logps - old) * mask, completions))  # (rows, C): each sequence's ratio
         bounds = pg.ClipBounds.of(self.epsilon, self.epsilon_high)
         losses = pg.clipped_surrogate(ratio, adv, bounds)
