@@ -179,7 +179,8 @@ def test_a_batch_kinds_data_module_registers_its_row_format(tmp_path):
 
 @pytest.mark.parametrize("keys, says", [
     ({"loss_type": ["sigmoid", "sigmoid"]}, r"list each loss type once"),
-    ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, r"loss_weights=\[1.0\] gives 1 weight for 2 loss types \(sigmoid, sft\): give 2"),
+    ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]},
+     r"loss_weights=\[1.0\] gives 1 weight for 2 loss types \(sigmoid, sft\): give 2"),
     ({"loss_type": "exo_pair"}, r"exo_pair needs objective.label_smoothing > 0"),
     ({"loss_type": ["hinge", "bco_pair"], "label_smoothing": 0.1}, r"label_smoothing applies to loss_type sigmoid"),
     ({"loss_type": ["sigmoid", "dapo"]}, r"objective.loss_type=dapo does not apply to objective.name=dpo"),
