@@ -704,7 +704,8 @@ def test_num_iterations_is_two_updates_with_fixed_old_logps(native):
     """objective.num_iterations=2: one call of the step takes the old log-probs once (`GRPO.prepare`, the weights
     before the step) and makes 2 AdamW updates, the second with the ratio of the once-updated weights to those: the
     same parameters as the two updates made by hand with the spec's optimizer (and not those made with the old
-    log-probs re-taken before the second update). The step's loss is the first pass's."""
+    log-probs re-taken before the second update). The step's loss is the first pass's; its clip ratios and kl the
+    mean of the two passes' (TRL logs them at each optimizer step: the first pass alone, ratio 1, clips nothing)."""
     cfg = objective_cfg(num_iterations=2, loss_type="dapo", **OFF_POLICY)
     objective = make_objective(cfg)
     assert objective.passes == 2
@@ -730,9 +731,13 @@ def test_num_iterations_is_two_updates_with_fixed_old_logps(native):
     with sharding.use_mesh(MESH):
         old = logps(state.params)
         params1, opt1, first = update(state.params, state.opt_state, old)
-        params2, _, _ = update(params1, opt1, old)
+        params2, _, second = update(params1, opt1, old)
         retaken, _, _ = update(params1, opt1, logps(params1))
     assert abs(float(metrics["loss"]) - first.loss) <= STEP_TOL * abs(first.loss)
+    assert second.metrics["clip_ratio/region_mean"] > 0 == first.metrics["clip_ratio/region_mean"]
+    for k in (*CLIP_METRICS, "kl"):
+        want = (first.metrics[k] + second.metrics[k]) / 2
+        assert abs(float(metrics[k]) - want) <= STEP_TOL * max(abs(want), 1e-30), (k, metrics[k], want)
     assert update_error(new.params, params2, state.params, ulps=2) <= STEP_TOL
     assert update_error(retaken, params2, state.params) > 1e-3  # the fixed old log-probs are felt
 

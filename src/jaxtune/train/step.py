@@ -26,6 +26,7 @@ from jaxtune.train.objectives.base import (
     extreme,
     metrics_identity,
     present,
+    varies_per_pass,
     with_margins,
 )
 from jaxtune.train.reference import Companion, Frozen, frozen_of, step_reference, with_companion
@@ -111,7 +112,8 @@ def accumulated(loss_fn: LossFn, micro_batches: int) -> Callable:
 def repeated(update: Callable, passes: int, first_key: int) -> Callable:
     """``update`` (params, opt_state, batch, key, frozen) -> (params, opt_state, (loss, count, metrics, grad norm,
     finite)) applied ``passes`` times to the same batch, pass i's dropout key folded with ``first_key`` + i: the
-    first pass's loss and metrics, finite only if every pass was."""
+    first pass's loss and metrics but those measuring the update as it goes (`varies_per_pass`: clip ratios, kl),
+    averaged over the passes; finite only if every pass was."""
     if passes == 1:
         return update
 
@@ -124,6 +126,7 @@ def repeated(update: Callable, passes: int, first_key: int) -> Callable:
 
         (params, opt_state, finite), outs = jax.lax.scan(one_pass, (params, opt_state, True), jnp.arange(passes))
         loss, count, extra, grad_norm, _ = jax.tree.map(lambda x: x[0], outs)
+        extra = {k: jnp.mean(outs[2][k], axis=0) if varies_per_pass(k) else v for k, v in extra.items()}
         return params, opt_state, (loss, count, extra, grad_norm, finite)
 
     return run
@@ -137,7 +140,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
 
     ``passes`` > 1: that many optimizer updates on the same batch (GRPO's ``num_iterations``, `repeated`).
     ``prepare(params, batch, frozen)``, when given, first annotates the whole batch with the weights as they were;
-    the step's loss and metrics are the first pass's, and the learning-rate schedule counts updates. A non-finite
+    the step's loss and metrics are the first pass's (clip ratios and kl: their mean over the passes, `repeated`),
+    and the learning-rate schedule counts updates. A non-finite
     pass (with ``skip_nonfinite``) keeps the state as it was before the step."""
     gradients = accumulated(loss_fn, micro_batches)
 

@@ -55,6 +55,17 @@ def extreme(name: str) -> tuple[Callable, float] | None:
     return next((v for k, v in EXTREMES.items() if name.endswith(k)), None)
 
 
+# Metrics that measure the update as it goes (the clipped share of the ratio, the KL to the reference): with several
+# optimisation passes per batch (GRPO's num_iterations) the step logs their mean over the passes, as TRL logs them
+# at each of its optimizer steps; on the first pass the ratio is 1 and nothing is clipped.
+PER_PASS = ("clip_ratio/", "cispo_clip_ratio", "kl")
+
+
+def varies_per_pass(name: str) -> bool:
+    """Whether metric ``name`` (or its count) is averaged over a step's passes (`PER_PASS`), not the first pass's."""
+    return name.startswith(PER_PASS)
+
+
 def count_key(name: str) -> str:
     """The step's key for how many units metric ``name`` is a mean of, where it has units of its own."""
     return name + COUNT_SUFFIX
