@@ -49,6 +49,7 @@ CHECKS = {
     "kto-quickstart": Check("rewards/margins", "rise to above 0.10", lambda a, b: b > 0.10 and b > a),
     "grpo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
     "rloo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
+    "gspo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
     "gkd-quickstart": Check("accuracy", "rise by at least 0.20", lambda a, b: b - a >= 0.20),
 }
 
