@@ -98,3 +98,19 @@ def assert_bad_row_message(read: Callable[[Path], object], path: Path, good: lis
         read(path)
     assert str(err.value).startswith(f"{path}:3: ")
     assert message in str(err.value)
+
+
+def random_pairs(b: int, t: int, vocab: int, prompt: tuple[int, int], completion: tuple[int, int],
+                 seed: int = 0) -> dict[str, np.ndarray]:
+    """``b`` random preference pairs laid out as the pipeline does, (b, 2, t): random tokens, the loss mask on each
+    side's completion after a shared prompt of ``prompt`` = [lo, hi) tokens, each completion [lo, hi) long."""
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(0, vocab, (b, 2, t)).astype(np.int32)
+    mask = np.zeros((b, 2, t), np.float32)
+    for row in range(b):
+        start = rng.integers(*prompt)
+        for side, n in enumerate(rng.integers(*completion, 2)):
+            mask[row, side, start:start + n] = 1.0
+    return {"inputs": inputs, "targets": np.roll(inputs, -1, -1), "loss_mask": mask,
+            "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, 2, t)).copy(),
+            "segment_ids": np.ones((b, 2, t), np.int32)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from helpers.rows import random_pairs
 
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
@@ -24,16 +25,7 @@ SMOLLM2_LAYERS = ["model.family=llama", "model.n_layer=2", "model.d_model=576", 
 
 def _pairs(seed: int = 0) -> dict[str, np.ndarray]:
     """B random pairs laid out as the pipeline does, (B, 2, T): a prompt of 40-70 tokens, completions of 10-40."""
-    rng = np.random.default_rng(seed)
-    inputs = rng.integers(0, V, (B, 2, T)).astype(np.int32)
-    mask = np.zeros((B, 2, T), np.float32)
-    for b in range(B):
-        start = rng.integers(40, 70)
-        for side, n in enumerate(rng.integers(10, 40, 2)):
-            mask[b, side, start:start + n] = 1.0
-    return {"inputs": inputs, "targets": np.roll(inputs, -1, -1), "loss_mask": mask,
-            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, 2, T)).copy(),
-            "segment_ids": np.ones((B, 2, T), np.int32)}
+    return random_pairs(B, T, V, (40, 70), (10, 40), seed)
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full-copy"])

@@ -14,7 +14,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers.rows import write_jsonl
+from helpers.rows import random_pairs, write_jsonl
 from helpers.run_outputs import final_params, metric_rows
 from helpers.tiny_runs import assert_kill9_resume_is_bitwise, run_overrides
 
@@ -73,16 +73,7 @@ def _host(tree):
 
 def _pairs(seed: int = 0) -> dict[str, np.ndarray]:
     """B random pairs, (B, 2, T): a prompt of 8-11 tokens, completions of 4-9."""
-    rng = np.random.default_rng(seed)
-    inputs = rng.integers(0, V, (B, 2, T)).astype(np.int32)
-    mask = np.zeros((B, 2, T), np.float32)
-    for b in range(B):
-        start = rng.integers(8, 12)
-        for side, n in enumerate(rng.integers(4, 10, 2)):
-            mask[b, side, start:start + n] = 1.0
-    return {"inputs": inputs, "targets": np.roll(inputs, -1, -1), "loss_mask": mask,
-            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, 2, T)).copy(),
-            "segment_ids": np.ones((B, 2, T), np.int32)}
+    return random_pairs(B, T, V, (8, 12), (4, 10), seed)
 
 
 def _assert_mix(got, policy, reference, alpha: float = ALPHA) -> None:
