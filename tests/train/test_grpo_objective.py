@@ -615,6 +615,38 @@ def test_a_loss_types_keys_are_refused_under_another():
     assert objective_cfg(loss_type="grpo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05).loss_type == "grpo"
 
 
+def sampler_drift(native: Native, sampler: np.ndarray) -> np.ndarray:
+    """(N,): each completion's mean over its tokens of log pi_sampler - log pi (the policy's), OPSM's measure."""
+    rows = {k: v for k, v in our_batch().items() if k in ("inputs", "targets", "positions", "segment_ids")}
+    policy = np.asarray(jax.jit(native.spec.forward().token_logps)(native.policy, rows))
+    mask = our_batch()["loss_mask"]
+    return ((sampler - policy) * mask).sum(-1) / mask.sum(-1)
+
+
+@pytest.mark.parametrize("loss_type, beta", [("dapo", 0.0), ("grpo", 0.04)])
+def test_off_policy_mask_matches_trl(checkpoints, tokenizer, native, tmp_path, loss_type, beta):
+    """off_policy_mask_threshold (OPSM) with the old checkpoint's log-probs as the sampler's (TRL's
+    ``get_off_policy_mask`` on its old log-probs, having no vLLM ones): a threshold between the drifts of the two
+    negative-advantage completions drops one of them; loss, gradients and the metrics equal GRPOTrainer's, with and
+    without the KL term (left unmasked, as TRL's), in rows and shared-prompt rows; and the loss differs from the
+    unmasked one."""
+    old = trl_grpo(checkpoints, tokenizer, tmp_path / "old", off_policy=True, beta=0.0).old_logps
+    drift = sampler_drift(native, old)[ADVANTAGES < 0]
+    assert len(drift) == 2 and abs(drift[0] - drift[1]) > 1e-3, drift
+    keys = {"beta": beta, "loss_type": loss_type, **OFF_POLICY, "off_policy_mask_threshold": float(drift.mean())}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path / "masked", off_policy=True, **keys)
+    names = CLIP_METRICS + (("kl",) if beta else ())
+    names = tuple(k for k in names if theirs.metrics[k])
+    shared = shared_batch(old)
+    shared[SAMPLER_LOGPS_KEY] = shared["old_logps"]
+    for batch in (our_batch(old, sampler_logps=old), shared):
+        mine = ours(native, native.policy, batch, **keys)
+        assert_matches(mine, theirs, names)
+    unmasked = ours(native, native.policy, our_batch(old, sampler_logps=old), **{**keys,
+                                                                              "off_policy_mask_threshold": None})
+    assert rel(unmasked.loss, mine.loss) > 1e-3
+
+
 @pytest.fixture(scope="module")
 def off_policy_kl(checkpoints, tokenizer, native, tmp_path_factory) -> tuple[Ours, TRLResult]:
     """dapo with beta = 0.04 and ``old_logps`` from the old checkpoint: (ours, GRPOTrainer's)."""

@@ -52,6 +52,7 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "importance_sampling": ("off",), "importance_sampling_max": (3.0,), "importance_sampling_min": (None,),
     "importance_sampling_level": ("token",), "sapo_temperature_pos": (1.0,), "sapo_temperature_neg": (1.05,),
     "vespo_k_pos": (2.0,), "vespo_lambda_pos": (3.0,), "vespo_k_neg": (3.0,), "vespo_lambda_neg": (2.0,),
+    "off_policy_mask_threshold": (None,),
 }
 
 
@@ -458,6 +459,10 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
     vespo_k_neg: float = Field(3.0, ge=0, description="loss_type vespo: the power k where the advantage is < 0")
     vespo_lambda_neg: float = Field(2.0, gt=0, description="loss_type vespo: the decay lambda where the advantage "
                                     "is < 0")
+    off_policy_mask_threshold: float | None = Field(
+        None, description="OPSM (DeepSeek-V3.2's off-policy sequence mask, TRL's key): leave out of the policy loss "
+        "each completion with a negative advantage whose mean over its tokens of log pi_sampler - log pi exceeds this "
+        "(the sampler's log-probs, so both stale weights and sampler mismatch count); none: off")
 
     @property
     def corrects_sampler(self) -> bool:

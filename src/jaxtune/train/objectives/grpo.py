@@ -129,6 +129,7 @@ class GRPO:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0  # and where A < 0
     vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None  # OPSM: drop A < 0 completions whose sampler KL exceeds this
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
@@ -141,7 +142,7 @@ class GRPO:
                    importance_sampling_level=cfg.importance_sampling_level,
                    sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
                    vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
-                   vespo_lambda_neg=cfg.vespo_lambda_neg)
+                   vespo_lambda_neg=cfg.vespo_lambda_neg, off_policy_mask_threshold=cfg.off_policy_mask_threshold)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -210,6 +211,18 @@ class GRPO:
         per_token = -pg.on_tokens(phi, completions) * adv * logps
         return per_token, {"vespo/phi_seq_mean": (jnp.sum(phi), jnp.asarray(phi.size, jnp.float32))}
 
+    def off_policy_mask(self, logps: jax.Array, old: jax.Array, batch: Batch, completions: jax.Array) -> jax.Array:
+        """OPSM (DeepSeek-V3.2's off-policy sequence mask, TRL's rule): 0 on the tokens of each completion whose
+        advantage is < 0 and whose mean over its tokens of log π_sampler - log π (held constant; a NaN gap counts as 0)
+        exceeds ``off_policy_mask_threshold``, else 1. π_sampler is the sampler's own log-probs when the batch carries
+        them, else ``old``: both the drift of the weights since sampling and the sampler's own mismatch."""
+        mask = batch["loss_mask"]
+        sampler = batch.get(SAMPLER_LOGPS_KEY, old)
+        gap = jnp.nan_to_num(sampler - jax.lax.stop_gradient(logps), nan=0.0) * mask
+        drift = pg.completion_means(gap, mask, completions)  # (rows, C)
+        keep = (pg.completion_advantages(batch, completions) >= 0) | (drift <= self.off_policy_mask_threshold)
+        return pg.on_tokens(keep.astype(jnp.float32), completions)
+
     def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
         """(N, T) log-probs of the batch's targets under the tempered policy."""
         return pg.tempered_logps(forward, weights, batch, key, self.temperature)
@@ -262,6 +275,8 @@ class GRPO:
         else:
             per_token, policy_metrics = self.surrogate(logps, ratio, adv)
             per_token = per_token if weight is None else per_token * weight
+        if self.off_policy_mask_threshold is not None:
+            per_token = per_token * self.off_policy_mask(logps, old, batch, completions)
         if self.beta > 0:
             if reference is None:
                 raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
