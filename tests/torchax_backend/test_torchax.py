@@ -91,6 +91,25 @@ def test_hidden_states_are_what_the_output_layer_reads(tmp_path):
     assert np.abs(logits - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+def test_token_entropy_is_the_logits(tmp_path):
+    """`TorchaxForward.token_logps_and_entropy`: its log-probs are `token_logps`' and its entropies those of
+    softmax(logits / temperature) written out in numpy (rel <= 1e-5)."""
+    from jaxtune.backends.torchax.backend import TorchaxForward
+
+    model = TorchaxModel(build_torch_model(TorchaxModelConfig(hf_config=str(_hf_config_dir(tmp_path, "llama", V1))),
+                                           seed=0))
+    weights = model.initial()[0]
+    tokens = np.random.default_rng(0).integers(0, V1, (2, 13)).astype(np.int32)
+    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+    forward = TorchaxForward(model)
+    logps, entropy = forward.token_logps_and_entropy(weights, batch, None, 0.7)
+    assert np.array_equal(np.asarray(logps), np.asarray(forward.token_logps(weights, batch, None, 0.7)))
+    z = np.asarray(model.logits(weights, batch["inputs"]), np.float64) / 0.7
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert rel(np.asarray(entropy), -(p * np.log(p)).sum(-1)) <= 1e-5
+
+
 # --- 1. loss and gradients equal PyTorch eager ---------------------------------------------------------------------
 
 V1, B1, T1 = 96, 2, 24

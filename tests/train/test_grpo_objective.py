@@ -48,6 +48,13 @@ Error measure: rel(ours, ref) = max|ours - ref| / max|ref|, float32 on both side
     token_mask sampler weights): loss, gradients, vespo/phi_seq_mean and kl                       rel <= 1e-5
   * bnpo vs TRL's bnpo on one micro-batch (on- and off-policy): loss, gradients, clip ratios       rel <= 1e-5
     and vs our dapo                                                                                bitwise
+  * off_policy_mask_threshold (OPSM; dapo, grpo with beta; rows and shared-prompt rows): loss, gradients, clip
+    ratios and kl                                                                                  rel <= 1e-5
+  * top_entropy_quantile (dapo, grpo with beta, vespo) and entropy_coef (dapo, grpo with a quantile, dr_grpo), on
+    one micro-batch, rows and shared-prompt rows: loss, gradients, entropy, policy_loss, entropy_coef and the
+    loss type's metrics                                                                            rel <= 1e-5
+  * the entropy from chunked log-probs vs from the whole logits                                    rel <= 1e-6
+  * the train step with entropy_coef (dapo) in 2 micro-batches vs 1: loss, entropy metrics, update rel <= 1e-6
   * the train step (dapo, with ``old_logps``) in 2 micro-batches of different token counts vs 1: loss, metrics, and
     every parameter's update                                                                       rel <= 1e-6
   * objective.num_iterations=2 through the train step: `GRPO.prepare` called once, 2 AdamW updates, every
@@ -615,6 +622,89 @@ def test_a_loss_types_keys_are_refused_under_another():
     assert objective_cfg(loss_type="grpo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05).loss_type == "grpo"
 
 
+def sampler_drift(native: Native, sampler: np.ndarray) -> np.ndarray:
+    """(N,): each completion's mean over its tokens of log pi_sampler - log pi (the policy's), OPSM's measure."""
+    rows = {k: v for k, v in our_batch().items() if k in ("inputs", "targets", "positions", "segment_ids")}
+    policy = np.asarray(jax.jit(native.spec.forward().token_logps)(native.policy, rows))
+    mask = our_batch()["loss_mask"]
+    return ((sampler - policy) * mask).sum(-1) / mask.sum(-1)
+
+
+@pytest.mark.parametrize("loss_type, beta", [("dapo", 0.0), ("grpo", 0.04)])
+def test_off_policy_mask_matches_trl(checkpoints, tokenizer, native, tmp_path, loss_type, beta):
+    """off_policy_mask_threshold (OPSM) with the old checkpoint's log-probs as the sampler's (TRL's
+    ``get_off_policy_mask`` on its old log-probs, having no vLLM ones): a threshold between the drifts of the two
+    negative-advantage completions drops one of them; loss, gradients and the metrics equal GRPOTrainer's, with and
+    without the KL term (left unmasked, as TRL's), in rows and shared-prompt rows; and the loss differs from the
+    unmasked one."""
+    old = trl_grpo(checkpoints, tokenizer, tmp_path / "old", off_policy=True, beta=0.0).old_logps
+    drift = sampler_drift(native, old)[ADVANTAGES < 0]
+    assert len(drift) == 2 and abs(drift[0] - drift[1]) > 1e-3, drift
+    keys = {"beta": beta, "loss_type": loss_type, **OFF_POLICY, "off_policy_mask_threshold": float(drift.mean())}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path / "masked", off_policy=True, **keys)
+    names = CLIP_METRICS + (("kl",) if beta else ())
+    names = tuple(k for k in names if theirs.metrics[k])
+    shared = shared_batch(old)
+    shared[SAMPLER_LOGPS_KEY] = shared["old_logps"]
+    for batch in (our_batch(old, sampler_logps=old), shared):
+        mine = ours(native, native.policy, batch, **keys)
+        assert_matches(mine, theirs, names)
+    unmasked = ours(native, native.policy, our_batch(old, sampler_logps=old), **{**keys,
+                                                                              "off_policy_mask_threshold": None})
+    assert rel(unmasked.loss, mine.loss) > 1e-3
+
+
+@pytest.mark.parametrize("loss_type, beta, quantile, off", [("dapo", 0.0, 0.3, True), ("grpo", 0.04, 0.8, False),
+                                                          ("vespo", 0.0, 0.2, True)])
+def test_entropy_mask_matches_trl(checkpoints, tokenizer, native, tmp_path, loss_type, beta, quantile, off):
+    """top_entropy_quantile < 1: only the completion tokens at or above the batch's (1 - rho) entropy quantile carry
+    the policy loss (the KL term all): loss, gradients, the ``entropy`` metric (mean over completion tokens) and the
+    others equal GRPOTrainer's on one micro-batch, on- and off-policy, with the KL term, under vespo, in rows and
+    shared-prompt rows; and differ from rho = 1's, which logs no entropy."""
+    keys = {"beta": beta, "loss_type": loss_type, "top_entropy_quantile": quantile}
+    keys.update(OFF_POLICY if loss_type != "vespo" else {})
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=off, **keys)
+    names = ("entropy", "kl", "vespo/phi_seq_mean", *CLIP_METRICS)
+    names = tuple(k for k in names if theirs.metrics.get(k))
+    assert "entropy" in names
+    for batch in (our_batch(theirs.old_logps), shared_batch(theirs.old_logps)):
+        mine = ours(native, native.policy, batch, **keys)
+        assert_matches(mine, theirs, names)
+    every = ours(native, native.policy, our_batch(theirs.old_logps), **{**keys, "top_entropy_quantile": 1.0})
+    assert rel(every.loss, mine.loss) > 1e-3 and "entropy" not in every.metrics
+
+
+@pytest.mark.parametrize("loss_type, beta, quantile, coef", [("dapo", 0.0, 1.0, 0.05), ("grpo", 0.04, 0.5, 0.1),
+                                                          ("dr_grpo", 0.0, 1.0, -0.02)])
+def test_entropy_bonus_matches_trl(checkpoints, tokenizer, native, tmp_path, loss_type, beta, quantile, coef):
+    """entropy_coef: the loss less coef x the mean entropy over the tokens the policy loss acts on (all completion
+    tokens, or the entropy mask's), the gradient through the entropy: loss, gradients and ``entropy``,
+    ``policy_loss`` and ``entropy_coef`` equal GRPOTrainer's (off-policy), whatever the loss type's normalisation."""
+    keys = {"beta": beta, "loss_type": loss_type, "top_entropy_quantile": quantile, "entropy_coef": coef,
+            **OFF_POLICY}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=True, **keys)
+    names = tuple(k for k in ("entropy", "policy_loss", "entropy_coef", "kl", *CLIP_METRICS) if theirs.metrics.get(k))
+    assert {"entropy", "policy_loss", "entropy_coef"} <= set(names)
+    for batch in (our_batch(theirs.old_logps), shared_batch(theirs.old_logps)):
+        mine = ours(native, native.policy, batch, **keys)
+        assert_matches(mine, theirs, names)
+    plain = ours(native, native.policy, our_batch(theirs.old_logps), **{**keys, "entropy_coef": 0.0})
+    assert rel(plain.grads["lm_head"]["embedding"], mine.grads["lm_head"]["embedding"]) > 1e-3
+
+
+def test_chunked_entropy_is_the_whole_logits(native):
+    """The entropy from log-prob chunks of 4 positions (`chunked_token_logps`) equals the one from the whole
+    logits, and the log-probs beside it equal `token_logps`' alone."""
+    rows = {k: v for k, v in our_batch().items() if k in ("inputs", "targets", "positions", "segment_ids")}
+    whole, chunked = native.spec.forward(), native.spec.forward(loss_chunk=4)
+    logps, entropy = jax.jit(lambda p: whole.token_logps_and_entropy(p, rows, None, 0.7))(native.policy)
+    c_logps, c_entropy = jax.jit(lambda p: chunked.token_logps_and_entropy(p, rows, None, 0.7))(native.policy)
+    alone = jax.jit(lambda p: whole.token_logps(p, rows, None, 0.7))(native.policy)
+    assert np.array_equal(np.asarray(logps), np.asarray(alone))
+    assert rel(np.asarray(c_entropy), np.asarray(entropy)) <= 1e-6 and rel(np.asarray(c_logps), alone) <= 1e-6
+    assert np.all(np.asarray(entropy) > 0)
+
+
 @pytest.fixture(scope="module")
 def off_policy_kl(checkpoints, tokenizer, native, tmp_path_factory) -> tuple[Ours, TRLResult]:
     """dapo with beta = 0.04 and ``old_logps`` from the old checkpoint: (ours, GRPOTrainer's)."""
@@ -685,6 +775,24 @@ def test_micro_batches_give_the_same_update(native, off_policy):
     assert float(m1["count"]) == float(m2["count"]) == batch["loss_mask"].sum()
     assert m1["clip_ratio/region_mean"] > 0
     for k in ("loss", "grad_norm", "kl", *CLIP_METRICS, "sampler_logp_diff/mean", "sampler_logp_diff/max"):
+        assert abs(float(m2[k]) - float(m1[k])) <= STEP_TOL * max(abs(float(m1[k])), 1e-30), (k, m1[k], m2[k])
+    assert update_error(two, one, state.params) <= STEP_TOL
+
+
+def test_entropy_bonus_micro_batches_give_the_same_update(native, off_policy):
+    """dapo with entropy_coef (the bonus a token sum: coef x each micro-batch's summed entropy) through the train
+    step: 2 micro-batches of different token counts make the update, loss and entropy metrics of 1."""
+    objective = make_objective(objective_cfg(loss_type="dapo", entropy_coef=0.05, **OFF_POLICY))
+    batch = our_batch(off_policy.old_logps)
+    state = native.spec.init(0)
+    out = {}
+    with sharding.use_mesh(MESH):
+        for m in (1, 2):
+            new, metrics = jit_step(native, objective, m)(state, sharding.global_batch(MESH, batch))
+            out[m] = (jax.device_get(new.params), jax.device_get(metrics))
+    (one, m1), (two, m2) = out[1], out[2]
+    assert float(m1["entropy"]) > 0 and float(m1["policy_loss"]) != float(m1["loss"])
+    for k in ("loss", "grad_norm", "entropy", "policy_loss", "entropy_coef"):
         assert abs(float(m2[k]) - float(m1[k])) <= STEP_TOL * max(abs(float(m1[k])), 1e-30), (k, m1[k], m2[k])
     assert update_error(two, one, state.params) <= STEP_TOL
 

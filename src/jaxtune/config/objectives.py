@@ -52,6 +52,7 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "importance_sampling": ("off",), "importance_sampling_max": (3.0,), "importance_sampling_min": (None,),
     "importance_sampling_level": ("token",), "sapo_temperature_pos": (1.0,), "sapo_temperature_neg": (1.05,),
     "vespo_k_pos": (2.0,), "vespo_lambda_pos": (3.0,), "vespo_k_neg": (3.0,), "vespo_lambda_neg": (2.0,),
+    "off_policy_mask_threshold": (None,), "top_entropy_quantile": (1.0,), "entropy_coef": (0.0,),
 }
 
 
@@ -458,6 +459,19 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
     vespo_k_neg: float = Field(3.0, ge=0, description="loss_type vespo: the power k where the advantage is < 0")
     vespo_lambda_neg: float = Field(2.0, gt=0, description="loss_type vespo: the decay lambda where the advantage "
                                     "is < 0")
+    off_policy_mask_threshold: float | None = Field(
+        None, description="OPSM (DeepSeek-V3.2's off-policy sequence mask, TRL's key): leave out of the policy loss "
+        "each completion with a negative advantage whose mean over its tokens of log pi_sampler - log pi exceeds this "
+        "(the sampler's log-probs, so both stale weights and sampler mismatch count); none: off")
+    top_entropy_quantile: float = Field(
+        1.0, ge=0, le=1, description="rho of 'Beyond the 80/20 Rule' (TRL's key): only the completion tokens whose "
+        "entropy (of the tempered distribution over the vocabulary) is in the top rho fraction of the micro-batch's "
+        "completion tokens carry the policy loss (the KL term keeps all); 1: every token, and no entropy is computed; "
+        "0: only the highest. Logs entropy")
+    entropy_coef: float = Field(
+        0.0, description="the entropy bonus (TRL's key): the loss less entropy_coef x the mean entropy over the "
+        "completion tokens the policy loss acts on, whatever loss_type's normalisation; > 0 encourages exploration. "
+        "Logs entropy, policy_loss (the loss before the bonus) and entropy_coef")
 
     @property
     def corrects_sampler(self) -> bool:

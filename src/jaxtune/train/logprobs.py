@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 LOGITS_BUDGET = 1 << 30  # bytes of float32 logits the auto policy materialises at once (1 GiB)
@@ -38,16 +39,26 @@ def token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
+def token_logps_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits (B, T, V) float32, targets (B, T) int32 -> (B, T) log p(targets) and (B, T) entropy (nats) of
+    softmax(logits): log Z - sum_v p_v z_v, from the same logits."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    probs = jnp.exp(logits - log_z[..., None])
+    return token_logps(logits, targets), log_z - jnp.sum(probs * logits, axis=-1)
+
+
 def chunked_token_logps(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
-                        chunk: int) -> jax.Array:
-    """`token_logps` of ``head(hidden)`` computed ``chunk`` sequence positions at a time.
+                        chunk: int, entropy: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`token_logps` of ``head(hidden)`` computed ``chunk`` sequence positions at a time (``entropy``: with each
+    position's entropy, `token_logps_and_entropy`, from the same chunk of logits).
 
     hidden (B, T, D) -> head -> (B, chunk, V) float32 logits per chunk, rematerialised in the backward pass, so
-    at most one chunk of logits is alive: a 262k vocabulary never holds (B, T, V) floats. Returns (B, T).
+    at most one chunk of logits is alive: a 262k vocabulary never holds (B, T, V) floats. Returns (B, T) (a pair).
     """
     b, t, d = hidden.shape
     n = t // chunk
     xs = (hidden.reshape(b, n, chunk, d).swapaxes(0, 1), targets.reshape(b, n, chunk).swapaxes(0, 1))
-    one = jax.checkpoint(lambda h, tgt: token_logps(head(h), tgt))
-    _, ys = jax.lax.scan(lambda carry, x: (carry, one(*x)), None, xs)  # (n, B, chunk)
-    return ys.swapaxes(0, 1).reshape(b, t)
+    per_chunk = token_logps_and_entropy if entropy else token_logps
+    one = jax.checkpoint(lambda h, tgt: per_chunk(head(h), tgt))
+    _, ys = jax.lax.scan(lambda carry, x: (carry, one(*x)), None, xs)  # (n, B, chunk) each
+    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(b, t), ys)

@@ -96,6 +96,12 @@ class Forward(Protocol):
         holding the (B, T, V) logits of a large vocabulary at once where the backend can avoid it."""
         ...
 
+    def token_logps_and_entropy(self, weights: Any, batch: Batch, key: jax.Array | None = None,
+                                temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+        """`token_logps` and (B, T) float32 entropy (nats) of each position's softmax(logits / temperature), from
+        the same logits (what GRPO's entropy mask and bonus read; `token_logps` alone computes no entropy)."""
+        ...
+
 
 class Sampler(Protocol):
     """Token generation for eval prompts, `jaxtune generate` and GRPO's rollouts: called with `ModelSpec.weights` and

@@ -24,7 +24,13 @@ from jaxtune.models.quantize import quantize_base, quantized_layout, streaming_q
 from jaxtune.models.registry import adapters, init_params, merge, model_layout
 from jaxtune.models.sampling import Generator
 from jaxtune.models.unsupported import UnsupportedModelError
-from jaxtune.train.logprobs import chunked_token_logps, loss_chunk_size, tempered, token_logps
+from jaxtune.train.logprobs import (
+    chunked_token_logps,
+    loss_chunk_size,
+    tempered,
+    token_logps,
+    token_logps_and_entropy,
+)
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout
 
@@ -51,12 +57,21 @@ class NativeForward:
 
     def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None,
                     temperature: float = 1.0) -> jax.Array:
+        return self._per_token(weights, batch, key, temperature, entropy=False)
+
+    def token_logps_and_entropy(self, weights: Any, batch: Batch, key: jax.Array | None = None,
+                                temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+        return self._per_token(weights, batch, key, temperature, entropy=True)
+
+    def _per_token(self, weights: Any, batch: Batch, key: jax.Array | None, temperature: float, entropy: bool):
         b, t = batch["inputs"].shape
         chunk = loss_chunk_size(b, t, self.vocab_size, self.loss_chunk)
         if chunk >= t:  # (B, T, V) float32 logits
-            return token_logps(tempered(self._run(weights, batch, key)[1], temperature), batch["targets"])
+            logits = tempered(self._run(weights, batch, key)[1], temperature)
+            return (token_logps_and_entropy if entropy else token_logps)(logits, batch["targets"])
         model, hidden = self._run(weights, batch, key, return_hidden=True)
-        return chunked_token_logps(lambda h: tempered(model.logits(h), temperature), hidden, batch["targets"], chunk)
+        head = lambda h: tempered(model.logits(h), temperature)
+        return chunked_token_logps(head, hidden, batch["targets"], chunk, entropy)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from jaxtune.models.sampling import (
     sample_logits,
     stop_tuple,
 )
-from jaxtune.train.logprobs import tempered, token_logps
+from jaxtune.train.logprobs import tempered, token_logps, token_logps_and_entropy
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout
 
@@ -60,6 +60,10 @@ class TorchaxForward:
     def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None,
                     temperature: float = 1.0) -> jax.Array:
         return token_logps(tempered(self.logits(weights, batch, key), temperature), batch["targets"])
+
+    def token_logps_and_entropy(self, weights: Any, batch: Batch, key: jax.Array | None = None,
+                                temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+        return token_logps_and_entropy(tempered(self.logits(weights, batch, key), temperature), batch["targets"])
 
 
 @dataclass(frozen=True)

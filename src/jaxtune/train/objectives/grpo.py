@@ -52,6 +52,13 @@ falling on both sides (k how fast below 1, λ above), with ``vespo_k_pos``/``ves
 (``vespo/phi_seq_mean``) instead of clip ratios; averaged as ``dapo``; ``importance_sampling_level`` then weighs only
 the KL term.
 
+``off_policy_mask_threshold`` (TRL's OPSM) drops from the policy loss each completion with A < 0 whose mean over
+its tokens of log π_sampler - log π exceeds it. ``top_entropy_quantile`` ρ < 1 keeps in the policy loss only the
+tokens whose entropy H_t (of the tempered distribution) is at least the (1 - ρ) quantile of the (micro-)batch's
+completion tokens'; ``entropy_coef`` c subtracts c · mean H_t over the tokens the policy loss acts on, whatever the
+normalisation (the step divides the sum by the count, so the sum takes c · mean H · count). The entropy is computed
+only when either is on, and then logged as ``entropy``.
+
 Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``,
 ``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens, or of completions at
 sequence level, whose ratio was clipped below, above, either). What RLOO does the same way (the old log-probs, the
@@ -129,6 +136,9 @@ class GRPO:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0  # and where A < 0
     vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None  # OPSM: drop A < 0 completions whose sampler KL exceeds this
+    top_entropy_quantile: float = 1.0  # < 1: only the tokens of the top fraction of entropy carry the policy loss
+    entropy_coef: float = 0.0  # the entropy bonus's weight
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
@@ -141,7 +151,8 @@ class GRPO:
                    importance_sampling_level=cfg.importance_sampling_level,
                    sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
                    vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
-                   vespo_lambda_neg=cfg.vespo_lambda_neg)
+                   vespo_lambda_neg=cfg.vespo_lambda_neg, off_policy_mask_threshold=cfg.off_policy_mask_threshold,
+                   top_entropy_quantile=cfg.top_entropy_quantile, entropy_coef=cfg.entropy_coef)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -152,14 +163,21 @@ class GRPO:
         return self.beta > 0
 
     @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss reads each token's entropy (the entropy mask or bonus): only then is it computed."""
+        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+
+    @property
     def metric_names(self) -> tuple[str, ...]:
+        entropy = ("entropy",) if self.needs_entropy else ()
+        entropy += ("policy_loss", "entropy_coef") if self.entropy_coef != 0.0 else ()
         if self.loss_type == "sapo":  # a gate, nothing clipped
-            return ("kl",)
+            return ("kl", *entropy)
         if self.loss_type == "vespo":
-            return ("kl", "vespo/phi_seq_mean")
+            return ("kl", "vespo/phi_seq_mean", *entropy)
         clipped = ("cispo_clip_ratio",) if self.loss_type == "cispo" else (
             "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-        return ("kl", *clipped)
+        return ("kl", *clipped, *entropy)
 
     def ratio(self, logps: jax.Array, old: jax.Array, batch: Batch, adv: jax.Array, completions: jax.Array,
               tokens: jax.Array) -> Ratio:
@@ -210,9 +228,57 @@ class GRPO:
         per_token = -pg.on_tokens(phi, completions) * adv * logps
         return per_token, {"vespo/phi_seq_mean": (jnp.sum(phi), jnp.asarray(phi.size, jnp.float32))}
 
+    def off_policy_mask(self, logps: jax.Array, old: jax.Array, batch: Batch, completions: jax.Array) -> jax.Array:
+        """OPSM (DeepSeek-V3.2's off-policy sequence mask, TRL's rule): 0 on the tokens of each completion whose
+        advantage is < 0 and whose mean over its tokens of log π_sampler - log π (held constant; a NaN gap counts as 0)
+        exceeds ``off_policy_mask_threshold``, else 1. π_sampler is the sampler's own log-probs when the batch carries
+        them, else ``old``: both the drift of the weights since sampling and the sampler's own mismatch."""
+        mask = batch["loss_mask"]
+        sampler = batch.get(SAMPLER_LOGPS_KEY, old)
+        gap = jnp.nan_to_num(sampler - jax.lax.stop_gradient(logps), nan=0.0) * mask
+        drift = pg.completion_means(gap, mask, completions)  # (rows, C)
+        keep = (pg.completion_advantages(batch, completions) >= 0) | (drift <= self.off_policy_mask_threshold)
+        return pg.on_tokens(keep.astype(jnp.float32), completions)
+
     def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
         """(N, T) log-probs of the batch's targets under the tempered policy."""
         return pg.tempered_logps(forward, weights, batch, key, self.temperature)
+
+    def logps_and_entropy(self, forward: Forward, weights: Any, batch: Batch,
+                          key: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+        """`logps`, and each position's (N, T) entropy of the tempered distribution, from the same logits, when the
+        loss reads it (`needs_entropy`; else None, and the program computes none)."""
+        if not self.needs_entropy:
+            return self.logps(forward, weights, batch, key), None
+        return forward.token_logps_and_entropy(weights, pg.rows(batch), key, self.temperature)
+
+    def high_entropy_mask(self, entropy: jax.Array, mask: jax.Array) -> jax.Array:
+        """1 on the completion tokens whose entropy is at least the (1 - ``top_entropy_quantile``) quantile (linear
+        interpolation) of the entropies of the batch's completion tokens (the micro-batch the loss sees, across
+        devices), 0 elsewhere (TRL's rule)."""
+        fixed = jax.lax.stop_gradient(entropy)
+        cut = jnp.nanquantile(jnp.where(mask > 0, fixed, jnp.nan), 1.0 - self.top_entropy_quantile)
+        return ((fixed >= cut) & (mask > 0)).astype(jnp.float32)
+
+    def entropy_bonus(self, entropy: jax.Array, on: jax.Array, count: jax.Array) -> jax.Array:
+        """What the bonus takes off the summed loss: ``entropy_coef`` times the mean entropy over the tokens ``on``
+        (the completion tokens the policy loss acts on), times ``count``, so that the step's division by the count
+        leaves L_policy - coef * H (TRL's, whatever the loss type's normalisation)."""
+        return self.entropy_coef * jnp.sum(entropy * on) / jnp.maximum(jnp.sum(on), 1.0) * count
+
+    def averaged(self, per_token: jax.Array, batch: Batch, completions: jax.Array,
+                 tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The token losses as (sum, count) by ``loss_type`` (see the module)."""
+        mask = batch["loss_mask"]
+        summed = per_token * mask
+        n = jnp.asarray(batch["advantages"].size, jnp.float32)  # completions
+        if self.loss_type in ("grpo", "sapo"):  # each completion's mean token loss
+            return jnp.sum(pg.completion_means(summed, mask, completions)), n
+        if self.loss_type == "dr_grpo":
+            return jnp.sum(summed), n * self.max_completion_length
+        if self.loss_type == "luspo":  # each completion's summed token loss
+            return jnp.sum(summed), n
+        return jnp.sum(summed), tokens  # dapo, bnpo (see the module), cispo, vespo
 
     def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
         """Before the first of several passes: the sampling policy's log-probs, fixed for every pass (``old_logps``):
@@ -248,7 +314,7 @@ class GRPO:
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
         mask = batch["loss_mask"]
-        logps = self.logps(forward, weights, batch, key)
+        logps, entropy = self.logps_and_entropy(forward, weights, batch, key)
         old = pg.old_logps(batch, logps)
         adv, completions = token_advantages(batch), pg.completion_masks(batch)
         tokens = jnp.sum(mask)
@@ -262,6 +328,10 @@ class GRPO:
         else:
             per_token, policy_metrics = self.surrogate(logps, ratio, adv)
             per_token = per_token if weight is None else per_token * weight
+        if self.off_policy_mask_threshold is not None:
+            per_token = per_token * self.off_policy_mask(logps, old, batch, completions)
+        high = None if self.top_entropy_quantile >= 1.0 else self.high_entropy_mask(entropy, mask)
+        per_token = per_token if high is None else per_token * high
         if self.beta > 0:
             if reference is None:
                 raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
@@ -273,14 +343,12 @@ class GRPO:
         else:
             metrics["kl"] = (jnp.zeros((), jnp.float32), tokens)
         metrics.update(policy_metrics)
-        summed = per_token * mask
-        n = jnp.asarray(batch["advantages"].size, jnp.float32)  # completions
-        if self.loss_type in ("grpo", "sapo"):  # each completion's mean token loss
-            total, count = jnp.sum(pg.completion_means(summed, mask, completions)), n
-        elif self.loss_type == "dr_grpo":
-            total, count = jnp.sum(summed), n * self.max_completion_length
-        elif self.loss_type == "luspo":  # each completion's summed token loss
-            total, count = jnp.sum(summed), n
-        else:  # dapo, bnpo (see the module), cispo, vespo
-            total, count = jnp.sum(summed), tokens
+        total, count = self.averaged(per_token, batch, completions, tokens)
+        if entropy is not None:
+            metrics["entropy"] = (jnp.sum(jax.lax.stop_gradient(entropy) * mask), tokens)
+        if self.entropy_coef != 0.0:
+            on = mask if high is None else mask * high
+            metrics["policy_loss"] = (jax.lax.stop_gradient(total), count)
+            metrics["entropy_coef"] = (jnp.asarray(self.entropy_coef, jnp.float32), jnp.ones((), jnp.float32))
+            total = total - self.entropy_bonus(entropy, on, count)
         return total, count, metrics
