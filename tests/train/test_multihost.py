@@ -190,16 +190,20 @@ def grpo_overrides(tmp_path, data_cache) -> list[str]:
     return [*MODEL, *GRPO, f"data.sources=[{prompts}]", f"data.cache_dir={data_cache}"]
 
 
-def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_overrides):
+@pytest.mark.parametrize("extra", [[], ["objective.dynamic_sampling=true", "objective.max_resample=2",
+                                          "objective.loss_type=grpo"]], ids=["dapo", "dynamic-grpo"])
+def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_overrides, extra):
     """GRPO (a KL to a frozen copy) in 2 processes of 1 CPU device each against one process over the same 2 devices,
     both with mesh fsdp=2 (the weights sharded over the two, the batch split): each process holds its block of the
     step's 4 prompts, the 16 completions are sampled SPMD over both devices, each process scores its own, and the
     training batch is the one process's row for row. Every step's completions, rewards and losses, the held-out
-    accuracy and the trained weights (3 Adam steps) agree to 1e-6."""
+    accuracy and the trained weights (3 Adam steps) agree to 1e-6. With dynamic sampling (and the per-completion
+    ``grpo`` normalisation) both processes decide alike on every process's scores and sample the same extra rounds
+    of the data's next prompts, so the run is still the one process's."""
     from helpers.run_outputs import final_params, metric_rows
 
     rewards = "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}]"
-    base = [*grpo_overrides, rewards, "mesh.fsdp=2"]
+    base = [*grpo_overrides, rewards, "mesh.fsdp=2", *extra]
     single = _single(tmp_path, [*base, f"run_dir={tmp_path / 'single'}"], devices=2)
     results = _finish(tmp_path, _launch(tmp_path, [*base, f"run_dir={tmp_path / 'two'}"], devices=1))
     _, err = single.communicate(timeout=600)
@@ -210,8 +214,11 @@ def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_override
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=1e-9), (got["losses"], ref["losses"])
     one, two = metric_rows(tmp_path / "single", "train"), metric_rows(tmp_path / "two", "train")
     for a, b in zip(one, two, strict=True):  # the sampled completions and their scores are the same at every step
-        for k in ("reward", "reward_std", "completions/mean_length", "rewards/length/mean", "grad_norm"):
+        for k in ("reward", "reward_std", "completions/mean_length", "rewards/length/mean", "grad_norm",
+                  *(["dynamic_sampling/rounds", "dynamic_sampling/reward"] if extra else [])):
             assert a[k] == pytest.approx(b[k], rel=1e-6), (k, a[k], b[k])
+    if extra:  # the extra rounds happened
+        assert any(r["dynamic_sampling/rounds"] > 1 for r in one), [r["dynamic_sampling/rounds"] for r in one]
     eval_one, eval_two = metric_rows(tmp_path / "single", "eval"), metric_rows(tmp_path / "two", "eval")
     assert [r["accuracy"] for r in eval_one] == [r["accuracy"] for r in eval_two]
     (p1, _), (p2, _) = (final_params(load_config(None, [*base, f"run_dir={tmp_path / d}"]), 3, vocab=300)
