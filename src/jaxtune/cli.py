@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from jaxtune import runtime
@@ -283,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors() as e:
         # on a terminal, a progress bar may be mid-line: the error line replaces it rather than being glued to it
         print(("\r\x1b[K" if sys.stderr.isatty() else "") + f"error: {e}", file=sys.stderr)
+        # a write the error abandoned (Orbax's async fragment on a full disk) would be reported as a coroutine never
+        # awaited as the process exits, after the one line the user is owed
+        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
         return 2
     except KeyboardInterrupt:  # before the training loop (which saves and exits 0 on the first Ctrl-C)
         print("error: interrupted", file=sys.stderr)
