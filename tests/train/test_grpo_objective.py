@@ -760,17 +760,24 @@ def jit_step(native: Native, objective: GRPO, micro_batches: int = 1):
     return jax.jit(step, compiler_options=trl_reference.FAST_COMPILE)
 
 
+def stepped(native: Native, objective: GRPO, batch: dict[str, np.ndarray], splits=(1, 2)):
+    """The train step from the spec's initial state on ``batch`` in each number of micro-batches of ``splits``:
+    the initial state and {micro-batches: (new params, metrics)} on the host."""
+    state = native.spec.init(0)
+    out = {}
+    with sharding.use_mesh(MESH):
+        for m in splits:
+            new, metrics = jit_step(native, objective, m)(state, sharding.global_batch(MESH, batch))
+            out[m] = (jax.device_get(new.params), jax.device_get(metrics))
+    return state, out
+
+
 def test_micro_batches_give_the_same_update(native, off_policy):
     """dapo (count: tokens) with ``old_logps`` (some ratios clipped): the train step in 2 micro-batches of different
     token counts makes the update, loss and metrics of the step in 1."""
     objective = make_objective(objective_cfg(loss_type="dapo", **OFF_POLICY))
     batch = our_batch(off_policy.old_logps)
-    state = native.spec.init(0)
-    out = {}
-    with sharding.use_mesh(MESH):
-        for m in (1, 2):
-            new, metrics = jit_step(native, objective, m)(state, sharding.global_batch(MESH, batch))
-            out[m] = (jax.device_get(new.params), jax.device_get(metrics))
+    state, out = stepped(native, objective, batch)
     (one, m1), (two, m2) = out[1], out[2]
     assert float(m1["count"]) == float(m2["count"]) == batch["loss_mask"].sum()
     assert m1["clip_ratio/region_mean"] > 0
@@ -783,13 +790,7 @@ def test_entropy_bonus_micro_batches_give_the_same_update(native, off_policy):
     """dapo with entropy_coef (the bonus a token sum: coef x each micro-batch's summed entropy) through the train
     step: 2 micro-batches of different token counts make the update, loss and entropy metrics of 1."""
     objective = make_objective(objective_cfg(loss_type="dapo", entropy_coef=0.05, **OFF_POLICY))
-    batch = our_batch(off_policy.old_logps)
-    state = native.spec.init(0)
-    out = {}
-    with sharding.use_mesh(MESH):
-        for m in (1, 2):
-            new, metrics = jit_step(native, objective, m)(state, sharding.global_batch(MESH, batch))
-            out[m] = (jax.device_get(new.params), jax.device_get(metrics))
+    state, out = stepped(native, objective, our_batch(off_policy.old_logps))
     (one, m1), (two, m2) = out[1], out[2]
     assert float(m1["entropy"]) > 0 and float(m1["policy_loss"]) != float(m1["loss"])
     for k in ("loss", "grad_norm", "entropy", "policy_loss", "entropy_coef"):
@@ -815,13 +816,8 @@ def test_every_loss_type_accumulates_exactly(native, off_policy, keys, layout):
     objective = make_objective(objective_cfg(**keys))
     batch = our_batch(off_policy.old_logps) if layout == "rows" else shared_batch(off_policy.old_logps)
     splits = (1, 4) if layout == "rows" else (1, 2)
-    state = native.spec.init(0)
-    out = {}
-    with sharding.use_mesh(MESH):
-        for m in splits:
-            new, metrics = jit_step(native, objective, m)(state, sharding.global_batch(MESH, batch))
-            out[m] = (jax.device_get(new.params), {k: float(v) for k, v in jax.device_get(metrics).items()})
-    (one, m1), (many, mm) = out[splits[0]], out[splits[1]]
+    state, out = stepped(native, objective, batch, splits)
+    (one, m1), (many, mm) = [(p, {k: float(v) for k, v in m.items()}) for p, m in (out[n] for n in splits)]
     if layout == "rows":  # the micro-batches really are ragged
         tokens = [batch["loss_mask"][i::4].sum() for i in range(4)]
         assert min(tokens) * 3 <= max(tokens), tokens
