@@ -9,7 +9,7 @@ Seed ``s`` adds ``train.seed=s`` to every ``jaxtune train`` of the chain (seed 0
 own directory; within a seed, a command two recipes share (the fine-tuning quickstart that DPO, KTO and GKD start
 from) runs once.
 
-    python benchmarks/quickstart_check.py                       # every recipe, seed 0 (what CI runs: ~8 min on 2 Zen 4 cores)
+    python benchmarks/quickstart_check.py     # every recipe, seed 0 (what CI runs: ~8 min on 2 Zen 4 cores)
     python benchmarks/quickstart_check.py grpo-quickstart --seeds 3 --json grpo.json   # min/median/max over 3 seeds
 
 Exit status 0 when every metric moved as required, 1 when one did not, 2 when a command failed.
