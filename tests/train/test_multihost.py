@@ -319,19 +319,26 @@ def test_a_data_file_missing_on_one_host_stops_every_host_naming_it(tmp_path, ti
                         f"directory (on process 1, host {socket.gethostname()})"), line
 
 
-def test_a_coordinator_that_does_not_answer_is_one_line_after_the_timeout(tmp_path, tiny_overrides, capsys):
-    """Process 1 of 2 whose coordinator never starts: one line naming the address, the process and its host after
-    distributed.timeout, not JAX's fatal abort (a C++ check failure that kills the process with a stack dump)."""
+def _refused_in_one_line(capsys, overrides: list[str], address: str, process_id: int, timeout: int) -> str:
+    """`jaxtune train` as process ``process_id`` of 2 at ``address``: it exits 2 within 30 s with one error line and no
+    traceback; that line."""
     from jaxtune.cli import main
 
-    address = f"127.0.0.1:{_free_port()}"
     started = time.monotonic()
-    assert main(["train", "quickstart", *tiny_overrides, f"distributed.coordinator_address={address}",
-                 "distributed.num_processes=2", "distributed.process_id=1", "distributed.timeout=2"]) == 2
+    assert main(["train", "quickstart", *overrides, f"distributed.coordinator_address={address}",
+                 "distributed.num_processes=2", f"distributed.process_id={process_id}",
+                 f"distributed.timeout={timeout}"]) == 2
     assert time.monotonic() - started < 30
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("error: ") == 1
-    assert err.rstrip().splitlines()[-1] == (
+    return err.rstrip().splitlines()[-1]
+
+
+def test_a_coordinator_that_does_not_answer_is_one_line_after_the_timeout(tmp_path, tiny_overrides, capsys):
+    """Process 1 of 2 whose coordinator never starts: one line naming the address, the process and its host after
+    distributed.timeout, not JAX's fatal abort (a C++ check failure that kills the process with a stack dump)."""
+    address = f"127.0.0.1:{_free_port()}"
+    assert _refused_in_one_line(capsys, tiny_overrides, address, process_id=1, timeout=2) == (
         f"error: distributed.coordinator_address={address}: process 1 (host {socket.gethostname()}) could not reach "
         "the coordinator in 2 s (Connection refused (ECONNREFUSED)); start process 0 with the same address, and check "
         "that this host can reach it (address, port, firewall), or raise distributed.timeout")
@@ -358,14 +365,7 @@ def test_a_process_that_never_starts_is_one_line_after_the_timeout(tmp_path, tin
 def test_a_process_id_beyond_the_process_count_is_refused_before_joining(tmp_path, tiny_overrides, capsys):
     """distributed.process_id=2 of num_processes=2: one line naming both keys and the host, at once; not a
     coordinator that "could not be reached" after the timeout."""
-    from jaxtune.cli import main
-
-    started = time.monotonic()
-    assert main(["train", "quickstart", *tiny_overrides, f"distributed.coordinator_address=127.0.0.1:{_free_port()}",
-                 "distributed.num_processes=2", "distributed.process_id=2", "distributed.timeout=60"]) == 2
-    assert time.monotonic() - started < 30
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("error: ") == 1
-    assert err.rstrip().splitlines()[-1] == (
+    address = f"127.0.0.1:{_free_port()}"
+    assert _refused_in_one_line(capsys, tiny_overrides, address, process_id=2, timeout=60) == (
         f"error: distributed.process_id=2 (host {socket.gethostname()}) is not below distributed.num_processes=2: "
         "number the processes 0 to 1, or raise distributed.num_processes")
