@@ -350,14 +350,36 @@ class Checkpointer:
         failed: list[tuple[int, str]] = []
         while True:
             try:
-                out = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+                state, data = self._restore_state(step, abstract_state)
             except Exception as e:  # noqa: BLE001 (whatever breaks the restore, an older step may still do)
                 failed.append((step, f"restoring it failed: {_first_line(e)}"))
                 step, _, failed = self._newest_readable(failed)
                 continue
             self._set_aside_unreadable(failed)
-            return step, out["state"], out["data"]
+            return step, state, data
+
+    def _restore_state(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+        """``step``'s state and data position. A state saved before train states carried the objective's scalars
+        (``carry``) has no such entry: it restores as one whose carry is empty, where the objective carries none."""
+        def restore(abstract: Any) -> tuple[Any, dict[str, Any]]:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+            return out["state"], out["data"]
+
+        try:
+            return restore(abstract_state)
+        except ValueError:
+            if getattr(abstract_state, "carry", None) != {}:
+                raise
+            fields = abstract_state._asdict()
+            del fields["carry"]
+            try:
+                out = restore(fields)
+            except Exception:  # noqa: BLE001 (not an older state either: the first error says why)
+                out = None
+            if out is None:
+                raise
+            return type(abstract_state)(**out[0], carry={}), out[1]
 
     def restore_reference(self, step: int, abstract: Any) -> Any:
         """The reference model saved with ``step`` (one that training changed), restored straight into the shardings

@@ -28,9 +28,13 @@ class TrainState(NamedTuple):
     key: jax.Array  # uint32 key data: the run's base key; step keys are fold_in(key, step)
     nan_streak: jax.Array  # int32 (): consecutive non-finite steps (on_nan=skip)
     nan_skipped: jax.Array  # int32 (): non-finite steps skipped in total
+    # the objective's own float32 scalars carried from step to step (`jaxtune.train.objectives.base.initial_carry`:
+    # adaptive entropy control's weight); {} for most objectives, and in a checkpoint written before there was any
+    carry: dict[str, jax.Array] = {}  # noqa: RUF012 (never mutated: a step returns a new one)
 
 
-def init_state(params: Any, tx: optax.GradientTransformation, seed: int) -> TrainState:
+def init_state(params: Any, tx: optax.GradientTransformation, seed: int,
+               carry: dict[str, Any] | None = None) -> TrainState:
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -38,21 +42,24 @@ def init_state(params: Any, tx: optax.GradientTransformation, seed: int) -> Trai
         key=jax.random.key_data(jax.random.key(seed)),
         nan_streak=jnp.zeros((), jnp.int32),
         nan_skipped=jnp.zeros((), jnp.int32),
+        carry={k: jnp.asarray(v, jnp.float32) for k, v in (carry or {}).items()},
     )
 
 
 def state_layout(tx: optax.GradientTransformation, abstract_groups: list[Any], group_sh: list[Any], mesh: Mesh,
-                 seed: int) -> tuple[TrainState, TrainState, tuple]:
+                 seed: int, carry: dict[str, Any] | None = None) -> tuple[TrainState, TrainState, tuple]:
     """(state shardings, abstract state, abstract frozen groups) from the parameter groups ([trainable,
-    *frozen]) and their shardings: optimizer moments mirror their parameter's sharding; scalars are replicated."""
+    *frozen]) and their shardings: optimizer moments mirror their parameter's sharding; scalars (the objective's
+    ``carry`` too) are replicated."""
     abstract_params, param_sh = abstract_groups[0], group_sh[0]
-    abstract_state = jax.eval_shape(lambda: init_state(abstract_params, tx, seed))
+    abstract_state = jax.eval_shape(lambda: init_state(abstract_params, tx, seed, carry))
     rep = sharding.replicated(mesh)
     opt_sh = optax.tree_map_params(
         tx, lambda leaf, sh, p: sh if leaf.shape == p.shape else rep,  # factored (Adafactor) stats: replicated
         abstract_state.opt_state, param_sh, abstract_params,
         transform_non_params=lambda _: rep, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    shardings = TrainState(step=rep, params=param_sh, opt_state=opt_sh, key=rep, nan_streak=rep, nan_skipped=rep)
+    shardings = TrainState(step=rep, params=param_sh, opt_state=opt_sh, key=rep, nan_streak=rep, nan_skipped=rep,
+                           carry={k: rep for k in abstract_state.carry})
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
     frozen = tuple(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), g, sh)
                    for g, sh in zip(abstract_groups[1:], group_sh[1:]))

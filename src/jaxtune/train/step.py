@@ -9,7 +9,7 @@ NaN policy, dropout) are made when the step is *built*, not inside it. Training,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from jaxtune.train.objectives.base import (
     combine_metrics,
     counts_of,
     extreme,
+    initial_carry,
     metrics_identity,
     present,
     varies_per_pass,
@@ -88,16 +89,17 @@ def accumulated(loss_fn: LossFn, micro_batches: int) -> Callable:
         if micro_batches == 1:
             (loss_sum, (count, extra)), grads = grad_fn(params, batch, step_key, frozen)
         else:
-            micro_batch = _split_micro(batch, micro_batches)
+            scalars = {k: v for k, v in batch.items() if jnp.ndim(v) == 0}  # the objective's carry: in every one
+            micro_batch = _split_micro({k: v for k, v in batch.items() if k not in scalars}, micro_batches)
 
             def micro(carry, xs):
                 i, mb = xs
                 key = None if step_key is None else jax.random.fold_in(step_key, i)
-                (l, (n, m)), g = grad_fn(params, mb, key, frozen)
+                (l, (n, m)), g = grad_fn(params, {**mb, **scalars}, key, frozen)
                 summed = jax.tree.map(jnp.add, carry[:3], (g, l, n))
                 return (*summed, combine_metrics(carry[3], m)), None
 
-            first = jax.tree.map(lambda x: x[0], micro_batch)
+            first = {**jax.tree.map(lambda x: x[0], micro_batch), **scalars}
             aux = jax.eval_shape(lambda: loss_fn(params, first, step_key, frozen))
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (params, aux[0], aux[1][0]))
             xs = (jnp.arange(micro_batches), micro_batch)
@@ -109,50 +111,61 @@ def accumulated(loss_fn: LossFn, micro_batches: int) -> Callable:
     return gradients
 
 
-def repeated(update: Callable, passes: int, first_key: int) -> Callable:
-    """``update`` (params, opt_state, batch, key, frozen) -> (params, opt_state, (loss, count, metrics, grad norm,
-    finite)) applied ``passes`` times to the same batch, pass i's dropout key folded with ``first_key`` + i: the
-    first pass's loss and metrics but those measuring the update as it goes (`varies_per_pass`: clip ratios, kl),
-    averaged over the passes; finite only if every pass was."""
+def repeated(update: Callable, passes: int, first_key: int, carried: Collection[str] = ()) -> Callable:
+    """``update`` (params, opt_state, carry, batch, key, frozen) -> (params, opt_state, carry, (loss, count, metrics,
+    grad norm, finite)) applied ``passes`` times to the same batch, pass i's dropout key folded with ``first_key`` + i:
+    the first pass's loss and metrics but those measuring the update as it goes (`varies_per_pass`: clip ratios, kl),
+    averaged over the passes, and those of the objective's carry (``carried``), the last pass's; finite only if every
+    pass was."""
     if passes == 1:
         return update
 
-    def run(params, opt_state, batch, step_key, frozen):
-        def one_pass(carry, i):
-            params, opt_state, ok = carry
+    def run(params, opt_state, carry, batch, step_key, frozen):
+        def one_pass(state, i):
+            params, opt_state, carry, ok = state
             key = None if step_key is None else jax.random.fold_in(step_key, first_key + i)
-            params, opt_state, out = update(params, opt_state, batch, key, frozen)
-            return (params, opt_state, ok & out[-1]), out
+            params, opt_state, carry, out = update(params, opt_state, carry, batch, key, frozen)
+            return (params, opt_state, carry, ok & out[-1]), out
 
-        (params, opt_state, finite), outs = jax.lax.scan(one_pass, (params, opt_state, True), jnp.arange(passes))
+        (params, opt_state, carry, finite), outs = jax.lax.scan(one_pass, (params, opt_state, carry, True),
+                                                                jnp.arange(passes))
         loss, count, extra, grad_norm, _ = jax.tree.map(lambda x: x[0], outs)
-        extra = {k: jnp.mean(outs[2][k], axis=0) if varies_per_pass(k) else v for k, v in extra.items()}
-        return params, opt_state, (loss, count, extra, grad_norm, finite)
+        extra = {k: jnp.mean(outs[2][k], axis=0) if varies_per_pass(k) else outs[2][k][-1] if k in carried else v
+                 for k, v in extra.items()}
+        return params, opt_state, carry, (loss, count, extra, grad_norm, finite)
 
     return run
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *,
                     micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True, passes: int = 1,
-                    prepare: Callable[[Any, Batch, Frozen], Batch] | None = None):
+                    prepare: Callable[[Any, Batch, Frozen], Batch] | None = None, objective: Any = None):
     """Build the step around ``loss_fn`` (`objective_loss`). The loss is weighted by the objective's count over
     the whole batch (`accumulated`); so are the objective's metrics.
 
     ``passes`` > 1: that many optimizer updates on the same batch (GRPO's ``num_iterations``, `repeated`).
     ``prepare(params, batch, frozen)``, when given, first annotates the whole batch with the weights as they were;
     the step's loss and metrics are the first pass's (clip ratios and kl: their mean over the passes, `repeated`),
-    and the learning-rate schedule counts updates. A non-finite
-    pass (with ``skip_nonfinite``) keeps the state as it was before the step."""
+    and the learning-rate schedule counts updates. ``objective``: the one ``loss_fn`` computes, where it carries
+    scalars from update to update (``advance``; `jaxtune.train.objectives.base`): each update's loss reads the state's
+    carry, which the update's metric means then advance. A non-finite pass (with ``skip_nonfinite``) keeps the state
+    as it was before the step, its carry too."""
     gradients = accumulated(loss_fn, micro_batches)
+    advance = getattr(objective, "advance", None)
+    carried: set[str] = set()
 
-    def update(params, opt_state, batch, step_key, frozen):
-        loss, count, extra, grads = gradients(params, batch, step_key, frozen)
+    def update(params, opt_state, carry, batch, step_key, frozen):
+        loss, count, extra, grads = gradients(params, {**batch, **carry}, step_key, frozen)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        return optax.apply_updates(params, updates), opt_state, (loss, count, extra, grad_norm, finite)
+        if advance is not None:
+            carry, logged = advance(carry, extra)
+            carried.update(logged)
+            extra = {**extra, **logged}
+        return optax.apply_updates(params, updates), opt_state, carry, (loss, count, extra, grad_norm, finite)
 
-    updates = repeated(update, passes, micro_batches)
+    updates = repeated(update, passes, micro_batches, carried)
 
     def train_step(state: TrainState, batch: Batch, frozen: Frozen | None = None):
         """``frozen``: weights that do not train (a LoRA base, the companion's): read, never updated, no optimizer
@@ -161,11 +174,12 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step) if use_dropout else None
         if prepare is not None:
             batch = prepare(state.params, batch, frozen)
-        params, opt_state, (loss, count, extra, grad_norm, finite) = updates(
-            state.params, state.opt_state, batch, step_key, frozen)
+        params, opt_state, carry, (loss, count, extra, grad_norm, finite) = updates(
+            state.params, state.opt_state, state.carry, batch, step_key, frozen)
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+            params, opt_state, carry = (keep(params, state.params), keep(opt_state, state.opt_state),
+                                        keep(carry, state.carry))
         new_state = TrainState(
             step=state.step + 1,
             params=params,
@@ -173,6 +187,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
             key=state.key,
             nan_streak=jnp.where(finite, 0, state.nan_streak + 1),
             nan_skipped=state.nan_skipped + jnp.where(finite, 0, 1),
+            carry=carry,
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step * passes), "count": count,
                    "finite": finite, "nan_streak": new_state.nan_streak, **extra}
@@ -181,15 +196,18 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
     return train_step
 
 
-def make_eval_step(loss_fn: LossFn, prepare: Callable[[Any, Batch, Frozen], Batch] | None = None):
+def make_eval_step(loss_fn: LossFn, prepare: Callable[[Any, Batch, Frozen], Batch] | None = None,
+                   carry: dict[str, float] | None = None):
     """(params, batch, frozen) -> (summed loss, count, metric sums); deterministic (no dropout). ``prepare``: what an
     objective that ``prepares`` computes from the whole batch first (KTO's KL baseline from the held-out batch's own
-    mismatched rows, as TRL's evaluation does; without it the held-out loss had no baseline and ``kl`` read 0)."""
+    mismatched rows, as TRL's evaluation does; without it the held-out loss had no baseline and ``kl`` read 0).
+    ``carry``: the objective's initial carry, which every held-out batch reads (`jaxtune.train.objectives.base`)."""
+    fixed = {k: jnp.asarray(v, jnp.float32) for k, v in (carry or {}).items()}
 
     def eval_step(params, batch, frozen=None):
         if prepare is not None:
             batch = prepare(params, batch, frozen)
-        total, (count, metrics) = loss_fn(params, batch, None, frozen_of(frozen))
+        total, (count, metrics) = loss_fn(params, {**batch, **fixed}, None, frozen_of(frozen))
         return total, count, metrics
 
     return eval_step
@@ -209,8 +227,8 @@ def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
             return objective.prepare(forward, weights, batch, companion_view)
     step = make_train_step(loss, spec.tx, spec.lr_schedule, micro_batches=train.micro_batches,
                            skip_nonfinite=train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key, passes=passes,
-                           prepare=prepare)
-    return step, make_eval_step(loss, prepare if objective.prepares else None)
+                           prepare=prepare, objective=objective)
+    return step, make_eval_step(loss, prepare if objective.prepares else None, initial_carry(objective))
 
 
 @dataclass

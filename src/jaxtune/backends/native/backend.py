@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from jaxtune.train.logprobs import (
     token_logps,
     token_logps_and_entropy,
 )
+from jaxtune.train.objectives import initial_carry
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout
 
@@ -90,6 +91,7 @@ class NativeSpec:
     quantize: str | None = None
     base_layout: tuple = ()
     gguf_plan: Any = None  # model.quantize=gguf: where each adapted kernel's blocks are in the file
+    carry: dict = field(default_factory=dict)  # the objective's initial carry (`TrainState.carry`)
 
     def init(self, seed: int) -> TrainState:
         """A fresh state, created sharded (each device computes or reads only its own shards)."""
@@ -101,7 +103,7 @@ class NativeSpec:
         def make(params):
             if params is None:
                 params = init_params(cfg, seed)[0]
-            return init_state(params, tx, seed)
+            return init_state(params, tx, seed, self.carry)
 
         with sharding.use_mesh(self.mesh):
             return jax.jit(make, out_shardings=self.shardings)(params)
@@ -166,7 +168,8 @@ class NativeBackend:
         model_cfg = model_config(cfg.model, vocab_size)
         tx = make_optimizer(cfg.optim, cfg.optimizer_updates)
         graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
-        shardings, abstract, frozen = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed)
+        carry = initial_carry(cfg.objective)
+        shardings, abstract, frozen = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed, carry)
         frozen_sh, kind, base, plan = tuple(group_sh[1:]), cfg.model.quantize, (), None
         if kind == "gguf":  # QLoRA on the .gguf file's own blocks: their layout from its header
             base = (frozen[0], frozen_sh[0])
@@ -179,7 +182,7 @@ class NativeBackend:
             quantized, placed = quantized_layout(abstract.params, frozen[0], frozen_sh[0], kind)
             frozen, frozen_sh = (quantized,), (placed,)
         return NativeSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.optimizer_updates), mesh, shardings,
-                          abstract, cfg.model.from_hf, frozen, frozen_sh, kind, base, plan)
+                          abstract, cfg.model.from_hf, frozen, frozen_sh, kind, base, plan, carry)
 
     def runs(self, config_json: dict[str, Any]) -> bool:
         try:

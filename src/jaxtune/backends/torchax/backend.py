@@ -4,7 +4,7 @@ shape (`fsdp_axes`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from jaxtune.models.sampling import (
     stop_tuple,
 )
 from jaxtune.train.logprobs import tempered, token_logps, token_logps_and_entropy
+from jaxtune.train.objectives import initial_carry
 from jaxtune.train.optim import make_optimizer, schedule
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout
 
@@ -79,12 +80,13 @@ class TorchaxSpec:
     host_frozen: Any  # a LoRA model's base weights, else None
     frozen_abstract: tuple = ()
     frozen_shardings: tuple = ()
+    carry: dict = field(default_factory=dict)  # the objective's initial carry (`TrainState.carry`)
 
     def init(self, seed: int) -> TrainState:
         """A fresh state from the module's weights (checkpoint or seeded init), placed shard by shard."""
         params = jax.device_put(self.host_params, self.shardings.params)
         with sharding.use_mesh(self.mesh):
-            return jax.jit(lambda p: init_state(p, self.tx, seed), out_shardings=self.shardings)(params)
+            return jax.jit(lambda p: init_state(p, self.tx, seed, self.carry), out_shardings=self.shardings)(params)
 
     def load_frozen(self, seed: int) -> tuple:
         """(base,) with LoRA: re-read with the module (never checkpointed); () otherwise."""
@@ -170,9 +172,12 @@ class TorchaxBackend:
         fsdp = mesh.shape["fsdp"]
         group_sh = [jax.tree.map(lambda a: NamedSharding(mesh, P(*fsdp_axes(a.shape, fsdp))), g) for g in groups]
         tx = make_optimizer(cfg.optim, cfg.optimizer_updates)
-        shardings, abstract, frozen_abstract = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed)
+        carry = initial_carry(cfg.objective)
+        shardings, abstract, frozen_abstract = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed,
+                                                            carry)
         return TorchaxSpec(info, model, tx, schedule(cfg.optim, cfg.optimizer_updates), mesh, shardings, abstract,
-                           trainable, frozen if model.frozen_names else None, frozen_abstract, tuple(group_sh[1:]))
+                           trainable, frozen if model.frozen_names else None, frozen_abstract, tuple(group_sh[1:]),
+                           carry)
 
     def runs(self, config_json: dict[str, Any]) -> bool:
         """Any transformers causal LM (its ops must lower through torchax: checked when it first runs)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxtune.config import OBJECTIVES as DECLARED
 from jaxtune.config import ObjectiveConfig
+from jaxtune.train.objectives import base
 from jaxtune.train.objectives.base import Metrics, Objective, Reference
 from jaxtune.train.objectives.cross_entropy import CrossEntropy
 from jaxtune.train.objectives.gkd import GKD
@@ -26,5 +27,11 @@ def make_objective(cfg: ObjectiveConfig) -> Objective:
     return OBJECTIVES[cfg.name].from_config(cfg)
 
 
+def initial_carry(cfg: ObjectiveConfig) -> dict[str, float]:
+    """What the objective of ``cfg`` carries from one update to the next before the first (`base.initial_carry`):
+    the train state's initial ``carry``."""
+    return base.initial_carry(make_objective(cfg))
+
+
 __all__ = ["CLASSES", "DPO", "GKD", "GRPO", "KTO", "OBJECTIVES", "ORPO", "RLOO", "CrossEntropy", "Metrics", "Objective",
-           "Reference", "SimPO", "make_objective"]
+           "Reference", "SimPO", "initial_carry", "make_objective"]

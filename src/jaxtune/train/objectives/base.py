@@ -17,6 +17,13 @@ An objective that trains several passes on one batch (``passes`` > 1: GRPO's ``n
 batch, reference) -> batch`` called once on the whole batch before the first pass (before micro-batches split it),
 with the weights as they were (the others return the batch as it is).
 
+An objective may carry scalars from one optimizer update to the next (adaptive entropy control's coefficient): it
+declares ``init_carry() -> {name: value}`` and ``advance(carry, means) -> (carry, logged)``, the carry after an update
+from that update's metric means (over the whole batch, micro-batches added up) and the metrics to log of it. The train
+state holds the carry (`jaxtune.train.state.TrainState.carry`), so a checkpoint resumes it exactly; the loss reads it
+from the batch (each name a scalar, the same in every micro-batch); the eval step gives it the initial carry. An
+objective without ``init_carry`` carries nothing (`initial_carry`).
+
 An objective that compares the policy with a frozen reference model (``uses_reference``: DPO's KL anchor, GRPO's
 KL penalty) is handed a `Reference`: the reference's per-token log-probs of a batch of (N, T) rows (unless the batch
 carries them precomputed), and whether the policy's weights are the reference's (`Reference.is_policy`). Which model
@@ -105,6 +112,15 @@ def metrics_identity(metrics: Metrics) -> Metrics:
     """Zeros shaped like ``metrics`` (the infinities an extreme starts from): what `combine_metrics` starts at."""
     return {k: jax.tree.map(lambda x, k=k: jnp.full(jnp.shape(x), extreme(k)[1] if extreme(k) else 0,
                                                     jnp.result_type(x)), v) for k, v in metrics.items()}
+
+
+Carry = dict[str, jax.Array]  # an objective's scalars from one update to the next, by name
+
+
+def initial_carry(objective: Any) -> dict[str, float]:
+    """What ``objective`` carries before its first update ({} for most: see the module)."""
+    init = getattr(objective, "init_carry", None)
+    return {} if init is None else dict(init())
 
 
 @dataclass(frozen=True)
