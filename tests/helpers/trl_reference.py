@@ -140,11 +140,12 @@ class Ours:
 
 
 def objective_result(native: Native, objective, cfg: ObjectiveConfig, params, batch,
-                     means: Callable[[dict, jax.Array], dict[str, float]]) -> Ours:
+                     means: Callable[[dict, jax.Array], dict[str, float]], carry: dict | None = None) -> Ours:
     """``objective`` (made from ``cfg``) on ``params`` and ``batch`` as the train step forms it: `objective_loss`'s
     sums and their gradients divided by the objective's count, the metric sums by ``means(metrics, count)``. A
-    reference is the unperturbed checkpoint, as the frozen copy (`Frozen.companion`). `objective_loss`'s
-    value_and_grad is jitted once per objective."""
+    reference is the unperturbed checkpoint, as the frozen copy (`Frozen.companion`); ``carry``: the objective's
+    carried scalars, as the step adds them to the batch. `objective_loss`'s value_and_grad is jitted once per
+    objective."""
     reference = step_reference(native.spec, cfg)
     assert reference is None or isinstance(reference, FrozenCopy)  # full fine-tuning: a frozen copy of the weights
     if objective not in native.compiled:
@@ -152,7 +153,8 @@ def objective_result(native: Native, objective, cfg: ObjectiveConfig, params, ba
         native.compiled[objective] = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), compiler_options=FAST_COMPILE)
     with sharding.use_mesh(MESH):
         (total, (count, metrics)), grads = native.compiled[objective](
-            params, sharding.global_batch(MESH, batch), None, Frozen((), None if reference is None else native.ref))
+            params, {**sharding.global_batch(MESH, batch), **(carry or {})}, None,
+            Frozen((), None if reference is None else native.ref))
     n = float(count)
     return Ours(float(total) / n, n, means(metrics, count), jax.tree.map(lambda g: np.asarray(g) / n, grads))
 

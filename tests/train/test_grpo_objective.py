@@ -88,6 +88,7 @@ from jaxtune import sharding
 from jaxtune.config import ObjectiveConfig, TrainConfig, objective_config
 from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.train.objectives import GRPO, RLOO, Reference, make_objective
+from jaxtune.train.objectives.grpo import LAST_ENTROPY
 from jaxtune.train.rewards import group_advantages, leave_one_out_advantages
 from jaxtune.train.rollout import shared_rows, training_rows
 from jaxtune.train.step import build_steps, per_unit
@@ -271,12 +272,13 @@ def trl_importance_ratio(old: torch.Tensor, sampled: torch.Tensor, mask: torch.T
 
 
 def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, importance: dict | None = None,
-             **config) -> GRPOResult:
+             calls: int = 1, **config) -> GRPOResult | list[GRPOResult]:
     """GRPOTrainer (the perturbed policy; with beta > 0 its reference model the unperturbed checkpoint):
     ``compute_loss`` on the rollout, the metrics it logged, the policy's gradients. ``off_policy``: the inputs carry
     ``old_per_token_logps`` from the old checkpoint (what TRL holds when num_iterations > 1). ``importance``
     ({mode, clip_min, clip_max}): the old checkpoint's log-probs play the sampler's (vLLM's), corrected as TRL's
-    ``vllm_importance_sampling_correction`` does."""
+    ``vllm_importance_sampling_correction`` does. ``calls`` > 1: ``compute_loss`` that many times on the same weights
+    and inputs (each an optimizer-step boundary: adaptive entropy control moves its weight), a result each."""
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
@@ -311,10 +313,14 @@ def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, importa
             inputs["old_per_token_logps"], sampled, inputs["completion_mask"], **importance)
         trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
         sampler = completion_to_rows(sampled)
-    loss = trainer.compute_loss(trainer.model, inputs)
-    loss.backward()
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return GRPOResult(loss.item(), metrics, trl_reference.hf_grads(trainer.model), old, sampler)
+    results = []
+    for _ in range(calls):
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        results.append(GRPOResult(loss.item(), metrics, trl_reference.hf_grads(trainer.model), old, sampler))
+    return results[0] if calls == 1 else results
 
 
 # ---------------------------------------------------------------------------------------------------- jaxtune side
@@ -337,13 +343,15 @@ def native(checkpoints) -> Native:
     return Native.of(checkpoints, *GRPO_RUN)
 
 
-def ours(native: Native, params, batch, **keys) -> Ours:
+def ours(native: Native, params, batch, carry=None, **keys) -> Ours:
     """``objective.name=grpo`` (with ``keys``) on ``params`` as the train step forms it: `objective_loss`'s sums and
     their gradients divided by the objective's count, the metrics by `per_unit`. With beta > 0 the reference is the
-    unperturbed checkpoint, as the frozen copy (`Frozen.companion`)."""
+    unperturbed checkpoint, as the frozen copy (`Frozen.companion`). ``carry``: what the train state carries for the
+    objective (scalars the step puts in the batch)."""
     cfg = objective_cfg(**keys)
     means = lambda metrics, count: {k: float(v) for k, v in per_unit(metrics, count).items()}
-    return trl_reference.objective_result(native, replace(make_objective(cfg), passes=1), cfg, params, batch, means)
+    return trl_reference.objective_result(native, replace(make_objective(cfg), passes=1), cfg, params, batch, means,
+                                          carry)
 
 
 def assert_matches(mine: Ours, theirs: TRLResult, names=()) -> dict[str, float]:
@@ -692,6 +700,91 @@ def test_entropy_bonus_matches_trl(checkpoints, tokenizer, native, tmp_path, los
     assert rel(plain.grads["lm_head"]["embedding"], mine.grads["lm_head"]["embedding"]) > 1e-3
 
 
+def initial(objective: GRPO) -> dict[str, jax.Array]:
+    """The objective's initial carry as the train state holds it (float32 scalars)."""
+    return {k: jnp.float32(v) for k, v in objective.init_carry().items()}
+
+
+@pytest.mark.parametrize("loss_type, beta, quantile, gap, coef, delta", [
+    ("dapo", 0.0, 1.0, 0.5, 0.02, 0.01),  # entropy under the target: the weight rises, applied from the 2nd update
+    ("grpo", 0.04, 0.5, 0.5, 0.985, 0.01),  # the same at entropy_coef_max (clamped), on the high-entropy tokens
+    ("dr_grpo", 0.0, 1.0, -0.5, 0.05, 0.02)])  # over the target: the weight falls and is never applied
+def test_adaptive_entropy_matches_trl(checkpoints, tokenizer, native, tmp_path, loss_type, beta, quantile, gap, coef,
+                                      delta):
+    """use_adaptive_entropy over three optimizer-step boundaries on the same weights and batch (TRL: three
+    ``compute_loss`` calls; ours: the objective with the carried weight, then `GRPO.advance` on its metric means):
+    each call's loss, gradients, entropy, policy_loss and the loss type's metrics, and the weight logged after it
+    (``entropy_coef``) equal GRPOTrainer's; with the target ``gap`` nats above the entropy measured (over the tokens
+    the policy loss acts on) the weight climbs by delta up to entropy_coef_max and is applied from the second call,
+    below it the weight falls and the loss is the policy loss."""
+    keys = {"beta": beta, "loss_type": loss_type, "top_entropy_quantile": quantile, "use_adaptive_entropy": True,
+            "entropy_coef": coef, "entropy_coef_delta": delta, "entropy_target": 1.0}
+    probe = make_objective(objective_cfg(**keys))
+    h = ours(native, native.policy, our_batch(), initial(probe), **keys).metrics[probe.measured_entropy]
+    keys["entropy_target"] = h + gap
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, calls=3, **keys)
+    objective = make_objective(objective_cfg(**keys))
+    carry, weights, bonuses = initial(objective), [], []
+    for call in theirs:
+        mine = ours(native, native.policy, our_batch(), carry, **keys)
+        names = tuple(k for k in ("entropy", "policy_loss", "kl", *CLIP_METRICS) if call.metrics.get(k))
+        assert {"entropy", "policy_loss"} <= set(names)
+        assert_matches(mine, call, names)
+        carry, logged = objective.advance(carry, {k: jnp.float32(v) for k, v in mine.metrics.items()})
+        assert float(logged["entropy_coef"]) == pytest.approx(call.metrics["entropy_coef"], rel=TOL, abs=1e-9)
+        weights.append(float(logged["entropy_coef"]))
+        bonuses.append(mine.metrics["policy_loss"] - mine.loss)
+    step = delta if gap > 0 else -delta
+    assert weights == pytest.approx([min(max(coef + k * step, 0.0), 1.0) for k in (1, 2, 3)], rel=1e-6)
+    none = [abs(b) <= 1e-7 for b in bonuses]  # policy_loss (a float32 mean) less the loss (float64 of the sum / n)
+    assert none == ([True, False, False] if gap > 0 else [True] * 3), bonuses
+    assert gap < 0 or min(bonuses[1:]) > 1e-4
+    assert float(carry[LAST_ENTROPY]) == pytest.approx(h, rel=1e-6)
+
+
+def test_adaptive_entropy_through_the_train_step(native, off_policy):
+    """The train step carries adaptive entropy control's weight in the state: one update on a batch in 2
+    micro-batches of different token counts carries and logs what 1 does (the entropy over the whole batch), and
+    updates as the loss without a bonus (nothing measured before it); the next applies the weight (loss = policy_loss
+    - c H); with num_iterations=2 one step moves the weight twice and logs the last."""
+    keys = {"loss_type": "dapo", "use_adaptive_entropy": True, "entropy_coef": 0.02, "entropy_coef_delta": 0.01,
+            "entropy_target": 50.0, **OFF_POLICY}
+    objective = make_objective(objective_cfg(**keys))
+    batch = our_batch(off_policy.old_logps)
+    state, out = stepped(native, objective, batch, carry=initial(objective))
+    (one, m1), (two, m2) = out[1], out[2]
+    assert update_error(two, one, state.params) <= STEP_TOL
+    for k in ("loss", "entropy", "policy_loss", "entropy_coef"):
+        assert abs(float(m2[k]) - float(m1[k])) <= STEP_TOL * abs(float(m1[k])), (k, m1[k], m2[k])
+    assert float(m1["entropy_coef"]) == pytest.approx(0.03) and float(m1["loss"]) == float(m1["policy_loss"])
+    plain = make_objective(objective_cfg(**{**keys, "use_adaptive_entropy": False, "entropy_coef": 0.0,
+                                            "entropy_coef_delta": 0.005, "entropy_target": 0.2}))
+    _, out_plain = stepped(native, plain, batch, splits=(1,))
+    assert update_error(one, out_plain[1][0], state.params) <= STEP_TOL
+    with sharding.use_mesh(MESH):
+        step = jit_step(native, objective)
+        first, _ = step(state._replace(carry=initial(objective)), sharding.global_batch(MESH, batch))
+        assert float(first.carry[LAST_ENTROPY]) == pytest.approx(float(m1["entropy"]), rel=1e-6)
+        _, m = step(first, sharding.global_batch(MESH, batch))
+    h, loss, policy = (float(m[k]) for k in ("entropy", "loss", "policy_loss"))
+    assert loss == pytest.approx(policy - 0.03 * h, rel=1e-5) and float(m["entropy_coef"]) == pytest.approx(0.04)
+    twice = make_objective(objective_cfg(**keys, num_iterations=2))
+    _, out_twice = stepped(native, twice, batch, splits=(1,), carry=initial(twice))
+    assert float(out_twice[1][1]["entropy_coef"]) == pytest.approx(0.04)
+
+
+def test_adaptive_entropy_keys_are_checked():
+    """The control's keys without use_adaptive_entropy would change nothing: refused, naming both keys; an initial
+    weight outside [entropy_coef_min, entropy_coef_max] is refused; at their defaults they load."""
+    with pytest.raises(ValueError, match=r"objective.entropy_target applies with objective.use_adaptive_entropy=true"):
+        objective_cfg(entropy_target=1.0)
+    with pytest.raises(ValueError, match=r"objective.entropy_coef=0.5 .* outside \[entropy_coef_min, "
+                                         r"entropy_coef_max\] = \[0.0, 0.2\]"):
+        objective_cfg(use_adaptive_entropy=True, entropy_coef=0.5, entropy_coef_max=0.2, entropy_target=1.0)
+    assert not objective_cfg(entropy_coef_min=0.0, entropy_target=0.2).use_adaptive_entropy
+    assert make_objective(objective_cfg(entropy_coef=0.1)).init_carry() == {}
+
+
 def test_chunked_entropy_is_the_whole_logits(native):
     """The entropy from log-prob chunks of 4 positions (`chunked_token_logps`) equals the one from the whole
     logits, and the log-probs beside it equal `token_logps`' alone."""
@@ -760,10 +853,10 @@ def jit_step(native: Native, objective: GRPO, micro_batches: int = 1):
     return jax.jit(step, compiler_options=trl_reference.FAST_COMPILE)
 
 
-def stepped(native: Native, objective: GRPO, batch: dict[str, np.ndarray], splits=(1, 2)):
-    """The train step from the spec's initial state on ``batch`` in each number of micro-batches of ``splits``:
-    the initial state and {micro-batches: (new params, metrics)} on the host."""
-    state = native.spec.init(0)
+def stepped(native: Native, objective: GRPO, batch: dict[str, np.ndarray], splits=(1, 2), carry=None):
+    """The train step from the spec's initial state (with the objective's ``carry``) on ``batch`` in each number of
+    micro-batches of ``splits``: the initial state and {micro-batches: (new params, metrics)} on the host."""
+    state = native.spec.init(0)._replace(carry=carry or {})
     out = {}
     with sharding.use_mesh(MESH):
         for m in splits:

@@ -91,12 +91,18 @@ def test_grpo_trains_with_a_reference_and_reports(grpo):
 
 
 def test_grpo_lora_kill9_and_resume_is_bitwise(grpo, tmp_path):
-    """LoRA GRPO with a KL penalty (the base with the adapters off) and two passes per batch, killed after step 4
-    with step 3 committed, resumed: the rollouts are sampled again with the same keys, so the losses of steps 4-5
-    and the final adapters equal the uninterrupted run's bitwise."""
+    """LoRA GRPO with a KL penalty (the base with the adapters off), two passes per batch and adaptive entropy control
+    (its weight train state, moved twice a step), killed after step 4 with step 3 committed, resumed: the rollouts
+    are sampled again with the same keys and the weight goes on from the checkpoint's, so the losses of steps 4-5 and
+    the final adapters equal the uninterrupted run's bitwise."""
     lora = ["model.lora.rank=4", "objective.beta=0.04", "objective.num_iterations=2", "train.steps=5",
-            "eval.every=0", "eval.exact_match=0", "checkpoint.every=3", "checkpoint.keep=5"]
+            "eval.every=0", "eval.exact_match=0", "checkpoint.every=3", "checkpoint.keep=5",
+            "objective.use_adaptive_entropy=true", "objective.entropy_coef=0.01", "objective.entropy_target=50"]
     assert_kill9_resume_is_bitwise(tmp_path, grpo, lora, steps=5, kill_at=4, commit=3)
+    for run in ("ref", "killed"):  # entropy stays under the target: up by 2 x 0.005 a step, from 0.01
+        rows = {r["step"]: r for r in metric_rows(tmp_path / run, "train")}
+        assert [rows[s]["entropy_coef"] for s in (4, 5)] == pytest.approx([0.05, 0.06]), rows
+        assert rows[5]["loss"] < rows[5]["policy_loss"]  # the bonus applies
 
 
 REWARD_MODULE = """

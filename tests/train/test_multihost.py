@@ -227,6 +227,113 @@ def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_override
     assert worst <= 1e-6, worst
 
 
+# The ragged-batch check in processes: each loss type's train step on one hand-made batch of 8 completions (2 to 20
+# tokens), the short ones on process 0 and the long ones on process 1, in 2 micro-batches (every 2nd row: ragged
+# again), against the whole batch at once in one process. Its ``old_logps`` are the trainer's own less noise, so the
+# ratios leave the clip range. Process 0 (or the one process) writes every loss type's metrics and updated weights.
+ACCUMULATION_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    import numpy as np
+    from jaxtune import sharding
+    from jaxtune.backends import make_state_spec
+    from jaxtune.config import load_config
+    from jaxtune.train import distributed
+    from jaxtune.train.rollout import training_rows
+    from jaxtune.train.step import run_steps
+
+    out, variants, base = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
+    cfg = load_config(None, base)
+    distributed.initialize(cfg.distributed)
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    rng = np.random.default_rng(0)
+    lengths = [2, 3, 4, 5, 14, 17, 19, 20]  # process 0: the short half; process 1: the long one
+    prompts = [[1, *rng.integers(10, 290, 6 + i % 3).tolist()] for i in range(8)]
+    completions = [rng.integers(10, 290, n).tolist() for n in lengths]
+    batch = training_rows(prompts, completions, [[0.0] * n for n in lengths], cfg.data.seq_len)
+    batch["advantages"] = np.array([1.2, -0.4, 0.7, -1.5, 0.3, -0.8, 1.1, -0.6], np.float32)
+    n, p = jax.process_count(), jax.process_index()
+    rows = len(lengths) // n
+    results = {}
+    with sharding.use_mesh(mesh):
+        for name, keys in variants.items():
+            run_cfg = load_config(None, [*base, *(f"objective.{k}={v}" for k, v in keys.items())])
+            spec = make_state_spec(run_cfg, 300, mesh)
+            steps = run_steps(spec, run_cfg)
+            state, frozen = spec.init(0), steps.frozen((), 0)
+            start = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state.params)
+            if not results:  # the trainer's log-probs of the batch, less noise: the sampling policy
+                forward = spec.forward()
+                local = {k: v[p * rows:(p + 1) * rows] for k, v in batch.items()}
+                logps = jax.jit(forward.token_logps)(state.params, sharding.global_batch(mesh, local))
+                logps = np.asarray(jax.experimental.multihost_utils.process_allgather(logps, tiled=True))
+                noise = rng.normal(0.0, 0.15, logps.shape).astype(np.float32)
+                batch["old_logps"] = (logps + noise * batch["loss_mask"]).astype(np.float32)
+            local = {k: v[p * rows:(p + 1) * rows] for k, v in batch.items()}
+            new, metrics = steps.train(state, sharding.global_batch(mesh, local), frozen)
+            params = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), new.params)
+            results[name] = {"metrics": {k: float(v) for k, v in jax.device_get(metrics).items()},
+                             "start": jax.tree.leaves(start), "new": jax.tree.leaves(params)}
+    if p == 0:
+        arrays = {f"{name}/{kind}/{i}": a for name, r in results.items() for kind in ("start", "new")
+                  for i, a in enumerate(r[kind])}
+        np.savez(out + ".npz", **arrays)
+        with open(out, "w") as f:
+            json.dump({name: r["metrics"] for name, r in results.items()}, f)
+    """
+)
+# Every loss type with its own normalisation, and GSPO's per-completion means (test_grpo_objective.py ACCUMULATED)
+CLIP = {"epsilon": 0.2, "epsilon_high": 0.28}
+LOSS_VARIANTS = {t: {"loss_type": t, **CLIP} for t in ("dapo", "grpo", "dr_grpo", "bnpo", "sapo", "vespo")} | {
+    "cispo": {"loss_type": "cispo", "epsilon_high": 1.1}, "luspo": {"loss_type": "luspo",
+                                                                  "importance_sampling_level": "sequence"},
+    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence", **CLIP}}
+
+
+def test_every_loss_type_accumulates_exactly_in_two_processes(tmp_path, grpo_overrides):
+    """Exact accumulation across processes: for every loss type, the train step over 2 processes (1 CPU device each,
+    mesh data=2) holding very different token counts (5 to 14 completion tokens on one, 70 on the other) in 2
+    micro-batches each makes the loss, the metrics and the update of the whole batch taken at once in one process,
+    within 1e-5 (float32 sums in another order; the update as in test_grpo_objective.py's `update_error`, beyond two
+    float32 spacings of the parameter). A mean of per-process or per-micro-batch means would be off by far more."""
+    # AdamW's eps at 0.1: at its default 1e-8 a first update is lr * g / (|g| + 1e-8), which the rounding of a gradient
+    # entry near 1e-8 moves by a good part of lr (test_grpo_objective.py's reason too)
+    base = [*grpo_overrides, "objective.beta=0.0", "objective.prompts_per_step=2", "objective.rewards=[{name: length}]",
+            "optim.eps=0.1"]
+    variants = json.dumps(LOSS_VARIANTS)
+    env = dict(_env(1, 1), XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
+    single = subprocess.Popen([sys.executable, "-c", ACCUMULATION_WORKER, str(tmp_path / "single.json"), variants,
+                               *base], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    port = _free_port()
+    two = [subprocess.Popen([sys.executable, "-c", ACCUMULATION_WORKER, str(tmp_path / "two.json"), variants, *base,
+                             "mesh.data=2", "train.micro_batches=2",
+                             f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+                             f"distributed.process_id={i}"],
+                            env={**_env(2, 1), "XLA_FLAGS": env["XLA_FLAGS"]}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for proc in (single, *two):
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    one, many = (json.loads((tmp_path / f"{r}.json").read_text()) for r in ("single", "two"))
+    arrays = {r: np.load(tmp_path / f"{r}.json.npz") for r in ("single", "two")}
+    clipped = 0
+    for name in LOSS_VARIANTS:
+        m1, m2 = one[name], many[name]
+        for k, v in m1.items():
+            if k.endswith(("/min", "/max")) or not np.isfinite(v):
+                continue
+            assert abs(m2[k] - v) <= 1e-5 * max(abs(v), 1e-30) + 1e-9, (name, k, v, m2[k])
+        clipped += m1.get("clip_ratio/region_mean", 0.0) > 0
+        leaves = len([k for k in arrays["single"].files if k.startswith(f"{name}/new/")])
+        for i in range(leaves):
+            start, a, b = (arrays[r][f"{name}/{kind}/{i}"].astype(np.float64) for r, kind in
+                           (("single", "start"), ("two", "new"), ("single", "new")))
+            excess = np.abs(a - b) - 2 * np.spacing(np.maximum(np.abs(a), np.abs(b)).astype(np.float32))
+            assert np.maximum(excess, 0).max() <= 1e-5 * np.abs(b - start).max(), (name, i)
+    assert clipped >= 4  # the ratios left the clip range
+
+
 def test_a_reward_failing_on_one_host_stops_every_host_with_its_error(tmp_path, grpo_overrides):
     """A reward function that raises on process 1 only: both processes stop (none waits in a collective) with the
     same one-line error naming the function, what it raised and the process."""

@@ -53,7 +53,10 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "importance_sampling_level": ("token",), "sapo_temperature_pos": (1.0,), "sapo_temperature_neg": (1.05,),
     "vespo_k_pos": (2.0,), "vespo_lambda_pos": (3.0,), "vespo_k_neg": (3.0,), "vespo_lambda_neg": (2.0,),
     "off_policy_mask_threshold": (None,), "top_entropy_quantile": (1.0,), "entropy_coef": (0.0,),
+    "use_adaptive_entropy": (False,), "entropy_coef_min": (0.0,), "entropy_coef_max": (1.0,),
+    "entropy_coef_delta": (0.005,), "entropy_target": (0.2,),
 }
+ADAPTIVE_ENTROPY_KEYS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
 
 
 class ObjectiveSection(Section):
@@ -472,6 +475,19 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
         0.0, description="the entropy bonus (TRL's key): the loss less entropy_coef x the mean entropy over the "
         "completion tokens the policy loss acts on, whatever loss_type's normalisation; > 0 encourages exploration. "
         "Logs entropy, policy_loss (the loss before the bonus) and entropy_coef")
+    use_adaptive_entropy: bool = Field(
+        False, description="adaptive entropy control (Skywork-OR1's, TRL's key): entropy_coef is the bonus's initial "
+        "weight, moved by entropy_coef_delta after every optimizer update (up where the mean entropy over the tokens "
+        "the policy loss acted on was at or below entropy_target, down elsewhere) and applied only while that entropy "
+        "is at or below the target; the weight is train state, resumed exactly. Logs it as entropy_coef")
+    entropy_coef_min: float = Field(0.0, description="use_adaptive_entropy: the lowest the weight goes")
+    entropy_coef_max: float = Field(1.0, description="use_adaptive_entropy: the highest the weight goes")
+    entropy_coef_delta: float = Field(0.005, gt=0, description="use_adaptive_entropy: how far one update moves "
+                                      "the weight")
+    entropy_target: float = Field(
+        0.2, ge=0, description="use_adaptive_entropy: the mean token entropy (nats) the control holds the policy "
+        "above; the bonus applies only at or below it. Set it near the entropy logged early in training: at the "
+        "default 0.2 it engages only on a near collapse")
 
     @property
     def corrects_sampler(self) -> bool:
@@ -521,6 +537,24 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
         if self.importance_sampling_level == "token" and self.loss_type == "luspo":
             log.warning("objective.loss_type=luspo with importance_sampling_level=token sums token ratios' losses "
                         "per completion; LUSPO's is the sequence ratio: importance_sampling_level sequence")
+        return self
+
+    @model_validator(mode="after")
+    def _adaptive_entropy(self) -> GRPOConfig:
+        changed = [k for k in ADAPTIVE_ENTROPY_KEYS if getattr(self, k) != type(self).model_fields[k].default]
+        if changed and not self.use_adaptive_entropy:
+            raise ValueError(f"objective.{changed[0]} applies with objective.use_adaptive_entropy=true: set it, or "
+                             f"drop {changed[0]}")
+        if not self.use_adaptive_entropy:
+            return self
+        lo, hi, coef = self.entropy_coef_min, self.entropy_coef_max, self.entropy_coef
+        if not lo <= coef <= hi:
+            raise ValueError(f"objective.entropy_coef={coef} (the initial weight of use_adaptive_entropy) is outside "
+                             f"[entropy_coef_min, entropy_coef_max] = [{lo}, {hi}]")
+        if "entropy_target" not in self.model_fields_set:
+            log.warning("objective.use_adaptive_entropy with the default entropy_target=0.2 nats engages the bonus "
+                        "only on a near collapse (language models' token entropies are ~1-10 nats early on); set "
+                        "objective.entropy_target near the entropy logged in the first steps")
         return self
 
     @model_validator(mode="after")

@@ -59,6 +59,14 @@ completion tokens'; ``entropy_coef`` c subtracts c · mean H_t over the tokens t
 normalisation (the step divides the sum by the count, so the sum takes c · mean H · count). The entropy is computed
 only when either is on, and then logged as ``entropy``.
 
+``use_adaptive_entropy`` (Skywork-OR1's adaptive entropy control, TRL's rule) makes c state: the train state carries
+it from update to update (`base.initial_carry`; a resumed run goes on with the same c), starting at ``entropy_coef``.
+After each optimizer update, H, the mean entropy over the tokens the policy loss acted on in the whole batch (every
+micro-batch and process), moves c by ``entropy_coef_delta`` within [``entropy_coef_min``, ``entropy_coef_max``]: up
+where H <= ``entropy_target``, down elsewhere. An update applies c only when the H of the update before was at or
+below the target (none on the first); ``entropy_coef`` logs c after the update. A batch with no completion token
+measures nothing and leaves c as it was. Held-out batches read the initial carry, so their loss is the policy loss.
+
 Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``,
 ``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens, or of completions at
 sequence level, whose ratio was clipped below, above, either). What RLOO does the same way (the old log-probs, the
@@ -84,6 +92,9 @@ LOSS_TYPES = OBJECTIVES["grpo"].loss_types
 # VESPO's log sequence ratio is cut to [log 1e-8, 20] (TRL's bounds), its token log-ratios to ±20: the weight stays
 # finite, and a sampler weight masked to 0 counts as 1e-8, not -inf.
 LOG_FLOOR, LOG_CEILING = math.log(1e-8), 20.0
+# Adaptive entropy control's carry (`GRPO.init_carry`): the weight c, and the entropy the last update measured
+ENTROPY_COEF, LAST_ENTROPY = "adaptive_entropy/coef", "adaptive_entropy/last_entropy"
+POLICY_TOKENS_ENTROPY = "entropy/policy_tokens"  # its measure when only the high-entropy tokens carry the loss
 
 
 def token_advantages(batch: Batch) -> jax.Array:
@@ -138,7 +149,12 @@ class GRPO:
     vespo_lambda_neg: float = 2.0
     off_policy_mask_threshold: float | None = None  # OPSM: drop A < 0 completions whose sampler KL exceeds this
     top_entropy_quantile: float = 1.0  # < 1: only the tokens of the top fraction of entropy carry the policy loss
-    entropy_coef: float = 0.0  # the entropy bonus's weight
+    entropy_coef: float = 0.0  # the entropy bonus's weight (with adaptive_entropy: its initial value)
+    adaptive_entropy: bool = False  # the weight moves with the entropy measured (see the module)
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
@@ -152,7 +168,10 @@ class GRPO:
                    sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
                    vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
                    vespo_lambda_neg=cfg.vespo_lambda_neg, off_policy_mask_threshold=cfg.off_policy_mask_threshold,
-                   top_entropy_quantile=cfg.top_entropy_quantile, entropy_coef=cfg.entropy_coef)
+                   top_entropy_quantile=cfg.top_entropy_quantile, entropy_coef=cfg.entropy_coef,
+                   adaptive_entropy=cfg.use_adaptive_entropy, entropy_coef_min=cfg.entropy_coef_min,
+                   entropy_coef_max=cfg.entropy_coef_max, entropy_coef_delta=cfg.entropy_coef_delta,
+                   entropy_target=cfg.entropy_target)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -163,14 +182,25 @@ class GRPO:
         return self.beta > 0
 
     @property
+    def bonus(self) -> bool:
+        """Whether the loss has an entropy bonus (a weight, or one that adapts)."""
+        return self.entropy_coef != 0.0 or self.adaptive_entropy
+
+    @property
     def needs_entropy(self) -> bool:
         """Whether the loss reads each token's entropy (the entropy mask or bonus): only then is it computed."""
-        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+        return self.top_entropy_quantile < 1.0 or self.bonus
+
+    @property
+    def measured_entropy(self) -> str:
+        """The metric adaptive entropy control reads: the mean entropy over the tokens the policy loss acts on."""
+        return "entropy" if self.top_entropy_quantile >= 1.0 else POLICY_TOKENS_ENTROPY
 
     @property
     def metric_names(self) -> tuple[str, ...]:
         entropy = ("entropy",) if self.needs_entropy else ()
-        entropy += ("policy_loss", "entropy_coef") if self.entropy_coef != 0.0 else ()
+        entropy += ("policy_loss", "entropy_coef") if self.bonus else ()
+        entropy += (POLICY_TOKENS_ENTROPY,) if self.adaptive_entropy and self.measured_entropy != "entropy" else ()
         if self.loss_type == "sapo":  # a gate, nothing clipped
             return ("kl", *entropy)
         if self.loss_type == "vespo":
@@ -260,11 +290,37 @@ class GRPO:
         cut = jnp.nanquantile(jnp.where(mask > 0, fixed, jnp.nan), 1.0 - self.top_entropy_quantile)
         return ((fixed >= cut) & (mask > 0)).astype(jnp.float32)
 
-    def entropy_bonus(self, entropy: jax.Array, on: jax.Array, count: jax.Array) -> jax.Array:
-        """What the bonus takes off the summed loss: ``entropy_coef`` times the mean entropy over the tokens ``on``
-        (the completion tokens the policy loss acts on), times ``count``, so that the step's division by the count
-        leaves L_policy - coef * H (TRL's, whatever the loss type's normalisation)."""
-        return self.entropy_coef * jnp.sum(entropy * on) / jnp.maximum(jnp.sum(on), 1.0) * count
+    def entropy_bonus(self, coef: jax.Array | float, entropy: jax.Array, on: jax.Array,
+                      count: jax.Array) -> jax.Array:
+        """What the bonus takes off the summed loss: ``coef`` times the mean entropy over the tokens ``on`` (the
+        completion tokens the policy loss acts on), times ``count``, so that the step's division by the count leaves
+        L_policy - coef * H (TRL's, whatever the loss type's normalisation)."""
+        return coef * jnp.sum(entropy * on) / jnp.maximum(jnp.sum(on), 1.0) * count
+
+    def init_carry(self) -> dict[str, float]:
+        """Adaptive entropy control's state before the first update: c, and no entropy measured yet (+inf)."""
+        return {ENTROPY_COEF: self.entropy_coef, LAST_ENTROPY: math.inf} if self.adaptive_entropy else {}
+
+    def applied_entropy_coef(self, batch: Batch) -> jax.Array | float:
+        """The bonus's weight this update: ``entropy_coef``, or the carried c where the entropy the update before
+        measured was at or below ``entropy_target`` (else 0)."""
+        if not self.adaptive_entropy:
+            return self.entropy_coef
+        return jnp.where(batch[LAST_ENTROPY] <= self.entropy_target, batch[ENTROPY_COEF], 0.0)
+
+    def advance(self, carry: dict[str, jax.Array], means: dict[str, jax.Array]) -> tuple[dict[str, jax.Array],
+                                                                                        dict[str, jax.Array]]:
+        """After an update (``means``: its metrics over the whole batch): c one ``entropy_coef_delta`` up where the
+        entropy the loss acted on was at or below ``entropy_target``, else down, within [min, max], and that entropy
+        remembered; nothing moves where no token was measured. Logs the new c as ``entropy_coef``."""
+        if not self.adaptive_entropy:
+            return carry, {}
+        h, coef = means[self.measured_entropy], carry[ENTROPY_COEF]
+        moved = jnp.where(h <= self.entropy_target, jnp.minimum(coef + self.entropy_coef_delta, self.entropy_coef_max),
+                          jnp.maximum(coef - self.entropy_coef_delta, self.entropy_coef_min))
+        seen = jnp.isfinite(h)
+        carry = {ENTROPY_COEF: jnp.where(seen, moved, coef), LAST_ENTROPY: jnp.where(seen, h, carry[LAST_ENTROPY])}
+        return carry, {"entropy_coef": carry[ENTROPY_COEF]}
 
     def averaged(self, per_token: jax.Array, batch: Batch, completions: jax.Array,
                  tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -346,9 +402,12 @@ class GRPO:
         total, count = self.averaged(per_token, batch, completions, tokens)
         if entropy is not None:
             metrics["entropy"] = (jnp.sum(jax.lax.stop_gradient(entropy) * mask), tokens)
-        if self.entropy_coef != 0.0:
+        if self.bonus:
             on = mask if high is None else mask * high
             metrics["policy_loss"] = (jax.lax.stop_gradient(total), count)
-            metrics["entropy_coef"] = (jnp.asarray(self.entropy_coef, jnp.float32), jnp.ones((), jnp.float32))
-            total = total - self.entropy_bonus(entropy, on, count)
+            if not self.adaptive_entropy:  # else the step logs the carried weight after the update (`advance`)
+                metrics["entropy_coef"] = (jnp.asarray(self.entropy_coef, jnp.float32), jnp.ones((), jnp.float32))
+            elif high is not None:
+                metrics[POLICY_TOKENS_ENTROPY] = (jnp.sum(jax.lax.stop_gradient(entropy) * on), jnp.sum(on))
+            total = total - self.entropy_bonus(self.applied_entropy_coef(batch), entropy, on, count)
         return total, count, metrics
