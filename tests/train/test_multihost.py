@@ -293,7 +293,7 @@ LOSS_VARIANTS = {t: {"loss_type": t, **CLIP} for t in ("dapo", "grpo", "dr_grpo"
 
 def test_every_loss_type_accumulates_exactly_in_two_processes(tmp_path, grpo_overrides):
     """Exact accumulation across processes: for every loss type, the train step over 2 processes (1 CPU device each,
-    mesh data=2) holding very different token counts (5 to 14 completion tokens on one, 70 on the other) in 2
+    mesh data=2) holding very different token counts (14 completion tokens on one, 70 on the other) in 2
     micro-batches each makes the loss, the metrics and the update of the whole batch taken at once in one process,
     within 1e-5 (float32 sums in another order; the update as in test_grpo_objective.py's `update_error`, beyond two
     float32 spacings of the parameter). A mean of per-process or per-micro-batch means would be off by far more."""
