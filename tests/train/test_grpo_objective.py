@@ -293,7 +293,8 @@ def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, importa
     trainer.model.train()  # _compute_loss logs under "train" in train mode (dropout is 0 either way)
     inputs = trl_inputs()
     if args.beta > 0:
-        assert args.use_bias_correction_kl  # TRL's default: the KL term is weighted by the ratio
+        # TRL's default: the KL term is weighted by the ratio
+        assert args.use_bias_correction_kl or "use_bias_correction_kl" in config
         # GRPOTrainer loads its reference from the policy's path; give it the unperturbed weights.
         trainer.ref_model.load_state_dict(hf_model(checkpoints["ref"]).state_dict())
         inputs["ref_per_token_logps"] = trl_logps(trainer, trainer.ref_model, inputs)
@@ -628,6 +629,46 @@ def test_a_loss_types_keys_are_refused_under_another():
     with pytest.raises(ValueError, match=r"objective.vespo_lambda_pos applies to loss_type vespo, not sapo"):
         objective_cfg(loss_type="sapo", vespo_lambda_pos=1.0)
     assert objective_cfg(loss_type="grpo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05).loss_type == "grpo"
+
+
+@pytest.mark.parametrize("loss_type, beta", [("dapo", 0.0), ("grpo", 0.04)])
+def test_two_sided_clip_matches_trl(checkpoints, tokenizer, native, tmp_path, loss_type, beta):
+    """delta (two-sided clipping) off-policy: the unclipped term's ratio capped at delta; loss, gradients, clip
+    ratios and kl equal GRPOTrainer's, and differ from no cap (some negative-advantage tokens' ratios pass 1.3)."""
+    keys = {"beta": beta, "loss_type": loss_type, **OFF_POLICY, "delta": 1.3}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=True, **keys)
+    names = tuple(k for k in ("kl", *CLIP_METRICS) if theirs.metrics.get(k))
+    batch = our_batch(theirs.old_logps)
+    mine = ours(native, native.policy, batch, **keys)
+    assert_matches(mine, theirs, names)
+    ratio = np.exp(np.asarray(jax.jit(native.spec.forward().token_logps)(native.policy, {
+        k: batch[k] for k in ("inputs", "targets", "positions", "segment_ids")})) - batch["old_logps"])
+    assert np.any((ratio > 1.3) & (batch["loss_mask"] > 0) & (ADVANTAGES[:, None] < 0))
+    plain = ours(native, native.policy, batch, **{**keys, "delta": None})
+    assert rel(plain.loss, mine.loss) > 1e-4
+
+
+def test_kl_without_bias_correction_matches_trl(checkpoints, tokenizer, native, tmp_path):
+    """use_bias_correction_kl=false, off-policy with beta 0.04: the plain k3 term (not weighted by the ratio); loss,
+    gradients and kl equal GRPOTrainer's, and differ from the corrected term's."""
+    keys = {"beta": 0.04, "loss_type": "dapo", **OFF_POLICY, "use_bias_correction_kl": False}
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=True, **keys)
+    mine = ours(native, native.policy, our_batch(theirs.old_logps), **keys)
+    assert_matches(mine, theirs, ("kl", *CLIP_METRICS))
+    corrected = ours(native, native.policy, our_batch(theirs.old_logps), **{**keys, "use_bias_correction_kl": True})
+    assert rel(corrected.metrics["kl"], mine.metrics["kl"]) > 1e-4
+
+
+def test_two_sided_clip_and_kl_keys_are_checked():
+    """delta on a loss type without a clip, or not above 1 + epsilon_high, and use_bias_correction_kl without a KL
+    term: one line each naming the key and what to do."""
+    with pytest.raises(ValueError, match=r"objective.delta caps the unclipped ratio .* loss_type=sapo has no clip"):
+        objective_cfg(loss_type="sapo", delta=4.0)
+    with pytest.raises(ValueError, match=r"objective.delta=1.2 must exceed the upper clip 1 \+ epsilon_high = 1.28"):
+        objective_cfg(delta=1.2, epsilon_high=0.28)
+    with pytest.raises(ValueError, match=r"objective.use_bias_correction_kl weighs the KL term, which beta=0"):
+        objective_cfg(use_bias_correction_kl=False)
+    assert objective_cfg(delta=None, use_bias_correction_kl=True).delta is None
 
 
 def sampler_drift(native: Native, sampler: np.ndarray) -> np.ndarray:

@@ -54,8 +54,9 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "vespo_k_pos": (2.0,), "vespo_lambda_pos": (3.0,), "vespo_k_neg": (3.0,), "vespo_lambda_neg": (2.0,),
     "off_policy_mask_threshold": (None,), "top_entropy_quantile": (1.0,), "entropy_coef": (0.0,),
     "use_adaptive_entropy": (False,), "entropy_coef_min": (0.0,), "entropy_coef_max": (1.0,),
-    "entropy_coef_delta": (0.005,), "entropy_target": (0.2,),
+    "entropy_coef_delta": (0.005,), "entropy_target": (0.2,), "delta": (None,), "use_bias_correction_kl": (True,),
 }
+CLIPPED_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")  # the loss types with PPO's clipped ratio
 ADAPTIVE_ENTROPY_KEYS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
 
 
@@ -475,6 +476,14 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
         0.0, description="the entropy bonus (TRL's key): the loss less entropy_coef x the mean entropy over the "
         "completion tokens the policy loss acts on, whatever loss_type's normalisation; > 0 encourages exploration. "
         "Logs entropy, policy_loss (the loss before the bonus) and entropy_coef")
+    delta: float | None = Field(
+        None, gt=1, description="two-sided clipping (INTELLECT-2's, TRL's key): the unclipped ratio's cap, so that a "
+        "negative advantage's loss stays bounded when the ratio runs far above 1 (it must exceed 1 + epsilon_high); "
+        "the clipped loss types only; none: off")
+    use_bias_correction_kl: bool = Field(
+        True, description="with beta > 0: weigh each token's KL term by the policy ratio (TRL's default, DeepSeek-V3.2's "
+        "unbiased reverse-KL gradient; it changes the gradient even on-policy, where the ratio is 1); false: the "
+        "plain k3 term")
     use_adaptive_entropy: bool = Field(
         False, description="adaptive entropy control (Skywork-OR1's, TRL's key): entropy_coef is the bonus's initial "
         "weight, moved by entropy_coef_delta after every optimizer update (up where the mean entropy over the tokens "
@@ -537,6 +546,26 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
         if self.importance_sampling_level == "token" and self.loss_type == "luspo":
             log.warning("objective.loss_type=luspo with importance_sampling_level=token sums token ratios' losses "
                         "per completion; LUSPO's is the sequence ratio: importance_sampling_level sequence")
+        return self
+
+    @model_validator(mode="after")
+    def _two_sided_clip(self) -> GRPOConfig:
+        if self.delta is None:
+            return self
+        if self.loss_type not in CLIPPED_LOSS_TYPES:
+            raise ValueError(f"objective.delta caps the unclipped ratio of the clipped loss types "
+                             f"({', '.join(CLIPPED_LOSS_TYPES)}); loss_type={self.loss_type} has no clip: drop delta")
+        high = 1.0 + (self.epsilon if self.epsilon_high is None else self.epsilon_high)
+        if self.delta <= high:
+            raise ValueError(f"objective.delta={self.delta} must exceed the upper clip 1 + epsilon_high = {high:g}, "
+                             "or it caps ratios the clip would keep (INTELLECT-2 uses 4)")
+        return self
+
+    @model_validator(mode="after")
+    def _kl_correction(self) -> GRPOConfig:
+        if not self.use_bias_correction_kl and self.beta_value == 0:
+            raise ValueError("objective.use_bias_correction_kl weighs the KL term, which beta=0 leaves out: set "
+                             "objective.beta > 0, or drop use_bias_correction_kl")
         return self
 
     @model_validator(mode="after")

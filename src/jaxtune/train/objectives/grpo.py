@@ -67,6 +67,10 @@ where H <= ``entropy_target``, down elsewhere. An update applies c only when the
 below the target (none on the first); ``entropy_coef`` logs c after the update. A batch with no completion token
 measures nothing and leaves c as it was. Held-out batches read the initial carry, so their loss is the policy loss.
 
+``delta`` (INTELLECT-2's two-sided clipping, TRL's key) caps the unclipped term's ratio, -min(min(r, delta) A,
+clip(r) A), so a negative advantage's loss stays bounded however far r runs above 1; the clip metrics are the plain
+ratio's. ``kl_bias_correction`` off (TRL's ``use_bias_correction_kl=False``) drops the ratio from the KL term.
+
 Metrics (TRL's names): ``kl`` (mean per completion token, of r * KL_t as in the loss), ``clip_ratio/low_mean``,
 ``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` (the share of completion tokens, or of completions at
 sequence level, whose ratio was clipped below, above, either). What RLOO does the same way (the old log-probs, the
@@ -149,6 +153,8 @@ class GRPO:
     vespo_lambda_neg: float = 2.0
     off_policy_mask_threshold: float | None = None  # OPSM: drop A < 0 completions whose sampler KL exceeds this
     top_entropy_quantile: float = 1.0  # < 1: only the tokens of the top fraction of entropy carry the policy loss
+    delta: float | None = None  # two-sided clipping: the unclipped ratio's cap
+    kl_bias_correction: bool = True  # the KL term weighted by the ratio (TRL's use_bias_correction_kl)
     entropy_coef: float = 0.0  # the entropy bonus's weight (with adaptive_entropy: its initial value)
     adaptive_entropy: bool = False  # the weight moves with the entropy measured (see the module)
     entropy_coef_min: float = 0.0
@@ -171,7 +177,8 @@ class GRPO:
                    top_entropy_quantile=cfg.top_entropy_quantile, entropy_coef=cfg.entropy_coef,
                    adaptive_entropy=cfg.use_adaptive_entropy, entropy_coef_min=cfg.entropy_coef_min,
                    entropy_coef_max=cfg.entropy_coef_max, entropy_coef_delta=cfg.entropy_coef_delta,
-                   entropy_target=cfg.entropy_target)
+                   entropy_target=cfg.entropy_target, delta=cfg.delta,
+                   kl_bias_correction=cfg.use_bias_correction_kl)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -237,7 +244,7 @@ class GRPO:
             per_token = -jax.lax.stop_gradient(jnp.minimum(ratio.tokens, cap)) * adv * logps
             return per_token, {"cispo_clip_ratio": ratio.share((ratio.units > cap) & (ratio.adv > 0))}
         bounds = pg.ClipBounds.of(self.epsilon, self.epsilon_high)
-        return pg.clipped_surrogate(ratio.tokens, adv, bounds), pg.clip_metrics(
+        return pg.clipped_surrogate(ratio.tokens, adv, bounds, self.delta), pg.clip_metrics(
             ratio.units, ratio.adv, bounds, ratio.count, ratio.mask)
 
     def gamma_weighted(self, logps: jax.Array, old: jax.Array, adv: jax.Array, batch: Batch, completions: jax.Array,
@@ -393,7 +400,8 @@ class GRPO:
                 raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
             ref = pg.reference_logps(reference, batch, self.temperature)
             delta = ref - pinned(logps, ref, reference)  # exactly 0 while the policy is the reference
-            kl = (jnp.exp(delta) - delta - 1.0) * ratio.tokens  # TRL's bias correction: weighted by the ratio
+            kl = jnp.exp(delta) - delta - 1.0
+            kl = kl * ratio.tokens if self.kl_bias_correction else kl  # TRL's bias correction: weighted by the ratio
             per_token = per_token + self.beta * kl
             metrics["kl"] = (jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens)
         else:

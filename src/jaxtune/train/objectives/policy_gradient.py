@@ -105,10 +105,12 @@ class ClipBounds(NamedTuple):
         return cls(1.0 - epsilon, 1.0 + (epsilon if epsilon_high is None else epsilon_high))
 
 
-def clipped_surrogate(ratio: jax.Array, adv: jax.Array, bounds: ClipBounds) -> jax.Array:
-    """-min(r A, clip(r, low, high) A), elementwise: PPO's pessimistic bound, the loss of each ratio."""
+def clipped_surrogate(ratio: jax.Array, adv: jax.Array, bounds: ClipBounds, delta: float | None = None) -> jax.Array:
+    """-min(r A, clip(r, low, high) A), elementwise: PPO's pessimistic bound, the loss of each ratio. ``delta``
+    (two-sided clipping): the unclipped term's r capped at delta, which bounds a negative advantage's loss."""
     clipped = jnp.clip(ratio, bounds.low, bounds.high)
-    return -jnp.minimum(ratio * adv, clipped * adv)
+    unclipped = ratio if delta is None else jnp.minimum(ratio, delta)
+    return -jnp.minimum(unclipped * adv, clipped * adv)
 
 
 def clip_metrics(ratio: jax.Array, adv: jax.Array, bounds: ClipBounds, count: jax.Array,
