@@ -481,9 +481,9 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
         "negative advantage's loss stays bounded when the ratio runs far above 1 (it must exceed 1 + epsilon_high); "
         "the clipped loss types only; none: off")
     use_bias_correction_kl: bool = Field(
-        True, description="with beta > 0: weigh each token's KL term by the policy ratio (TRL's default, DeepSeek-V3.2's "
-        "unbiased reverse-KL gradient; it changes the gradient even on-policy, where the ratio is 1); false: the "
-        "plain k3 term")
+        True, description="with beta > 0: weigh each token's KL term by the policy ratio (TRL's default, "
+        "DeepSeek-V3.2's unbiased reverse-KL gradient; it changes the gradient even on-policy, where the ratio is 1); "
+        "false: the plain k3 term")
     use_adaptive_entropy: bool = Field(
         False, description="adaptive entropy control (Skywork-OR1's, TRL's key): entropy_coef is the bonus's initial "
         "weight, moved by entropy_coef_delta after every optimizer update (up where the mean entropy over the tokens "
