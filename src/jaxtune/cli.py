@@ -73,6 +73,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     run = load_run(args.run_dir)
     tok = run.tokenizer
+    if getattr(run.spec.model_cfg, "num_labels", 0):
+        raise ConfigError(f"{args.run_dir} is a reward model (a score head, no language-model head): it scores "
+                          "sequences and generates none; generate with a language model")
     if args.chat and tok.chat_template is None:
         raise ConfigError(f"{args.run_dir}: the tokenizer has no chat template, so --chat cannot format prompts")
     if args.chat is None:  # a run fine-tuned on chat data is asked as it was trained: a prompt is a user turn
@@ -153,8 +156,10 @@ def _export(args: argparse.Namespace) -> int:
         raise ConfigError("--gguf-type applies to a GGUF export; add --gguf")
     out = export(args.run_dir, args.out_dir, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1e9),
                  overwrite=args.overwrite, adapter=args.adapter, gguf=(args.gguf_type or "f16") if args.gguf else None)
+    classifier = not args.adapter and not args.gguf and "ForSequenceClassification" in (out / "config.json").read_text()
     how = ("peft.PeftModel.from_pretrained(base_model, OUT_DIR)" if args.adapter
            else "llama.cpp, Ollama, or transformers' gguf_file=" if args.gguf
+           else "transformers.AutoModelForSequenceClassification.from_pretrained" if classifier
            else "transformers.AutoModelForCausalLM.from_pretrained")
     print(f"exported {args.run_dir} to {out} (load with {how})")
     return 0

@@ -26,6 +26,7 @@ from jaxtune.train.rollout import Rollout, prompt_text
 from jaxtune.train.step import Steps
 
 GRPO_SAMPLES = 4  # held-out completions shown with their rewards at each evaluation (GRPO)
+HELD_OUT_REWARD = "reward"  # the mean total reward of held-out completions (the sampling objectives' evaluation)
 REWARD_ACCURACY = "rewards/accuracies"  # TRL's name: the share of held-out pairs whose chosen reply is rewarded more
 EMPTY_ANSWER = "(empty)"  # how a sample shows an answer that is empty or only whitespace
 NO_ROWS = "n/a (no rows)"  # a mean over held-out rows of a label the held-out batches do not hold
@@ -121,10 +122,11 @@ class HeldOutPairs(HeldOutLoss):
     header = " held-out loss | reward accuracy |"
 
     def outcome(self, loss: float, metrics: dict[str, float]) -> Outcome:
-        accuracy = metrics[REWARD_ACCURACY]
+        # a policy's implicit rewards (DPO's names), or a reward model's own scores (RewardTrainer's)
+        accuracy = metrics[REWARD_ACCURACY] if REWARD_ACCURACY in metrics else metrics["accuracy"]
+        margin = metrics["rewards/margins"] if "rewards/margins" in metrics else metrics["margin"]
         return Outcome({"loss": loss, "reward_accuracy": accuracy}, {"loss": loss, **metrics},
-                       f"validation loss {loss:.4f}, reward accuracy {accuracy:.1%}, margin "
-                       f"{metrics['rewards/margins']:.3f}")
+                       f"validation loss {loss:.4f}, reward accuracy {accuracy:.1%}, margin {margin:.3f}")
 
     def second(self, e: dict[str, Any]) -> str:
         return f"{e['reward_accuracy']:.1%}"
@@ -191,7 +193,7 @@ class HeldOutAnswers(Part):
     def section(self, first: dict[str, Any], last: dict[str, Any], every: list[dict[str, Any]]) -> list[str]:
         """Held-out accuracy and reward at every evaluation, before and after, and the first held-out completions
         with their rewards, before and after."""
-        rows = [e for e in every if "reward" in e]
+        rows = [e for e in every if HELD_OUT_REWARD in e]
         if not rows:
             return []
         n, accuracy = self.scored, "accuracy" in rows[0]

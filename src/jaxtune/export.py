@@ -78,6 +78,7 @@ def _write_gguf(source: Any, out: Path, o: ExportOptions) -> Path:
     check_out_file(out, o.overwrite)
     writable_dir(out.parent, "export to ", out)
     model = _loaded(source)
+    _not_a_reward_model(model, "--gguf")
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.hf-") as tmp:
         hf_dir = _write_loaded(model, Path(tmp) / "model", ExportOptions(o.tokenizer, "float32", o.max_shard_bytes))
         if jax.process_index() != 0:
@@ -89,12 +90,22 @@ def _write_peft(source: Any, out: Path, o: ExportOptions) -> Path:
     return _write_hf(source, out, o, adapter=True)
 
 
+def _not_a_reward_model(model: LoadedRun | nnx.Module, what: str) -> None:
+    """A reward model (a score head) exports as transformers' sequence classifier only, so far."""
+    if isinstance(model, LoadedRun) and model.cfg.objective.spec.head == "score":
+        raise ConfigError(f"{what} of a reward model (objective.name={model.cfg.objective.name}) is not written yet; "
+                          "export it without it: a transformers sequence classifier (its LoRA merged)")
+
+
 def _write_hf(source: Any, out: Path, o: ExportOptions, adapter: bool = False) -> Path:
     if out.suffix.lower() == ".gguf":
         raise ConfigError(f"{out}: a .gguf name for a HuggingFace directory; pass --gguf to write a GGUF file")
     check_out_dir(out, o.overwrite)
     writable_dir(out.parent, "export to ", out)
-    return _write_loaded(_loaded(source), out, o, adapter)
+    model = _loaded(source)
+    if adapter:
+        _not_a_reward_model(model, "--adapter")
+    return _write_loaded(model, out, o, adapter)
 
 
 def _loaded(source: Any) -> LoadedRun | nnx.Module:

@@ -192,6 +192,9 @@ class ObjectiveKind:
     # What its held-out evaluation reports for a model scored against itself as the reference (every log-ratio 0),
     # whatever the model learned: said where `jaxtune eval` refuses that (a model directory without --reference)
     against_itself: str = ""
+    # The model's output head: ``lm``, next-token logits; ``score``, one scalar per position (a reward model:
+    # transformers' *ForSequenceClassification with num_labels 1)
+    head: Literal["lm", "score"] = "lm"
 
     @property
     def needs_rewards(self) -> bool:
@@ -211,6 +214,9 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
                               "aot_unpaired", "apo_zero", "apo_down", "exo_pair", "discopop", "sft", "sigmoid_norm"),
                   combines=True, companion="reference", against_itself="loss log 2 and rewards 0"),
     ObjectiveKind("simpo", (PAIRS,), "SimPO: length-normalised, reference-free, with a target margin"),
+    ObjectiveKind("reward", (PAIRS,), "a reward model on preference pairs (TRL's RewardTrainer): a score head on the "
+                  "model, trained so that each chosen sequence scores above its rejected one (Bradley-Terry)",
+                  head="score"),
     ObjectiveKind("orpo", (PAIRS,), "ORPO: the chosen reply's NLL plus an odds-ratio term, reference-free"),
     ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
                   loss_types=("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"),

@@ -55,6 +55,7 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "off_policy_mask_threshold": (None,), "top_entropy_quantile": (1.0,), "entropy_coef": (0.0,),
     "use_adaptive_entropy": (False,), "entropy_coef_min": (0.0,), "entropy_coef_max": (1.0,),
     "entropy_coef_delta": (0.005,), "entropy_target": (0.2,), "delta": (None,), "use_bias_correction_kl": (True,),
+    "center_rewards_coefficient": (None,),
 }
 CLIPPED_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")  # the loss types with PPO's clipped ratio
 ADAPTIVE_ENTROPY_KEYS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
@@ -390,6 +391,17 @@ class ORPOConfig(Weighted):
     beta: float = _beta(0.1, "the odds-ratio term's weight lambda (TRL's beta)")
 
 
+class RewardModelConfig(ObjectiveSection):
+    """A reward model on preference pairs (TRL's RewardTrainer): the model's language-model head replaced by a score
+    head (one scalar per sequence, read at its last token), trained with the Bradley-Terry loss
+    -log sigmoid(r_chosen - r_rejected - margin), margin a pair's ``margin`` field (0 without one)."""
+
+    name: Literal["reward"] = "reward"
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="TRL's key: add this x the mean over pairs of (r_chosen + r_rejected)^2, which "
+        "keeps the scores centred on 0 (the RewardBench-style auxiliary loss of Eisenstein et al., 1e-2); none: off")
+
+
 _KTO = OBJECTIVES["kto"]
 
 
@@ -631,7 +643,8 @@ class GKDConfig(Sampling, Weighted):
 
 # The objective section's class per objective, in the records' order.
 OBJECTIVE_SECTIONS: dict[str, type[ObjectiveSection]] = {c.record().name: c for c in (
-    CrossEntropyConfig, DPOConfig, SimPOConfig, ORPOConfig, GRPOConfig, KTOConfig, RLOOConfig, GKDConfig)}
+    CrossEntropyConfig, DPOConfig, SimPOConfig, RewardModelConfig, ORPOConfig, GRPOConfig, KTOConfig, RLOOConfig,
+    GKDConfig)}
 
 
 def objective_of(v: Any) -> str:

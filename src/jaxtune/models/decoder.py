@@ -21,6 +21,7 @@ from jaxtune.models.layers import (
     Dense,
     Embed,
     KVCache,
+    LoRAParam,
     LoraSpec,
     MaskSpec,
     RMSNorm,
@@ -76,6 +77,9 @@ class DecoderConfig(RuntimeConfig):
     init_std: float = 0.02
     pad_id: int | None = None
     lora: LoraSpec | None = None  # adapters on the projections it targets (q k v o gate up down)
+    # 0: the language-model head; 1: a score head instead (HF's *ForSequenceClassification with one label: a reward
+    # model), whose weights train with LoRA's adapters
+    num_labels: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -120,7 +124,7 @@ class DecoderConfig(RuntimeConfig):
         attn = d * (n + 2 * k) * h + n * h * d + (self.qkv_bias and (n + 2 * k) * h) + (self.o_bias and d)
         mlp = 3 * d * f + (self.mlp_bias and 2 * f + d)
         norms = (4 if self.sandwich_norm else 2) * d + (2 * h if self.qk_norm else 0)
-        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        embed = self.vocab_size * d * (1 if self.tie_embeddings or self.num_labels else 2) + d * self.num_labels
         total = self.n_layer * (attn + mlp + norms) + d + embed
         return total - (embed if non_embedding else 0)
 
@@ -223,6 +227,19 @@ class DecoderLayer(nnx.Module):
         return constrain(x + dropout(y, cfg.dropout, k_mlp), ("batch", "seq", "act_embed")), kv
 
 
+class ScoreHead(nnx.Module):
+    """HF's ``score`` of a *ForSequenceClassification model: (D, labels), no bias. Its weight is a `LoRAParam`, so a
+    LoRA run trains it with the adapters (PEFT's ``modules_to_save``: a fresh head cannot stay frozen)."""
+
+    def __init__(self, d_model: int, labels: int, *, rngs: nnx.Rngs, std: float, param_dtype, dtype):
+        self.kernel = LoRAParam(std * jax.random.normal(rngs.params(), (d_model, labels), param_dtype),
+                                logical_axes=("embed", None))
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return (x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)).astype(jnp.float32)
+
+
 class Decoder(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
@@ -231,7 +248,9 @@ class Decoder(nnx.Module):
                            param_dtype=pd, dtype=cd)
         self.layers = stack_layers(lambda r: DecoderLayer(cfg, rngs=r), cfg.n_layer, cfg.scan_layers, rngs)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, offset=cfg.norm_offset, param_dtype=pd, dtype=cd)
-        if not cfg.tie_embeddings:
+        if cfg.num_labels:
+            self.score = ScoreHead(cfg.d_model, cfg.num_labels, rngs=rngs, std=cfg.init_std, param_dtype=pd, dtype=cd)
+        elif not cfg.tie_embeddings:
             # (V, D) like the embedding, not a (D, V) Dense: XLA:CPU computes the weight gradient of a (D, V)
             # head through a transposed copy of the logits gradient that falls back to a slow dot (~15% of a step)
             self.lm_head = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), rngs=rngs, std=cfg.init_std,
@@ -292,8 +311,17 @@ class Decoder(nnx.Module):
         out = x if return_hidden else self.logits(x)
         return (out, cache) if cache is not None else out
 
+    def scores(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden states (..., D) -> float32 scores (...,) of a reward model's head (``num_labels`` 1)."""
+        if not self.cfg.num_labels:
+            raise ValueError("this model has a language-model head, not a score head (num_labels=0)")
+        return self.score(hidden)[..., 0]
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states (..., D) -> float32 logits (..., V), soft-capped when the family does."""
+        if self.cfg.num_labels:
+            raise ValueError("a reward model (a score head, num_labels=1) has no language-model head: it scores "
+                             "sequences, it does not predict tokens")
         y = (self.embed if self.cfg.tie_embeddings else self.lm_head).attend(hidden)
         y = y.astype(jnp.float32)
         if self.cfg.final_softcap is not None:

@@ -17,7 +17,7 @@ def decoder_hf_map(**renames: str) -> dict[str, Map]:
     """jaxtune `Decoder` param -> HF tensor, in the Llama naming; ``renames`` replaces the HF name of a param
     (Gemma 3 calls its pre-MLP norm ``pre_feedforward_layernorm``)."""
     m = {"embed.embedding": Map("model.embed_tokens.weight"), "norm.scale": Map("model.norm.weight"),
-         "lm_head.embedding": Map("lm_head.weight"),
+         "lm_head.embedding": Map("lm_head.weight"), "score.kernel": Map("score.weight", transpose=True),
          "layers.{i}.attn_norm.scale": Map(_L + "input_layernorm.weight"),
          "layers.{i}.mlp_norm.scale": Map(_L + "post_attention_layernorm.weight"),
          "layers.{i}.attn.q_norm.scale": Map(_L + "self_attn.q_norm.weight"),
@@ -57,7 +57,19 @@ def decoder_from_hf(c: dict[str, Any], cls: type, family: str, act_key: str = "h
         rope=rope_from_hf(c, "full_attention"), sliding_window=window,
         layer_types=types if window else None, **token_ids_from_hf(c))
     fields.update(diff)
-    return cls(**fields)
+    return cls(**fields, num_labels=sequence_labels(c))
+
+
+def sequence_labels(c: dict[str, Any]) -> int:
+    """0 for a causal LM's config.json; 1 for a *ForSequenceClassification one with one label (a reward model's
+    score head); other label counts are refused (one line naming the key)."""
+    if not any(str(a).endswith("ForSequenceClassification") for a in c.get("architectures") or ()):
+        return 0
+    labels = int(c.get("num_labels") or len(c.get("id2label") or {}) or 2)
+    if labels != 1:
+        raise UnsupportedModelError(f"config.json: a sequence classifier with num_labels={labels}; jaxtune reads "
+                                    "reward models, whose score head has one label (num_labels: 1)")
+    return 1
 
 
 def decoder_to_hf(cfg: Any, model_type: str, architecture: str, act_key: str = "hidden_act", **extra: Any):
@@ -70,5 +82,8 @@ def decoder_to_hf(cfg: Any, model_type: str, architecture: str, act_key: str = "
          "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope.theta, "rope_scaling": rope_to_hf(cfg.rope),
          "sliding_window": cfg.sliding_window, "layer_types": layer_types_to_hf(cfg.types),
          "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id, "use_cache": True}
+    if cfg.num_labels:  # a reward model: transformers' sequence classifier with one label
+        c.update(architectures=[architecture.replace("ForCausalLM", "ForSequenceClassification")], num_labels=1,
+                 id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     c.update(extra)
     return c

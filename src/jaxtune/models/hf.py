@@ -162,11 +162,12 @@ def _hf_tensor(x: np.ndarray, m: Map) -> np.ndarray:
 
 
 def load_params(ckpt: HFCheckpoint, fam: Family, abstract: Any, shardings: Any = None,
-                transform: Callable[[tuple, jax.Array], Any] | None = None) -> Any:
+                transform: Callable[[tuple, jax.Array], Any] | None = None, ignore: tuple[str, ...] = ()) -> Any:
     """Fill a pure-dict tree of ShapeDtypeStructs from the checkpoint, each leaf placed with its sharding
     (default: the first device), converted to the leaf's dtype shard by shard. ``transform(path, array)``, when
     given, replaces each leaf as soon as it is placed (QLoRA quantizes a kernel there, so the base is never held
-    whole in float)."""
+    whole in float). ``ignore``: the checkpoint's tensors the tree leaves out on purpose (a causal LM's head under
+    a reward model's score head)."""
     available = ckpt.names()
     used: set[str] = set()
     missing: list[str] = []
@@ -199,7 +200,7 @@ def load_params(ckpt: HFCheckpoint, fam: Family, abstract: Any, shardings: Any =
     if missing:
         raise CheckpointError(f"{ckpt.dir}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} "
                               f"(config.json and the weights disagree?)")
-    unexpected = sorted(n for n in available - used if not n.endswith(fam.hf_ignore))
+    unexpected = sorted(n for n in available - used if not n.endswith(fam.hf_ignore) and n not in ignore)
     if unexpected:
         raise CheckpointError(f"{ckpt.dir}: tensors the {fam.name} config does not use: {unexpected[:8]} "
                               f"(config.json and the weights disagree?)")
@@ -314,6 +315,14 @@ def _ids(value: int | list[int] | None) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
+def classifier_pad_id(cfg: Any, stops: set[int]) -> int:
+    """The ``pad_token_id`` of an exported reward model. transformers' sequence classifier reads a row's score at its
+    last token that is not this id, and jaxtune scores a sequence at its last token, an end of sequence or of turn
+    (``stops``; or wherever ``data.overlong: truncate`` cut it): the pad id must be none of the stops, or the two
+    would read different tokens. The model's own pad id, else the lowest id, whichever is not a stop."""
+    return next(int(c) for c in (cfg.pad_id, *range(len(stops) + 1)) if c is not None and c not in stops)
+
+
 def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer | None = None,
                 dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
                 end_of_turn: Sequence[int] = ()) -> Path:
@@ -329,6 +338,8 @@ def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer |
     eos = tokenizer.eos_id if tokenizer is not None else None
     if cfg.eos_id is None and eos is not None:
         cfg = cfg.replace(eos_id=eos, bos_id=cfg.bos_id if cfg.bos_id is not None else eos)
+    if getattr(cfg, "num_labels", 0):
+        cfg = cfg.replace(pad_id=classifier_pad_id(cfg, {eos, cfg.eos_id, *end_of_turn} - {None}))
     dtype = dtype or str(jax.tree.leaves(params)[0].dtype)
     tensors = hf_tensors(fam, params, dtype)
     if jax.process_index() != 0:

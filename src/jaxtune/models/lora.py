@@ -50,10 +50,25 @@ def lora_delta(a: jax.Array, b: jax.Array, spec: LoraSpec) -> jax.Array:
     return jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32)) * spec.scale
 
 
+def _trained_weights(tree: Any, path: tuple = ()):
+    """(path, node) for every module an adapters tree trains whole beside the adapters (a reward model's score
+    head, PEFT's ``modules_to_save``): the nodes that hold no ``lora_a``."""
+    if isinstance(tree, dict) and tree and "lora_a" not in tree:
+        if not any(isinstance(v, dict) for v in tree.values()):
+            yield path, tree
+            return
+        for k, v in tree.items():
+            yield from _trained_weights(v, (*path, k))
+
+
 def merge_adapters(adapters: Any, base: Any, spec: LoraSpec) -> Any:
-    """The base params with each adapted kernel replaced by ``W + scale A B`` (in W's dtype): the params of the
-    same model without LoRA, which export as an ordinary HuggingFace checkpoint. Inputs are not modified."""
+    """The base params with each adapted kernel replaced by ``W + scale A B`` (in W's dtype), and the modules trained
+    whole beside the adapters (a score head) added: the params of the same model without LoRA, which export as an
+    ordinary HuggingFace checkpoint. Inputs are not modified."""
     merged = jax.tree.map(lambda x: x, base)  # a copy of the dict structure; arrays are immutable
+    for path, node in _trained_weights(adapters):
+        parent = _node(merged, path[:-1]) if len(path) > 1 else merged
+        parent[path[-1]] = dict(node)
     for path, node in _adapter_nodes(adapters):
         target = _node(merged, path)
         w = target["kernel"]

@@ -109,6 +109,10 @@ class Forward(Protocol):
         the same logits (what GRPO's entropy mask and bonus read; `token_logps` alone computes no entropy)."""
         ...
 
+    def scores(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        """(B, T) float32: a reward model's score head at every position (a model built with ``num_labels`` 1)."""
+        ...
+
 
 class Sampler(Protocol):
     """Token generation for eval prompts, `jaxtune generate` and GRPO's rollouts: called with `ModelSpec.weights` and

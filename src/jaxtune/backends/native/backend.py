@@ -18,6 +18,7 @@ from jaxtune.backends.base import ParityModel
 from jaxtune.config import Config, ConfigError
 from jaxtune.config.kinds import BRANCH_KEY, BRANCH_SLOTS_KEY
 from jaxtune.models import FAMILIES, gguf_blocks, model_config
+from jaxtune.models.decoder import DecoderConfig
 from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
 from jaxtune.models.lora import merge_adapters, write_adapter
 from jaxtune.models.quantize import quantize_base, quantized_layout, streaming_quantizer
@@ -60,6 +61,10 @@ class NativeForward:
                     temperature: float = 1.0) -> jax.Array:
         return self._per_token(weights, batch, key, temperature, entropy=False)
 
+    def scores(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        model, hidden = self._run(weights, batch, key, return_hidden=True)
+        return model.scores(hidden)
+
     def token_logps_and_entropy(self, weights: Any, batch: Batch, key: jax.Array | None = None,
                                 temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
         return self._per_token(weights, batch, key, temperature, entropy=True)
@@ -99,10 +104,15 @@ class NativeSpec:
         params = None
         if self.from_hf and not self.frozen_abstract:  # full fine-tuning starts from the checkpoint
             params = self._read_hf(self.abstract.params, self.shardings.params)
+        elif self.from_hf and "score" in self.abstract.params:  # LoRA: a reward model's own head trains
+            params = self._read_hf({"score": self.abstract.params["score"]}, {"score": self.shardings.params["score"]})
+            params = {**jax.jit(lambda: init_params(cfg, seed)[0], out_shardings=self.shardings.params)(), **params}
 
         def make(params):
             if params is None:
                 params = init_params(cfg, seed)[0]
+            if "score" in self.abstract.params and "score" not in params:  # a causal LM's weights: a fresh head
+                params = {**params, "score": init_params(cfg, seed)[0]["score"]}
             return init_state(params, tx, seed, self.carry)
 
         with sharding.use_mesh(self.mesh):
@@ -154,8 +164,36 @@ class NativeSpec:
         return Generator(self.graphdef, self.model_cfg.max_seq_len, None if lora is None else (plain, lora))
 
     def _read_hf(self, abstract: Any, shardings: Any, transform: Any = None) -> Any:
+        """``abstract``'s params from the checkpoint. A reward model (a score head) reads a causal LM's weights
+        without its LM head, its score head then fresh (left out of what this returns); and a sequence classifier's
+        own score head where the tree has it (LoRA's base does not)."""
         ckpt = HFCheckpoint(self.from_hf)
-        return load_params(ckpt, family_of(ckpt.config), abstract, shardings, transform)
+        ignore: tuple[str, ...] = ()
+        if self.model_cfg.num_labels:
+            ignore = ("lm_head.weight",) if "score" in abstract else ("lm_head.weight", "score.weight")
+            if "score" in abstract and "score.weight" not in ckpt.names():
+                abstract, shardings = ({k: v for k, v in t.items() if k != "score"} for t in (abstract, shardings))
+                if not abstract:  # only the head was asked for: LoRA's fresh one stays
+                    return {}
+        return load_params(ckpt, family_of(ckpt.config), abstract, shardings, transform, ignore)
+
+
+def with_head(model_cfg: Any, cfg: Config) -> Any:
+    """The family config with the head the objective trains: a score head (``num_labels`` 1) for a reward model, on a
+    decoder family; a sequence classifier's checkpoint refused for an objective that trains a language model."""
+    head = cfg.objective.spec.head
+    labels = getattr(model_cfg, "num_labels", 0)
+    if head == "score" and not labels:
+        if not isinstance(model_cfg, DecoderConfig):
+            raise ConfigError(f"objective.name={cfg.objective.name} puts a score head on the model, which the "
+                              f"{model_cfg.family} family does not have yet; use a decoder family (llama, qwen2, "
+                              "qwen3, mistral, gemma3)")
+        return dataclasses.replace(model_cfg, num_labels=1)
+    if head == "lm" and labels:
+        raise ConfigError(f"model.from_hf={cfg.model.from_hf} is a reward model (a sequence classifier's score "
+                          f"head, no language-model head); objective.name={cfg.objective.name} trains a language "
+                          "model: start from a causal LM checkpoint")
+    return model_cfg
 
 
 class NativeBackend:
@@ -165,7 +203,7 @@ class NativeBackend:
         """Every mesh layout applies: parameters are sharded by their logical axis names."""
 
     def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> NativeSpec:
-        model_cfg = model_config(cfg.model, vocab_size)
+        model_cfg = with_head(model_config(cfg.model, vocab_size), cfg)
         tx = make_optimizer(cfg.optim, cfg.optimizer_updates)
         graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
         carry = initial_carry(cfg.objective)

@@ -157,6 +157,10 @@ class TorchaxBackend:
         if cfg.mesh.tensor != 1:
             raise ConfigError("mesh.tensor must be 1 with model.backend=torchax (its parameters are sharded by "
                               "shape over mesh.fsdp); use mesh.fsdp instead")
+        if cfg.objective.spec.head != "lm":
+            raise ConfigError(f"objective.name={cfg.objective.name} puts a score head on the model, which "
+                              "model.backend=torchax does not do yet; use a native family (llama, qwen2, qwen3, "
+                              "mistral, gemma3)")
 
     def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> TorchaxSpec:
         module = build_torch_model(cfg.model, cfg.train.seed)

@@ -13,9 +13,10 @@ from jaxtune.train.objectives.gkd import GKD
 from jaxtune.train.objectives.grpo import GRPO
 from jaxtune.train.objectives.kto import KTO
 from jaxtune.train.objectives.preference import DPO, ORPO, SimPO
+from jaxtune.train.objectives.reward import RewardModel
 from jaxtune.train.objectives.rloo import RLOO
 
-CLASSES = (CrossEntropy, DPO, SimPO, ORPO, KTO, GRPO, RLOO, GKD)
+CLASSES = (CrossEntropy, DPO, SimPO, RewardModel, ORPO, KTO, GRPO, RLOO, GKD)
 OBJECTIVES: dict[str, type] = {c.name: c for c in CLASSES}
 if set(OBJECTIVES) != set(DECLARED):  # a declared objective without its class, or a class without its record
     raise ImportError(f"objectives declared in jaxtune.config.kinds {sorted(DECLARED)} != implemented "
@@ -34,4 +35,4 @@ def initial_carry(cfg: ObjectiveConfig) -> dict[str, float]:
 
 
 __all__ = ["CLASSES", "DPO", "GKD", "GRPO", "KTO", "OBJECTIVES", "ORPO", "RLOO", "CrossEntropy", "Metrics", "Objective",
-           "Reference", "SimPO", "initial_carry", "make_objective"]
+           "Reference", "RewardModel", "SimPO", "initial_carry", "make_objective"]

@@ -1,0 +1,86 @@
+"""A reward model on preference pairs: TRL's ``RewardTrainer`` (Bradley-Terry), on a model with a score head.
+
+The batch is the preference kind's (`jaxtune.train.objectives.preference`: (B, 2, T) rows, chosen then rejected,
+``inputs`` the sequence less its last token, ``targets`` the sequence less its first). A sequence's reward is the
+score head at its last real token, as transformers' *ForSequenceClassification reads it (the last token that is
+not padding): the rows are rebuilt whole, first input then every target ((2B, T + 1): the last token, an end of
+turn, is never an input of the language-model rows), and scored in one forward. With r_c, r_r a pair's rewards and
+m its ``margin`` (0 when the batch has none)::
+
+    loss = -log σ(r_c - r_r - m)  [+ center_rewards_coefficient · (r_c + r_r)²]
+
+averaged over pairs (a padding pair, with no token, counts 0). Metrics (TRL's names): ``accuracy`` (r_c > r_r),
+``margin`` (r_c - r_r), ``mean_reward`` (over both sequences) per pair; ``reward/min`` and ``reward/max`` over every
+real sequence (TRL's ``min_reward``, ``max_reward``). Checked against TRL in ``tests/train/test_reward_model.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.config import ObjectiveConfig
+from jaxtune.config.kinds import BRANCH_KEY
+from jaxtune.train.objectives.base import Metrics, Reference, Unprepared
+from jaxtune.train.state import Batch, Forward
+
+MARGIN_KEY = "margin"  # (B,) a pair's margin, where the data gives one
+
+
+def whole_sequences(batch: Batch) -> tuple[Batch, jax.Array]:
+    """The pair batch's sequences whole, as (2B, T + 1) rows (chosen of pair b at row 2b, rejected at 2b + 1):
+    ``inputs`` the first input then every target, ``positions`` and ``segment_ids`` to match; and (2B,) the index of
+    each row's last real token."""
+    if BRANCH_KEY in batch:
+        raise ValueError("objective.name=reward reads each sequence whole; set data.share_prompts=false")
+    flat = {k: batch[k].reshape(-1, batch[k].shape[-1]) for k in ("inputs", "targets", "positions", "segment_ids")}
+    segments = jnp.concatenate([flat["segment_ids"][:, :1], flat["segment_ids"]], axis=1)
+    rows = {"inputs": jnp.concatenate([flat["inputs"][:, :1], flat["targets"]], axis=1),
+            "positions": jnp.concatenate([flat["positions"][:, :1], flat["positions"] + 1], axis=1),
+            "segment_ids": segments}
+    last = jnp.max(jnp.where(segments > 0, jnp.arange(segments.shape[1]), 0), axis=1)
+    return rows, last
+
+
+@dataclass(frozen=True)
+class RewardModel(Unprepared):
+    name: str = "reward"
+    center_rewards_coefficient: float | None = None
+    uses_reference: bool = False
+    passes: int = 1
+    prepares: bool = False
+    metric_names: tuple[str, ...] = ("accuracy", "margin", "mean_reward", "reward/min", "reward/max")
+
+    @classmethod
+    def from_config(cls, cfg: ObjectiveConfig) -> RewardModel:
+        return cls(center_rewards_coefficient=cfg.center_rewards_coefficient)
+
+    def rewards(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
+        """(B, 2) float32: each pair's chosen and rejected rewards, the score at each sequence's last token."""
+        rows, last = whole_sequences(batch)
+        scores = forward.scores(weights, rows, key)  # (2B, T + 1)
+        return jnp.take_along_axis(scores, last[:, None], axis=1).reshape(-1, 2)
+
+    def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
+                 reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
+        rewards = self.rewards(forward, weights, batch, key)
+        real = (jnp.sum(batch["segment_ids"].reshape(rewards.shape[0], -1), axis=1) > 0).astype(jnp.float32)
+        chosen, rejected = rewards[:, 0], rewards[:, 1]
+        margin = batch.get(MARGIN_KEY, jnp.zeros_like(chosen))
+        loss = -jax.nn.log_sigmoid(chosen - rejected - margin)
+        if self.center_rewards_coefficient is not None:
+            loss = loss + self.center_rewards_coefficient * (chosen + rejected) ** 2
+        fixed = jax.lax.stop_gradient(rewards)
+        diff = fixed[:, 0] - fixed[:, 1]
+        on = real[:, None] > 0
+        metrics: Metrics = {
+            "accuracy": jnp.sum((diff > 0) * real),
+            "margin": jnp.sum(diff * real),
+            "mean_reward": jnp.sum(jnp.mean(fixed, axis=1) * real),
+            "reward/min": jnp.min(jnp.where(on, fixed, jnp.inf)),
+            "reward/max": jnp.max(jnp.where(on, fixed, -jnp.inf)),
+        }
+        return jnp.sum(loss * real), jnp.sum(real), metrics
