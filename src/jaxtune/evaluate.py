@@ -45,13 +45,14 @@ def evaluate(target: str | Path, overrides: list[str] | tuple[str, ...] = (), ba
         return _evaluate_prompts(run, data)
     if data is None:
         held_out = make_training_data(cfg.data, tok, batch_size=size, seed=cfg.train.seed,
-                                      eval_batches=batches or cfg.eval.batches, **split)
+                                      eval_batches=batches or cfg.eval.batches, margins=cfg.objective.spec.margins,
+                                      **split)
         eval_batches = held_out.eval_batches
         if not eval_batches:
             raise ConfigError("data.val_fraction is 0 (and no data.val_sources): there is nothing held out to "
                               "evaluate on; pass a test file (jaxtune eval RUN --data FILE)")
     else:
-        source, extra = test_sequences(cfg.data, tok, data)
+        source, extra = test_sequences(cfg.data, tok, data, cfg.objective.spec.margins)
         eval_batches = make_sequence_batches(source, batch_size=size, num_batches=batches or len(source), **split)
     # A reference model is held here even where training precomputed its log-probs: --data pairs have none stored.
     reference = step_reference(spec, cfg.objective, cfg.train.loss_chunk)

@@ -148,7 +148,8 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Ru
         tokenizer = load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data)
         data = make_training_data(cfg.data, tokenizer, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                                   eval_batches=cfg.eval.batches, process_index=proc,
-                                  process_count=jax.process_count(), max_prompt_tokens=cfg.max_prompt_tokens)
+                                  process_count=jax.process_count(), max_prompt_tokens=cfg.max_prompt_tokens,
+                                  margins=cfg.objective.spec.margins)
     if proc == 0:
         tokenizer.save(run_dir / "tokenizer")  # after the data: fine-tuning data may set its chat template
 

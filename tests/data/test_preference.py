@@ -547,3 +547,32 @@ def test_arithmetic_preferences_source(tmp_path):
         list(read_rows(data_cfg.sources, cfg(format="messages", sources=data_cfg.sources)))
     with pytest.raises(DataError, match=r"synthetic:arithmetic holds messages rows; set data.format=messages"):
         list(read_rows(["synthetic:arithmetic"], data_cfg))
+
+
+def test_the_margin_column_is_read_for_a_reward_model(tok, tmp_path):
+    """TRL's optional ``margin`` column: with ``margins`` (an objective that reads them: the reward model) each item
+    carries its pair's margin on both sequences (0 where a row gives none), batches a (B, 2) "margin", held-out ones
+    too, and the report counts them; without, items carry none and the report says they are ignored. A margin that
+    is not a finite number is a bad row at its file:line."""
+    rows = many_pairs(24)
+    for i, row in enumerate(rows):
+        if i % 3:
+            row["margin"] = float(i) / 4
+    data_cfg = cfg(sources=[str(write_jsonl(tmp_path / "p.jsonl", rows))], seq_len=96, val_fraction=0.25)
+    data = make_training_data(data_cfg, tok, batch_size=4, seed=0, eval_batches=10, margins=True)
+    try:
+        given = {round(float(i) / 4, 4) for i in range(24) if i % 3} | {0.0}
+        seen = {round(float(v), 4) for i in range(len(data.pairs.train)) for v in data.pairs.train[i]["margin"]}
+        assert seen <= given and len(seen) > 3
+        assert all(data.pairs.train[i]["margin"][0] == data.pairs.train[i]["margin"][1] for i in range(8))
+        assert next(data.train_iter)["margin"].shape == (4, 2) and data.eval_batches[0]["margin"].shape == (4, 2)
+        assert "16 with a margin, which the reward model's loss subtracts" in data.report[0]
+    finally:
+        data.close()
+    plain = make_training_data(data_cfg, tok, batch_size=4, seed=0, eval_batches=10)
+    plain.close()
+    assert "margin" not in plain.pairs.train[0] and "which only objective.name=reward reads (ignored here)" in \
+        plain.report[0]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [rows[1], {**rows[2], "margin": "high"}])
+    with pytest.raises(DataError, match=r"bad.jsonl:2: .*'margin' is 'high'; it must be a finite number"):
+        load(tok, cfg(sources=[str(bad)], seq_len=96, bad_rows="raise"))

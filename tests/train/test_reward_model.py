@@ -79,12 +79,13 @@ def native(checkpoint) -> Native:
 
 
 def pair_batch(margins=None) -> dict[str, np.ndarray]:
-    """PAIRS as the data pipeline lays them out: (B, 2, T) `PairRows` arrays; ``margin`` (B,) when given."""
+    """PAIRS as the data pipeline lays them out: (B, 2, T) `PairRows` arrays; ``margin`` (B, 2) when given (each
+    pair's on both of its sequences, as `PairRows` gives it)."""
     encoded = [tuple(Encoded(np.array(p + c, np.int32), np.array([0] * len(p) + [1] * len(c), bool)) for c in (ch, rj))
                for p, ch, rj in PAIRS]
     rows = PairRows.of(encoded, T)
     batch = {k: np.stack([rows[i][k] for i in range(len(rows))]) for k in rows[0]}
-    return batch if margins is None else {**batch, "margin": np.asarray(margins, np.float32)}
+    return batch if margins is None else {**batch, "margin": np.repeat(np.asarray(margins, np.float32)[:, None], 2, 1)}
 
 
 def ours(native: Native, margins=None, **keys) -> Ours:

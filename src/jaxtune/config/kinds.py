@@ -134,7 +134,8 @@ PAIRS = BatchKind(
     "item (never packed)", sequences=2, item_axis=True, held_out="pairs", unit="pairs", shares_prompt=True,
     prompted=True,
     shares_prompt_by_default=True,
-    extra_keys=lambda obj: ("ref_logps",) if obj.precomputed_reference else ())
+    extra_keys=lambda obj: (("ref_logps",) if obj.precomputed_reference else ()) + (("margin",) if obj.spec.margins
+                                                                                       else ()))
 UNPAIRED = BatchKind(
     "unpaired", ("unpaired",), "unpaired preference rows: a prompt, one completion and whether it is desirable; "
     "each item the row and its KL row (its prompt with another row's completion), never packed",
@@ -195,6 +196,9 @@ class ObjectiveKind:
     # The model's output head: ``lm``, next-token logits; ``score``, one scalar per position (a reward model:
     # transformers' *ForSequenceClassification with num_labels 1)
     head: Literal["lm", "score"] = "lm"
+    # Its loss reads each pair's ``margin`` (TRL's column; 0 where a row gives none): a "margin" array (B, 2) in the
+    # batch, the pair's margin on both of its sequences
+    margins: bool = False
 
     @property
     def needs_rewards(self) -> bool:
@@ -216,7 +220,7 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("simpo", (PAIRS,), "SimPO: length-normalised, reference-free, with a target margin"),
     ObjectiveKind("reward", (PAIRS,), "a reward model on preference pairs (TRL's RewardTrainer): a score head on the "
                   "model, trained so that each chosen sequence scores above its rejected one (Bradley-Terry)",
-                  head="score"),
+                  head="score", margins=True),
     ObjectiveKind("orpo", (PAIRS,), "ORPO: the chosen reply's NLL plus an odds-ratio term, reference-free"),
     ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
                   loss_types=("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"),

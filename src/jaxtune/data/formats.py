@@ -33,6 +33,7 @@ not a conversation or a prompt/completion it needs an encoder (`jaxtune.data.sft
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,7 @@ class Pair:
     chosen: Example
     rejected: Example
     prompt_turns: int = 0
+    margin: float | None = None  # TRL's optional ``margin`` column: how much more the chosen is preferred
 
     def texts(self) -> list[str]:
         """The prompt's texts once, then each completion's."""
@@ -247,7 +249,8 @@ def _preference(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> P
             raise BadRow("empty_content", f"the {'chosen' if not chosen.strip() else 'rejected'} completion is empty")
         if chosen == rejected:
             raise BadRow("identical", "the chosen and the rejected completion are the same")
-        return Pair(Example(prompt=prompt, completion=chosen), Example(prompt=prompt, completion=rejected))
+        return Pair(Example(prompt=prompt, completion=chosen), Example(prompt=prompt, completion=rejected),
+                    margin=_margin(record))
     if not (isinstance(chosen, list) and isinstance(rejected, list)):
         raise BadRow("bad_type", f"{fields['chosen']!r} and {fields['rejected']!r} must both be strings (text) or "
                      f"both lists of messages, not {type(chosen).__name__} and {type(rejected).__name__}")
@@ -275,7 +278,18 @@ def _preference(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> P
     for msgs in (chosen_msgs, rejected_msgs):
         _check_order([m["role"] for m in (*prompt_msgs, *msgs)])
     return Pair(Example(messages=tuple(prompt_msgs + chosen_msgs)),
-                Example(messages=tuple(prompt_msgs + rejected_msgs)), len(prompt_msgs))
+                Example(messages=tuple(prompt_msgs + rejected_msgs)), len(prompt_msgs), _margin(record))
+
+
+def _margin(record: dict) -> float | None:
+    """A pair's ``margin`` (TRL's column, read by a reward model's loss), None without one."""
+    margin = record.get("margin")
+    if margin is None:
+        return None
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise BadRow("bad_type", f"'margin' is {margin!r}; it must be a finite number (how much more the chosen "
+                     "completion is preferred), or absent")
+    return float(margin)
 
 
 def _unpaired(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Labelled:

@@ -195,12 +195,13 @@ class TrainingData:
 
 def make_training_data(data_cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int, eval_batches: int,
                        process_index: int = 0, process_count: int = 1,
-                       max_prompt_tokens: int | None = None) -> TrainingData:
+                       max_prompt_tokens: int | None = None, margins: bool = False) -> TrainingData:
     """The batches of ``data.format``'s batch kind (`jaxtune.config.kinds`), ``batch_size`` items each: pretraining
     windows, packed fine-tuning sequences, preference pairs (arrays (batch_size, 2, seq_len)) or prompts (arrays
-    (batch_size, max_prompt_tokens), which it needs: ``data.seq_len - objective.max_completion_length``)."""
+    (batch_size, max_prompt_tokens), which it needs: ``data.seq_len - objective.max_completion_length``).
+    ``margins``: pairs carry their margin (the objective's record says whether it reads them)."""
     batching = Batching(batch_size=batch_size, seed=seed, eval_batches=eval_batches, num_workers=data_cfg.num_workers,
-                        process_index=process_index, process_count=process_count)
+                        process_index=process_index, process_count=process_count, margins=margins)
     return PIPELINES[data_cfg.kind].train(data_cfg, tokenizer, batching, max_prompt_tokens)
 
 
@@ -215,6 +216,7 @@ class Batching:
     num_workers: int
     process_index: int
     process_count: int
+    margins: bool = False  # preference pairs carry their margin (a reward model's loss reads it)
 
     @property
     def split(self) -> dict[str, int]:
@@ -255,7 +257,7 @@ def _rows(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: int
 
 
 def _pairs(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching, _: int | None) -> TrainingData:
-    pairs = prepare_preference(data_cfg, tokenizer)
+    pairs = prepare_preference(data_cfg, tokenizer, batching.margins)
     return TrainingData(batching.train(pairs.train), batching.held_out(pairs.val),
                         pairs.stats.lines() + batching.notes(pairs.train, pairs.val, "pairs"), pairs.held_out, pairs,
                         batching)
@@ -278,18 +280,19 @@ def _prompts(data_cfg: DataConfig, tokenizer: Tokenizer, batching: Batching,
     return TrainingData(batching.train(prompts.train), [], prompts.stats.lines() + notes, prompts=prompts)
 
 
-def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
+def test_sequences(data_cfg: DataConfig, tokenizer: Tokenizer, data: str,
+                   margins: bool = False) -> tuple[Any, dict[str, Any]]:
     """Every sequence of the test data ``data`` (a file, glob or ``hf:`` dataset in ``data_cfg``'s format), as a
     random-access source for `make_sequence_batches`, and what was read: pretraining windows (all of them, no
     held-out split), fine-tuning rows packed as for training, or preference pairs. Not prompts: their completions
-    are generated, so there is no fixed sequence to score."""
+    are generated, so there is no fixed sequence to score. ``margins``: preference pairs carry their margin."""
     test = PIPELINES[data_cfg.kind].test
     if test is None:
         raise DataError(f"--data {data}: held-out loss does not apply to data.format={data_cfg.format} (the "
                         "completions are generated: there is no text to score); give rows with completions and their "
                         "format, e.g. data.format=messages")
-    return test(data_cfg.model_copy(update={"sources": [data], "val_sources": [], "val_fraction": 0.0}), tokenizer,
-                data)
+    test_cfg = data_cfg.model_copy(update={"sources": [data], "val_sources": [], "val_fraction": 0.0})
+    return test(test_cfg, tokenizer, data, margins=True) if margins else test(test_cfg, tokenizer, data)
 
 
 test_sequences.__test__ = False  # not a test, though pytest would collect it by its name where a test imports it
@@ -307,11 +310,12 @@ def _test_rows(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[A
     return sequences(rows, test_cfg), _what_was_read(data, "rows", "examples", len(rows), stats)
 
 
-def _test_pairs(test_cfg: DataConfig, tokenizer: Tokenizer, data: str) -> tuple[Any, dict[str, Any]]:
+def _test_pairs(test_cfg: DataConfig, tokenizer: Tokenizer, data: str,
+                margins: bool = False) -> tuple[Any, dict[str, Any]]:
     completion_settings(test_cfg, tokenizer)
-    stats = PreferenceStats()
+    stats = PreferenceStats(reads_margins=margins)
     pairs = load_pairs(test_cfg.sources, test_cfg, tokenizer, stats)
-    rows = PairRows.of(pairs, test_cfg.seq_len, test_cfg.shares_prompts)
+    rows = PairRows.of(pairs, test_cfg.seq_len, test_cfg.shares_prompts, margins)
     return rows, _what_was_read(data, "pairs", "pairs", len(pairs), stats)
 
 

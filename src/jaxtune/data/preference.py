@@ -32,6 +32,7 @@ right-padded (segment 0, no loss): the objective compares whole sequences, so pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Self
 
 import numpy as np
 
@@ -43,7 +44,17 @@ from jaxtune.data.row_policy import RowStats, completion_settings, overlong_erro
 from jaxtune.data.sft import Encoder
 from jaxtune.data.tokenizer import Tokenizer
 
-EncodedPair = tuple[Encoded, Encoded]  # (chosen, rejected), each the prompt then its completion
+
+class EncodedPair(tuple):
+    """(chosen, rejected) `Encoded`, each the prompt then its completion; and the pair's ``margin`` (None: its row
+    gives none)."""
+
+    margin: float | None
+
+    def __new__(cls, sides: tuple[Encoded, Encoded], margin: float | None = None) -> Self:
+        pair = super().__new__(cls, tuple(sides))
+        pair.margin = margin
+        return pair
 
 
 class PairRows:
@@ -55,15 +66,21 @@ class PairRows:
     the chosen and the rejected completion (`shared_row`), with "branch_ids" int32 (2T,).
     """
 
-    def __init__(self, rows: PackedRows, ref_logps: np.ndarray | None = None, shared: bool = False):
+    def __init__(self, rows: PackedRows, ref_logps: np.ndarray | None = None, shared: bool = False,
+                 margins: np.ndarray | None = None):
         self.rows = rows  # one sequence per bin: 2i the chosen of pair i, 2i + 1 its rejected
         self.ref_logps = ref_logps  # float32 (len, 2) or None
         self.shared = shared
+        self.margins = margins  # float32 (len, 2): each pair's margin on both sequences (0 where its row gives none)
 
     @classmethod
-    def of(cls, pairs: list[EncodedPair], seq_len: int, shared: bool = False) -> PairRows:
+    def of(cls, pairs: list[EncodedPair], seq_len: int, shared: bool = False, margins: bool = False) -> PairRows:
+        """``margins``: each item also carries its pair's "margin", float32 (2,): the margin on both sequences (0
+        where the row gives none), for a reward model's loss."""
         examples = Examples.of([enc for pair in pairs for enc in pair])
-        return cls(PackedRows(examples, [[k] for k in range(len(examples))], seq_len), shared=shared)
+        given = (np.repeat(np.array([getattr(p, "margin", None) or 0.0 for p in pairs], np.float32)[:, None], 2, 1)
+                 if margins else None)
+        return cls(PackedRows(examples, [[k] for k in range(len(examples))], seq_len), shared=shared, margins=given)
 
     def __len__(self) -> int:
         return len(self.rows) // 2
@@ -77,6 +94,8 @@ class PairRows:
             out = {k: np.stack([chosen[k], rejected[k]]) for k in chosen}
         if self.ref_logps is not None:
             out["ref_logps"] = self.ref_logps[i].copy()
+        if self.margins is not None:
+            out["margin"] = self.margins[i].copy()
         return out
 
     def with_reference(self, logps: np.ndarray) -> PairRows:
@@ -85,7 +104,7 @@ class PairRows:
         logps = np.asarray(logps, np.float32)
         if logps.shape != (len(self), 2):
             raise ValueError(f"reference log-probs have shape {logps.shape}; {len(self)} pairs need ({len(self)}, 2)")
-        return PairRows(self.rows, logps, self.shared)
+        return PairRows(self.rows, logps, self.shared, self.margins)
 
 
 @dataclass
@@ -93,10 +112,15 @@ class PreferenceStats(RowStats):
     train_pairs: int = 0
     val_pairs: int = 0
     trained_tokens: int = 0  # targets with loss, chosen and rejected, training split
+    margins: int = 0  # pairs whose row gives a margin
+    reads_margins: bool = False  # the objective reads them (a reward model's)
 
     def lines(self) -> list[str]:
+        read = (f"; {self.margins} with a margin, which the reward model's loss subtracts" if self.reads_margins
+                else f"; {self.margins} with a margin, which only objective.name=reward reads (ignored here)")
         return [(f"preference data: {self.rows} rows -> {self.train_pairs} training and {self.val_pairs} held-out "
-                 f"pairs; {self.trained_tokens} trained tokens"), *self.drop_lines("pairs")]
+                 f"pairs; {self.trained_tokens} trained tokens" + (read if self.margins else "")),
+                *self.drop_lines("pairs")]
 
 
 @dataclass
@@ -140,7 +164,7 @@ def load_pairs(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, s
     limit = data_cfg.seq_len + 1
     out: list[EncodedPair] = []
     for pending in parsed_rows(sources, data_cfg, stats, chunk):
-        for (where, _), pair in zip(pending, encode_pairs(encoder, [p for _, p in pending])):
+        for (where, parsed), pair in zip(pending, encode_pairs(encoder, [p for _, p in pending])):
             prompt = prompt_length(where, pair)
             if data_cfg.max_prompt_length is not None and prompt > data_cfg.max_prompt_length:
                 cut, prompt = prompt - data_cfg.max_prompt_length, data_cfg.max_prompt_length
@@ -161,7 +185,8 @@ def load_pairs(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, s
             if not all(len(enc.ids) >= 2 and enc.mask[1:].any() for enc in pair):
                 stats.dropped["no_trainable_tokens"] += 1
                 continue
-            out.append(pair)
+            stats.margins += parsed.margin is not None
+            out.append(EncodedPair(pair, parsed.margin))
     return out
 
 
@@ -170,15 +195,16 @@ def _tokens(pair: EncodedPair) -> bytes:
     return np.int64(len(chosen.ids)).tobytes() + chosen.ids.tobytes() + rejected.ids.tobytes()
 
 
-def prepare_preference(data_cfg: DataConfig, tokenizer: Tokenizer) -> PreferenceData:
-    """Read, encode and split the preference pairs (see the module docstring)."""
+def prepare_preference(data_cfg: DataConfig, tokenizer: Tokenizer, margins: bool = False) -> PreferenceData:
+    """Read, encode and split the preference pairs (see the module docstring); ``margins``: each item carries its
+    pair's margin (`PairRows.of`)."""
     completion_settings(data_cfg, tokenizer)
-    stats = PreferenceStats()
+    stats = PreferenceStats(reads_margins=margins)
     train, val = split_rows(data_cfg, lambda sources: load_pairs(sources, data_cfg, tokenizer, stats), _tokens,
                             stats, "pairs")
     stats.train_pairs, stats.val_pairs = len(train), len(val)
     stats.trained_tokens = int(sum(int(enc.mask[1:].sum()) for pair in train for enc in pair))
     shared = data_cfg.shares_prompts
-    return PreferenceData(PairRows.of(train, data_cfg.seq_len, shared),
-                          PairRows.of(val, data_cfg.seq_len, shared) if val else None, stats,
+    return PreferenceData(PairRows.of(train, data_cfg.seq_len, shared, margins),
+                          PairRows.of(val, data_cfg.seq_len, shared, margins) if val else None, stats,
                           [chosen.example for chosen, _ in val if chosen.example is not None])

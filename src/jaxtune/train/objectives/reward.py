@@ -5,7 +5,7 @@ The batch is the preference kind's (`jaxtune.train.objectives.preference`: (B, 2
 score head at its last real token, as transformers' *ForSequenceClassification reads it (the last token that is
 not padding): the rows are rebuilt whole, first input then every target ((2B, T + 1): the last token, an end of
 turn, is never an input of the language-model rows), and scored in one forward. With r_c, r_r a pair's rewards and
-m its ``margin`` (0 when the batch has none)::
+m its ``margin`` (TRL's column; the batch's (B, 2) ``margin``, 0 where a row gives none)::
 
     loss = -log σ(r_c - r_r - m)  [+ center_rewards_coefficient · (r_c + r_r)²]
 
@@ -27,7 +27,7 @@ from jaxtune.config.kinds import BRANCH_KEY
 from jaxtune.train.objectives.base import Metrics, Reference, Unprepared
 from jaxtune.train.state import Batch, Forward
 
-MARGIN_KEY = "margin"  # (B,) a pair's margin, where the data gives one
+MARGIN_KEY = "margin"  # (B, 2): each pair's margin on both of its sequences (0 where its row gives none)
 
 
 def whole_sequences(batch: Batch) -> tuple[Batch, jax.Array]:
@@ -69,7 +69,7 @@ class RewardModel(Unprepared):
         rewards = self.rewards(forward, weights, batch, key)
         real = (jnp.sum(batch["segment_ids"].reshape(rewards.shape[0], -1), axis=1) > 0).astype(jnp.float32)
         chosen, rejected = rewards[:, 0], rewards[:, 1]
-        margin = batch.get(MARGIN_KEY, jnp.zeros_like(chosen))
+        margin = batch[MARGIN_KEY][:, 0] if MARGIN_KEY in batch else jnp.zeros_like(chosen)
         loss = -jax.nn.log_sigmoid(chosen - rejected - margin)
         if self.center_rewards_coefficient is not None:
             loss = loss + self.center_rewards_coefficient * (chosen + rejected) ** 2
