@@ -373,15 +373,15 @@ SFT = ["data.format=messages", "data.chat_template=chatml"]
 @pytest.mark.parametrize("row, overrides, says", [
     (KTO_ROW, PREFERENCE, ("this row is an unpaired preference row {prompt, completion, label} "
                            "(data.format=unpaired, for objective.name=kto), but data.format=preference reads a "
-                           "preference pair {prompt, chosen, rejected}, for objective.name=dpo, simpo or orpo; give "
-                           "rows of that shape, or train on these with data.format=unpaired objective.name=kto")),
+                           "preference pair {prompt, chosen, rejected}, for objective.name=dpo, simpo, reward or orpo; "
+                           "give rows of that shape, or train on these with data.format=unpaired objective.name=kto")),
     (CHAT_ROW, PREFERENCE, ("this row is a chat conversation (data.format=messages, for "
                             "objective.name=cross_entropy), but data.format=preference reads a preference pair")),
     (PROMPT_ROW, PREFERENCE, ("this row is a prompt alone {prompt, answer fields} (data.format=prompts, for "
                               "objective.name=grpo, rloo or gkd), but data.format=preference reads")),
     (PAIR_ROW, SFT, ("this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for "
-                     "objective.name=dpo, simpo or orpo), but data.format=messages reads a chat conversation, for "
-                     "objective.name=cross_entropy; give rows of that shape, or train on these with "
+                     "objective.name=dpo, simpo, reward or orpo), but data.format=messages reads a chat conversation, "
+                     "for objective.name=cross_entropy; give rows of that shape, or train on these with "
                      "data.format=preference objective.name=dpo")),
     (PROMPT_ROW, SFT, "this row is a prompt alone"),
     # An SFT format that would read it, ignoring the label, would train on the disliked completions too.

@@ -397,8 +397,8 @@ BAD = [
     # Another format's row: what it is, and the format and objective that take it.
     ("wrong_format", json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}).encode(),
      ("this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for objective.name=dpo, "
-      "simpo or orpo), but data.format=messages reads a chat conversation, for objective.name=cross_entropy; give "
-      "rows of that shape, or train on these with data.format=preference objective.name=dpo")),
+      "simpo, reward or orpo), but data.format=messages reads a chat conversation, for objective.name=cross_entropy; "
+      "give rows of that shape, or train on these with data.format=preference objective.name=dpo")),
 ]
 
 
