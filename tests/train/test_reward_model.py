@@ -50,7 +50,7 @@ MARGINS = [0.5, 0.0, 1.5, -0.25]
 GRADS = {**{k: v for k, v in trl_reference.GRAD_PARAMS.items() if k[0] != "lm_head"},
          ("score", "kernel"): ("score.weight", True)}
 RUN = ("objective.name=reward", "data.format=preference", "data.sources=[pairs.jsonl]", f"data.seq_len={T}",
-       "train.batch_size=4", "data.share_prompts=false")
+       "train.batch_size=4")
 
 MODEL_TINY = ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
               "model.n_kv_head=2", "model.d_ff=128", "model.max_seq_len=128"]
@@ -78,20 +78,21 @@ def native(checkpoint) -> Native:
     return Native(spec, spec.init(0).params, None)
 
 
-def pair_batch(margins=None) -> dict[str, np.ndarray]:
-    """PAIRS as the data pipeline lays them out: (B, 2, T) `PairRows` arrays; ``margin`` (B, 2) when given (each
-    pair's on both of its sequences, as `PairRows` gives it)."""
+def pair_batch(margins=None, shared: bool = False) -> dict[str, np.ndarray]:
+    """PAIRS as the data pipeline lays them out: (B, 2, T) `PairRows` arrays, or with ``shared`` prompts (B, 2T)
+    rows; ``margin`` (B, 2) when given (each pair's on both of its sequences, as `PairRows` gives it)."""
     encoded = [tuple(Encoded(np.array(p + c, np.int32), np.array([0] * len(p) + [1] * len(c), bool)) for c in (ch, rj))
                for p, ch, rj in PAIRS]
-    rows = PairRows.of(encoded, T)
+    rows = PairRows.of(encoded, T, shared)
     batch = {k: np.stack([rows[i][k] for i in range(len(rows))]) for k in rows[0]}
     return batch if margins is None else {**batch, "margin": np.repeat(np.asarray(margins, np.float32)[:, None], 2, 1)}
 
 
-def ours(native: Native, margins=None, **keys) -> Ours:
+def ours(native: Native, margins=None, shared: bool = False, **keys) -> Ours:
     cfg = objective_config(name="reward", **keys)
     means = lambda metrics, count: {k: float(v) for k, v in per_unit(metrics, count).items()}
-    return trl_reference.objective_result(native, make_objective(cfg), cfg, native.policy, pair_batch(margins), means)
+    return trl_reference.objective_result(native, make_objective(cfg), cfg, native.policy,
+                                          pair_batch(margins, shared), means)
 
 
 def trl_reward(checkpoint, tmp_path, margins=None, **config) -> TRLResult:
@@ -141,12 +142,14 @@ def assert_matches(mine: Ours, theirs: TRLResult) -> None:
                          ids=["plain", "margins", "centered"])
 def test_reward_model_matches_trl(checkpoint, native, tmp_path, margins, keys):
     """The Bradley-Terry loss on each sequence's score at its last token: loss, gradients (score head included) and
-    RewardTrainer's five metrics equal its ``compute_loss``'s, with per-pair margins and the centering term too."""
+    RewardTrainer's five metrics equal its ``compute_loss``'s, with per-pair margins and the centering term too, in
+    rows of one sequence and in rows of a pair with its prompt shared."""
     theirs = trl_reward(checkpoint, tmp_path, margins, **keys)
-    mine = ours(native, margins, **keys)
-    assert mine.count == len(PAIRS)
     assert 0.0 < theirs.metrics["accuracy"] < 1.0  # the random head orders some pairs each way
-    assert_matches(mine, theirs)
+    for shared in (False, True):  # a row per sequence, or each pair's prompt once (the default layout)
+        mine = ours(native, margins, shared, **keys)
+        assert mine.count == len(PAIRS)
+        assert_matches(mine, theirs)
 
 
 def test_rewards_are_the_classifier_logits(checkpoint, native):
@@ -250,20 +253,16 @@ def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path,
 
 
 def test_what_a_reward_model_refuses(checkpoint, tmp_path):
-    """One line each, naming the key and what to do: prompt sharing, an evaluation that generates, the torchax
+    """One line each, naming the key and what to do: an evaluation that generates, the torchax
     backend, a sequence classifier's checkpoint for an objective that trains a language model, and a classifier with
     num_labels other than 1."""
     from jaxtune.backends import make_state_spec
     from jaxtune.config import ConfigError, load_config
 
-    base = [f"model.from_hf={checkpoint}", *RUN[:-1]]
-    with pytest.raises(ValueError, match=r"data.share_prompts=true lays a pair out as one row; objective.name=reward "
-                                         r"scores each sequence whole: set data.share_prompts=false"):
-        load_config(None, [*base, "data.share_prompts=true"])
+    base = [f"model.from_hf={checkpoint}", *RUN]
     with pytest.raises(ValueError, match=r"eval.exact_match generates text, and objective.name=reward trains a score "
                                          r"head that generates none: set eval.exact_match=0"):
         load_config(None, [*base, "eval.exact_match=8"])
-    assert not load_config(None, base).data.shares_prompts  # off by default for it
     with pytest.raises(ConfigError, match=r"puts a score head on the model, which model.backend=torchax does not do"):
         make_state_spec(load_config(None, [*base, "model.backend=torchax"]), None, MESH)
     with pytest.raises(ConfigError, match=r"is a reward model \(a sequence classifier's score head, no "
@@ -277,4 +276,4 @@ def test_what_a_reward_model_refuses(checkpoint, tmp_path):
     transformers.LlamaForSequenceClassification(config).save_pretrained(two)
     with pytest.raises(ConfigError, match=r"two-labels: config.json: a sequence classifier with num_labels=2; jaxtune "
                                           r"reads reward models, whose score head has one label"):
-        make_state_spec(load_config(None, [f"model.from_hf={two}", *RUN[:-1]]), None, MESH)
+        make_state_spec(load_config(None, [f"model.from_hf={two}", *RUN]), None, MESH)

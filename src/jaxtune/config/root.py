@@ -57,9 +57,8 @@ class Config(Section):
         return self.model_copy(update={"data": self.data.model_copy(update={"share_prompts": False})})
 
     @model_validator(mode="after")
-    def _whole_sequences(self) -> Config:
-        """A reward model scores each sequence whole (its last token's score): prompt sharing off by default, and
-        refused when asked for; it generates no text, so no evaluation that generates."""
+    def _scores_only(self) -> Config:
+        """A reward model generates no text, so no evaluation that generates."""
         if self.objective.spec.head != "score":
             return self
         generating = [k for k, v in (("eval.exact_match", self.eval.exact_match), ("eval.prompts", self.eval.prompts))
@@ -68,12 +67,7 @@ class Config(Section):
             raise ValueError(f"{generating[0]} generates text, and objective.name={self.objective.name} trains a score "
                              "head that generates none: set eval.exact_match=0 and eval.prompts=[] (held-out reward "
                              "accuracy is evaluated)")
-        if not self.data.shares_prompts:
-            return self
-        if self.data.share_prompts:
-            raise ValueError(f"data.share_prompts=true lays a pair out as one row; objective.name="
-                             f"{self.objective.name} scores each sequence whole: set data.share_prompts=false")
-        return self.model_copy(update={"data": self.data.model_copy(update={"share_prompts": False})})
+        return self
 
     @model_validator(mode="before")
     @classmethod
