@@ -136,6 +136,59 @@ def run_record(**modules: Any) -> dict[str, Any]:
             "versions": {"python": platform.python_version()} | {k: m.__version__ for k, m in modules.items()}}
 
 
+def trainer_step(trainer: Any, batches: list[Any]) -> Callable[[], float]:
+    """A transformers Trainer's optimizer step as ``Trainer._run_epoch`` takes it, without callbacks and logging, on
+    the next of ``batches`` (collated beforehand): ``training_step`` (forward, backward, the trainer's metrics),
+    ``_clip_grad_norm``, ``optimizer.step()``, ``lr_scheduler.step()``, ``zero_grad()``; returns the loss."""
+    box = {"i": 0}
+
+    def step() -> float:
+        model = trainer.model
+        loss = trainer.training_step(model, batches[box["i"]])
+        trainer._clip_grad_norm(model)
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        model.zero_grad()
+        box["i"] += 1
+        return loss.item()
+
+    return step
+
+
+def say_run(argv: list[str] | None, **modules: Any) -> tuple[str, dict[str, Any], str]:
+    """Print the machine, the versions of ``modules`` and the command line; (machine, `run_record`, command)."""
+    import sys
+
+    machine = globals()["machine"]()
+    record = run_record(**modules)
+    command = "PYTHONPATH=src " + " ".join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])])
+    print(f"machine: {machine}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()))
+    print(f"command: {command}")
+    return machine, record, command
+
+
+def print_losses_and_steps(first: tuple[float, float], theirs: tuple[float, float], ok: bool,
+                           rows: dict[str, dict[str, float]]) -> None:
+    """The step-1/2 loss check of a benchmark beside TRL, then its table of ``rows`` (`timing_row`s by name)."""
+    print(f"check: step-1 loss {first[0]:.7f} (jaxtune) / {theirs[0]:.7f} (TRL), step-2 loss {first[1]:.7f} / "
+          f"{theirs[1]:.7f}: {'agree' if ok else 'DISAGREE'}")
+    print_header(["implementation", "ms/step (median)", "min", "CPU ms/step"])
+    for r in rows.values():
+        print(f"| {r['implementation']} | {r['ms_per_step']:.0f} | {r['ms_per_step_min']:.0f} | "
+              f"{r['cpu_ms_per_step']:.0f} |")
+
+
+def finish_two_sided(args: Any, result: dict[str, Any], losses: dict[str, list[float]], ok: bool) -> dict[str, Any]:
+    """The end of a benchmark beside TRL that checks its first losses: ``result`` with them and the config saved
+    (``--json``), and a non-zero exit unless they agreed (``ok``)."""
+    result = result | {"losses": losses, "config": vars(args) | result.pop("config", {})}
+    save_json(args.json, result)
+    if not ok:
+        raise SystemExit("the step-1/step-2 losses disagree: the two sides do not compute the same step")
+    return result
+
+
 def jaxtune_step(cfg: Any) -> dict[str, Any]:
     """jaxtune's step exactly as ``train()`` builds it: ``make_state_spec`` → ``init`` / ``load_frozen`` →
     ``jit_steps`` (``jax.jit`` with explicit in/out shardings and the state donated). Returns {"spec", "mesh",

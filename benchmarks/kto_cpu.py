@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 
 import _harness as h
@@ -101,19 +100,7 @@ def trl_impl(directory: str, a: argparse.Namespace, out_dir: str, row_sets) -> d
         kl = [completions[-1], *completions[:-1]]
         batches.append(trainer.data_collator([{"prompt_ids": p, "completion_ids": c, "label": label,
                                                "KL_completion_ids": k} for (p, c, label), k in zip(rows, kl)]))
-    box = {"i": 0}
-
-    def step():
-        model = trainer.model
-        loss = trainer.training_step(model, batches[box["i"]])
-        trainer._clip_grad_norm(model)
-        trainer.optimizer.step()
-        trainer.lr_scheduler.step()
-        model.zero_grad()
-        box["i"] += 1
-        return loss.item()
-
-    return {"step": step}
+    return {"step": h.trainer_step(trainer, batches)}
 
 
 def main(argv=None) -> dict:
@@ -154,31 +141,17 @@ def main(argv=None) -> dict:
         im["cpu"] = [c / args.steps for c in im["cpu"]]
         rows[name] = {"implementation": name, **h.timing_row(im, args.batch * 2 * args.seq)}
     j, t = rows["jaxtune (jax.jit)"], rows["TRL (eager)"]
-    machine = h.machine()
-    record = h.run_record(jax=jax, torch=torch, transformers=transformers, trl=trl, numpy=np)
-    command = "PYTHONPATH=src " + " ".join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])])
-    print(f"machine: {machine}")
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()))
-    print(f"command: {command}")
+    machine, record, command = h.say_run(argv, jax=jax, torch=torch, transformers=transformers, trl=trl, numpy=np)
     print(f"Llama (random, fp32, untied head): {args.layers} layers, hidden {args.d_model}, {n_params / 1e6:.2f}M "
           f"params; KTO beta {args.beta}, {args.batch} rows x T {args.seq} (+ their KL rows), full fine-tuning, a "
           f"frozen copy as the reference; threads {threads}; {args.rounds} timed rounds of {args.steps} step(s) "
           f"({run['seconds']:.0f} s; load average {run['load_before'][0]:.2f} -> {run['load_after'][0]:.2f})")
-    print(f"check: step-1 loss {j1:.7f} (jaxtune) / {t1:.7f} (TRL), step-2 loss {j2:.7f} / {t2:.7f}: "
-          f"{'agree' if ok else 'DISAGREE'}")
-    h.print_header(["implementation", "ms/step (median)", "min", "CPU ms/step"])
-    for r in rows.values():
-        print(f"| {r['implementation']} | {r['ms_per_step']:.0f} | {r['ms_per_step_min']:.0f} | "
-              f"{r['cpu_ms_per_step']:.0f} |")
+    h.print_losses_and_steps((j1, j2), (t1, t2), ok, rows)
     print(f"ratio (TRL ms / jaxtune ms): **{t['ms_per_step'] / j['ms_per_step']:.2f}x** (best step "
           f"{t['ms_per_step_min'] / j['ms_per_step_min']:.2f}x)")
     result = record | {"machine_lscpu": machine, "command": command, "rows": list(rows.values()),
-                       "loadavg_before_after": [run["load_before"], run["load_after"]],
-                       "losses": {"jaxtune": [j1, j2], "trl": [t1, t2]}, "config": vars(args) | {"params": n_params}}
-    h.save_json(args.json, result)
-    if not ok:
-        raise SystemExit("the step-1/step-2 losses disagree: the two sides do not compute the same step")
-    return result
+                       "loadavg_before_after": [run["load_before"], run["load_after"]], "config": {"params": n_params}}
+    return h.finish_two_sided(args, result, {"jaxtune": [j1, j2], "trl": [t1, t2]}, ok)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
@@ -114,20 +113,7 @@ def trl_impl(directory: str, a: argparse.Namespace, out_dir: str, pair_sets) -> 
     trainer.current_gradient_accumulation_steps = 1
     batches = [trainer.data_collator([{"chosen_ids": p + c, "rejected_ids": p + r} for p, c, r in pairs])
                for pairs in pair_sets]
-    box = {"i": 0}
-
-    def step():
-        m = trainer.model
-        m.train()
-        loss = trainer.training_step(m, batches[box["i"]])
-        trainer._clip_grad_norm(m)
-        trainer.optimizer.step()
-        trainer.lr_scheduler.step()
-        m.zero_grad()
-        box["i"] += 1
-        return loss.item()
-
-    return {"step": step}
+    return {"step": h.trainer_step(trainer, batches)}
 
 
 def main(argv=None) -> dict:
@@ -175,12 +161,7 @@ def main(argv=None) -> dict:
         im["cpu"] = [c / args.steps for c in im["cpu"]]
         rows[name] = {"implementation": name, **h.timing_row(im, float(np.mean(real)))}
     j, t = rows["jaxtune (jax.jit)"], rows["TRL (eager)"]
-    machine = h.machine()
-    record = h.run_record(jax=jax, torch=torch, transformers=transformers, trl=trl, numpy=np)
-    command = "PYTHONPATH=src " + " ".join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])])
-    print(f"machine: {machine}")
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()))
-    print(f"command: {command}")
+    machine, record, command = h.say_run(argv, jax=jax, torch=torch, transformers=transformers, trl=trl, numpy=np)
     print(f"Llama classifier (random, fp32, num_labels 1): {args.layers} layers, hidden {args.d_model}, "
           f"{n_params / 1e6:.2f}M params; {args.batch} pairs x T {args.seq}, real lengths (mean "
           f"{np.mean(real) / args.batch / 2:.0f} tokens a sequence); full fine-tuning; threads {threads}; "
@@ -188,23 +169,14 @@ def main(argv=None) -> dict:
           f"{run['load_before'][0]:.2f} -> {run['load_after'][0]:.2f}); jaxtune compiled {jx['compiles']()} "
           f"program(s) for lengths {sorted(set(jx['lengths']))} in {jx['compile_s']:.1f} s (a row per sequence: "
           f"{jr['compiles']()} for {sorted(set(jr['lengths']))} in {jr['compile_s']:.1f} s)")
-    print(f"check: step-1 loss {j1:.7f} (jaxtune) / {t1:.7f} (TRL), step-2 loss {j2:.7f} / {t2:.7f}: "
-          f"{'agree' if ok else 'DISAGREE'}")
-    h.print_header(["implementation", "ms/step (median)", "min", "CPU ms/step"])
-    for r in rows.values():
-        print(f"| {r['implementation']} | {r['ms_per_step']:.0f} | {r['ms_per_step_min']:.0f} | "
-              f"{r['cpu_ms_per_step']:.0f} |")
+    h.print_losses_and_steps((j1, j2), (t1, t2), ok, rows)
     r = rows["jaxtune, a row per sequence (jax.jit)"]
     print(f"ratio (TRL ms / jaxtune ms): **{t['ms_per_step'] / j['ms_per_step']:.2f}x** (best step "
           f"{t['ms_per_step_min'] / j['ms_per_step_min']:.2f}x); a row per sequence "
           f"{t['ms_per_step'] / r['ms_per_step']:.2f}x")
     result = record | {"machine_lscpu": machine, "command": command, "rows": list(rows.values()),
-                       "loadavg_before_after": [run["load_before"], run["load_after"]],
-                       "losses": {"jaxtune": [j1, j2], "trl": [t1, t2]}, "config": vars(args) | {"params": n_params}}
-    h.save_json(args.json, result)
-    if not ok:
-        raise SystemExit("the step-1/step-2 losses disagree: the two sides do not compute the same step")
-    return result
+                       "loadavg_before_after": [run["load_before"], run["load_after"]], "config": {"params": n_params}}
+    return h.finish_two_sided(args, result, {"jaxtune": [j1, j2], "trl": [t1, t2]}, ok)
 
 
 if __name__ == "__main__":
