@@ -169,7 +169,7 @@ class NativeSpec:
         own score head where the tree has it (LoRA's base does not)."""
         ckpt = HFCheckpoint(self.from_hf)
         ignore: tuple[str, ...] = ()
-        if self.model_cfg.num_labels:
+        if getattr(self.model_cfg, "num_labels", 0):
             ignore = ("lm_head.weight",) if "score" in abstract else ("lm_head.weight", "score.weight")
             if "score" in abstract and "score.weight" not in ckpt.names():
                 abstract, shardings = ({k: v for k, v in t.items() if k != "score"} for t in (abstract, shardings))
