@@ -179,10 +179,19 @@ def print_losses_and_steps(first: tuple[float, float], theirs: tuple[float, floa
               f"{r['cpu_ms_per_step']:.0f} |")
 
 
-def finish_two_sided(args: Any, result: dict[str, Any], losses: dict[str, list[float]], ok: bool) -> dict[str, Any]:
-    """The end of a benchmark beside TRL that checks its first losses: ``result`` with them and the config saved
-    (``--json``), and a non-zero exit unless they agreed (``ok``)."""
-    result = result | {"losses": losses, "config": vars(args) | result.pop("config", {})}
+def finish_two_sided(args: Any, rows: dict[str, dict[str, float]], ours: str, run: dict[str, Any],
+                     said: tuple[str, dict[str, Any], str], params: int, losses: dict[str, list[float]], ok: bool,
+                     also: str = "") -> dict[str, Any]:
+    """The end of a benchmark beside TRL that checks its first losses: the ratio of TRL's median (and fastest) step
+    to the ``ours`` row's (then ``also``), the result with its rows, machine (``said``: `say_run`'s), load, losses
+    and config saved (``--json``), and a non-zero exit unless the losses agreed (``ok``)."""
+    j, t = rows[ours], rows["TRL (eager)"]
+    print(f"ratio (TRL ms / jaxtune ms): **{t['ms_per_step'] / j['ms_per_step']:.2f}x** (best step "
+          f"{t['ms_per_step_min'] / j['ms_per_step_min']:.2f}x){also}")
+    machine, record, command = said
+    result = record | {"machine_lscpu": machine, "command": command, "rows": list(rows.values()),
+                       "loadavg_before_after": [run["load_before"], run["load_after"]], "losses": losses,
+                       "config": vars(args) | {"params": params}}
     save_json(args.json, result)
     if not ok:
         raise SystemExit("the step-1/step-2 losses disagree: the two sides do not compute the same step")

@@ -140,18 +140,14 @@ def main(argv=None) -> dict:
         im["times"] = [t / args.steps for t in im["times"]]
         im["cpu"] = [c / args.steps for c in im["cpu"]]
         rows[name] = {"implementation": name, **h.timing_row(im, args.batch * 2 * args.seq)}
-    j, t = rows["jaxtune (jax.jit)"], rows["TRL (eager)"]
-    machine, record, command = h.say_run(argv, jax=jax, torch=torch, transformers=transformers, trl=trl, numpy=np)
+    said = h.say_run(argv, jax=jax, torch=torch, transformers=transformers, trl=trl, numpy=np)
     print(f"Llama (random, fp32, untied head): {args.layers} layers, hidden {args.d_model}, {n_params / 1e6:.2f}M "
           f"params; KTO beta {args.beta}, {args.batch} rows x T {args.seq} (+ their KL rows), full fine-tuning, a "
           f"frozen copy as the reference; threads {threads}; {args.rounds} timed rounds of {args.steps} step(s) "
           f"({run['seconds']:.0f} s; load average {run['load_before'][0]:.2f} -> {run['load_after'][0]:.2f})")
     h.print_losses_and_steps((j1, j2), (t1, t2), ok, rows)
-    print(f"ratio (TRL ms / jaxtune ms): **{t['ms_per_step'] / j['ms_per_step']:.2f}x** (best step "
-          f"{t['ms_per_step_min'] / j['ms_per_step_min']:.2f}x)")
-    result = record | {"machine_lscpu": machine, "command": command, "rows": list(rows.values()),
-                       "loadavg_before_after": [run["load_before"], run["load_after"]], "config": {"params": n_params}}
-    return h.finish_two_sided(args, result, {"jaxtune": [j1, j2], "trl": [t1, t2]}, ok)
+    return h.finish_two_sided(args, rows, "jaxtune (jax.jit)", run, said, n_params,
+                              {"jaxtune": [j1, j2], "trl": [t1, t2]}, ok)
 
 
 if __name__ == "__main__":

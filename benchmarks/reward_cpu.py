@@ -160,8 +160,7 @@ def main(argv=None) -> dict:
         im["times"] = [t / args.steps for t in im["times"]]
         im["cpu"] = [c / args.steps for c in im["cpu"]]
         rows[name] = {"implementation": name, **h.timing_row(im, float(np.mean(real)))}
-    j, t = rows["jaxtune (jax.jit)"], rows["TRL (eager)"]
-    machine, record, command = h.say_run(argv, jax=jax, torch=torch, transformers=transformers, trl=trl, numpy=np)
+    said = h.say_run(argv, jax=jax, torch=torch, transformers=transformers, trl=trl, numpy=np)
     print(f"Llama classifier (random, fp32, num_labels 1): {args.layers} layers, hidden {args.d_model}, "
           f"{n_params / 1e6:.2f}M params; {args.batch} pairs x T {args.seq}, real lengths (mean "
           f"{np.mean(real) / args.batch / 2:.0f} tokens a sequence); full fine-tuning; threads {threads}; "
@@ -170,13 +169,9 @@ def main(argv=None) -> dict:
           f"program(s) for lengths {sorted(set(jx['lengths']))} in {jx['compile_s']:.1f} s (a row per sequence: "
           f"{jr['compiles']()} for {sorted(set(jr['lengths']))} in {jr['compile_s']:.1f} s)")
     h.print_losses_and_steps((j1, j2), (t1, t2), ok, rows)
-    r = rows["jaxtune, a row per sequence (jax.jit)"]
-    print(f"ratio (TRL ms / jaxtune ms): **{t['ms_per_step'] / j['ms_per_step']:.2f}x** (best step "
-          f"{t['ms_per_step_min'] / j['ms_per_step_min']:.2f}x); a row per sequence "
-          f"{t['ms_per_step'] / r['ms_per_step']:.2f}x")
-    result = record | {"machine_lscpu": machine, "command": command, "rows": list(rows.values()),
-                       "loadavg_before_after": [run["load_before"], run["load_after"]], "config": {"params": n_params}}
-    return h.finish_two_sided(args, result, {"jaxtune": [j1, j2], "trl": [t1, t2]}, ok)
+    per_row = rows["TRL (eager)"]["ms_per_step"] / rows["jaxtune, a row per sequence (jax.jit)"]["ms_per_step"]
+    return h.finish_two_sided(args, rows, "jaxtune (jax.jit)", run, said, n_params,
+                              {"jaxtune": [j1, j2], "trl": [t1, t2]}, ok, f"; a row per sequence {per_row:.2f}x")
 
 
 if __name__ == "__main__":
