@@ -9,10 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jax.sharding import Mesh
+
 from jaxtune import sharding
 from jaxtune.backends import backend_for_checkpoint, make_state_spec
 from jaxtune.config import Config, ConfigError, load_config
 from jaxtune.data import Tokenizer, load_tokenizer, load_tokenizer_dir
+from jaxtune.models.decoder_hf import is_classifier
 from jaxtune.models.gguf import is_gguf
 from jaxtune.models.hf import checkpoint_tokenizer, read_config_json, resolve_hf_dir
 from jaxtune.models.wheels import is_wheel_ref
@@ -43,21 +46,25 @@ class LoadedRun:
         return self.spec.weights(self.params, self.frozen)
 
 
-def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRun:
+def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = (), mesh: Mesh | None = None) -> LoadedRun:
     """A run directory (with config.yaml), a HuggingFace model directory or a config file -> its latest
-    checkpoint's params on a mesh.
+    checkpoint's params on a mesh (``mesh``, default the one its config describes).
 
     A config whose run has no checkpoint yet gives the initial model (step 0), useful as a baseline. A model
     directory runs on the first backend that can run it (native, else torchax), with ``data.seq_len`` capped at the
-    model's context unless set. A ``.gguf`` file: the model directory it converts to (`jaxtune.models.gguf`)."""
+    model's context unless set; a sequence classifier's (a reward model's export) as ``objective.name=reward``. A
+    ``.gguf`` file: the model directory it converts to (`jaxtune.models.gguf`)."""
     path = Path(target).expanduser()
     if is_wheel_ref(str(target)) or (is_gguf(path) and path.is_file()):
         path = resolve_hf_dir(path)
     hf_dir = path.is_dir() and not (path / "config.yaml").is_file() and (path / "config.json").is_file()
     if hf_dir:  # an exported (or any HuggingFace) model directory: its weights, its tokenizer, default settings
+        config = read_config_json(path)
         backend = ([] if any(o.startswith("model.backend=") for o in overrides)
-                   else [f"model.backend={backend_for_checkpoint(read_config_json(path))}"])
-        cfg = load_config(None, [f"model.from_hf={path}", f"run_dir={path}", *backend, *overrides])
+                   else [f"model.backend={backend_for_checkpoint(config)}"])
+        scores = [] if not is_classifier(config) or any(o.startswith("objective.name=") for o in overrides) else [
+            "objective.name=reward", "data.format=preference"]
+        cfg = load_config(None, [f"model.from_hf={path}", f"run_dir={path}", *backend, *scores, *overrides])
     elif path.is_dir():
         if not (path / "config.yaml").is_file():
             raise ConfigError(f"{path} is not a run directory (no config.yaml) nor a HuggingFace model (no "
@@ -73,7 +80,7 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     tok_dir = run_dir / "tokenizer"
     tokenizer = (load_tokenizer_dir(tok_dir) if tok_dir.is_dir()
                  else load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data))
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    mesh = mesh or sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
     if hf_dir and not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
         seq_len = min(cfg.data.seq_len, spec.model_cfg.max_seq_len)

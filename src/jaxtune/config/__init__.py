@@ -53,7 +53,7 @@ from jaxtune.config.model import (
     TorchaxModelConfig,
 )
 from jaxtune.config.objectives import OBJECTIVE_SECTIONS, ObjectiveConfig, ObjectiveSection, objective_config
-from jaxtune.config.rewards import BUILTIN_REWARDS, RewardConfig
+from jaxtune.config.rewards import BUILTIN_REWARDS, MODEL_REWARD, RewardConfig
 from jaxtune.config.root import Config
 from jaxtune.config.run import (
     CheckpointConfig,
@@ -77,6 +77,7 @@ __all__ = [
     "LORA_HF_NAMES",
     "LORA_OUR_TO_HF",
     "LORA_TARGETS",
+    "MODEL_REWARD",
     "MODEL_SECTIONS",
     "OBJECTIVES",
     "OBJECTIVE_SECTIONS",

@@ -10,6 +10,8 @@ from jaxtune.config.base import Section
 
 # The reward functions built in (`jaxtune.train.rewards`); any other name is a user function, ``module:function``.
 BUILTIN_REWARDS = ("exact_number", "regex", "format", "length")
+# A learned reward model's score (`jaxtune.train.model_reward`): the entry names the model with ``path``.
+MODEL_REWARD = "model"
 
 
 class RewardConfig(Section):
@@ -18,7 +20,9 @@ class RewardConfig(Section):
     Built in: ``exact_number`` (1 when the completion's last number equals the row's ``field``, numerically, else 0),
     ``regex`` (1 when ``pattern``'s first group, searched in the completion, equals the row's ``field``, stripped),
     ``format`` (1 when ``pattern`` matches the whole completion, stripped), ``length`` (DAPO's soft overlong penalty:
-    0 up to ``max_tokens - buffer`` completion tokens, then down linearly to -1 at ``max_tokens`` and beyond). Any
+    0 up to ``max_tokens - buffer`` completion tokens, then down linearly to -1 at ``max_tokens`` and beyond).
+    ``model``: a reward model's score of the prompt and completion (``path``: a jaxtune reward-model run, its export,
+    or a transformers *ForSequenceClassification checkpoint with one label), computed on the run's devices. Any
     other ``name`` is a user function ``module:function`` called as ``f(prompts, completions, rows)`` (lists of the
     prompt texts, completion texts and the rows' fields) that returns one float per completion."""
 
@@ -31,6 +35,11 @@ class RewardConfig(Section):
                                    "objective.max_completion_length)")
     buffer: int | None = Field(None, ge=1, description="length: the tokens before max_tokens over which the penalty "
                                "grows (default max_tokens / 4)")
+    path: str | None = Field(None, description="model: the reward model, a run directory of objective.name=reward, "
+                             "its `jaxtune export`, or a transformers *ForSequenceClassification directory "
+                             "(num_labels 1); it scores with its own tokenizer and chat template")
+    batch_size: int | None = Field(None, ge=1, description="model: sequences scored per call (default: all the "
+                                   "completions of a step at once)")
     accuracy: bool | None = Field(None, description="true: this reward is the success criterion, and held-out "
                                   "accuracy is the share of held-out prompts it scores at least 1 (default: the "
                                   "first built-in reward that checks the answer, exact_number or regex; false: "
@@ -38,13 +47,25 @@ class RewardConfig(Section):
 
     @property
     def builtin(self) -> bool:
-        return ":" not in self.name
+        return ":" not in self.name and not self.model
+
+    @property
+    def model(self) -> bool:
+        return self.name == MODEL_REWARD
 
     @model_validator(mode="after")
     def _known(self) -> RewardConfig:
         if self.builtin and self.name not in BUILTIN_REWARDS:
-            raise ValueError(f"reward {self.name!r} is not built in ({', '.join(BUILTIN_REWARDS)}); a function of "
-                             "your own is named module:function")
+            raise ValueError(f"reward {self.name!r} is not built in ({', '.join(BUILTIN_REWARDS)}, or {MODEL_REWARD} "
+                             "with a path); a function of your own is named module:function")
+        if self.model and not self.path:
+            raise ValueError("reward model needs a path: a run directory of objective.name=reward, its export, or a "
+                             "transformers *ForSequenceClassification directory")
+        if not self.model and (self.path is not None or self.batch_size is not None):
+            raise ValueError(f"reward {self.name}: path and batch_size are a reward model's keys (name: model)")
+        if self.model and self.accuracy:
+            raise ValueError("reward model: accuracy: true marks a reward that scores a right answer 1; a reward "
+                             "model's score is no such count: mark an exact_number or regex reward")
         if self.name in ("regex", "format") and not self.pattern:
             raise ValueError(f"reward {self.name} needs a pattern")
         if self.pattern is not None:

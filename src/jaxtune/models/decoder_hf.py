@@ -60,10 +60,15 @@ def decoder_from_hf(c: dict[str, Any], cls: type, family: str, act_key: str = "h
     return cls(**fields, num_labels=sequence_labels(c))
 
 
+def is_classifier(c: dict[str, Any]) -> bool:
+    """Whether a config.json is a *ForSequenceClassification model's (a score head, no language-model head)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in c.get("architectures") or ())
+
+
 def sequence_labels(c: dict[str, Any]) -> int:
     """0 for a causal LM's config.json; 1 for a *ForSequenceClassification one with one label (a reward model's
     score head); other label counts are refused (one line naming the key)."""
-    if not any(str(a).endswith("ForSequenceClassification") for a in c.get("architectures") or ()):
+    if not is_classifier(c):
         return 0
     labels = int(c.get("num_labels") or len(c.get("id2label") or {}) or 2)
     if labels != 1:

@@ -82,12 +82,18 @@ class Scores:
 _OneScore = Callable[[str, dict, int, str], float]
 
 
+# A reward model (`jaxtune.train.model_reward.ModelReward`): (prompts, completions) -> ((N,) scores, NaN where not
+# scored, {index: why}); called on every process's completions at once, the same on every process.
+ModelScores = Callable[[list, list[str]], tuple[np.ndarray, dict[int, str]]]
+
+
 @dataclass(frozen=True)
 class _Function:
     label: str
     one: _OneScore | None  # a built-in
     batch: Callable[..., Any] | None  # a user function, called once per batch
     trl: bool = False  # the user function takes TRL's keywords (no ``rows`` parameter)
+    model: ModelScores | None = None  # a reward model
 
 
 class Rewards:
@@ -100,11 +106,20 @@ class Rewards:
         self.weights = np.asarray(weights, np.float32)  # (K,)
         self.accuracy = accuracy  # index of the reward held-out accuracy counts (`RewardConfig.accuracy`), or None
 
+    def modelled(self, prompts: list, completions: list[str]) -> dict[int, tuple[np.ndarray, dict[int, str]]]:
+        """Each reward model's scores of the completions (`ModelScores`), by the index of its function. With several
+        processes every process calls this on the same completions (every process's), as the models are sharded
+        over all of them; `score` then takes each process's share."""
+        return {k: f.model(prompts, completions) for k, f in enumerate(self._functions) if f.model is not None}
+
     def score(self, prompts: list, completions: list[str], rows: list[dict], lengths: list[int],
-              where: list[str], completion_ids: list[list[int]] | None = None, step: int = 0) -> Scores:
+              where: list[str], completion_ids: list[list[int]] | None = None, step: int = 0,
+              modelled: dict[int, tuple[np.ndarray, dict[int, str]]] | None = None) -> Scores:
         """Scores N completions: ``per_function`` (N, K), ``total`` (N,) = per_function @ weights, both float32.
-        ``completion_ids`` and ``step`` are what TRL-form functions are also given."""
+        ``completion_ids`` and ``step`` are what TRL-form functions are also given; ``modelled``: the reward
+        models' scores of these completions (`modelled`), computed here when not given."""
         n = len(completions)
+        modelled = self.modelled(prompts, completions) if modelled is None else modelled
         if not len(prompts) == len(rows) == len(lengths) == len(where) == n:
             raise ValueError(f"score needs one prompt, row, length and where per completion; got {len(prompts)}, "
                              f"{len(rows)}, {len(lengths)}, {len(where)} for {n} completions")
@@ -115,6 +130,11 @@ class Rewards:
             if f.one is not None:
                 per_function[:, k] = [f.one(c, r, m, w) for c, r, m, w in zip(completions, rows, lengths, where)]
                 continue
+            if f.model is not None:
+                per_function[:, k], failed = self._model_scores(f, *modelled[k], where)
+                if failed:
+                    errors[f.label] = failed
+                continue
             call = _trl_call(f, prompts, completions, rows, completion_ids, step, logged) if f.trl else (
                 lambda i, j, f=f: f.batch(prompts=prompts[i:j], completions=completions[i:j], rows=rows[i:j]))
             per_function[:, k], failed = self._call(f, call, n, where)
@@ -122,6 +142,16 @@ class Rewards:
                 errors[f.label] = failed
         total = np.nansum(per_function * self.weights[None, :], axis=1, dtype=np.float32)  # (N,)
         return Scores(per_function=per_function, total=total, errors=errors, logged=logged)
+
+    def _model_scores(self, f: _Function, scores: np.ndarray, problems: dict[int, str],
+                      where: list[str]) -> tuple[np.ndarray, int]:
+        """A reward model's scores, those it could not give 0 under ``reward_errors: zero`` (counted), else an error
+        naming the first one's row."""
+        if problems and self._policy != "zero":
+            i = min(problems)
+            raise RewardError(f"reward {f.label!r} cannot score the completion of the row {where[i]}: {problems[i]}; "
+                              "or set objective.reward_errors: zero to score such completions 0 (counted)")
+        return np.nan_to_num(scores, nan=0.0), len(problems)
 
     def _call(self, f: _Function, call: Callable[[int, int], Any], n: int,
               where: list[str]) -> tuple[np.ndarray, int]:
@@ -160,17 +190,23 @@ class Rewards:
         return scores, failed
 
 
-def make_rewards(cfg: ObjectiveConfig) -> Rewards:
-    """The reward functions of ``cfg.rewards``, user functions imported now: a `ConfigError` names the key."""
+def make_rewards(cfg: ObjectiveConfig, models: dict[int, ModelScores] | None = None) -> Rewards:
+    """The reward functions of ``cfg.rewards``, user functions imported now: a `ConfigError` names the key.
+    ``models``: the reward models, loaded (`jaxtune.companions.load_reward_models`), by their entry's index."""
     functions, taken = [], set()
-    bases = [r.name if r.builtin else r.name.partition(":")[2] for r in cfg.rewards]
+    bases = [r.name if r.builtin or r.model else r.name.partition(":")[2] for r in cfg.rewards]
     for i, (r, base) in enumerate(zip(cfg.rewards, bases)):
         key = f"objective.rewards[{i}]"
         label, n = base, 2
         while label in taken or (label != base and label in bases):  # format, format_2 (unless a function is so named)
             label, n = f"{base}_{n}", n + 1
         taken.add(label)
-        if r.builtin:
+        if r.model:
+            if models is None or i not in models:
+                raise ConfigError(f"{key}: a reward model is loaded on the run's devices (jaxtune.companions."
+                                  "load_reward_models) before the rewards are made")
+            functions.append(_Function(label, None, None, model=models[i]))
+        elif r.builtin:
             functions.append(_Function(label, BUILTINS[r.name].make(r, cfg, key, label), None))
         else:
             fn = _import(r.name, f"{key}.name")

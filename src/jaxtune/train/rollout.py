@@ -41,6 +41,7 @@ from jaxtune.data import DataError, PromptRows, Tokenizer, stop_ids
 from jaxtune.data.encoded import shared_row
 from jaxtune.train.distributed import every_process, first_failure
 from jaxtune.train.rewards import (
+    ModelScores,
     RewardError,
     Rewards,
     Scores,
@@ -160,11 +161,14 @@ class Rollout:
         mine = slice(jax.process_index() * len(rows) * group, (jax.process_index() + 1) * len(rows) * group) \
             if together else slice(0, len(ids))
         failure, scores = None, None
+        prompts = [source.prompt(r) for r in expanded]
+        # Reward models score every process's completions in one program over the mesh; each process keeps its own.
+        modelled = {k: (s[mine], {i - mine.start: why for i, why in problems.items() if mine.start <= i < mine.stop})
+                    for k, (s, problems) in self.rewards.modelled(prompts, texts).items()}
         try:
-            scores = self.rewards.score([source.prompt(r) for r in expanded[mine]], texts[mine],
-                                        [source.fields(r) for r in expanded[mine]], [len(c) for c in ids[mine]],
-                                        [source.where(r) for r in expanded[mine]], completion_ids=ids[mine],
-                                        step=step)
+            scores = self.rewards.score(prompts[mine], texts[mine], [source.fields(r) for r in expanded[mine]],
+                                        [len(c) for c in ids[mine]], [source.where(r) for r in expanded[mine]],
+                                        completion_ids=ids[mine], step=step, modelled=modelled)
         except RewardError as e:
             if jax.process_count() == 1:
                 raise
@@ -354,9 +358,11 @@ def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
     return lmbda >= 1.0 or (lmbda > 0.0 and float(np.random.default_rng([seed, step, 17]).random()) < lmbda)
 
 
-def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer) -> Rollout:
+def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer,
+                 models: dict[int, ModelScores] | None = None) -> Rollout:
+    """The run's rollouts; ``models``: its reward models, loaded (`jaxtune.companions.load_reward_models`)."""
     chat = tokenizer.chat_template is not None
-    return Rollout(cfg, generator, tokenizer, make_rewards(cfg.objective), chat)
+    return Rollout(cfg, generator, tokenizer, make_rewards(cfg.objective, models), chat)
 
 
 def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], logps: list[list[float]],

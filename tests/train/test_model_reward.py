@@ -1,0 +1,188 @@
+"""A reward model as a GRPO reward (``objective.rewards: [{name: model, path: ...}]``, `jaxtune.train.model_reward`)
+against TRL 1.16.0's ``GRPOTrainer._calculate_rewards`` with the same model as its reward function, and against
+transformers' sequence classifier.
+
+The reward model is a tiny random fp32 `LlamaForSequenceClassification` (num_labels 1, pad id 0) over the quickstart's
+tokenizer (its BPE and chatml template, copied beside it), the policy the quickstart's SFT export, as the users'
+chain has them. Tolerances:
+  * conversational prompts: each completion's score vs GRPOTrainer's (the same rendered text)          rel <= 1e-5
+  * text prompts: each score vs the classifier's logit on jaxtune's tokens of the sequence (its BOS, prompt,
+    completion and EOS: what the reward model trained on; TRL scores the text without the EOS), batched and
+    right-padded by transformers                                                                     rel <= 1e-5
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from helpers.compare import rel
+from helpers.trl_reference import MESH, TOL, TRL_VERSION
+
+from jaxtune.companions import load_reward_model
+from jaxtune.config import ConfigError, RewardConfig, objective_config
+from jaxtune.data import load_tokenizer_dir
+from jaxtune.train.rewards import RewardError, make_rewards
+
+torch = pytest.importorskip("torch", reason="the reward model is checked against transformers")
+transformers = pytest.importorskip("transformers", reason="the reward model is a transformers checkpoint")
+
+PROMPTS = ["What is 58 plus 67?", "Compute 4 plus 5.", "What is 12 plus 30?"]
+COMPLETIONS = ["58+67: 8+7=15, 5+6+1=12, so 125.", "9", "It is 42.", "", "so 1234567"]
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+
+
+def classifier(quickstart_sft_model, directory, build=None, **config):
+    """A tiny LlamaForSequenceClassification over the quickstart's tokenizer (its files copied), saved in
+    ``directory``; ``build(model)`` sets its weights (default: random, seed 0)."""
+    vocab = json.loads((quickstart_sft_model / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    c = transformers.LlamaConfig(**{"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
+                                    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                    "max_position_embeddings": 128, "initializer_range": 0.2, "pad_token_id": 0,
+                                    "num_labels": 1, "tie_word_embeddings": False, **config})
+    model = transformers.LlamaForSequenceClassification(c).float()
+    if build is not None:
+        with torch.no_grad():
+            build(model)
+    model.save_pretrained(directory)
+    for f in quickstart_sft_model.iterdir():
+        if f.name not in MODEL_FILES:
+            shutil.copy(f, directory / f.name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reward_dir(quickstart_sft_model, tmp_path_factory):
+    return classifier(quickstart_sft_model, tmp_path_factory.mktemp("rm") / "model")
+
+
+@pytest.fixture(scope="module")
+def policy_tokenizer(quickstart_sft_model):
+    return load_tokenizer_dir(quickstart_sft_model)
+
+
+def loaded(path, policy_tokenizer, chat=True, **keys):
+    return load_reward_model(RewardConfig(name="model", path=str(path), **keys), "objective.rewards[0]", MESH,
+                             policy_tokenizer, chat)
+
+
+def test_model_reward_scores_as_grpo_trainer(reward_dir, quickstart_sft_model, policy_tokenizer, tmp_path):
+    """Conversations: the scores equal GRPOTrainer's ``_calculate_rewards`` with the checkpoint as its reward model
+    (its own tokenizer and template), weighted beside a built-in reward as TRL weighs them."""
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    from trl import GRPOConfig, GRPOTrainer
+
+    assert trl.__version__ == TRL_VERSION
+    prompts = [[{"role": "user", "content": PROMPTS[i % 3]}] for i in range(len(COMPLETIONS))]
+    completions = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(reward_dir)
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, num_generations=5,
+                      per_device_train_batch_size=5, reward_weights=[0.5, 1.0])
+    number = lambda completions, **_: [float(c[0]["content"].endswith("125.")) for c in completions]
+    trainer = GRPOTrainer(model=str(quickstart_sft_model), reward_funcs=[str(reward_dir), number], args=args,
+                          train_dataset=datasets.Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer,
+                          reward_processing_classes=[tokenizer, None])
+    ids = [[5]] * len(COMPLETIONS)
+    theirs = trainer._calculate_rewards([{"prompt": p} for p in prompts], prompts, completions, ids).numpy()
+
+    model = loaded(reward_dir, policy_tokenizer)
+    cfg = objective_config(name="grpo", rewards=[{"name": "model", "path": str(reward_dir), "weight": 0.5},
+                                                 {"name": "format", "pattern": r".*125\.", "weight": 1.0}])
+    ours = make_rewards(cfg, {0: model}).score(prompts, COMPLETIONS, [{}] * 5, [1] * 5, ["t:1"] * 5)
+    assert rel(ours.per_function[:, 0], theirs[:, 0]) <= TOL, (ours.per_function, theirs)
+    np.testing.assert_array_equal(ours.per_function[:, 1], theirs[:, 1])
+    assert rel(ours.total, theirs @ np.array([0.5, 1.0], np.float32)) <= TOL
+    assert np.ptp(ours.per_function[:, 0]) > 1e-3  # the completions score apart
+
+
+def test_text_prompts_score_as_the_classifier(reward_dir, policy_tokenizer):
+    """Text prompts: the score of each sequence as jaxtune encodes it equals the classifier's logit on those tokens,
+    batched and right-padded by transformers; scoring in chunks (``batch_size``) gives the same scores; one program
+    per (rows, width) met."""
+    model = loaded(reward_dir, policy_tokenizer, chat=False)
+    prompts = [PROMPTS[i % 3] for i in range(len(COMPLETIONS))]
+    scores, problems = model(prompts, COMPLETIONS)
+    assert problems == {} and model.compiles == 1
+    sequences = model.encode(prompts, COMPLETIONS)
+    assert all(s[-1] == model.tokenizer.eos_id for s in sequences)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(reward_dir, dtype=torch.float32)
+    width = max(map(len, sequences))
+    ids = torch.tensor([list(s) + [0] * (width - len(s)) for s in sequences])
+    with torch.no_grad():
+        theirs = hf(ids, attention_mask=(torch.arange(width)[None] < torch.tensor([len(s) for s in sequences])[:, None])
+                    .long()).logits[:, 0].numpy()
+    assert rel(scores, theirs) <= TOL, (scores, theirs)
+
+    chunked = loaded(reward_dir, policy_tokenizer, chat=False, batch_size=2)
+    np.testing.assert_allclose(chunked(prompts, COMPLETIONS)[0], scores, rtol=1e-5, atol=1e-6)
+    assert chunked.compiles == 1  # three chunks of 2 rows, one width
+    model(prompts[:2], COMPLETIONS[:2])  # 2 rows, the same width bucket: a second program
+    model(prompts[:2], ["x" * 40, "y"])  # a wider bucket
+    model(prompts[:2], ["z", "w"])  # met before
+    assert model.compiles == 3
+
+
+def test_what_a_model_reward_refuses(reward_dir, quickstart_sft_model, policy_tokenizer, tmp_path):
+    """One line each, naming the entry's key: no path; accuracy on a reward model; a causal LM (no score head); a
+    path that is no model; a reward-model run with no checkpoint; a tokenizer without a chat template for
+    conversations; one that cannot write the policy's text back; a classifier with two labels. A sequence longer
+    than the reward model's context stops the run naming the row, or scores 0 (counted) under reward_errors: zero."""
+    with pytest.raises(ValueError, match=r"reward model needs a path"):
+        RewardConfig(name="model")
+    with pytest.raises(ValueError, match=r"a reward model's score is no such count"):
+        RewardConfig(name="model", path="x", accuracy=True)
+    with pytest.raises(ConfigError, match=r"objective.rewards\[0\].path=.*: not a reward model \(a language model, no "
+                                          r"score head\); train one with objective.name=reward"):
+        loaded(quickstart_sft_model, policy_tokenizer)
+    with pytest.raises(ConfigError, match=r"objective.rewards\[0\].path=\S*nowhere/rm: no such run directory"):
+        loaded(tmp_path / "nowhere" / "rm", policy_tokenizer)
+    plain = tmp_path / "plain"
+    shutil.copytree(reward_dir, plain)
+    (plain / "chat_template.jinja").unlink()
+    with pytest.raises(ConfigError, match=r"prompts are conversations, and the reward model's tokenizer has no chat "
+                                          r"template"):
+        loaded(plain, policy_tokenizer)
+    words = tmp_path / "words"
+    shutil.copytree(plain, words)
+    from helpers.trl_reference import word_tokenizer
+    for f in ("tokenizer.json", "tokenizer_config.json", "jaxtune_tokenizer.json"):
+        (words / f).unlink(missing_ok=True)
+    word_tokenizer(300).save_pretrained(words)
+    with pytest.raises(ConfigError, match=r"the reward model's tokenizer cannot read the policy's text"):
+        loaded(words, policy_tokenizer, chat=False)
+    two = classifier(quickstart_sft_model, tmp_path / "two", num_labels=2)
+    with pytest.raises(ConfigError, match=r"objective.rewards\[0\].path=.*two: .*num_labels=2; jaxtune reads reward "
+                                          r"models, whose score head has one label"):
+        loaded(two, policy_tokenizer)
+
+    short = classifier(quickstart_sft_model, tmp_path / "short", max_position_embeddings=32)
+    model = loaded(short, policy_tokenizer)
+    prompts = [[{"role": "user", "content": "2+2?"}]] * 2
+    for policy, outcome in (("raise", None), ("zero", 1)):
+        cfg = objective_config(name="grpo", reward_errors=policy, rewards=[{"name": "model", "path": str(short)}])
+        rewards = make_rewards(cfg, {0: model})
+        if outcome is None:
+            with pytest.raises(RewardError, match=r"reward 'model' cannot score the completion of the row t:2: its \d+ "
+                                                  r"tokens exceed the reward model's context \(32\)"):
+                rewards.score(prompts, ["4", "4" * 60], [{}] * 2, [1, 60], ["t:1", "t:2"])
+        else:
+            done = rewards.score(prompts, ["4", "4" * 60], [{}] * 2, [1, 60], ["t:1", "t:2"])
+            assert done.errors == {"model": 1} and done.per_function[1, 0] == 0 and done.per_function[0, 0] != 0
+
+
+def test_a_reward_model_run_scores_untrained_never(quickstart_sft_model, policy_tokenizer, tmp_path):
+    """A reward-model run that has not saved yet is refused: its head is untrained."""
+    from jaxtune.config import dump_config, load_config
+
+    run = tmp_path / "rm-run"
+    run.mkdir()
+    cfg = load_config(None, [f"model.from_hf={quickstart_sft_model}", "objective.name=reward",
+                             "data.format=preference", "data.sources=[synthetic:arithmetic-preferences]",
+                             "data.chat_template=chatml", f"run_dir={run}"])
+    dump_config(cfg, run / "config.yaml")
+    with pytest.raises(ConfigError, match=r"the run has no checkpoint yet, so its score head is untrained"):
+        loaded(run, policy_tokenizer)
