@@ -186,3 +186,49 @@ def test_a_reward_model_run_scores_untrained_never(quickstart_sft_model, policy_
     dump_config(cfg, run / "config.yaml")
     with pytest.raises(ConfigError, match=r"the run has no checkpoint yet, so its score head is untrained"):
         loaded(run, policy_tokenizer)
+
+
+def liking(model) -> None:
+    """A reward model whose score rises with the share of "liked" tokens (every id ≡ 3 mod 10) in the sequence: no
+    query or key (each position attends to all before it alike), values and output the identity, no MLP, and the
+    score head reading the one embedding dimension that only liked tokens have."""
+    d = model.config.hidden_size
+    e = torch.randn(model.config.vocab_size, d)
+    liked = torch.arange(model.config.vocab_size) % 10 == 3
+    e[:, 0] = 0.0
+    e[liked, 0] = 3.0
+    model.model.embed_tokens.weight.copy_(e)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.weight.zero_()
+        layer.self_attn.k_proj.weight.zero_()
+        layer.self_attn.v_proj.weight.copy_(torch.eye(d))
+        layer.self_attn.o_proj.weight.copy_(torch.eye(d))
+        layer.mlp.down_proj.weight.zero_()
+    model.score.weight.zero_()
+    model.score.weight[0, 0] = 1.0
+
+
+def test_grpo_learns_from_a_reward_model(quickstart_sft_model, tmp_path, data_cache):
+    """GRPO through `train()` with a reward model as its only reward: a tiny policy from scratch (the quickstart's
+    tokenizer and chat template) learns to write what the model likes: the held-out reward (greedy answers to 16
+    held-out prompts, scored by the model) and the sampled completions' reward rise."""
+    from helpers.run_outputs import metric_rows
+
+    from jaxtune.config import load_config
+    from jaxtune.loop import train
+
+    rm = classifier(quickstart_sft_model, tmp_path / "rm", liking, num_hidden_layers=1, num_key_value_heads=2)
+    run = tmp_path / "run"
+    cfg = load_config("grpo-quickstart", [
+        "model.from_hf=null", "model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64",
+        "model.n_head=4", "model.n_kv_head=2", "model.d_ff=128", "model.max_seq_len=128", "tokenizer.kind=hf",
+        f"tokenizer.path={quickstart_sft_model}", f"run_dir={run}", f"data.cache_dir={data_cache}",
+        f"objective.rewards=[{{name: model, path: {rm}}}]", "objective.prompts_per_step=4",
+        "objective.num_generations=8", "objective.max_completion_length=16", "optim.lr=1e-2", "optim.warmup_steps=1",
+        "train.steps=15", "eval.every=15", "eval.exact_match=16", "checkpoint.every=15", "logging.every=1",
+        "logging.progress=false", "logging.tensorboard=false"])
+    train(cfg)
+    held_out = [r["reward"] for r in metric_rows(run, "eval")]
+    rewards = [r["rewards/model/mean"] for r in metric_rows(run, "train")]
+    assert len(held_out) == 2 and held_out[1] > held_out[0] + 0.5, held_out
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.3, rewards
