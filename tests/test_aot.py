@@ -235,6 +235,32 @@ def test_grpo_plan_compiles_the_sampler_beside_the_step_and_splits_the_step_esti
     assert "step estimate:    generation" in text and "% of it generating" in text
 
 
+def test_grpo_plan_compiles_each_reward_model_beside_the_step(tmp_path):
+    """A reward model among GRPO's rewards is in the plan: its scoring program compiled for a step's 8 x 4
+    completions at the widest bucket the run scores (72 prompt + 24 completion positions: 128, cut to the reward
+    model's context of 64), its parameters those transformers counts, and its arguments its weights and the tokens."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from helpers.trl_reference import word_tokenizer
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                      pad_token_id=0, num_labels=1, tie_word_embeddings=False)
+    model = transformers.LlamaForSequenceClassification(config)
+    model.save_pretrained(tmp_path / "rm")
+    word_tokenizer(64).save_pretrained(tmp_path / "rm")
+    rewards = f"objective.rewards=[{{name: exact_number, field: answer}}, {{name: model, path: {tmp_path / 'rm'}}}]"
+    d = aot.plan(load_config(None, [*GRPO, rewards]), "v5e-8")
+    (rm,) = d["reward_models"]
+    assert (rm["key"], rm["rows"], rm["width"]) == ("objective.rewards[1]", 32, 64)
+    assert rm["params"] == sum(p.numel() for p in model.parameters())
+    tokens = 32 * 64 * 4 + 32 * 4  # int32 tokens and last positions
+    assert rm["weights"] + tokens <= rm["program"]["arguments"] <= 1.25 * (rm["weights"] + tokens) + 2**16
+    assert rm["fits"] and rm["total"] > rm["resident"] > 0
+    assert "reward model:     objective.rewards[1] (" in aot.format_plan(d)
+
+
 def test_grpo_sampler_memory_grows_with_the_group_and_the_completion_length():
     """The sampler's KV cache is rows x cache positions (the prompt fixed at 16 tokens by data.max_prompt_length): the
     buffers the compiled decode loop carries are the shapes computed by hand, doubling with num_generations (4 -> 8)

@@ -54,6 +54,30 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = (), me
     directory runs on the first backend that can run it (native, else torchax), with ``data.seq_len`` capped at the
     model's context unless set; a sequence classifier's (a reward model's export) as ``objective.name=reward``. A
     ``.gguf`` file: the model directory it converts to (`jaxtune.models.gguf`)."""
+    cfg, tokenizer, hf_dir = run_config(target, overrides)
+    run_dir = cfg.run_path
+    mesh = mesh or sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
+    if hf_dir and not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
+        seq_len = min(cfg.data.seq_len, spec.model_cfg.max_seq_len)
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": seq_len})})
+    step = 0
+    if (run_dir / "checkpoints").is_dir():
+        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+        step = ckpt.resume_step()
+        if step:
+            step, state, _ = ckpt.restore(step, spec.abstract)
+        ckpt.close()
+        for line in ckpt.notes(0, 0):
+            print(line, file=sys.stderr)
+    if not step:
+        state = spec.init(cfg.train.seed)
+    return LoadedRun(cfg, tokenizer, spec, state.params, spec.load_frozen(cfg.train.seed), step, hf_dir)
+
+
+def run_config(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Tokenizer, bool]:
+    """What `load_run` reads before the weights: the config of ``target``, its tokenizer, and whether it is a
+    HuggingFace model directory (not a run)."""
     path = Path(target).expanduser()
     if is_wheel_ref(str(target)) or (is_gguf(path) and path.is_file()):
         path = resolve_hf_dir(path)
@@ -80,20 +104,4 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = (), me
     tok_dir = run_dir / "tokenizer"
     tokenizer = (load_tokenizer_dir(tok_dir) if tok_dir.is_dir()
                  else load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data))
-    mesh = mesh or sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
-    if hf_dir and not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
-        seq_len = min(cfg.data.seq_len, spec.model_cfg.max_seq_len)
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": seq_len})})
-    step = 0
-    if (run_dir / "checkpoints").is_dir():
-        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-        step = ckpt.resume_step()
-        if step:
-            step, state, _ = ckpt.restore(step, spec.abstract)
-        ckpt.close()
-        for line in ckpt.notes(0, 0):
-            print(line, file=sys.stderr)
-    if not step:
-        state = spec.init(cfg.train.seed)
-    return LoadedRun(cfg, tokenizer, spec, state.params, spec.load_frozen(cfg.train.seed), step, hf_dir)
+    return cfg, tokenizer, hf_dir

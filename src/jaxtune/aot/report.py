@@ -8,6 +8,7 @@ from typing import Any
 
 from jaxtune import sharding
 from jaxtune.aot.catalog import GiB
+from jaxtune.aot.reward_models import compile_reward_models
 from jaxtune.aot.sampler import compile_sampler, step_estimate
 from jaxtune.aot.step import Program, program
 from jaxtune.config import Config
@@ -98,6 +99,7 @@ def plan(cfg: Config, target: str, search_seconds: float = 0.0) -> dict[str, Any
         out["sampler"] = compile_sampler(p)
         if "skipped" not in out["sampler"]:
             out["estimate"] = step_estimate(p, out["sampler"], out.get("roofline"))
+        out["reward_models"] = compile_reward_models(p)
     if search_seconds > 0:
         out["largest_batch"] = largest_batch(p, r, search_seconds)
     return out
@@ -145,6 +147,7 @@ def format_plan(d: dict[str, Any]) -> str:
                      f"{rl['tokens_per_second']:,.0f} tokens/s")
     if "sampler" in d:
         lines += _sampler_lines(d)
+    lines += _reward_model_lines(d)
     if "largest_batch" in d:
         lb = d["largest_batch"]
         found = f"{lb['batch_size']} fits" if lb["batch_size"] else f"none fits (not even {lb['unit']})"
@@ -153,6 +156,20 @@ def format_plan(d: dict[str, Any]) -> str:
         lines.append(f"largest batch:    {found}{refused} (multiples of {lb['unit']}; {lb['compiles']} compiles, "
                      f"{lb['compile_seconds']:.0f} s{budget})")
     return "\n".join(lines)
+
+
+def _reward_model_lines(d: dict[str, Any]) -> list[str]:
+    """One line per reward model: its program's shapes, and memory per chip beside the resident training state."""
+    usable, lines = d["slice"]["hbm_usable"], []
+    for rm in d.get("reward_models", []):
+        pm = rm["program"]
+        verdict = "fits" if rm["fits"] else f"does not fit (over by {_gib(rm['total'] - usable)})"
+        lines.append(f"reward model:     {rm['key']} ({rm['path']}, {rm['params'] / 1e6:,.1f}M parameters): "
+                     f"{rm['rows']} sequences of {rm['width']} positions a call, one program compiled in "
+                     f"{rm['compile_seconds']:.0f} s; weights {_gib(rm['weights'])} / chip, temporaries "
+                     f"{_gib(pm['temporaries'])}, code {_gib(pm['code'])}; with the training state resident "
+                     f"({_gib(rm['resident'])}): {_gib(rm['total'])} of {_gib(usable)} usable HBM: {verdict}")
+    return lines
 
 
 def _sampler_lines(d: dict[str, Any]) -> list[str]:
