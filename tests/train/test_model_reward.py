@@ -13,12 +13,12 @@ chain has them. Tolerances:
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
 import pytest
 from helpers.compare import rel
+from helpers.reward_models import classifier
 from helpers.trl_reference import MESH, TOL, TRL_VERSION
 
 from jaxtune.companions import load_reward_model
@@ -31,27 +31,6 @@ transformers = pytest.importorskip("transformers", reason="the reward model is a
 
 PROMPTS = ["What is 58 plus 67?", "Compute 4 plus 5.", "What is 12 plus 30?"]
 COMPLETIONS = ["58+67: 8+7=15, 5+6+1=12, so 125.", "9", "It is 42.", "", "so 1234567"]
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
-
-
-def classifier(quickstart_sft_model, directory, build=None, **config):
-    """A tiny LlamaForSequenceClassification over the quickstart's tokenizer (its files copied), saved in
-    ``directory``; ``build(model)`` sets its weights (default: random, seed 0)."""
-    vocab = json.loads((quickstart_sft_model / "config.json").read_text())["vocab_size"]
-    torch.manual_seed(0)
-    c = transformers.LlamaConfig(**{"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
-                                    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-                                    "max_position_embeddings": 128, "initializer_range": 0.2, "pad_token_id": 0,
-                                    "num_labels": 1, "tie_word_embeddings": False, **config})
-    model = transformers.LlamaForSequenceClassification(c).float()
-    if build is not None:
-        with torch.no_grad():
-            build(model)
-    model.save_pretrained(directory)
-    for f in quickstart_sft_model.iterdir():
-        if f.name not in MODEL_FILES:
-            shutil.copy(f, directory / f.name)
-    return directory
 
 
 @pytest.fixture(scope="module")

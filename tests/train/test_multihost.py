@@ -191,19 +191,29 @@ def grpo_overrides(tmp_path, data_cache) -> list[str]:
 
 
 @pytest.mark.parametrize("extra", [[], ["objective.dynamic_sampling=true", "objective.max_resample=2",
-                                          "objective.loss_type=grpo"]], ids=["dapo", "dynamic-grpo"])
-def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_overrides, extra):
+                                          "objective.loss_type=grpo"], ["reward-model"]],
+                         ids=["dapo", "dynamic-grpo", "reward-model"])
+def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_overrides, extra, request):
     """GRPO (a KL to a frozen copy) in 2 processes of 1 CPU device each against one process over the same 2 devices,
     both with mesh fsdp=2 (the weights sharded over the two, the batch split): each process holds its block of the
     step's 4 prompts, the 16 completions are sampled SPMD over both devices, each process scores its own, and the
     training batch is the one process's row for row. Every step's completions, rewards and losses, the held-out
     accuracy and the trained weights (3 Adam steps) agree to 1e-6. With dynamic sampling (and the per-completion
     ``grpo`` normalisation) both processes decide alike on every process's scores and sample the same extra rounds
-    of the data's next prompts, so the run is still the one process's."""
+    of the data's next prompts, so the run is still the one process's. With a reward model among the rewards (a
+    random classifier over the quickstart's tokenizer, its weights sharded over both processes' devices), every
+    process's completions are scored in one program and each process keeps its own: the scores are the one
+    process's."""
     from helpers.run_outputs import final_params, metric_rows
 
-    rewards = "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}]"
-    base = [*grpo_overrides, rewards, "mesh.fsdp=2", *extra]
+    rewards = "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}"
+    modelled = extra == ["reward-model"]
+    if modelled:
+        from helpers.reward_models import classifier
+
+        rm = classifier(request.getfixturevalue("quickstart_sft_model"), tmp_path / "rm")
+        rewards, extra = f"{rewards}, {{name: model, path: {rm}}}", []
+    base = [*grpo_overrides, f"{rewards}]", "mesh.fsdp=2", *extra]
     single = _single(tmp_path, [*base, f"run_dir={tmp_path / 'single'}"], devices=2)
     results = _finish(tmp_path, _launch(tmp_path, [*base, f"run_dir={tmp_path / 'two'}"], devices=1))
     _, err = single.communicate(timeout=600)
@@ -215,12 +225,15 @@ def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_override
     one, two = metric_rows(tmp_path / "single", "train"), metric_rows(tmp_path / "two", "train")
     for a, b in zip(one, two, strict=True):  # the sampled completions and their scores are the same at every step
         for k in ("reward", "reward_std", "completions/mean_length", "rewards/length/mean", "grad_norm",
-                  *(["dynamic_sampling/rounds", "dynamic_sampling/reward"] if extra else [])):
+                  *(["dynamic_sampling/rounds", "dynamic_sampling/reward"] if extra else []),
+                  *(["rewards/model/mean", "rewards/model/std"] if modelled else [])):
             assert a[k] == pytest.approx(b[k], rel=1e-6), (k, a[k], b[k])
     if extra:  # the extra rounds happened
         assert any(r["dynamic_sampling/rounds"] > 1 for r in one), [r["dynamic_sampling/rounds"] for r in one]
     eval_one, eval_two = metric_rows(tmp_path / "single", "eval"), metric_rows(tmp_path / "two", "eval")
     assert [r["accuracy"] for r in eval_one] == [r["accuracy"] for r in eval_two]
+    if modelled:  # the held-out answers' model scores too
+        assert [r["reward"] for r in eval_one] == pytest.approx([r["reward"] for r in eval_two], rel=1e-6)
     (p1, _), (p2, _) = (final_params(load_config(None, [*base, f"run_dir={tmp_path / d}"]), 3, vocab=300)
                             for d in ("single", "two"))
     worst = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), p1, p2)))
