@@ -51,6 +51,8 @@ CHECKS = {
     "rloo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
     "gspo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
     "gkd-quickstart": Check("accuracy", "rise by at least 0.20", lambda a, b: b - a >= 0.20),
+    "reward-model-quickstart": Check("accuracy", "rise by at least 0.08", lambda a, b: b - a >= 0.08),
+    "reward-quickstart": Check("reward", "rise by at least 0.5", lambda a, b: b - a >= 0.5),
 }
 
 
