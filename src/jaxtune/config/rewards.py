@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from jaxtune.config.base import Section
 
@@ -12,6 +13,7 @@ from jaxtune.config.base import Section
 BUILTIN_REWARDS = ("exact_number", "regex", "format", "length")
 # A learned reward model's score (`jaxtune.train.model_reward`): the entry names the model with ``path``.
 MODEL_REWARD = "model"
+_MODEL_KEYS = ("path", "batch_size")  # what only a reward model's entry sets
 
 
 class RewardConfig(Section):
@@ -44,6 +46,13 @@ class RewardConfig(Section):
                                   "accuracy is the share of held-out prompts it scores at least 1 (default: the "
                                   "first built-in reward that checks the answer, exact_number or regex; false: "
                                   "never this one)")
+
+    @model_serializer(mode="wrap")
+    def _without_unset_model_keys(self, handler: Any) -> dict[str, Any]:
+        # A reward model's keys are left out of every other reward's dump: configs saved before they existed read
+        # back, and resume, as they were written.
+        out = handler(self)
+        return {k: v for k, v in out.items() if k not in _MODEL_KEYS or v is not None}
 
     @property
     def builtin(self) -> bool:
