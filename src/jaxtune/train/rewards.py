@@ -6,9 +6,11 @@ dicts, as the row gave it), the row's other fields (``{"answer": "132"}``), its 
 (N,), as TRL's ``GRPOTrainer._calculate_rewards``; `group_advantages` (or `normalized_then_summed`) turns them into
 advantages as TRL does.
 
-Built in: ``exact_number``, ``regex``, ``format``, ``length`` (see `RewardConfig`). Any other ``name`` is a function
-of the user's, ``module:function``, imported when the rewards are made (before training) from the current directory
-as ``python -m`` would, and called once per batch in one of two forms, told apart by its parameters:
+Built in: ``exact_number``, ``regex``, ``format``, ``length`` (see `RewardConfig`). ``model``: a learned reward
+model's score (`jaxtune.train.model_reward`), loaded before the rewards are made and called on every process's
+completions at once (`Rewards.modelled`); a sequence it cannot score is a failure as below. Any other ``name`` is a
+function of the user's, ``module:function``, imported when the rewards are made (before training) from the current
+directory as ``python -m`` would, and called once per batch in one of two forms, told apart by its parameters:
 
 - jaxtune's, a function with a ``rows`` parameter: ``f(prompts=..., completions=..., rows=...)`` (the prompts as the
   rows gave them, the completions' texts, the rows' other fields as dicts);
