@@ -190,10 +190,12 @@ def liking(model) -> None:
 def test_grpo_learns_from_a_reward_model(quickstart_sft_model, tmp_path, data_cache):
     """GRPO through `train()` with a reward model as its only reward: a tiny policy from scratch (the quickstart's
     tokenizer and chat template) learns to write what the model likes: the held-out reward (greedy answers to 16
-    held-out prompts, scored by the model) and the sampled completions' reward rise."""
+    held-out prompts, scored by the model) and the sampled completions' reward rise. `jaxtune eval` of the run scores
+    its held-out answers as its last evaluation did."""
     from helpers.run_outputs import metric_rows
 
     from jaxtune.config import load_config
+    from jaxtune.evaluate import evaluate
     from jaxtune.loop import train
 
     rm = classifier(quickstart_sft_model, tmp_path / "rm", liking, num_hidden_layers=1, num_key_value_heads=2)
@@ -211,3 +213,5 @@ def test_grpo_learns_from_a_reward_model(quickstart_sft_model, tmp_path, data_ca
     rewards = [r["rewards/model/mean"] for r in metric_rows(run, "train")]
     assert len(held_out) == 2 and held_out[1] > held_out[0] + 0.5, held_out
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.3, rewards
+    result = evaluate(str(run), [])  # `jaxtune eval` of the run loads its reward model too: the last evaluation's score
+    assert (result["step"], result["prompts"]) == (15, 16) and result["reward"] == pytest.approx(held_out[1], rel=1e-5)
