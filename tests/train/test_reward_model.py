@@ -167,6 +167,38 @@ def test_rewards_are_the_classifier_logits(checkpoint, native):
     assert rel(np.asarray(rewards), np.asarray(theirs)) <= TOL
 
 
+def test_a_gpt2_reward_model_scores_and_exports_as_its_classifier(tmp_path):
+    """GPT-2 has the score head too: a random GPT2ForSequenceClassification read by jaxtune scores each pair's
+    sequences as transformers does (the rewards the objective reads), and written back (`write_model`) it is a
+    GPT2ForSequenceClassification (num_labels 1, its pad id) whose logits are the original's."""
+    from jaxtune.models.hf import write_model
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=V, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=BOS,
+                                     eos_token_id=EOS, pad_token_id=PAD, num_labels=1, initializer_range=0.1)
+    model = transformers.GPT2ForSequenceClassification(config).float().eval()
+    model.save_pretrained(tmp_path / "gpt2")
+    _, spec = trl_reference.tiny_spec(tmp_path / "gpt2", *RUN)
+    assert spec.model_cfg.family == "gpt2" and spec.model_cfg.num_labels == 1
+    params = spec.init(0).params
+    objective = make_objective(objective_config(name="reward"))
+    with sharding.use_mesh(MESH):
+        rewards = jax.jit(lambda p, b: objective.rewards(spec.forward(), p, b, None))(
+            params, sharding.global_batch(MESH, pair_batch()))
+    with torch.no_grad():
+        theirs = [[model(torch.tensor([p + s])).logits[0, 0].item() for s in (c, r)] for p, c, r in PAIRS]
+    assert rel(np.asarray(rewards), np.asarray(theirs)) <= TOL
+
+    out = write_model(spec.model_cfg, params, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["GPT2ForSequenceClassification"] and config["num_labels"] == 1
+    assert config["pad_token_id"] == PAD
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[BOS, 5, 6, 7, EOS, PAD, PAD], [BOS, 9, 10, 11, 12, 13, EOS]])
+    with torch.no_grad():
+        np.testing.assert_allclose(back(ids).logits.numpy(), model(ids).logits.numpy(), rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------- end to end
 
 REST = ["data.format=preference", "data.chat_template=chatml", "data.seq_len=64", "data.val_fraction=0.1",

@@ -21,17 +21,19 @@ from jaxtune.models.layers import (
     Dense,
     Embed,
     KVCache,
-    LoRAParam,
     LoraSpec,
     MaskSpec,
     RMSNorm,
     Rope,
+    ScoreHead,
     apply_rope,
     attention,
     attention_mask,
     constrain,
     dropout,
+    head_scores,
     kv_cache,
+    no_lm_head,
     residual_fence,
     run_layers,
     stack_layers,
@@ -227,19 +229,6 @@ class DecoderLayer(nnx.Module):
         return constrain(x + dropout(y, cfg.dropout, k_mlp), ("batch", "seq", "act_embed")), kv
 
 
-class ScoreHead(nnx.Module):
-    """HF's ``score`` of a *ForSequenceClassification model: (D, labels), no bias. Its weight is a `LoRAParam`, so a
-    LoRA run trains it with the adapters (PEFT's ``modules_to_save``: a fresh head cannot stay frozen)."""
-
-    def __init__(self, d_model: int, labels: int, *, rngs: nnx.Rngs, std: float, param_dtype, dtype):
-        self.kernel = LoRAParam(std * jax.random.normal(rngs.params(), (d_model, labels), param_dtype),
-                                logical_axes=("embed", None))
-        self.dtype = dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return (x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)).astype(jnp.float32)
-
-
 class Decoder(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
@@ -313,15 +302,11 @@ class Decoder(nnx.Module):
 
     def scores(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states (..., D) -> float32 scores (...,) of a reward model's head (``num_labels`` 1)."""
-        if not self.cfg.num_labels:
-            raise ValueError("this model has a language-model head, not a score head (num_labels=0)")
-        return self.score(hidden)[..., 0]
+        return head_scores(self, hidden)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states (..., D) -> float32 logits (..., V), soft-capped when the family does."""
-        if self.cfg.num_labels:
-            raise ValueError("a reward model (a score head, num_labels=1) has no language-model head: it scores "
-                             "sequences, it does not predict tokens")
+        no_lm_head(self.cfg)
         y = (self.embed if self.cfg.tie_embeddings else self.lm_head).attend(hidden)
         y = y.astype(jnp.float32)
         if self.cfg.final_softcap is not None:

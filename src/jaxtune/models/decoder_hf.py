@@ -7,7 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 from jaxtune.models.family import Map
-from jaxtune.models.hf_fields import layer_types_from_hf, layer_types_to_hf, rope_from_hf, rope_to_hf, token_ids_from_hf
+from jaxtune.models.hf_fields import (
+    classifier_to_hf,
+    layer_types_from_hf,
+    layer_types_to_hf,
+    rope_from_hf,
+    rope_to_hf,
+    sequence_labels,
+    token_ids_from_hf,
+)
 from jaxtune.models.unsupported import TORCHAX_HINT, UnsupportedModelError
 
 _L = "model.layers.{i}."
@@ -60,23 +68,6 @@ def decoder_from_hf(c: dict[str, Any], cls: type, family: str, act_key: str = "h
     return cls(**fields, num_labels=sequence_labels(c))
 
 
-def is_classifier(c: dict[str, Any]) -> bool:
-    """Whether a config.json is a *ForSequenceClassification model's (a score head, no language-model head)."""
-    return any(str(a).endswith("ForSequenceClassification") for a in c.get("architectures") or ())
-
-
-def sequence_labels(c: dict[str, Any]) -> int:
-    """0 for a causal LM's config.json; 1 for a *ForSequenceClassification one with one label (a reward model's
-    score head); other label counts are refused (one line naming the key)."""
-    if not is_classifier(c):
-        return 0
-    labels = int(c.get("num_labels") or len(c.get("id2label") or {}) or 2)
-    if labels != 1:
-        raise UnsupportedModelError(f"config.json: a sequence classifier with num_labels={labels}; jaxtune reads "
-                                    "reward models, whose score head has one label (num_labels: 1)")
-    return 1
-
-
 def decoder_to_hf(cfg: Any, model_type: str, architecture: str, act_key: str = "hidden_act", **extra: Any):
     """A config.json in the transformers 4.x layout (``rope_theta``/``rope_scaling``), which 5.x also reads,
     plus ``layer_types``."""
@@ -87,8 +78,5 @@ def decoder_to_hf(cfg: Any, model_type: str, architecture: str, act_key: str = "
          "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope.theta, "rope_scaling": rope_to_hf(cfg.rope),
          "sliding_window": cfg.sliding_window, "layer_types": layer_types_to_hf(cfg.types),
          "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id, "use_cache": True}
-    if cfg.num_labels:  # a reward model: transformers' sequence classifier with one label
-        c.update(architectures=[architecture.replace("ForCausalLM", "ForSequenceClassification")], num_labels=1,
-                 id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     c.update(extra)
-    return c
+    return classifier_to_hf(c, architecture) if cfg.num_labels else c

@@ -15,17 +15,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune.models.family import Family, Map, RuntimeConfig
+from jaxtune.models.hf_fields import classifier_to_hf, sequence_labels
 from jaxtune.models.layers import (
     Dense,
     Embed,
     KVCache,
     LayerNorm,
     MaskSpec,
+    ScoreHead,
     attention,
     attention_mask,
     constrain,
     dropout,
+    head_scores,
     kv_cache,
+    no_lm_head,
     residual_fence,
     run_layers,
     stack_layers,
@@ -44,6 +48,8 @@ class GPTConfig(RuntimeConfig):
     d_ff: int | None = None  # default 4 * d_model
     ln_eps: float = 1e-5
     family: str = "gpt2"
+    pad_id: int | None = None
+    num_labels: int = 0  # 1: a score head instead of the tied LM head (GPT2ForSequenceClassification: a reward model)
 
     @property
     def ff(self) -> int:
@@ -61,7 +67,7 @@ class GPTConfig(RuntimeConfig):
     def num_params(self, non_embedding: bool = False) -> int:
         d, f, L = self.d_model, self.ff, self.n_layer
         per_layer = 4 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-        total = L * per_layer + 2 * d + self.vocab_size * d + self.max_seq_len * d
+        total = L * per_layer + 2 * d + self.vocab_size * d + self.max_seq_len * d + d * self.num_labels
         return total - (self.vocab_size * d + self.max_seq_len * d if non_embedding else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -132,6 +138,8 @@ class GPT(nnx.Module):
         self.wpe = Embed(cfg.max_seq_len, cfg.d_model, (None, "embed"), rngs=rngs, std=0.01, param_dtype=pd, dtype=cd)
         self.blocks = stack_layers(lambda r: Block(cfg, rngs=r), cfg.n_layer, cfg.scan_layers, rngs)
         self.ln_f = LayerNorm(cfg.d_model, eps=cfg.ln_eps, param_dtype=pd, dtype=cd)
+        if cfg.num_labels:
+            self.score = ScoreHead(cfg.d_model, cfg.num_labels, rngs=rngs, std=0.02, param_dtype=pd, dtype=cd)
 
     def __call__(self, tokens, positions=None, key=None, cache=None, index=None, key_valid=None, segment_ids=None,
                  return_hidden=False, branch_ids=None, branch_slots=None):
@@ -165,8 +173,13 @@ class GPT(nnx.Module):
         out = x if return_hidden else self.logits(x)
         return (out, cache) if cache is not None else out
 
+    def scores(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden states (..., D) -> float32 scores (...,) of a reward model's head (``num_labels`` 1)."""
+        return head_scores(self, hidden)
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states (..., D) -> float32 logits (..., V) through the tied embedding."""
+        no_lm_head(self.cfg)
         return constrain(self.wte.attend(hidden).astype(jnp.float32), ("batch", "seq", "act_vocab"))
 
     def init_cache(self, batch: int, length: int, dtype=None) -> KVCache:
@@ -184,10 +197,16 @@ def _from_hf(c: dict[str, Any]) -> GPTConfig:
     return GPTConfig(vocab_size=int(c["vocab_size"]), max_seq_len=int(c.get("n_positions", 1024)),
                      n_layer=int(c["n_layer"]), n_head=int(c["n_head"]), d_model=int(c["n_embd"]),
                      d_ff=c.get("n_inner"), ln_eps=float(c.get("layer_norm_epsilon", 1e-5)),
-                     bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"))
+                     bos_id=c.get("bos_token_id"), eos_id=c.get("eos_token_id"), pad_id=c.get("pad_token_id"),
+                     num_labels=sequence_labels(c))
 
 
 def _to_hf(cfg: GPTConfig) -> dict[str, Any]:
+    c = _lm_to_hf(cfg)
+    return classifier_to_hf({**c, "pad_token_id": cfg.pad_id}, "GPT2LMHeadModel") if cfg.num_labels else c
+
+
+def _lm_to_hf(cfg: GPTConfig) -> dict[str, Any]:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
             "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer,
             "n_head": cfg.n_head, "n_inner": cfg.d_ff, "layer_norm_epsilon": cfg.ln_eps,
@@ -201,7 +220,8 @@ def _hf_map() -> dict[str, Map]:
     m = {"wte.embedding": Map("transformer.wte.weight"), "wpe.embedding": Map("transformer.wpe.weight"),
          "ln_f.scale": Map("transformer.ln_f.weight"), "ln_f.bias": Map("transformer.ln_f.bias"),
          "blocks.{i}.qkv": Map(h + "attn.c_attn.weight", hf_ndim=2),
-         "blocks.{i}.qkv_bias": Map(h + "attn.c_attn.bias", hf_ndim=1)}
+         "blocks.{i}.qkv_bias": Map(h + "attn.c_attn.bias", hf_ndim=1),
+         "score.kernel": Map("score.weight", transpose=True)}
     for ours, theirs in [("ln_1", "ln_1"), ("ln_2", "ln_2")]:
         m[f"blocks.{{i}}.{ours}.scale"] = Map(f"{h}{theirs}.weight")
         m[f"blocks.{{i}}.{ours}.bias"] = Map(f"{h}{theirs}.bias")

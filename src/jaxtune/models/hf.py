@@ -22,7 +22,6 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxtune.config import TokenizerConfig, local_or_hub
 from jaxtune.io import CheckpointError, SafetensorsFile, atomic_dir, host, read_json, write_safetensors
-from jaxtune.models.decoder import DecoderConfig
 from jaxtune.models.family import Family, Map
 from jaxtune.models.fits import check_fits
 from jaxtune.models.gguf import gguf_to_hf_dir, is_gguf
@@ -349,7 +348,7 @@ def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer |
     def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         gen = {k: v for k, v in [("bos_token_id", cfg.bos_id), ("eos_token_id", cfg.eos_id),
-                                 ("pad_token_id", cfg.pad_id if isinstance(cfg, DecoderConfig) else None)]
+                                 ("pad_token_id", getattr(cfg, "pad_id", None))]
                if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         write_hf_weights(tmp, tensors, max_shard_bytes)

@@ -89,3 +89,28 @@ def dtype_from_hf(c: dict[str, Any]) -> str:
     if name not in ("float32", "bfloat16", "float16"):
         raise UnsupportedModelError(f"config.json: dtype {name!r} is not supported (float32, bfloat16, float16)")
     return name
+
+
+def is_classifier(c: dict[str, Any]) -> bool:
+    """Whether a config.json is a *ForSequenceClassification model's (a score head, no language-model head)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in c.get("architectures") or ())
+
+
+def sequence_labels(c: dict[str, Any]) -> int:
+    """0 for a causal LM's config.json; 1 for a *ForSequenceClassification one with one label (a reward model's
+    score head); other label counts are refused (one line naming the key)."""
+    if not is_classifier(c):
+        return 0
+    labels = int(c.get("num_labels") or len(c.get("id2label") or {}) or 2)
+    if labels != 1:
+        raise UnsupportedModelError(f"config.json: a sequence classifier with num_labels={labels}; jaxtune reads "
+                                    "reward models, whose score head has one label (num_labels: 1)")
+    return 1
+
+
+def classifier_to_hf(c: dict[str, Any], lm_architecture: str) -> dict[str, Any]:
+    """A reward model's config.json from its family's causal-LM one (architecture ``lm_architecture``): transformers'
+    sequence classifier with one label."""
+    return {**c, "architectures": [lm_architecture.replace("ForCausalLM", "ForSequenceClassification")
+                                   .replace("LMHeadModel", "ForSequenceClassification")],
+            "num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}

@@ -45,6 +45,33 @@ class LoRAParam(nnx.Param):
     """A LoRA adapter matrix. With adapters, these are the only parameters that train."""
 
 
+class ScoreHead(nnx.Module):
+    """HF's ``score`` of a *ForSequenceClassification model: (D, labels), no bias. Its weight is a `LoRAParam`, so a
+    LoRA run trains it with the adapters (PEFT's ``modules_to_save``: a fresh head cannot stay frozen)."""
+
+    def __init__(self, d_model: int, labels: int, *, rngs: nnx.Rngs, std: float, param_dtype, dtype):
+        self.kernel = LoRAParam(std * jax.random.normal(rngs.params(), (d_model, labels), param_dtype),
+                                logical_axes=("embed", None))
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return (x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)).astype(jnp.float32)
+
+
+def head_scores(model: nnx.Module, hidden: jax.Array) -> jax.Array:
+    """A family model's ``scores``: final hidden states (..., D) -> float32 scores (...,) of its score head."""
+    if not model.cfg.num_labels:
+        raise ValueError("this model has a language-model head, not a score head (num_labels=0)")
+    return model.score(hidden)[..., 0]
+
+
+def no_lm_head(cfg) -> None:
+    """A family model's ``logits`` refuse a reward model (``num_labels`` 1): it has a score head instead."""
+    if cfg.num_labels:
+        raise ValueError("a reward model (a score head, num_labels=1) has no language-model head: it scores "
+                         "sequences, it does not predict tokens")
+
+
 class Dense(nnx.Module):
     """y = x @ W (+ b) (+ LoRA). ``W`` is (in, out) with logical axes ``axes``; computed in ``dtype``.
 

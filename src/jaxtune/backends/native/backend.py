@@ -18,7 +18,6 @@ from jaxtune.backends.base import ParityModel
 from jaxtune.config import Config, ConfigError
 from jaxtune.config.kinds import BRANCH_KEY, BRANCH_SLOTS_KEY
 from jaxtune.models import FAMILIES, gguf_blocks, model_config
-from jaxtune.models.decoder import DecoderConfig
 from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
 from jaxtune.models.lora import merge_adapters, write_adapter
 from jaxtune.models.quantize import quantize_base, quantized_layout, streaming_quantizer
@@ -179,15 +178,12 @@ class NativeSpec:
 
 
 def with_head(model_cfg: Any, cfg: Config) -> Any:
-    """The family config with the head the objective trains: a score head (``num_labels`` 1) for a reward model, on a
-    decoder family; a sequence classifier's checkpoint refused for an objective that trains a language model."""
+    """The family config with the head the objective trains: a score head (``num_labels`` 1) for a reward model (every
+    native family has one); a sequence classifier's checkpoint refused for an objective that trains a language
+    model."""
     head = cfg.objective.spec.head
     labels = getattr(model_cfg, "num_labels", 0)
     if head == "score" and not labels:
-        if not isinstance(model_cfg, DecoderConfig):
-            raise ConfigError(f"objective.name={cfg.objective.name} puts a score head on the model, which the "
-                              f"{model_cfg.family} family does not have yet; use a decoder family (llama, qwen2, "
-                              "qwen3, mistral, gemma3)")
         return dataclasses.replace(model_cfg, num_labels=1)
     if head == "lm" and labels:
         raise ConfigError(f"model.from_hf={cfg.model.from_hf} is a reward model (a sequence classifier's score "
