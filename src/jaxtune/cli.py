@@ -73,7 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     run = load_run(args.run_dir)
     tok = run.tokenizer
-    if getattr(run.spec.model_cfg, "num_labels", 0):
+    if run.cfg.objective.spec.head == "score":
         raise ConfigError(f"{args.run_dir} is a reward model (a score head, no language-model head): it scores "
                           "sequences and generates none; generate with a language model")
     if args.chat and tok.chat_template is None:

@@ -90,7 +90,7 @@ def load_reward_model(r: RewardConfig, key: str, mesh: Mesh, policy: Tokenizer, 
         run = load_run(r.path, mesh=mesh)
     except ValueError as e:  # its message names the path already where it starts with it
         raise ConfigError(f"{where}: {str(e).removeprefix(f'{r.path}: ')}") from e
-    if not getattr(run.spec.model_cfg, "num_labels", 0):
+    if run.cfg.objective.spec.head != "score":
         raise ConfigError(f"{where}: not a reward model (a language model, no score head); train one with "
                           "objective.name=reward, or name a transformers *ForSequenceClassification directory "
                           "(num_labels 1)")

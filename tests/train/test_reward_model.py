@@ -244,11 +244,13 @@ def classifier_matches(run_dir, model_dir) -> float:
     return rel(ours, theirs)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora, backend", [(False, "native"), (True, "native"), (True, "torchax")],
+                         ids=["full", "lora", "torchax-lora"])
 def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path, data_cache, quickstart_sft_model,
-                                                           lora):
+                                                           lora, backend):
     """A reward model through `train()`: from scratch (full), or with LoRA from a causal LM (the quickstart's SFT
-    export: its LM head left out, a fresh score head trained with the adapters). The step compiles once; train and
+    export: its LM head left out, a fresh score head trained with the adapters; with the torchax backend, transformers'
+    own LlamaForSequenceClassification under PEFT's SEQ_CLS task). The step compiles once; train and
     eval rows carry RewardTrainer's metrics; held-out accuracy is in report.md. `jaxtune export` writes a sequence
     classifier (num_labels 1, a pad id that is no end token) whose batched, padded scores equal the run's to 1e-5;
     --adapter and --gguf are refused for it, and so is `jaxtune generate`."""
@@ -262,6 +264,7 @@ def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path,
     start = ([f"model.from_hf={quickstart_sft_model}", "model.lora.rank=4", "data.chat_template=null"] if lora
              else [*MODEL_TINY, "tokenizer.kind=bpe"])
     rest = [r for r in REST if not (lora and r.startswith(("tokenizer.", "data.chat_template")))]
+    rest += [f"model.backend={backend}"]
     cfg = load_config(None, [*rest, *start, f"data.sources=[{pairs_file}]", f"data.cache_dir={data_cache}",
                              f"run_dir={run}"])
     result = train(cfg)
@@ -274,7 +277,9 @@ def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path,
     out = tmp_path / "model"
     assert main(["export", str(run), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"][0].endswith("ForSequenceClassification") and config["num_labels"] == 1
+    # one label: jaxtune writes num_labels; transformers' save_pretrained (torchax) only id2label, as it reads it
+    assert config["architectures"][0].endswith("ForSequenceClassification")
+    assert config.get("num_labels", len(config.get("id2label", ()))) == 1
     eos = config["eos_token_id"]
     assert config["pad_token_id"] not in (eos if isinstance(eos, list) else [eos])
     assert classifier_matches(run, out) <= TOL
@@ -285,9 +290,8 @@ def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path,
 
 
 def test_what_a_reward_model_refuses(checkpoint, tmp_path):
-    """One line each, naming the key and what to do: an evaluation that generates, the torchax
-    backend, a sequence classifier's checkpoint for an objective that trains a language model, and a classifier with
-    num_labels other than 1."""
+    """One line each, naming the key and what to do: an evaluation that generates, a sequence classifier's checkpoint
+    for an objective that trains a language model (either backend), and a classifier with num_labels other than 1."""
     from jaxtune.backends import make_state_spec
     from jaxtune.config import ConfigError, load_config
 
@@ -295,8 +299,10 @@ def test_what_a_reward_model_refuses(checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"eval.exact_match generates text, and objective.name=reward trains a score "
                                          r"head that generates none: set eval.exact_match=0"):
         load_config(None, [*base, "eval.exact_match=8"])
-    with pytest.raises(ConfigError, match=r"puts a score head on the model, which model.backend=torchax does not do"):
-        make_state_spec(load_config(None, [*base, "model.backend=torchax"]), None, MESH)
+    with pytest.raises(ConfigError, match=r"is a reward model \(a sequence classifier's score head, no language-model "
+                                          r"head\); this objective trains a language model"):
+        make_state_spec(load_config(None, [f"model.from_hf={checkpoint}", "objective.name=dpo", "model.backend=torchax",
+                                           "data.format=preference"]), None, MESH)
     with pytest.raises(ConfigError, match=r"is a reward model \(a sequence classifier's score head, no "
                                           r"language-model head\); objective.name=dpo trains a language model"):
         make_state_spec(load_config(None, [f"model.from_hf={checkpoint}", "objective.name=dpo",

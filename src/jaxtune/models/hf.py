@@ -314,12 +314,12 @@ def _ids(value: int | list[int] | None) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
-def classifier_pad_id(cfg: Any, stops: set[int]) -> int:
+def classifier_pad_id(pad_id: int | None, stops: set[int]) -> int:
     """The ``pad_token_id`` of an exported reward model. transformers' sequence classifier reads a row's score at its
     last token that is not this id, and jaxtune scores a sequence at its last token, an end of sequence or of turn
     (``stops``; or wherever ``data.overlong: truncate`` cut it): the pad id must be none of the stops, or the two
     would read different tokens. The model's own pad id, else the lowest id, whichever is not a stop."""
-    return next(int(c) for c in (cfg.pad_id, *range(len(stops) + 1)) if c is not None and c not in stops)
+    return next(int(c) for c in (pad_id, *range(len(stops) + 1)) if c is not None and c not in stops)
 
 
 def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer | None = None,
@@ -338,7 +338,7 @@ def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer |
     if cfg.eos_id is None and eos is not None:
         cfg = cfg.replace(eos_id=eos, bos_id=cfg.bos_id if cfg.bos_id is not None else eos)
     if getattr(cfg, "num_labels", 0):
-        cfg = cfg.replace(pad_id=classifier_pad_id(cfg, {eos, cfg.eos_id, *end_of_turn} - {None}))
+        cfg = cfg.replace(pad_id=classifier_pad_id(cfg.pad_id, {eos, cfg.eos_id, *end_of_turn} - {None}))
     dtype = dtype or str(jax.tree.leaves(params)[0].dtype)
     tensors = hf_tensors(fam, params, dtype)
     if jax.process_index() != 0:

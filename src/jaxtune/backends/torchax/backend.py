@@ -29,7 +29,7 @@ from jaxtune.backends.torchax.model import (
 from jaxtune.config import Config, ConfigError, TorchaxModelConfig
 from jaxtune.io import atomic_dir
 from jaxtune.models.fits import check_fits
-from jaxtune.models.hf import write_stop_tokens
+from jaxtune.models.hf import classifier_pad_id, write_stop_tokens
 from jaxtune.models.sampling import (
     Generation,
     Sampling,
@@ -61,6 +61,9 @@ class TorchaxForward:
     def token_logps(self, weights: Any, batch: Batch, key: jax.Array | None = None,
                     temperature: float = 1.0) -> jax.Array:
         return token_logps(tempered(self.logits(weights, batch, key), temperature), batch["targets"])
+
+    def scores(self, weights: Any, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+        return self.model.scores(weights, batch["inputs"], batch.get("positions"), key)
 
     def token_logps_and_entropy(self, weights: Any, batch: Batch, key: jax.Array | None = None,
                                 temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
@@ -157,13 +160,8 @@ class TorchaxBackend:
         if cfg.mesh.tensor != 1:
             raise ConfigError("mesh.tensor must be 1 with model.backend=torchax (its parameters are sharded by "
                               "shape over mesh.fsdp); use mesh.fsdp instead")
-        if cfg.objective.spec.head != "lm":
-            raise ConfigError(f"objective.name={cfg.objective.name} puts a score head on the model, which "
-                              "model.backend=torchax does not do yet; use a native family (llama, qwen2, qwen3, "
-                              "mistral, gemma3)")
-
     def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> TorchaxSpec:
-        module = build_torch_model(cfg.model, cfg.train.seed)
+        module = build_torch_model(cfg.model, cfg.train.seed, cfg.objective.spec.head)
         model = TorchaxModel(module, remat=cfg.model.remat, compute_dtype=cfg.model.compute_dtype)
         info = model.info
         check_fits(info.vocab_size, info.max_seq_len, tokenizer_vocab=vocab_size, max_seq_len=cfg.model.max_seq_len,
@@ -200,6 +198,11 @@ class TorchaxBackend:
             raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full model")
         weights = flatten(jax.device_get(run.weights))
         module = model.module
+        if run.cfg.objective.spec.head == "score":  # a reward model: transformers pools at the last non-pad token
+            c = model.base.config
+            ids = lambda v: [] if v is None else [v] if isinstance(v, int) else list(v)
+            stops = {*ids(c.eos_token_id), *end_of_turn, *ids(tokenizer and tokenizer.eos_id)}
+            c.pad_token_id = classifier_pad_id(c.pad_token_id, stops)
         with torch.no_grad():
             for name, p in module.named_parameters():
                 p.copy_(to_torch(weights[name]).to(p.dtype))

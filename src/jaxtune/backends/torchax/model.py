@@ -27,7 +27,8 @@ from flax import traverse_util
 
 from jaxtune.backends.torchax.compat import import_torchax
 from jaxtune.config import LORA_OUR_TO_HF, LORA_TARGETS, ConfigError, TorchaxModelConfig
-from jaxtune.models.hf import resolve_hf_dir
+from jaxtune.models.hf import read_config_json, resolve_hf_dir
+from jaxtune.models.hf_fields import is_classifier
 from jaxtune.models.layers import REMAT_POLICIES
 
 
@@ -76,31 +77,42 @@ def _config_path(path: str) -> Path:
     return p
 
 
-def build_torch_model(cfg: TorchaxModelConfig, seed: int) -> Any:
+def build_torch_model(cfg: TorchaxModelConfig, seed: int, head: str = "lm") -> Any:
     """The HF model on the CPU (float32, eval mode: dropout comes from the step's key, not torch's RNG), wrapped by
-    PEFT when ``cfg.lora.rank`` > 0. Deterministic in ``seed`` for random init and LoRA's A matrices."""
+    PEFT when ``cfg.lora.rank`` > 0. Deterministic in ``seed`` for random init and LoRA's A matrices. ``head``:
+    ``lm`` a causal LM, ``score`` a sequence classifier with one label (a reward model: a causal LM's checkpoint gets
+    a fresh score head, a classifier's keeps its own; LoRA trains the head with the adapters, PEFT's SEQ_CLS task).
+    A classifier's checkpoint for a language-model head is refused: its LM head would be fresh and untrained."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     common = {"attn_implementation": "sdpa", "trust_remote_code": cfg.trust_remote_code}
+    auto = transformers.AutoModelForSequenceClassification if head == "score" else transformers.AutoModelForCausalLM
+    labels = {"num_labels": 1} if head == "score" else {}
     if cfg.from_hf:
         directory = resolve_hf_dir(cfg.from_hf)
+        if head == "lm" and is_classifier(read_config_json(directory)):
+            raise ConfigError(f"model.from_hf={cfg.from_hf} is a reward model (a sequence classifier's score head, no "
+                              "language-model head); this objective trains a language model: start from a causal LM "
+                              "checkpoint")
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                                                      use_safetensors=True, **common)
+            model = auto.from_pretrained(directory, dtype=torch.float32, use_safetensors=True, **labels, **common)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.from_hf={cfg.from_hf}: transformers cannot load it: {e}") from None
     else:
         path = _config_path(cfg.hf_config)
         try:
-            hf_cfg = transformers.AutoConfig.from_pretrained(path.parent, trust_remote_code=cfg.trust_remote_code)
+            hf_cfg = transformers.AutoConfig.from_pretrained(path.parent, trust_remote_code=cfg.trust_remote_code,
+                                                             **labels)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.hf_config={cfg.hf_config}: {e}") from None
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **common)
+        model = auto.from_config(hf_cfg, dtype=torch.float32, **common)
+    if head == "score" and model.config.pad_token_id is None:  # its pooling needs one; jaxtune reads every position
+        model.config.pad_token_id = 0
     model.eval()
     if cfg.lora.rank:
-        model = _with_lora(model, cfg)
+        model = _with_lora(model, cfg, "SEQ_CLS" if head == "score" else "CAUSAL_LM")
     return model
 
 
@@ -111,12 +123,12 @@ def lora_targets(cfg: TorchaxModelConfig) -> str | list[str]:
     return [LORA_OUR_TO_HF.get(t, t) for t in cfg.lora.targets]
 
 
-def _with_lora(model: Any, cfg: TorchaxModelConfig) -> Any:
+def _with_lora(model: Any, cfg: TorchaxModelConfig, task: str) -> Any:
     import peft
     import torch
 
     lcfg = peft.LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                           target_modules=lora_targets(cfg), task_type="CAUSAL_LM")
+                           target_modules=lora_targets(cfg), task_type=task)
     try:
         return peft.get_peft_model(model, lcfg)
     except ValueError as e:
@@ -229,11 +241,18 @@ class TorchaxModel:
     def hidden(self, weights: dict[str, Any], tokens: jax.Array, positions: jax.Array | None = None,
                key: jax.Array | None = None) -> jax.Array:
         """(B, T, D): what the output layer reads (the final normalised hidden states), in the compute dtype."""
-        return self._call(weights, tokens, positions, key, hidden=True)
+        return self._call(weights, tokens, positions, key, caught="hidden")
+
+    def scores(self, weights: dict[str, Any], tokens: jax.Array, positions: jax.Array | None = None,
+               key: jax.Array | None = None) -> jax.Array:
+        """A sequence classifier's (a reward model's) score head at every position: (B, T) float32, caught as the
+        ``score`` module's output, before transformers pools it at the last token that is not padding."""
+        return self._call(weights, tokens, positions, key, caught="scores")[..., 0].astype(jnp.float32)
 
     def _call(self, weights: dict[str, Any], tokens: jax.Array, positions: jax.Array | None, key: jax.Array | None,
-              hidden: bool = False) -> jax.Array:
-        """The module's logits, or (``hidden``) the input its output embedding received, caught by a hook."""
+              caught: str | None = None) -> jax.Array:
+        """The module's logits, or what a hook catches: the input its output embedding received (``hidden``), the
+        output of a classifier's ``score`` module (``scores``)."""
         import torch
         from torchax import interop
 
@@ -250,8 +269,11 @@ class TorchaxModel:
         tflat, tkwargs = interop.torch_view((flat, kwargs))
         prop = {"prng": key} if key is not None else {}
         seen: list[Any] = []
-        hook = (self.module.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
-                if hidden else None)
+        hook = None
+        if caught == "hidden":
+            hook = self.module.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        elif caught == "scores":
+            hook = self.base.score.register_forward_hook(lambda m, args, out: seen.append(out))
         try:
             with self.env, self.env.override_property(**prop), _naming_failures(self.module):
                 out = torch.func.functional_call(self.module, tflat, args=(), kwargs=tkwargs, tie_weights=True,
@@ -259,7 +281,7 @@ class TorchaxModel:
         finally:
             if hook is not None:
                 hook.remove()
-        return interop.jax_view(seen[0] if hidden else out.logits)
+        return interop.jax_view(seen[0] if caught else out.logits)
 
     def _wrap_layers(self) -> None:
         """Remat (``model.remat``): each transformer block's forward runs under `jax.checkpoint` with the policy,
