@@ -51,8 +51,10 @@ CHECKS = {
     "rloo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
     "gspo-quickstart": Check("accuracy", "rise by at least 0.15", lambda a, b: b - a >= 0.15),
     "gkd-quickstart": Check("accuracy", "rise by at least 0.20", lambda a, b: b - a >= 0.20),
-    "reward-model-quickstart": Check("accuracy", "rise by at least 0.08", lambda a, b: b - a >= 0.08),
-    "reward-quickstart": Check("reward", "rise by at least 0.5", lambda a, b: b - a >= 0.5),
+    # The reward model's held-out accuracy starts where its fresh head happens to (45-65% over 3 seeds): its loss is
+    # the steadier measure.
+    "reward-model-quickstart": Check("loss", "fall by at least 0.15", lambda a, b: a - b >= 0.15),
+    "reward-quickstart": Check("reward", "rise by at least 1.0", lambda a, b: b - a >= 1.0),
 }
 
 
