@@ -23,6 +23,7 @@ from jaxtune.models.wheels import is_wheel_ref
 from jaxtune.run import load_run
 from jaxtune.train.model_reward import ModelReward
 from jaxtune.train.reference import Companion, Teacher
+from jaxtune.train.rollout import Rollout, make_rollout
 
 
 def load_teacher(cfg: Config, mesh: Mesh, vocab_size: int, tokenizer: Any = None) -> Teacher:
@@ -69,6 +70,11 @@ def loaded_companion(cfg: Config, mesh: Mesh, vocab_size: int, tokenizer: Any = 
     or a reference the steps build from the policy). ``tokenizer``: the run's, checked against the companion's."""
     loader = LOADERS.get(cfg.objective.spec.companion)
     return None if loader is None else loader(cfg, mesh, vocab_size, tokenizer)
+
+
+def load_rollout(cfg: Config, mesh: Mesh, generator: Any, tokenizer: Tokenizer) -> Rollout:
+    """The run's rollouts (`jaxtune.train.rollout`) with its reward models loaded onto ``mesh``."""
+    return make_rollout(cfg, generator, tokenizer, load_reward_models(cfg, mesh, tokenizer))
 
 
 def load_reward_models(cfg: Config, mesh: Mesh, tokenizer: Tokenizer) -> dict[int, ModelReward]:

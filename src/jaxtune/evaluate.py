@@ -11,7 +11,7 @@ import jax
 
 from jaxtune import sharding
 from jaxtune.backends import make_state_spec
-from jaxtune.companions import load_reward_models
+from jaxtune.companions import load_rollout
 from jaxtune.config import REFERENCE_HELD_OUT, ConfigError
 from jaxtune.data import make_sequence_batches, make_training_data, test_sequences
 from jaxtune.models.fits import check_fits
@@ -20,7 +20,6 @@ from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import perplexity
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import Frozen, step_reference
-from jaxtune.train.rollout import make_rollout
 from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import Steps, jit_steps
 
@@ -128,8 +127,7 @@ def _evaluate_prompts(run: LoadedRun, data: str | None) -> dict[str, Any]:
         raise ConfigError("data.val_fraction is 0 (and no data.val_sources): there are no held-out prompts to answer; "
                           "pass a prompts file (jaxtune eval RUN --data FILE)")
     count = min(cfg.eval.exact_match or len(prompts.val), len(prompts.val))
-    rollout = make_rollout(cfg, run.spec.generator(), run.tokenizer,
-                           load_reward_models(cfg, run.spec.mesh, run.tokenizer))
+    rollout = load_rollout(cfg, run.spec.mesh, run.spec.generator(), run.tokenizer)
     with sharding.use_mesh(run.spec.mesh):
         _, scores = rollout.held_out(run.weights, prompts.val, count, seed=0)
     return {"step": run.step, "prompts": count, **scores}

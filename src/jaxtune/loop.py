@@ -17,7 +17,7 @@ import jax
 
 from jaxtune import runtime, sharding
 from jaxtune.backends import Backend, backend_of
-from jaxtune.companions import load_reward_models, loaded_companion
+from jaxtune.companions import load_rollout, loaded_companion
 from jaxtune.config import Config, ConfigError, dump_config
 from jaxtune.data import TrainingData, load_tokenizer, make_training_data
 from jaxtune.evaluator import Evaluator
@@ -38,7 +38,7 @@ from jaxtune.train.metrics import (
 )
 from jaxtune.train.profile import Profiler
 from jaxtune.train.reference import Frozen, Precomputed, ReferenceSync, precompute_reference, reference_sync
-from jaxtune.train.rollout import Rollout, make_rollout
+from jaxtune.train.rollout import Rollout
 from jaxtune.train.run_dir import RunDirError, claim, make_run_dir
 from jaxtune.train.shapes import BatchShapes, Shape
 from jaxtune.train.state import ModelSpec, TrainState
@@ -158,8 +158,7 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Ru
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
     runtime.release_malloc(4 * spec.model_cfg.num_params())  # a large model: give freed memory back (runtime.py)
     steps = run_steps(spec, cfg, loaded_companion(cfg, mesh, spec.model_cfg.vocab_size, tokenizer))
-    rollout = (make_rollout(cfg, spec.generator(), tokenizer, load_reward_models(cfg, mesh, tokenizer))
-               if data.prompts is not None else None)
+    rollout = load_rollout(cfg, mesh, spec.generator(), tokenizer) if data.prompts is not None else None
     sync = reference_sync(cfg.objective, steps.companion)
     params, notes = _model_notes(cfg, spec, rollout)
 
