@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxtune import sharding
 from jaxtune.aot.step import Program
 from jaxtune.backends import make_state_spec
+from jaxtune.config import ConfigError
 from jaxtune.models.sampling import bucket
 from jaxtune.run import run_config
 from jaxtune.train.model_reward import last_token_scores
@@ -30,7 +31,10 @@ def compile_reward_models(p: Program) -> list[dict[str, Any]]:
         if not r.model:
             continue
         started = time.perf_counter()
-        cfg, tokenizer, _ = run_config(r.path)
+        try:
+            cfg, tokenizer, _ = run_config(r.path)
+        except ValueError as e:
+            raise ConfigError(f"objective.rewards[{i}].path={r.path}: {str(e).removeprefix(f'{r.path}: ')}") from e
         spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
         weights = spec.weights(spec.abstract.params, spec.frozen_abstract)
         units = mesh.shape["data"] * mesh.shape["fsdp"]
