@@ -91,10 +91,10 @@ def _write_peft(source: Any, out: Path, o: ExportOptions) -> Path:
 
 
 def _not_a_reward_model(model: LoadedRun | nnx.Module, what: str) -> None:
-    """A reward model (a score head) exports as transformers' sequence classifier only, so far."""
+    """A reward model (a score head) exports as transformers' sequence classifier or a PEFT adapter, no GGUF."""
     if isinstance(model, LoadedRun) and model.cfg.objective.spec.head == "score":
         raise ConfigError(f"{what} of a reward model (objective.name={model.cfg.objective.name}) is not written yet; "
-                          "export it without it: a transformers sequence classifier (its LoRA merged)")
+                          "export it without it: a transformers sequence classifier (its LoRA merged), or --adapter")
 
 
 def _write_hf(source: Any, out: Path, o: ExportOptions, adapter: bool = False) -> Path:
@@ -102,10 +102,7 @@ def _write_hf(source: Any, out: Path, o: ExportOptions, adapter: bool = False) -
         raise ConfigError(f"{out}: a .gguf name for a HuggingFace directory; pass --gguf to write a GGUF file")
     check_out_dir(out, o.overwrite)
     writable_dir(out.parent, "export to ", out)
-    model = _loaded(source)
-    if adapter:
-        _not_a_reward_model(model, "--adapter")
-    return _write_loaded(model, out, o, adapter)
+    return _write_loaded(_loaded(source), out, o, adapter)
 
 
 def _loaded(source: Any) -> LoadedRun | nnx.Module:

@@ -220,14 +220,15 @@ def pairs_file(tmp_path_factory):
                        itertools.islice(arithmetic_preferences(), 240))
 
 
-def classifier_matches(run_dir, model_dir) -> float:
-    """transformers' sequence classifier loaded from ``model_dir`` against the run's own rewards (its checkpoint, as
-    `jaxtune export` reads it) on 6 conversations of 5 to 14 tokens, right-padded in one batch with the export's
-    pad id: rel error of the scores."""
+def classifier_matches(run_dir, hf) -> float:
+    """A transformers sequence classifier (``hf``: a directory, or a loaded model) against the run's own rewards (its
+    checkpoint, as `jaxtune export` reads it) on 6 conversations of 5 to 14 tokens, right-padded in one batch with
+    the classifier's pad id: rel error of the scores."""
     from jaxtune.export import load_run
 
     run = load_run(run_dir)
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if not isinstance(hf, torch.nn.Module):
+        hf = transformers.AutoModelForSequenceClassification.from_pretrained(hf, dtype=torch.float32).eval()
     eos = run.tokenizer.eos_id
     texts = ["3 plus 4", "What is 58 plus 67?", "125", "1 + 1 = 2", "nine", "the sum is 12"]
     seqs = [run.tokenizer.encode(t)[:13] + [eos] for t in texts]
@@ -253,7 +254,8 @@ def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path,
     own LlamaForSequenceClassification under PEFT's SEQ_CLS task). The step compiles once; train and
     eval rows carry RewardTrainer's metrics; held-out accuracy is in report.md. `jaxtune export` writes a sequence
     classifier (num_labels 1, a pad id that is no end token) whose batched, padded scores equal the run's to 1e-5;
-    --adapter and --gguf are refused for it, and so is `jaxtune generate`."""
+    with LoRA, --adapter writes PEFT's SEQ_CLS adapter (the score head in modules_to_save) that scores the same on the
+    causal LM read as a classifier; --gguf is refused for it, and so is `jaxtune generate`."""
     from helpers.run_outputs import metric_rows
 
     from jaxtune.cli import main
@@ -284,9 +286,15 @@ def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path,
     assert config["pad_token_id"] not in (eos if isinstance(eos, list) else [eos])
     assert classifier_matches(run, out) <= TOL
     assert main(["generate", str(run), "--prompt", "What is 2 plus 2?"]) == 2  # a score head generates nothing
-    for flag in ("--adapter", "--gguf"):
-        assert main(["export", str(run), str(tmp_path / f"other{flag}.gguf" if flag == "--gguf" else tmp_path / "x"),
-                     flag]) == 2
+    assert main(["export", str(run), str(tmp_path / "other.gguf"), "--gguf"]) == 2
+    adapter = tmp_path / "adapter"
+    assert main(["export", str(run), str(adapter), "--adapter"]) == (0 if lora else 2)
+    if lora:  # PEFT's SEQ_CLS adapter (the score head in modules_to_save) on the causal LM read as a classifier
+        peft = pytest.importorskip("peft")
+        assert "score" in json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"]
+        base = transformers.AutoModelForSequenceClassification.from_pretrained(
+            quickstart_sft_model, num_labels=1, pad_token_id=config["pad_token_id"], dtype=torch.float32)
+        assert classifier_matches(run, peft.PeftModel.from_pretrained(base, adapter).eval()) <= TOL
 
 
 def test_what_a_reward_model_refuses(checkpoint, tmp_path):

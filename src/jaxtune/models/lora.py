@@ -103,8 +103,9 @@ def merged_weights(adapters: Any, base: Any, spec: LoraSpec) -> Any:
 
 def peft_tensors(fam: Family, adapters: Any) -> dict[str, np.ndarray]:
     """Adapters -> {PEFT name: float32 array}: ``base_model.model.<hf module>.lora_A.weight`` (r, in) and
-    ``.lora_B.weight`` (out, r)."""
-    out: dict[str, np.ndarray] = {}
+    ``.lora_B.weight`` (out, r); a module trained whole (a reward model's score head: PEFT's ``modules_to_save``)
+    as ``base_model.model.<hf name>``, the name PEFT saves it under."""
+    out = {PEFT_PREFIX + name: x for name, x in _whole_tensors(fam, adapters).items()}
     for path, node in _adapter_nodes(adapters):
         m, layer = match_param(fam, ".".join(str(p) for p in (*path, "kernel")))
         if not (m.transpose and m.hf_ndim is None and m.hf.endswith(".weight")):
@@ -120,8 +121,20 @@ def peft_tensors(fam: Family, adapters: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def peft_config(fam: Family, spec: LoraSpec, base_model: str | None) -> dict[str, Any]:
-    """adapter_config.json for PEFT's LoraConfig: target modules by their HuggingFace names."""
+def _whole_tensors(fam: Family, adapters: Any) -> dict[str, np.ndarray]:
+    """{HF name: float32 array} of the modules an adapters tree trains whole (a reward model's score head)."""
+    out = {}
+    for path, node in _trained_weights(adapters):
+        for leaf, value in node.items():
+            m, _ = match_param(fam, ".".join(str(p) for p in (*path, leaf)))
+            x = np.asarray(host(value), np.float32)
+            out[m.hf] = np.ascontiguousarray(x.T if m.transpose else x)
+    return out
+
+
+def peft_config(fam: Family, spec: LoraSpec, base_model: str | None, whole: Sequence[str] = ()) -> dict[str, Any]:
+    """adapter_config.json for PEFT's LoraConfig: target modules by their HuggingFace names; ``whole``: the modules
+    trained whole beside them (a reward model's ``score``: PEFT's SEQ_CLS task, ``modules_to_save``)."""
     hf_names = {}
     for ours in spec.targets:
         part = "self_attn" if ours in ("q", "k", "v", "o") else "mlp"
@@ -131,7 +144,7 @@ def peft_config(fam: Family, spec: LoraSpec, base_model: str | None) -> dict[str
         hf_names[ours] = m.hf.removesuffix(".weight").rsplit(".", 1)[-1]
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if "score" in whole else "CAUSAL_LM",
         "base_model_name_or_path": base_model,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
@@ -143,7 +156,7 @@ def peft_config(fam: Family, spec: LoraSpec, base_model: str | None) -> dict[str
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": list(whole) or None,
         "layers_to_transform": None,
         "rank_pattern": {},
         "alpha_pattern": {},
@@ -165,7 +178,8 @@ def write_adapter(out_dir: str | Path, fam: Family, spec: LoraSpec, adapters: An
         return out
 
     def fill(tmp: Path) -> None:
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(fam, spec, base_model), indent=2) + "\n")
+        whole = sorted({name.rsplit(".", 1)[0] for name in _whole_tensors(fam, adapters)})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(fam, spec, base_model, whole), indent=2) + "\n")
         write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata={"format": "pt"})
         eos_id = write_stop_tokens(tmp, end_of_turn, [eos, tokenizer and tokenizer.eos_id])
         if tokenizer is not None:
