@@ -128,6 +128,9 @@ def _evaluate_prompts(run: LoadedRun, data: str | None) -> dict[str, Any]:
                           "pass a prompts file (jaxtune eval RUN --data FILE)")
     count = min(cfg.eval.exact_match or len(prompts.val), len(prompts.val))
     rollout = load_rollout(cfg, run.spec.mesh, run.spec.generator(), run.tokenizer)
-    with sharding.use_mesh(run.spec.mesh):
-        _, scores = rollout.held_out(run.weights, prompts.val, count, seed=0)
+    try:
+        with sharding.use_mesh(run.spec.mesh):
+            _, scores = rollout.held_out(run.weights, prompts.val, count, seed=0)
+    finally:
+        rollout.close()
     return {"step": run.step, "prompts": count, **scores}

@@ -120,10 +120,14 @@ class Run:
 def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> TrainResult:
     run = _setup(cfg, backend, run_dir, multi_host)
     run.laps.lap("setup")
-    with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(run.mesh), \
-            run.ckpt.reporting_failures(), run.profiler:
-        state, step = _loop(run, preemption)
-    return _finish(run, state, step, preemption.requested)
+    try:
+        with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(run.mesh), \
+                run.ckpt.reporting_failures(), run.profiler:
+            state, step = _loop(run, preemption)
+        return _finish(run, state, step, preemption.requested)
+    finally:
+        if run.rollout is not None:
+            run.rollout.close()  # the tools' worker, if any
 
 
 def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Run:

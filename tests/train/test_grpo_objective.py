@@ -198,8 +198,16 @@ def completion_to_rows(x: torch.Tensor) -> np.ndarray:
     return out
 
 
-def trl_inputs() -> dict[str, torch.Tensor]:
-    """The rollout as TRL's ``_compute_loss`` takes it."""
+# Multi-turn rollouts (`jaxtune.train.agent`): 1 on the model's tokens, 0 on a tool result's inside the completion.
+TOOL_MASK = [[1] * len(c) for c in COMPLETIONS]
+TOOL_MASK[2][2:5] = [0, 0, 0]
+TOOL_MASK[3][1:4] = [0, 0, 0]
+TOOL_MASK[6][3:7] = [0, 0, 0, 0]
+
+
+def trl_inputs(tool_mask: bool = False) -> dict[str, torch.Tensor]:
+    """The rollout as TRL's ``_compute_loss`` takes it; ``tool_mask``: with TOOL_MASK as its ``tool_mask``, and
+    ``num_items_in_batch`` the model's tokens only, as ``_generate_and_score_completions`` counts them."""
     width = max(map(len, PROMPTS))
     prompt_ids = torch.full((N, width), PAD, dtype=torch.long)
     prompt_mask = torch.zeros((N, width), dtype=torch.long)
@@ -211,9 +219,15 @@ def trl_inputs() -> dict[str, torch.Tensor]:
         prompt_mask[i, width - len(p):] = 1
         completion_ids[i, :len(c)] = torch.tensor(c)
         completion_mask[i, :len(c)] = 1
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask, "advantages": torch.tensor(ADVANTAGES),
-            "num_items_in_batch": completion_mask.sum()}
+    out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+           "completion_mask": completion_mask, "advantages": torch.tensor(ADVANTAGES),
+           "num_items_in_batch": completion_mask.sum()}
+    if tool_mask:
+        out["tool_mask"] = torch.ones((N, MAX_COMPLETION), dtype=torch.long)
+        for i, m in enumerate(TOOL_MASK):
+            out["tool_mask"][i, :len(m)] = torch.tensor(m)
+        out["num_items_in_batch"] = (completion_mask * out["tool_mask"]).sum()
+    return out
 
 
 def test_rollout_layout():
@@ -272,7 +286,7 @@ def trl_importance_ratio(old: torch.Tensor, sampled: torch.Tensor, mask: torch.T
 
 
 def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, importance: dict | None = None,
-             calls: int = 1, **config) -> GRPOResult | list[GRPOResult]:
+             calls: int = 1, tool_mask: bool = False, **config) -> GRPOResult | list[GRPOResult]:
     """GRPOTrainer (the perturbed policy; with beta > 0 its reference model the unperturbed checkpoint):
     ``compute_loss`` on the rollout, the metrics it logged, the policy's gradients. ``off_policy``: the inputs carry
     ``old_per_token_logps`` from the old checkpoint (what TRL holds when num_iterations > 1). ``importance``
@@ -291,7 +305,7 @@ def trl_grpo(checkpoints, tokenizer, tmp_path, off_policy: bool = False, importa
         completions), args=args, train_dataset=data, processing_class=tokenizer)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop, which is not run here
     trainer.model.train()  # _compute_loss logs under "train" in train mode (dropout is 0 either way)
-    inputs = trl_inputs()
+    inputs = trl_inputs(tool_mask)
     if args.beta > 0:
         # TRL's default: the KL term is weighted by the ratio
         assert args.use_bias_correction_kl or "use_bias_correction_kl" in config
@@ -361,6 +375,26 @@ def assert_matches(mine: Ours, theirs: TRLResult, names=()) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------------- vs TRL
+
+
+@pytest.mark.parametrize("layout", ["rows", "shared"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_tool_mask_matches_trl(checkpoints, tokenizer, native, tmp_path, loss_type, layout):
+    """Multi-turn rollouts: with tool-result tokens inside completions (TOOL_MASK 0), jaxtune's rows (a row per
+    completion, or shared prompts) train on the model's tokens only, and the loss, the KL, the token counts and
+    the gradients equal GRPOTrainer's with the same ``tool_mask`` (beta 0.04: the KL is masked too)."""
+    theirs = trl_grpo(checkpoints, tokenizer, tmp_path, tool_mask=True, beta=0.04, loss_type=loss_type)
+    prompt_ids, zeros = [prompt_of(i) for i in range(N)], [[0.0] * len(c) for c in COMPLETIONS]
+    if layout == "rows":
+        batch = {**training_rows(prompt_ids, COMPLETIONS, zeros, T, TOOL_MASK), "advantages": ADVANTAGES}
+    else:
+        batch = {**shared_rows(prompt_ids, COMPLETIONS, zeros, GROUP, T, MAX_COMPLETION, TOOL_MASK),
+                 "advantages": ADVANTAGES.reshape(-1, GROUP)}
+    model_tokens = sum(map(sum, TOOL_MASK))
+    assert batch["loss_mask"].sum() == model_tokens < sum(map(len, COMPLETIONS))
+    mine = ours(native, native.policy, batch, loss_type=loss_type, beta=0.04)
+    assert mine.count == {"grpo": N, "dapo": model_tokens}[loss_type]
+    assert_matches(mine, theirs, ("kl",))
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])

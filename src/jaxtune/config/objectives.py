@@ -55,8 +55,9 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "off_policy_mask_threshold": (None,), "top_entropy_quantile": (1.0,), "entropy_coef": (0.0,),
     "use_adaptive_entropy": (False,), "entropy_coef_min": (0.0,), "entropy_coef_max": (1.0,),
     "entropy_coef_delta": (0.005,), "entropy_target": (0.2,), "delta": (None,), "use_bias_correction_kl": (True,),
-    "center_rewards_coefficient": (None,),
+    "center_rewards_coefficient": (None,), "tools": (None,), "max_tool_calls": (None,), "tool_timeout": (None,),
 }
+DEFAULT_TOOL_TIMEOUT = 10.0  # seconds a tool call may take (objective.tool_timeout unset)
 CLIPPED_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")  # the loss types with PPO's clipped ratio
 ADAPTIVE_ENTROPY_KEYS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
 
@@ -288,7 +289,7 @@ class Sampling(ObjectiveSection):
         if len(marked) > 1:
             raise ValueError(f"objective.rewards: {len(marked)} rewards set accuracy: true ({', '.join(marked)}); "
                              "held-out accuracy follows one success criterion, so mark one")
-        if spec.needs_rewards and not self.rewards:
+        if spec.needs_rewards and not self.rewards and getattr(self, "tools", None) is None:
             raise ValueError(f"objective.name={self.name} needs at least one reward function in objective.rewards, "
                              "e.g. [{name: exact_number, field: answer}]")
         return self
@@ -314,6 +315,41 @@ class ClippedPolicy(Sampling):
         "returned with each token (no extra forward pass), or a trainer forward before the first update (default: "
         "sampler when model.compute_dtype is float32, where the two agree to float rounding; trainer otherwise). "
         "Every step logs sampler_logp_diff/mean and /max, |sampler - trainer| over completion tokens")
+
+    tools: str | None = Field(
+        None, description="multi-turn rollouts with tools: a Python module (imported from the working directory, "
+        "in a worker process) naming `tools`, a list of typed functions with Google-style docstrings, and/or "
+        "`environment`, a class (or a dict of them, picked by a row's `environment` field) with reset(**row) "
+        "returning None or text for the last user message, its public methods as tools, and optionally "
+        "get_reward() (TRL's tools and environment_factory). max_completion_length is the whole trajectory's budget")
+    max_tool_calls: int | None = Field(None, ge=1, description="with tools: rounds of tool calls a rollout may make "
+                                       "(TRL's max_tool_calling_iterations; default: until the token budget)")
+    tool_timeout: float | None = Field(None, gt=0, description="with tools: seconds a tool call may take before it "
+                                       f"is stopped and answered with an error (default {DEFAULT_TOOL_TIMEOUT:g})")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_trl_tool_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_tool_calling_iterations" in data:
+            raise ValueError("objective.max_tool_calling_iterations is TRL's name; here it is objective.max_tool_calls")
+        return data
+
+    @model_validator(mode="after")
+    def _tool_keys(self) -> ClippedPolicy:
+        if self.tools is None:
+            for key in ("max_tool_calls", "tool_timeout"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"objective.{key} applies to multi-turn rollouts with tools; set "
+                                     "objective.tools (a Python module naming tools or an environment) or drop it")
+        elif self.spec.completions == "mixed":
+            raise ValueError(f"objective.tools: {self.name} trains some steps on the data's own completions, which "
+                             "have no tool calls")
+        return self
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a tool call may take."""
+        return DEFAULT_TOOL_TIMEOUT if self.tool_timeout is None else self.tool_timeout
 
     @property
     def corrects_sampler(self) -> bool:

@@ -30,7 +30,35 @@ GEMMA = ("{{ bos_token }}"
          " ~ (head if loop.first else '') ~ (m['content'] | trim) ~ '<end_of_turn>\\n' }}"
          "{%- endfor -%}"
          "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
-SHIPPED_TEMPLATES = {"chatml": CHATML, "gemma": GEMMA}
+# ChatML with tools, in the Hermes convention Qwen 2.5/3 use: the tools' JSON schemas in the system turn, an assistant's
+# calls as <tool_call> blocks of JSON, and consecutive tool results as <tool_response> blocks of one user turn.
+CHATML_TOOLS = (
+    "{%- set system = messages and messages[0]['role'] == 'system' -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\n' }}{% if system %}{{ messages[0]['content'] ~ '\\n\\n' }}{% endif %}"
+    "{{ 'You may call one or more of these tools, each described by a JSON schema:\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' ~ (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\nTo call one, write <tool_call>\\n{\"name\": <name>, \"arguments\": <JSON object>}\\n'"
+    " ~ '</tool_call>. The results come back in <tool_response> blocks.<|im_end|>\\n' }}"
+    "{%- elif system -%}{{ '<|im_start|>system\\n' ~ messages[0]['content'] ~ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif -%}"
+    "{{ '\\n<tool_response>\\n' ~ m['content'] ~ '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif -%}"
+    "{%- elif not (loop.first and system) -%}"
+    "{{ '<|im_start|>' ~ m['role'] ~ '\\n' ~ (m['content'] or '') }}"
+    "{%- for call in m.get('tool_calls') or [] -%}"
+    "{%- set f = call['function'] if call.get('function') else call -%}"
+    "{%- if m['content'] or not loop.first %}{{ '\\n' }}{% endif -%}"
+    "{{ '<tool_call>\\n{\"name\": \"' ~ f['name'] ~ '\", \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson) }}{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}")
+SHIPPED_TEMPLATES = {"chatml": CHATML, "gemma": GEMMA, "chatml-tools": CHATML_TOOLS}
 
 
 def resolve_chat_template(data_cfg: DataConfig, tokenizer: Tokenizer) -> None:

@@ -69,13 +69,14 @@ class Tokenizer(abc.ABC):
         tokens, as a chat template means them (``encode_batch`` spells them out as text)."""
         raise DataError(f"{type(self).__name__} cannot encode chat templates; use a HuggingFace tokenizer")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """Render ``messages`` with ``chat_template`` as ``transformers`` does (same sandboxed Jinja environment
-        and variables), offline."""
+        and variables), offline; ``tools``: the JSON schemas of the tools the model may call."""
         if self.chat_template is None:
             raise DataError("this tokenizer has no chat template (tokenizer_config.json chat_template or "
                             "chat_template.jinja); set data.chat_template (e.g. chatml)")
-        return _render(self.chat_template, messages, add_generation_prompt, self._special_strings())
+        return _render(self.chat_template, messages, add_generation_prompt, self._special_strings(), tools)
 
     def _special_strings(self) -> dict[str, str]:
         return {}
@@ -337,8 +338,9 @@ def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
 
 
 def _render(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
-            specials: dict[str, str]) -> str:
-    return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+            specials: dict[str, str], tools: list[dict[str, Any]] | None = None) -> str:
+    return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                      **specials)
 
 
 @functools.lru_cache(maxsize=16)

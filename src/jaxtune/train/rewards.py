@@ -96,6 +96,7 @@ class _Function:
     batch: Callable[..., Any] | None  # a user function, called once per batch
     trl: bool = False  # the user function takes TRL's keywords (no ``rows`` parameter)
     model: ModelScores | None = None  # a reward model
+    given: bool = False  # an environment's own reward (`jaxtune.train.agent`): its scores come with the completions
 
 
 class Rewards:
@@ -131,6 +132,14 @@ class Rewards:
         for k, f in enumerate(self._functions):
             if f.one is not None:
                 per_function[:, k] = [f.one(c, r, m, w) for c, r, m, w in zip(completions, rows, lengths, where)]
+                continue
+            if f.given:  # NaN stays: "does not apply" (a rollout of another environment)
+                scores, problems = modelled[k]
+                self._model_scores(f, scores, problems, where)  # raises on a failure unless reward_errors: zero
+                per_function[:, k] = scores
+                per_function[list(problems), k] = 0.0
+                if problems:
+                    errors[f.label] = len(problems)
                 continue
             if f.model is not None:
                 per_function[:, k], failed = self._model_scores(f, *modelled[k], where)
@@ -192,9 +201,12 @@ class Rewards:
         return scores, failed
 
 
-def make_rewards(cfg: ObjectiveConfig, models: dict[int, ModelScores] | None = None) -> Rewards:
+def make_rewards(cfg: ObjectiveConfig, models: dict[int, ModelScores] | None = None,
+                 environments: tuple[str, ...] | list[str] = ()) -> Rewards:
     """The reward functions of ``cfg.rewards``, user functions imported now: a `ConfigError` names the key.
-    ``models``: the reward models, loaded (`jaxtune.companions.load_reward_models`), by their entry's index."""
+    ``models``: the reward models, loaded (`jaxtune.companions.load_reward_models`), by their entry's index.
+    ``environments``: the classes of the tools' environments that own a reward (``get_reward``), each one more
+    function after the configured ones, weight 1, as TRL adds them."""
     functions, taken = [], set()
     bases = [r.name if r.builtin or r.model else r.name.partition(":")[2] for r in cfg.rewards]
     for i, (r, base) in enumerate(zip(cfg.rewards, bases)):
@@ -213,11 +225,14 @@ def make_rewards(cfg: ObjectiveConfig, models: dict[int, ModelScores] | None = N
         else:
             fn = _import(r.name, f"{key}.name")
             functions.append(_Function(label, None, fn, trl="rows" not in _parameters(fn)))
+    for label in environments:
+        functions.append(_Function(label if label not in taken else f"{label}_environment", None, None, given=True))
     accuracy = next((i for i, r in enumerate(cfg.rewards) if r.accuracy), None)  # the one marked, else the first
     if accuracy is None:  # built-in that checks the answer and is not marked false
         accuracy = next((i for i, r in enumerate(cfg.rewards)
                          if r.builtin and BUILTINS[r.name].judges_answer and r.accuracy is None), None)
-    return Rewards(functions, [r.weight for r in cfg.rewards], accuracy, cfg.reward_errors)
+    return Rewards(functions, [r.weight for r in cfg.rewards] + [1.0] * len(environments), accuracy,
+                   cfg.reward_errors)
 
 
 def _nanmean(x: np.ndarray, axis: int | None = None) -> np.ndarray:

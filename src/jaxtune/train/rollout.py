@@ -39,6 +39,8 @@ from jaxtune.config import Config
 from jaxtune.config.kinds import BRANCH_KEY, SAMPLER_LOGPS_KEY
 from jaxtune.data import DataError, PromptRows, Tokenizer, stop_ids
 from jaxtune.data.encoded import shared_row
+from jaxtune.models.sampling import Generation
+from jaxtune.train.agent import Agent, Trajectories, shared_ragged
 from jaxtune.train.distributed import every_process, first_failure
 from jaxtune.train.rewards import (
     ModelScores,
@@ -52,6 +54,7 @@ from jaxtune.train.rewards import (
     normalized_then_summed,
 )
 from jaxtune.train.state import Sampler
+from jaxtune.train.tools import ToolError
 
 
 def prompt_text(prompt: str | list[dict[str, Any]]) -> str:
@@ -84,18 +87,30 @@ class Completions:
     scores: Scores
     stopped: np.ndarray  # (N,) bool: ended with a stop id (else cut at max_completion_length)
     logps: list[list[float]]  # per completion: each new id's log-prob under the distribution it was drawn from
+    # multi-turn rollouts (`jaxtune.train.agent`): per completion, 1 on the model's tokens, 0 on the tools'
+    tool_mask: list[list[int]] | None = None
+    tool_calls: tuple[int, int] = (0, 0)  # (calls made, failed) over every process's rollouts
 
     @property
     def lengths(self) -> np.ndarray:
+        """Each completion's tokens, the model's own only (TRL counts no tool-result token)."""
+        if self.tool_mask is not None:
+            return np.array([sum(m) for m in self.tool_mask], np.int32)
         return np.array([len(c) for c in self.ids], np.int32)
+
+    def subset(self, at: list[int] | slice, scores: Scores | None = None) -> Completions:
+        """The completions ``at`` (indices or a slice), with ``scores`` (default: theirs)."""
+        pick = (lambda xs: xs[at]) if isinstance(at, slice) else (lambda xs: [xs[i] for i in at])
+        if scores is None:
+            s = self.scores
+            scores = Scores(per_function=s.per_function[at], total=s.total[at], errors=s.errors, logged=s.logged)
+        return Completions(pick(self.prompt_ids), pick(self.ids), pick(self.texts), pick(self.rows), scores,
+                           self.stopped[at], pick(self.logps), None if self.tool_mask is None
+                           else pick(self.tool_mask), self.tool_calls)
 
     def groups(self, picked: list[int], group: int) -> Completions:
         """The completions of the groups ``picked`` (indices of ``group``-sized groups), in that order."""
-        at = [g * group + k for g in picked for k in range(group)]
-        s = self.scores
-        scores = Scores(per_function=s.per_function[at], total=s.total[at], errors=s.errors, logged=s.logged)
-        return Completions([self.prompt_ids[i] for i in at], [self.ids[i] for i in at], [self.texts[i] for i in at],
-                           [self.rows[i] for i in at], scores, self.stopped[at], [self.logps[i] for i in at])
+        return self.subset([g * group + k for g in picked for k in range(group)])
 
     @staticmethod
     def joined(parts: list[Completions]) -> Completions:
@@ -108,8 +123,11 @@ class Completions:
                         total=np.concatenate([p.scores.total for p in parts]), errors=errors,
                         logged=parts[-1].scores.logged)
         cat = lambda name: [x for p in parts for x in getattr(p, name)]
+        masked = parts[0].tool_mask is not None
         return Completions(cat("prompt_ids"), cat("ids"), cat("texts"), cat("rows"), scores,
-                           np.concatenate([p.stopped for p in parts]), cat("logps"))
+                           np.concatenate([p.stopped for p in parts]), cat("logps"),
+                           cat("tool_mask") if masked else None,
+                           tuple(int(sum(p.tool_calls[k] for p in parts)) for k in (0, 1)))
 
     def informative(self, group: int) -> np.ndarray:
         """(groups,) bool: whether a group's rewards differ (std > 0), so its advantages are not all 0."""
@@ -126,7 +144,13 @@ class Rollout:
     tokenizer: Tokenizer
     rewards: Rewards
     chat: bool
+    agent: Agent | None = None  # objective.tools: multi-turn rollouts (`jaxtune.train.agent`)
     timings: dict[str, float] = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Stops the tools' worker, if there is one."""
+        if self.agent is not None:
+            self.agent.close()
 
     @property
     def stops(self) -> list[int]:
@@ -144,31 +168,59 @@ class Rollout:
         o = self.cfg.objective
         together = local and jax.process_count() > 1
         every = [int(r) for r in every_process(np.asarray(rows, np.int64))] if together else list(rows)
-        prompt_ids = [source.ids(r) for r in every for _ in range(group)]
+        expanded = [r for r in every for _ in range(group)]
+        mine = slice(jax.process_index() * len(rows) * group, (jax.process_index() + 1) * len(rows) * group) \
+            if together else slice(0, len(expanded))
+        if self.agent is not None:  # rendered with their tools, after their environments' reset (this process's)
+            prompt_ids = self.agent.prompts(source, expanded[mine], 0)
+            prompt_ids = shared_ragged([*[None] * mine.start, *prompt_ids, *[None] * (len(expanded) - mine.stop)],
+                                        mine) if together else prompt_ids
+        else:
+            prompt_ids = [source.ids(r) for r in expanded]
         jax.block_until_ready(weights)  # the previous update: its time is the step's, not the sampler's
         t0 = time.perf_counter()
         greedy = temperature == 0.0
-        sampled = self.generator(weights, prompt_ids, max_new_tokens=o.max_completion_length,
-                                 temperature=temperature, top_k=None if greedy else o.top_k,
-                                 top_p=None if greedy or o.top_p >= 1.0 else o.top_p, eos_id=self.stops, seed=seed,
-                                 keep_stop=True, group=group)
+
+        def generate(prompts: list[list[int]], max_new: int, seed: int, group: int):
+            return self.generator(weights, prompts, max_new_tokens=max_new, temperature=temperature,
+                                  top_k=None if greedy else o.top_k,
+                                  top_p=None if greedy or o.top_p >= 1.0 else o.top_p, eos_id=self.stops, seed=seed,
+                                  keep_stop=True, group=group)
+
+        equal = all(prompt_ids[i] == prompt_ids[i - i % group] for i in range(len(prompt_ids)))
+        sampled = generate(prompt_ids, o.max_completion_length, seed, group if equal else 1)
+        trajectories = None
+        if self.agent is not None:
+            trajectories = self.agent.run(generate, prompt_ids, sampled, seed, mine, 0)
+            sampled = Generation(trajectories.ids, trajectories.logps)
         ids = sampled.ids
         t1 = time.perf_counter()
         stops = set(self.stops)
         stopped = np.array([bool(c) and c[-1] in stops for c in ids])
-        texts = [self.tokenizer.decode(c[:-1] if s else c) for c, s in zip(ids, stopped)]
-        expanded = [r for r in every for _ in range(group)]
-        mine = slice(jax.process_index() * len(rows) * group, (jax.process_index() + 1) * len(rows) * group) \
-            if together else slice(0, len(ids))
+        texts = trajectories.texts if trajectories is not None else \
+            [self.tokenizer.decode(c[:-1] if s else c) for c, s in zip(ids, stopped)]
+        scores = self._scored(source, expanded, texts, ids, mine, step, trajectories, together)
+        self.timings = {"generation": t1 - t0, "rewards": time.perf_counter() - t1,
+                        "generated_tokens": float(sum(len(c) for c in ids))}
+        if trajectories is None:
+            return Completions(prompt_ids, ids, texts, expanded, scores, stopped, sampled.logps)
+        return Completions(prompt_ids, ids, texts, expanded, scores, stopped, sampled.logps, trajectories.tool_mask,
+                           (trajectories.calls, trajectories.failures))
+
+    def _scored(self, source: PromptRows, expanded: list[int], texts: list[str], ids: list[list[int]], mine: slice,
+                step: int, trajectories: Trajectories | None, together: bool) -> Scores:
+        """This process's completions ``mine`` scored (every process's reward-model scores computed together), and
+        with several processes every process's scores; a reward that fails on one process stops every process."""
         failure, scores = None, None
         prompts = [source.prompt(r) for r in expanded]
         # Reward models score every process's completions in one program over the mesh; each process keeps its own.
-        modelled = {k: (s[mine], {i - mine.start: why for i, why in problems.items() if mine.start <= i < mine.stop})
-                    for k, (s, problems) in self.rewards.modelled(prompts, texts).items()}
+        given = {**self.rewards.modelled(prompts, texts), **self._environment_scores(trajectories)}
+        given = {k: (s[mine], {i - mine.start: why for i, why in problems.items() if mine.start <= i < mine.stop})
+                 for k, (s, problems) in given.items()}
         try:
             scores = self.rewards.score(prompts[mine], texts[mine], [source.fields(r) for r in expanded[mine]],
                                         [len(c) for c in ids[mine]], [source.where(r) for r in expanded[mine]],
-                                        completion_ids=ids[mine], step=step, modelled=modelled)
+                                        completion_ids=ids[mine], step=step, modelled=given)
         except RewardError as e:
             if jax.process_count() == 1:
                 raise
@@ -177,11 +229,14 @@ class Rollout:
             failed = first_failure(failure)
             if failed is not None:
                 raise RewardError(failed)
-        if together:
-            scores = self._shared(scores)
-        self.timings = {"generation": t1 - t0, "rewards": time.perf_counter() - t1,
-                        "generated_tokens": float(sum(len(c) for c in ids))}
-        return Completions(prompt_ids, ids, texts, expanded, scores, stopped, sampled.logps)
+        return self._shared(scores) if together else scores
+
+    def _environment_scores(self, trajectories: Trajectories | None) -> dict[int, tuple[np.ndarray, dict[int, str]]]:
+        """The environments' own rewards (``get_reward``), by their reward function's index."""
+        if trajectories is None:
+            return {}
+        at = {label: k for k, label in enumerate(self.rewards.labels)}
+        return {at[label]: v for label, v in trajectories.environment_rewards.items()}
 
     def _shared(self, scores: Scores) -> Scores:
         """Every process's scores in process order (each scored its own completions)."""
@@ -223,15 +278,14 @@ class Rollout:
         if jax.process_count() > 1 and on_policy:  # this process trains on its own prompts' completions
             n = len(prompts["row"]) * o.num_generations
             mine = slice(jax.process_index() * n, (jax.process_index() + 1) * n)
-            done = Completions(done.prompt_ids[mine], done.ids[mine], done.texts[mine], done.rows[mine],
-                               done.scores, done.stopped[mine], done.logps[mine])
+            done = done.subset(mine, done.scores)
             advantages = advantages[mine]
         if self.cfg.data.shares_prompts:  # a row per prompt: its prompt once, then its group's completions
             rows = shared_rows(done.prompt_ids, done.ids, done.logps, o.num_generations, self.cfg.data.seq_len,
-                               o.max_completion_length)
+                               o.max_completion_length, done.tool_mask)
             rows = {**rows, "advantages": advantages.reshape(-1, o.num_generations)}
         else:
-            rows = {**training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len),
+            rows = {**training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len, done.tool_mask),
                     "advantages": advantages}
         if getattr(o, "mask_truncated_completions", False):
             rows["loss_mask"] = rows["loss_mask"] * completion_kept(rows, done.stopped)
@@ -311,6 +365,10 @@ class Rollout:
             out[f"rewards/{label}/mean"] = float(column.mean()) if column.size else float("nan")
             out[f"rewards/{label}/std"] = float(column.std(ddof=1)) if column.size > 1 else 0.0
         out.update(done.scores.logged)
+        if self.agent is not None:  # TRL's: calls per rollout, failures per call
+            calls, failed = done.tool_calls
+            out["tools/call_frequency"] = calls / len(done.ids)
+            out["tools/failure_frequency"] = failed / calls if calls else 0.0
         for label, n in done.scores.errors.items():
             out[f"reward_errors/{label}"] = float(n)
         gen = self.timings["generation"]
@@ -360,16 +418,30 @@ def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
 
 def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer,
                  models: dict[int, ModelScores] | None = None) -> Rollout:
-    """The run's rollouts; ``models``: its reward models, loaded (`jaxtune.companions.load_reward_models`)."""
+    """The run's rollouts; ``models``: its reward models, loaded (`jaxtune.companions.load_reward_models`). With
+    ``objective.tools``, its tools' worker is started (`jaxtune.train.agent.Agent`): `Rollout.close` stops it."""
     chat = tokenizer.chat_template is not None
-    return Rollout(cfg, generator, tokenizer, make_rewards(cfg.objective, models), chat)
+    o = cfg.objective
+    agent = None
+    if getattr(o, "tools", None) is not None:
+        agent = Agent(o, tokenizer, stop_ids(tokenizer, chat), cfg.data.seq_len - o.max_completion_length)
+    try:
+        rewards = make_rewards(o, models, agent.reward_labels if agent is not None else ())
+        if not rewards.labels:
+            raise ToolError(f"objective.tools={o.tools!r}: no reward: its environment has no get_reward() and "
+                            "objective.rewards is empty; add a reward function or a get_reward method")
+    except Exception:
+        if agent is not None:
+            agent.close()
+        raise
+    return Rollout(cfg, generator, tokenizer, rewards, chat, agent)
 
 
 def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], logps: list[list[float]],
-                  seq_len: int) -> dict[str, np.ndarray]:
+                  seq_len: int, tool_mask: list[list[int]] | None = None) -> dict[str, np.ndarray]:
     """(N, seq_len) rows of prompt then completion: ``inputs`` and ``targets`` shifted by one, ``positions`` from
-    0, ``segment_ids`` 1 (0: padding), ``loss_mask`` on the targets that are completion tokens and
-    ``sampler_logps`` there, each completion token's sampling log-prob (``logps``)."""
+    0, ``segment_ids`` 1 (0: padding), ``loss_mask`` on the targets that are completion tokens (the model's own
+    only, with a ``tool_mask``) and ``sampler_logps`` there, each completion token's sampling log-prob (``logps``)."""
     n = len(prompt_ids)
     out = {"inputs": np.zeros((n, seq_len), np.int32), "targets": np.zeros((n, seq_len), np.int32),
            "positions": np.zeros((n, seq_len), np.int32), "segment_ids": np.zeros((n, seq_len), np.int32),
@@ -382,17 +454,18 @@ def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], 
         out["targets"][i, :m] = seq[1:]
         out["positions"][i, :m] = np.arange(m)
         out["segment_ids"][i, :m] = 1
-        out["loss_mask"][i, len(p) - 1:m] = 1.0
+        out["loss_mask"][i, len(p) - 1:m] = 1.0 if tool_mask is None else tool_mask[i]
         out[SAMPLER_LOGPS_KEY][i, len(p) - 1:m] = logps[i]
     return out
 
 
 def shared_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], logps: list[list[float]], group: int,
-                seq_len: int, width: int) -> dict[str, np.ndarray]:
+                seq_len: int, width: int, tool_mask: list[list[int]] | None = None) -> dict[str, np.ndarray]:
     """(N / group, P + group x ``width``) rows in regions, one per prompt: the prompt's positions once in its P =
     ``seq_len - width`` slots, then each of its ``group`` completions (at most ``width`` tokens) as a branch in
     ``width`` slots of its own (`jaxtune.data.encoded.shared_row`, `jaxtune.models.layers.RegionMask`), the loss
-    mask and ``sampler_logps`` on the completions' tokens, and ``branch_slots`` (N / group, group, width)."""
+    mask (on the model's own tokens only, with a ``tool_mask``) and ``sampler_logps`` on the completions' tokens,
+    and ``branch_slots`` (N / group, group, width)."""
     n = len(prompt_ids)
     rows = []
     for g in range(0, n, group):
@@ -402,7 +475,8 @@ def shared_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], lo
             _check_fits(i, p, c, seq_len)
             if len(c) > width:
                 raise ValueError(f"rollout row {i}: {len(c)} completion tokens exceed max_completion_length={width}")
-            sequences.append((np.asarray([*p, *c], np.int32), np.arange(len(p) + len(c)) >= len(p)))
+            trained = np.ones(len(c), bool) if tool_mask is None else np.asarray(tool_mask[i], bool)
+            sequences.append((np.asarray([*p, *c], np.int32), np.concatenate([np.zeros(len(p), bool), trained])))
             sampled.append(np.concatenate([np.zeros(len(p), np.float32), np.asarray(logps[i], np.float32)]))
         rows.append(shared_row(sequences, len(prompt_ids[g]), seq_len - width + group * width,
                                {SAMPLER_LOGPS_KEY: sampled}, regions=(seq_len - width, width)))
