@@ -53,7 +53,8 @@ class Trajectories:
     tool_mask: list[list[int]]  # per id: 1 on the model's tokens, 0 on the tools'
     texts: list[str]  # per rollout: its last assistant turn's text (the stop id left out), what rewards read
     calls: int  # tool calls made (well-formed or not), over every process's rollouts
-    failures: int  # of those, the ones that failed (raised, timed out, returned no string, unreadable)
+    failures: int  # of those, the ones that failed (raised, timed out, returned no string, crashed)
+    malformed: int  # turns whose tool calls could not be read (ended as answers)
     environment_rewards: dict[str, tuple[np.ndarray, dict[int, str]]]  # label -> ((N,) scores, {index: why failed})
 
 
@@ -130,11 +131,11 @@ class Agent:
         logps = [list(x) for x in first.logps]
         mask = [[1] * len(x) for x in ids]
         last = [list(x) for x in first.ids]  # each rollout's latest turn
-        rounds, calls, failures = 0, 0, 0
+        rounds, calls, failures, malformed = 0, 0, 0, 0
         active = list(range(n))
         while active and (self.max_rounds is None or rounds < self.max_rounds):
-            suffixes, made, failed = self._tools(last, active, mine, first_id)
-            calls, failures = calls + made, failures + failed
+            suffixes, made, failed, unread = self._tools(last, active, mine, first_id)
+            calls, failures, malformed = calls + made, failures + failed, malformed + unread
             active = [i for i in active if suffixes[i] is not None
                       and len(ids[i]) + len(suffixes[i]) < self.budget]  # room left for a turn (TRL drops overlong)
             if not active:
@@ -154,41 +155,46 @@ class Agent:
         texts = [self._text(t) for t in last]
         rewards = self._rewards(n, mine, first_id)
         self.worker.drop()
-        return Trajectories(prompt_ids, ids, logps, mask, texts, calls, failures, rewards)
+        return Trajectories(prompt_ids, ids, logps, mask, texts, calls, failures, malformed, rewards)
 
     def _text(self, turn: list[int]) -> str:
-        """A turn's text without its stop id and its tool calls."""
-        body = turn[:-1] if turn and turn[-1] in self.stops else turn
-        return parse_tool_calls(self.tokenizer.decode(body), self.style).content
+        """A turn's text without its stop id and its tool calls (all of it, where a call cannot be read)."""
+        text = self.tokenizer.decode(turn[:-1] if turn and turn[-1] in self.stops else turn)
+        parsed = parse_tool_calls(text, self.style)
+        return text if parsed.malformed else parsed.content
 
     def _tools(self, last: list[list[int]], active: list[int], mine: slice,
-               first_id: int) -> tuple[list[list[int] | None], int, int]:
+               first_id: int) -> tuple[list[list[int] | None], int, int, int]:
         """Runs the tool calls of this process's active rollouts' latest turns: per rollout (every process's), the
-        ids its tool results append (None: its turn called no tool), and the calls made and failed (all processes)."""
+        ids its tool results append (None: its turn called no tool), and the calls made and failed, and the turns
+        whose calls could not be read, over every process's rollouts. A turn with a call that cannot be read (bad
+        JSON, no name) ends its rollout as an answer, scored, as TRL's loop ends it."""
         suffixes: list[list[int] | None] = [None] * len(last)
-        made = failed = 0
+        made = failed = malformed = 0
         for i in active:
             if not mine.start <= i < mine.stop:
                 continue
             turn = last[i]
-            parsed = parse_tool_calls(self.tokenizer.decode(turn[:-1] if turn and turn[-1] in self.stops
-                                                            else turn), self.style)
-            if not parsed.wants_tools or not turn or turn[-1] not in self.stops:
-                continue  # an answer, or a turn cut by the budget: the rollout ends
+            if not turn or turn[-1] not in self.stops:
+                continue  # a turn cut by the budget: the rollout ends
+            parsed = parse_tool_calls(self.tokenizer.decode(turn[:-1]), self.style)
+            if parsed.malformed:  # the model's mistake: the turn is its answer, and is scored (TRL's)
+                malformed += 1
+                continue
+            if not parsed.calls:
+                continue  # an answer: the rollout ends
             messages = []
             for call in parsed.calls:
                 result, bad = self.worker.call(first_id + i - mine.start, call)
                 messages.append({"role": "tool", "name": call.name, "content": result})
                 failed += bad
-            for why in parsed.malformed:
-                messages.append({"role": "tool", "name": "unknown", "content": f"Error: {why}"})
-                failed += 1
-            made += len(parsed.calls) + len(parsed.malformed)
+            made += len(parsed.calls)
             suffixes[i] = tool_suffix_ids(self.tokenizer, messages, self.stops)
         if jax.process_count() > 1:
             suffixes = shared_ragged(suffixes, mine)
-            made, failed = (int(x) for x in every_process(np.asarray([[made, failed]], np.int64)).sum(axis=0))
-        return suffixes, made, failed
+            made, failed, malformed = (int(x) for x in every_process(
+                np.asarray([[made, failed, malformed]], np.int64)).sum(axis=0))
+        return suffixes, made, failed, malformed
 
     def _rewards(self, n: int, mine: slice, first_id: int) -> dict[str, tuple[np.ndarray, dict[int, str]]]:
         """Each reward-owning environment class's ``get_reward()`` of this process's rollouts (NaN for the others':

@@ -89,7 +89,7 @@ class Completions:
     logps: list[list[float]]  # per completion: each new id's log-prob under the distribution it was drawn from
     # multi-turn rollouts (`jaxtune.train.agent`): per completion, 1 on the model's tokens, 0 on the tools'
     tool_mask: list[list[int]] | None = None
-    tool_calls: tuple[int, int] = (0, 0)  # (calls made, failed) over every process's rollouts
+    tool_calls: tuple[int, int, int] = (0, 0, 0)  # (calls made, failed, unreadable turns), every process's
 
     @property
     def lengths(self) -> np.ndarray:
@@ -127,7 +127,7 @@ class Completions:
         return Completions(cat("prompt_ids"), cat("ids"), cat("texts"), cat("rows"), scores,
                            np.concatenate([p.stopped for p in parts]), cat("logps"),
                            cat("tool_mask") if masked else None,
-                           tuple(int(sum(p.tool_calls[k] for p in parts)) for k in (0, 1)))
+                           tuple(int(sum(p.tool_calls[k] for p in parts)) for k in range(3)))
 
     def informative(self, group: int) -> np.ndarray:
         """(groups,) bool: whether a group's rewards differ (std > 0), so its advantages are not all 0."""
@@ -205,7 +205,7 @@ class Rollout:
         if trajectories is None:
             return Completions(prompt_ids, ids, texts, expanded, scores, stopped, sampled.logps)
         return Completions(prompt_ids, ids, texts, expanded, scores, stopped, sampled.logps, trajectories.tool_mask,
-                           (trajectories.calls, trajectories.failures))
+                           (trajectories.calls, trajectories.failures, trajectories.malformed))
 
     def _scored(self, source: PromptRows, expanded: list[int], texts: list[str], ids: list[list[int]], mine: slice,
                 step: int, trajectories: Trajectories | None, together: bool) -> Scores:
@@ -365,10 +365,11 @@ class Rollout:
             out[f"rewards/{label}/mean"] = float(column.mean()) if column.size else float("nan")
             out[f"rewards/{label}/std"] = float(column.std(ddof=1)) if column.size > 1 else 0.0
         out.update(done.scores.logged)
-        if self.agent is not None:  # TRL's: calls per rollout, failures per call
-            calls, failed = done.tool_calls
+        if self.agent is not None:  # TRL's: calls per rollout, failures per call; and unreadable calls per rollout
+            calls, failed, malformed = done.tool_calls
             out["tools/call_frequency"] = calls / len(done.ids)
             out["tools/failure_frequency"] = failed / calls if calls else 0.0
+            out["tools/malformed_frequency"] = malformed / len(done.ids)
         for label, n in done.scores.errors.items():
             out[f"reward_errors/{label}"] = float(n)
         gen = self.timings["generation"]

@@ -167,13 +167,13 @@ class Host:
     def call(self, rollout: int, name: str, arguments: Any) -> Any:
         tools = self.live[rollout][1]
         if name not in tools:
-            return {"failed": f"unknown tool {name!r}; the tools are {', '.join(sorted(tools)) or 'none'}"}
+            return {"failed": f"Tool {name} not found."}  # TRL's words
         if not isinstance(arguments, dict):
             return {"failed": f"the arguments of {name} must be a JSON object, not {type(arguments).__name__}"}
         try:
             result = tools[name](**arguments)
         except Exception as e:  # noqa: BLE001 (the tool's failure is the model's to read, not the run's)
-            return {"failed": f"{type(e).__name__}: {e}"}
+            return {"failed": str(e)}  # what TRL's loop tells the model
         if not isinstance(result, str):
             return {"failed": f"tool {name} returned a {type(result).__name__}, not a string"}
         return result

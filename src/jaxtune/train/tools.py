@@ -146,6 +146,11 @@ def tool_suffix_ids(tokenizer: Tokenizer, tool_messages: list[dict[str, Any]], s
     return full[len(prefix):]
 
 
+def failure(message: str) -> str:
+    """A failed tool call's result as the model reads it (TRL's form: the repr of ``{"error": message}``)."""
+    return str({"error": message})
+
+
 @dataclass
 class _Rollout:
     environment: str
@@ -245,16 +250,17 @@ class ToolWorker:
         return got["ok"]
 
     def call(self, rollout: int, call: ToolCall) -> tuple[str, bool]:
-        """(the result the model reads, whether the call failed) of one tool call of a rollout."""
+        """(the result the model reads, whether the call failed) of one tool call of a rollout. A failure reads
+        as TRL's loop writes it, ``{'error': '...'}``, so a model sees what it would see there."""
         got = self._request({"op": "call", "rollout": rollout, "name": call.name, "arguments": call.arguments})
         if got is None:
             self._restart()
-            return (f"Error: tool {call.name} did not answer within {self.timeout} s (or crashed) and was "
-                    "stopped"), True
+            return failure(f"tool {call.name} did not answer within {self.timeout} s, or its process died, and was "
+                           "stopped"), True
         if "error" in got:
-            return f"Error: {got['error']}", True
+            return failure(got["error"]), True
         if isinstance(got["ok"], dict):
-            return f"Error: {got['ok']['failed']}", True
+            return failure(got["ok"]["failed"]), True
         if rollout in self._live:
             self._live[rollout].calls.append((call.name, call.arguments))
         return got["ok"], False
