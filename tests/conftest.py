@@ -34,6 +34,21 @@ def quickstart_sft_model(tmp_path_factory, data_cache) -> Path:
     return model
 
 
+@pytest.fixture(scope="session")
+def agent_model(tmp_path_factory, data_cache) -> Path:
+    """The agent recipe's first step, shortened and done once for the session: `jaxtune train agent-sft-quickstart`
+    (60 steps: it writes well-formed calls of the multiply tool in some of its samples, not yet the right
+    arguments), then `jaxtune export` of it. The exported model directory."""
+    from jaxtune.cli import main
+
+    root = tmp_path_factory.mktemp("agent-sft")
+    assert main(["train", "agent-sft-quickstart", f"run_dir={root / 'sft'}", f"data.cache_dir={data_cache}",
+                 "train.steps=60", "train.batch_size=8", "eval.every=0", "data.val_fraction=0",
+                 "checkpoint.every=1000", *QUICK]) == 0
+    assert main(["export", str(root / "sft"), str(root / "model")]) == 0
+    return root / "model"
+
+
 @pytest.fixture(scope="module")
 def gguf_module_root(tmp_path_factory, request):
     """A directory of the test module's own, jaxtune's GGUF import cache in it (``JAXTUNE_GGUF_CACHE``, for the

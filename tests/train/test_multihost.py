@@ -29,7 +29,8 @@ WORKER = textwrap.dedent(
     from jaxtune.loop import train
     import jax
 
-    result = train(load_config(None, sys.argv[2:]))
+    named = sys.argv[2].startswith("--config=")  # a shipped config, then overrides
+    result = train(load_config(sys.argv[2].partition("=")[2] if named else None, sys.argv[3 if named else 2:]))
     expected = tuple(int(n) for n in os.environ["EXPECT_PROCESSES_DEVICES"].split(","))
     assert (jax.process_count(), jax.device_count()) == expected, (jax.process_count(), jax.device_count())
     with open(sys.argv[1], "w") as f:
@@ -489,3 +490,29 @@ def test_a_process_id_beyond_the_process_count_is_refused_before_joining(tmp_pat
     assert _refused_in_one_line(capsys, tiny_overrides, address, process_id=2, timeout=60) == (
         f"error: distributed.process_id=2 (host {socket.gethostname()}) is not below distributed.num_processes=2: "
         "number the processes 0 to 1, or raise distributed.num_processes")
+
+
+def test_grpo_with_tools_in_two_processes_samples_and_trains_as_one(tmp_path, agent_model, data_cache):
+    """Multi-turn rollouts with a tool (`agent-quickstart` on the session's briefly fine-tuned agent model) in 2
+    processes of 1 CPU device each against one process over 2 devices: each process resets its own rollouts'
+    environments and runs their tool calls in its own worker, the appended ids are shared before every turn, so
+    every turn is the one process's. The step's tool calls, rewards, model-token counts and losses agree."""
+    from helpers.run_outputs import metric_rows
+
+    base = ["--config=agent-quickstart", f"model.from_hf={agent_model}", f"data.cache_dir={data_cache}",
+            "train.steps=2", "objective.prompts_per_step=2", "objective.num_generations=4", "mesh.fsdp=2",
+            "eval.every=0", "eval.exact_match=0", "checkpoint.every=2", "checkpoint.async_save=false",
+            "logging.every=1", "logging.progress=false", "logging.tensorboard=false"]
+    single = _single(tmp_path, [*base, f"run_dir={tmp_path / 'single'}"], devices=2)
+    results = _finish(tmp_path, _launch(tmp_path, [*base, f"run_dir={tmp_path / 'two'}"], devices=1))
+    _, err = single.communicate(timeout=600)
+    assert single.returncode == 0, err[-3000:]
+    ref = json.loads((tmp_path / "single.json").read_text())
+    for got in results:
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=1e-9), (got["losses"], ref["losses"])
+    one, two = metric_rows(tmp_path / "single", "train"), metric_rows(tmp_path / "two", "train")
+    assert sum(r["tools/call_frequency"] for r in one) > 0  # the rollouts called the tool
+    for a, b in zip(one, two, strict=True):
+        for k in ("tools/call_frequency", "tools/failure_frequency", "tools/malformed_frequency", "reward",
+                  "completions/mean_length", "count", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-6), (k, a[k], b[k])

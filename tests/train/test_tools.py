@@ -26,8 +26,8 @@ from helpers.chat_templates import build_tokenizer
 from jaxtune.config import objective_config
 from jaxtune.data.chat import CHATML_TOOLS
 from jaxtune.models.sampling import Generation
+from jaxtune.tool_schema import SchemaError, tool_schema
 from jaxtune.train.agent import Agent, rows_bucket
-from jaxtune.train.tool_worker import SchemaError, tool_schema
 from jaxtune.train.tools import ToolCall, ToolError, ToolWorker, call_style, parse_tool_calls
 
 TOOLS_MODULE = '''

@@ -30,16 +30,20 @@ GEMMA = ("{{ bos_token }}"
          " ~ (head if loop.first else '') ~ (m['content'] | trim) ~ '<end_of_turn>\\n' }}"
          "{%- endfor -%}"
          "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
-# ChatML with tools, in the Hermes convention Qwen 2.5/3 use: the tools' JSON schemas in the system turn, an assistant's
-# calls as <tool_call> blocks of JSON, and consecutive tool results as <tool_response> blocks of one user turn.
+# ChatML with tools: the tools listed in the system turn one per line (name, typed parameters, description: short, so
+# a small model's context holds them), an assistant's calls as Hermes-style <tool_call> blocks of JSON (Qwen 2.5/3's),
+# and consecutive tool results as <tool_response> blocks of one user turn.
 CHATML_TOOLS = (
     "{%- set system = messages and messages[0]['role'] == 'system' -%}"
     "{%- if tools -%}"
     "{{ '<|im_start|>system\\n' }}{% if system %}{{ messages[0]['content'] ~ '\\n\\n' }}{% endif %}"
-    "{{ 'You may call one or more of these tools, each described by a JSON schema:\\n<tools>' }}"
-    "{%- for tool in tools %}{{ '\\n' ~ (tool | tojson) }}{% endfor %}"
-    "{{ '\\n</tools>\\nTo call one, write <tool_call>\\n{\"name\": <name>, \"arguments\": <JSON object>}\\n'"
-    " ~ '</tool_call>. The results come back in <tool_response> blocks.<|im_end|>\\n' }}"
+    "{{ 'Tools:' }}"
+    "{%- for tool in tools %}{% set f = tool['function'] if tool.get('function') else tool %}"
+    "{{ '\\n- ' ~ f['name'] ~ '(' }}"
+    "{%- for name, p in (f.get('parameters') or {}).get('properties', {}).items() -%}"
+    "{{ name ~ ': ' ~ p.get('type', 'any') }}{% if not loop.last %}{{ ', ' }}{% endif %}"
+    "{%- endfor %}{{ '): ' ~ f.get('description', '') }}{% endfor %}"
+    "{{ '\\nCall one as <tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call>.<|im_end|>\\n' }}"
     "{%- elif system -%}{{ '<|im_start|>system\\n' ~ messages[0]['content'] ~ '<|im_end|>\\n' }}{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'tool' -%}"

@@ -42,6 +42,24 @@ its samples still carry now and then. A verifiable reward (``exact_number``) fin
 and RLOO quickstarts) and distillation from a careful teacher (GKD's) have a clear mistake to correct that
 supervised data alone taught.
 
+``synthetic:multiply-hasty`` (generated): 10,000 chat rows of products of a three-digit and a two-digit number
+(distinct, seeded), for the agent recipe (`agent-quickstart`): the system turn shows the ``multiply`` tool
+(`jaxtune.recipe_tools`) exactly as the ``chatml-tools`` template renders it for a multi-turn rollout. A hasty
+student writes them: in 30% of the rows (seeded) the assistant calls the tool, reads its result (a ``tool_response``
+turn, rendered as ``chatml-tools`` renders a tool message) and answers with it; in the others it answers at once
+with a guess (the product of the factors rounded to their leading digit: "347 times 86 is 27000."), which is
+wrong. A model fine-tuned on it answers greedily with a guess and calls the tool in some of its samples; a
+verifiable reward finds that those are right::
+
+    system: You may call one or more of these tools, ... {"name": "multiply", ...} ...
+    user: What is 347 times 86?
+    assistant: <tool_call>\n{"name": "multiply", "arguments": {"a": 347, "b": 86}}\n</tool_call>
+    user: <tool_response>\n29842\n</tool_response>
+    assistant: 347 times 86 is 29842.
+
+``synthetic:multiply-prompts`` (generated): the same 10,000 products in the same order and phrasings, as prompts
+with their answer (``data.format: prompts``); the tools' system turn is rendered by the run (``objective.tools``).
+
 ``synthetic:chat-small`` (shipped): 552 human-written English conversations from the ChatterBot corpus, BSD-3-Clause
 (``chat_small.jsonl``; its source, selection and licence are in ``chat_small.README.md`` beside it).
 
@@ -127,6 +145,57 @@ def arithmetic_prompts(seed: int = 0) -> Iterator[dict]:
         yield {"prompt": [{"role": "user", "content": question}], "answer": str(a + b)}
 
 
+_PRODUCTS = ("What is {a} times {b}?", "Compute {a} times {b}.", "Please tell me {a} times {b}.",
+             "How much is {a} times {b}?")
+TOOL_USE = 0.3  # the share of synthetic:multiply-hasty's rows that call the tool
+
+
+def _products(seed: int, count: int = 10_000) -> Iterator[tuple[int, int, str]]:
+    """``count`` distinct products (a, b) of a in 100..999 and b in 10..99, seeded, with their question."""
+    rng = random.Random(f"products:{seed}")
+    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(10, 100)], count)
+    for a, b in pairs:
+        yield a, b, rng.choice(_PRODUCTS).format(a=a, b=b)
+
+
+def _leading(n: int) -> int:
+    """``n`` rounded to its leading digit (347 -> 300, 86 -> 90)."""
+    scale = 10 ** (len(str(n)) - 1)
+    return round(n / scale) * scale
+
+
+def tools_system(tools: list) -> str:
+    """The system turn ``chatml-tools`` renders for ``tools`` (their schemas), as a message's content."""
+    from jaxtune.data.chat import CHATML_TOOLS
+    from jaxtune.data.tokenizer import render_template
+    from jaxtune.tool_schema import tool_schema
+
+    text = render_template(CHATML_TOOLS, [], tools=[tool_schema(t) for t in tools])
+    return text.removeprefix("<|im_start|>system\n").removesuffix("<|im_end|>\n")
+
+
+def multiply_hasty(seed: int = 0) -> Iterator[dict]:
+    from jaxtune import recipe_tools
+
+    system = {"role": "system", "content": tools_system(recipe_tools.tools)}
+    calls = random.Random(f"multiply-hasty:{seed}")
+    for a, b, question in _products(seed):
+        asked = [system, {"role": "user", "content": question}]
+        if calls.random() < TOOL_USE:
+            call = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+            yield {"messages": [*asked, {"role": "assistant", "content": call},
+                                {"role": "user", "content": f"<tool_response>\n{a * b}\n</tool_response>"},
+                                {"role": "assistant", "content": f"{a} times {b} is {a * b}."}]}
+        else:
+            yield {"messages": [*asked, {"role": "assistant", "content": f"{a} times {b} is "
+                                                                          f"{_leading(a) * _leading(b)}."}]}
+
+
+def multiply_prompts(seed: int = 0) -> Iterator[dict]:
+    for a, b, question in _products(seed):
+        yield {"prompt": [{"role": "user", "content": question}], "answer": str(a * b)}
+
+
 def chat_small() -> Iterator[dict]:
     with CHAT_SMALL.open(encoding="utf-8") as f:
         for line in f:
@@ -135,8 +204,10 @@ def chat_small() -> Iterator[dict]:
 
 GENERATORS = {"arithmetic": arithmetic, "arithmetic-careless": arithmetic_careless,
               "arithmetic-preferences": arithmetic_preferences, "arithmetic-unpaired": arithmetic_unpaired,
-              "arithmetic-prompts": arithmetic_prompts, "chat-small": chat_small}
+              "arithmetic-prompts": arithmetic_prompts, "chat-small": chat_small, "multiply-hasty": multiply_hasty,
+              "multiply-prompts": multiply_prompts}
 # The data.format of each generator's rows.
 GENERATOR_FORMATS = {"arithmetic": "messages", "arithmetic-careless": "messages",
                      "arithmetic-preferences": "preference", "arithmetic-unpaired": "unpaired",
-                     "arithmetic-prompts": "prompts", "chat-small": "messages"}
+                     "arithmetic-prompts": "prompts", "chat-small": "messages", "multiply-hasty": "messages",
+                     "multiply-prompts": "prompts"}

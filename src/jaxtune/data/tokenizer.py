@@ -337,6 +337,12 @@ def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     return t
 
 
+def render_template(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+    """``template`` rendered as transformers renders chat templates, without a tokenizer's special strings."""
+    return _render(template, messages, add_generation_prompt, {}, tools)
+
+
 def _render(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
             specials: dict[str, str], tools: list[dict[str, Any]] | None = None) -> str:
     return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,

@@ -280,16 +280,26 @@ class Rollout:
             mine = slice(jax.process_index() * n, (jax.process_index() + 1) * n)
             done = done.subset(mine, done.scores)
             advantages = advantages[mine]
-        if self.cfg.data.shares_prompts:  # a row per prompt: its prompt once, then its group's completions
-            rows = shared_rows(done.prompt_ids, done.ids, done.logps, o.num_generations, self.cfg.data.seq_len,
-                               o.max_completion_length, done.tool_mask)
-            rows = {**rows, "advantages": advantages.reshape(-1, o.num_generations)}
-        else:
-            rows = {**training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len, done.tool_mask),
-                    "advantages": advantages}
+        rows = self.laid_out(done, advantages)
         if getattr(o, "mask_truncated_completions", False):
             rows["loss_mask"] = rows["loss_mask"] * completion_kept(rows, done.stopped)
         return rows, metrics
+
+    def laid_out(self, done: Completions, advantages: np.ndarray) -> dict[str, np.ndarray]:
+        """The completions as training rows with their ``advantages``: a row per prompt, its prompt once and then
+        its group's completions (``data.share_prompts``), or a row per completion."""
+        o = self.cfg.objective
+        if not self.cfg.data.shares_prompts:
+            return {**training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len, done.tool_mask),
+                    "advantages": advantages}
+        g = o.num_generations
+        if any(done.prompt_ids[i] != done.prompt_ids[i - i % g] for i in range(len(done.prompt_ids))):
+            raise DataError(f"objective.tools={o.tools}: the environment's reset() gave one prompt's rollouts "
+                            "different texts, so they share no prompt; set data.share_prompts=false (a row per "
+                            "rollout)")
+        rows = shared_rows(done.prompt_ids, done.ids, done.logps, g, self.cfg.data.seq_len, o.max_completion_length,
+                           done.tool_mask)
+        return {**rows, "advantages": advantages.reshape(-1, g)}
 
     def given(self, source: PromptRows, rows: list[int], group: int) -> Completions:
         """``group`` copies of each prompt row's own completion (its ``completion`` field, or the reply that ended

@@ -1,0 +1,84 @@
+"""GRPO with tools end to end (`jaxtune.train.agent`): `agent-quickstart`'s chain, shortened.
+
+On the session's ``agent_model`` (conftest: `agent-sft-quickstart` shortened to 60 steps, which writes well-formed
+``multiply`` calls in some of its samples, not yet the right arguments):
+
+- a GRPO run with ``objective.tools`` trains, in both row layouts: its rollouts call the tool (``tools/call_frequency``
+  > 0, failures 0), the tool results' tokens are in the trajectories and out of the loss (the trained tokens are
+  fewer than the trajectories' tokens), the sampler compiled no more programs than its buckets allow, and the tools'
+  worker process is gone when the run ends;
+- the synthetic SFT rows render exactly as the run renders its prompts and tool results (the skill the fine-tune
+  teaches is the one the rollouts ask for).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import pytest
+from helpers.run_outputs import metric_rows
+
+from jaxtune.config import load_config
+from jaxtune.data.chat import CHATML_TOOLS
+from jaxtune.data.synthetic import multiply_hasty, tools_system
+from jaxtune.data.tokenizer import render_template
+from jaxtune.loop import train
+from jaxtune.tool_schema import tool_schema
+
+
+def _workers() -> list[int]:
+    """The pids of this process's children that serve tools."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().split()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat[3]) == os.getpid() and b"jaxtune.train.tool_worker" in cmd:
+                out.append(int(pid))
+    return out
+
+
+@pytest.mark.parametrize("share", ["true", "false"])
+def test_grpo_with_tools_trains(tmp_path, agent_model, data_cache, share):
+    run = tmp_path / "run"
+    cfg = load_config("agent-quickstart", [
+        f"run_dir={run}", f"model.from_hf={agent_model}", f"data.cache_dir={data_cache}",
+        f"data.share_prompts={share}", "train.steps=2", "objective.prompts_per_step=2", "objective.num_generations=4",
+        "eval.every=0", "eval.exact_match=0", "checkpoint.every=2", "logging.every=1", "logging.progress=false",
+        "logging.tensorboard=false"])
+    result = train(cfg)
+    rows = metric_rows(run, "train")
+    assert len(rows) == 2
+    assert sum(r["tools/call_frequency"] for r in rows) > 0, rows  # the rollouts called the tool
+    assert all(r["tools/failure_frequency"] == 0.0 for r in rows)
+    # the trained tokens are the model's own (TRL's count): the tool results' tokens in the trajectories are not
+    assert [r["count"] for r in rows] == [round(r["completions/mean_length"] * 8) for r in rows]
+    # one program for the first turns (one prompt bucket), then one per (rows bucket 1, 2, 4, 8; prompt bucket
+    # 256 or 512) for the continuations
+    assert result.sampler_compiles <= 1 + 4 * 2, result.sampler_compiles
+    assert _workers() == []  # the tools' worker stopped with the run
+
+
+def test_fine_tune_rows_render_as_the_rollouts_do():
+    """A synthetic:multiply-hasty row, rendered by chatml-tools, is the rollout's prompt (its question rendered with
+    the tool's schema) followed by the model's turns and the tool's result as the run renders a tool message."""
+    from jaxtune import recipe_tools
+
+    schema = [tool_schema(t) for t in recipe_tools.tools]
+    row = next(r for r in itertools.islice(multiply_hasty(), 50) if len(r["messages"]) == 5)
+    system, user, call, result, answer = row["messages"]
+    assert system["content"] == tools_system(recipe_tools.tools)
+    sft = render_template(CHATML_TOOLS, row["messages"])
+    prompt = render_template(CHATML_TOOLS, [user], add_generation_prompt=True, tools=schema)
+    assert sft.startswith(prompt + call["content"] + "<|im_end|>\n")
+    tool_message = {"role": "tool", "name": "multiply", "content": result["content"].split("\n")[1]}
+    as_run = render_template(CHATML_TOOLS, [user, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "multiply", "arguments": json.loads(
+            call["content"].split("\n")[1])["arguments"]}}]}, tool_message, answer], tools=schema)
+    assert as_run == sft
