@@ -55,6 +55,9 @@ CHECKS = {
     # the steadier measure.
     "reward-model-quickstart": Check("loss", "fall by at least 0.15", lambda a, b: a - b >= 0.15),
     "reward-quickstart": Check("reward", "rise by at least 1.0", lambda a, b: b - a >= 1.0),
+    # The agent's fine-tune learns the tool-call format and to copy numbers: its loss is what shows it.
+    "agent-sft-quickstart": Check("loss", "fall by at least 3.0", lambda a, b: a - b >= 3.0),
+    "agent-quickstart": Check("accuracy", "rise by at least 0.40", lambda a, b: b - a >= 0.40),
 }
 
 

@@ -37,14 +37,22 @@ def quickstart_sft_model(tmp_path_factory, data_cache) -> Path:
 @pytest.fixture(scope="session")
 def agent_model(tmp_path_factory, data_cache) -> Path:
     """The agent recipe's first step, shortened and done once for the session: `jaxtune train agent-sft-quickstart`
-    (60 steps: it writes well-formed calls of the multiply tool in some of its samples, not yet the right
-    arguments), then `jaxtune export` of it. The exported model directory."""
+    for 60 steps on the rows of synthetic:multiply-hasty that call the tool (so that it writes well-formed calls
+    of the multiply tool in most of its samples, not yet with the right arguments), then `jaxtune export` of it.
+    The exported model directory."""
+    import itertools
+
+    from helpers.rows import write_jsonl
+
     from jaxtune.cli import main
+    from jaxtune.data.synthetic import multiply_hasty
 
     root = tmp_path_factory.mktemp("agent-sft")
+    rows = write_jsonl(root / "calls.jsonl", (r for r in itertools.islice(multiply_hasty(), 3000)
+                                              if len(r["messages"]) == 5))
     assert main(["train", "agent-sft-quickstart", f"run_dir={root / 'sft'}", f"data.cache_dir={data_cache}",
-                 "train.steps=60", "train.batch_size=8", "eval.every=0", "data.val_fraction=0",
-                 "checkpoint.every=1000", *QUICK]) == 0
+                 f"data.sources=[{rows}]", "train.steps=60", "train.batch_size=8", "eval.every=0",
+                 "data.val_fraction=0", "checkpoint.every=1000", *QUICK]) == 0
     assert main(["export", str(root / "sft"), str(root / "model")]) == 0
     return root / "model"
 

@@ -44,7 +44,8 @@ HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemm
 # Recipes that start from another recipe's run, exported (`jaxtune export`): checked on that recipe's model.
 LOCAL_STARTS = {"runs/finetune-quickstart/model": "finetune-quickstart",
                 "runs/sft-careless/model": "finetune-quickstart",
-                "runs/student-careless/model": "finetune-quickstart"}
+                "runs/student-careless/model": "finetune-quickstart",
+                "runs/agent-sft/model": "agent-sft-quickstart"}
 
 
 # torchax recipes: a tiny transformers config of the hub model's architecture, to build it with the recipe's LoRA.

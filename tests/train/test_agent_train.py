@@ -23,7 +23,7 @@ from helpers.run_outputs import metric_rows
 
 from jaxtune.config import load_config
 from jaxtune.data.chat import CHATML_TOOLS
-from jaxtune.data.synthetic import multiply_hasty, tools_system
+from jaxtune.data.synthetic import RECIPE_TOOLS_SYSTEM, multiply_hasty
 from jaxtune.data.tokenizer import render_template
 from jaxtune.loop import train
 from jaxtune.tool_schema import tool_schema
@@ -73,7 +73,8 @@ def test_fine_tune_rows_render_as_the_rollouts_do():
     schema = [tool_schema(t) for t in recipe_tools.tools]
     row = next(r for r in itertools.islice(multiply_hasty(), 50) if len(r["messages"]) == 5)
     system, user, call, result, answer = row["messages"]
-    assert system["content"] == tools_system(recipe_tools.tools)
+    shown = render_template(CHATML_TOOLS, [], tools=schema)
+    assert shown == f"<|im_start|>system\n{RECIPE_TOOLS_SYSTEM}<|im_end|>\n" and system["content"] == RECIPE_TOOLS_SYSTEM
     sft = render_template(CHATML_TOOLS, row["messages"])
     prompt = render_template(CHATML_TOOLS, [user], add_generation_prompt=True, tools=schema)
     assert sft.startswith(prompt + call["content"] + "<|im_end|>\n")

@@ -164,20 +164,14 @@ def _leading(n: int) -> int:
     return round(n / scale) * scale
 
 
-def tools_system(tools: list) -> str:
-    """The system turn ``chatml-tools`` renders for ``tools`` (their schemas), as a message's content."""
-    from jaxtune.data.chat import CHATML_TOOLS
-    from jaxtune.data.tokenizer import render_template
-    from jaxtune.tool_schema import tool_schema
-
-    text = render_template(CHATML_TOOLS, [], tools=[tool_schema(t) for t in tools])
-    return text.removeprefix("<|im_start|>system\n").removesuffix("<|im_end|>\n")
+# The system turn chatml-tools renders for jaxtune.recipe_tools' tools (tests/train/test_agent_train.py holds it):
+# the fine-tuning rows carry it as their system message, as a rollout's prompt shows it.
+RECIPE_TOOLS_SYSTEM = ("Tools:\n- multiply(a: integer, b: integer): Multiplies two whole numbers.\nCall one as "
+                       '<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>.')
 
 
 def multiply_hasty(seed: int = 0) -> Iterator[dict]:
-    from jaxtune import recipe_tools
-
-    system = {"role": "system", "content": tools_system(recipe_tools.tools)}
+    system = {"role": "system", "content": RECIPE_TOOLS_SYSTEM}
     calls = random.Random(f"multiply-hasty:{seed}")
     for a, b, question in _products(seed):
         asked = [system, {"role": "user", "content": question}]

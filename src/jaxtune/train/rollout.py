@@ -293,7 +293,8 @@ class Rollout:
             return {**training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len, done.tool_mask),
                     "advantages": advantages}
         g = o.num_generations
-        if any(done.prompt_ids[i] != done.prompt_ids[i - i % g] for i in range(len(done.prompt_ids))):
+        if self.agent is not None and any(done.prompt_ids[i] != done.prompt_ids[i - i % g]
+                                          for i in range(len(done.prompt_ids))):
             raise DataError(f"objective.tools={o.tools}: the environment's reset() gave one prompt's rollouts "
                             "different texts, so they share no prompt; set data.share_prompts=false (a row per "
                             "rollout)")
