@@ -165,7 +165,8 @@ def main(argv=None) -> dict:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows.values():
         print(f"| {r['implementation']} | {r['ms_per_step']:,.0f} | {r['ms_per_step_min']:,.0f} | "
-              f"{r['cpu_ms_per_step']:,.0f} | {r['calls_per_rollout']:.2f} | {r["trajectory_tokens_per_round"]:,.0f} | "
+              f"{r['cpu_ms_per_step']:,.0f} | {r['calls_per_rollout']:.2f} | "
+              f"{r['trajectory_tokens_per_round']:,.0f} | "
               f"{r['reward']:.3f} | {r['first_round_s']:.1f} |")
     ratio = rows["TRL"]["ms_per_step"] / rows["jaxtune"]["ms_per_step"]
     print(f"jaxtune's rollout: {ratio:.2f}x TRL's")

@@ -74,7 +74,8 @@ def test_fine_tune_rows_render_as_the_rollouts_do():
     row = next(r for r in itertools.islice(multiply_hasty(), 50) if len(r["messages"]) == 5)
     system, user, call, result, answer = row["messages"]
     shown = render_template(CHATML_TOOLS, [], tools=schema)
-    assert shown == f"<|im_start|>system\n{RECIPE_TOOLS_SYSTEM}<|im_end|>\n" and system["content"] == RECIPE_TOOLS_SYSTEM
+    assert shown == f"<|im_start|>system\n{RECIPE_TOOLS_SYSTEM}<|im_end|>\n"
+    assert system["content"] == RECIPE_TOOLS_SYSTEM
     sft = render_template(CHATML_TOOLS, row["messages"])
     prompt = render_template(CHATML_TOOLS, [user], add_generation_prompt=True, tools=schema)
     assert sft.startswith(prompt + call["content"] + "<|im_end|>\n")
