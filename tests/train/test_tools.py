@@ -366,3 +366,93 @@ def _trl_loop(GRPOTrainer, parse_response, tokenizer, prompt, prompt_ids, calc_t
         [list(x) for x in first.logps], None, None)
     return {"completion_ids": completion_ids, "tool_mask": mask, "logprobs": logprobs, "calls": calls,
             "failures": failures}
+
+
+ENVIRONMENTS_MODULE = '''
+class Guess:
+    def reset(self, **row):
+        self.secret = int(row["secret"])
+
+    def guess(self, n: int) -> str:
+        """Guesses the number.
+
+        Args:
+            n: the guess
+        """
+        self.last = n
+        return "higher" if n < self.secret else "lower" if n > self.secret else "right"
+
+    def get_reward(self) -> float:
+        return float(getattr(self, "last", None) == self.secret)
+
+
+class Plain:
+    def reset(self, **row):
+        return None
+
+    def noop(self) -> str:
+        """Does nothing."""
+        return ""
+
+
+environment = {"guess": Guess, "plain": Plain}
+'''
+
+
+def test_environments_by_row_and_their_rewards(tmp_path, monkeypatch):
+    """A dict of environments: each row's ``environment`` field picks one (its tools only in its prompt), an unknown
+    one names the row, and only the environment that owns a reward scores (NaN for the other's rollouts, which the
+    reward sums leave out, as TRL's None)."""
+    from jaxtune.train.rewards import make_rewards
+
+    (tmp_path / "games.py").write_text(ENVIRONMENTS_MODULE)
+    monkeypatch.chdir(tmp_path)
+    tokenizer = build_tokenizer(tmp_path / "tok", CHATML_TOOLS, SPECIALS, eos="<|im_end|>")
+    objective = objective_config(name="grpo", tools="games", rewards=[])
+    agent = Agent(objective, tokenizer, [tokenizer.eos_id], 4000)
+    try:
+        assert agent.named and agent.reward_labels == ["Guess"]
+        fields = [{"environment": "guess", "secret": 7}, {"environment": "plain"}, {"environment": "nope"}]
+        source = SimpleNamespace(prompt=lambda r: [{"role": "user", "content": "Play."}],
+                                 fields=lambda r: dict(fields[r]), where=lambda r: f"games.jsonl:{r + 1}")
+        ids = agent.prompts(source, [0, 1], 0)
+        texts = [tokenizer.decode(p) for p in ids]
+        assert "- guess(n: integer)" in texts[0] and "noop" not in texts[0]
+        assert "- noop()" in texts[1] and "guess" not in texts[1]
+        with pytest.raises(Exception, match=r"games.jsonl:3: environment 'nope' is not one of .*guess, plain"):
+            agent.prompts(source, [2], 5)
+        call = '<tool_call>\n{"name": "guess", "arguments": {"n": 7}}\n</tool_call>'
+        turns = [tokenizer.encode_chat([t])[0] + [tokenizer.eos_id] for t in (call, "Done.")]
+        first = Generation(turns, [[0.0] * len(t) for t in turns])
+
+        def generate(batch, max_new, seed, group):  # every continued row answers at once
+            return Generation([tokenizer.encode_chat(["Got it."])[0] + [tokenizer.eos_id]] * len(batch),
+                              [[-0.5] * 4] * len(batch))
+
+        done = agent.run(generate, ids, first, 0, slice(0, 2), 0)
+    finally:
+        agent.close()
+    scores, problems = done.environment_rewards["Guess"]
+    assert np.isnan(scores[1]) and scores[0] == 1.0 and not problems
+    assert (done.calls, done.failures) == (1, 0) and done.texts == ["Got it.", "Done."]
+    rewards = make_rewards(objective, None, agent.reward_labels)
+    scored = rewards.score(["p", "p"], done.texts, [{}, {}], [1, 1], ["a", "b"], modelled={0: (scores, {})})
+    assert scored.total.tolist() == [1.0, 0.0] and np.isnan(scored.per_function[1, 0])
+    assert np.isnan(scored.scored_total[1])  # no function scored it: out of its group's baseline
+
+
+def test_text_prompts_and_long_prompts_are_refused(tmp_path, module):
+    tokenizer = build_tokenizer(tmp_path / "tok", CHATML_TOOLS, SPECIALS, eos="<|im_end|>")
+    objective = objective_config(name="grpo", tools=module, rewards=[{"name": "length"}])
+    agent = Agent(objective, tokenizer, [tokenizer.eos_id], 50)
+    try:
+        text = SimpleNamespace(prompt=lambda r: "What is 2 + 3?", fields=lambda r: {}, where=lambda r: "p.jsonl:4")
+        with pytest.raises(Exception, match="p.jsonl:4: objective.tools needs conversational prompts"):
+            agent.prompts(text, [0], 0)
+        chat = SimpleNamespace(prompt=lambda r: [{"role": "user", "content": "What is 2 + 3?"}], fields=lambda r: {},
+                               where=lambda r: "p.jsonl:9")
+        with pytest.raises(Exception, match=r"p.jsonl:9: the prompt with its tools' schemas is \d+ tokens, more than "
+                                            "the 50"):
+            agent.prompts(chat, [0], 0)
+    finally:
+        agent.close()

@@ -37,7 +37,7 @@ from jaxtune.data import DataError, PromptRows, Tokenizer
 from jaxtune.models.sampling import Generation
 from jaxtune.train.distributed import every_process
 from jaxtune.train.tool_worker import SINGLE
-from jaxtune.train.tools import ToolError, ToolWorker, call_style, parse_tool_calls, tool_suffix_ids
+from jaxtune.train.tools import ToolWorker, call_style, parse_tool_calls, tool_suffix_ids
 
 # (prompts' ids, max new tokens, seed, group) -> the generation of every row (`jaxtune.models.sampling.Generator`)
 Generate = Callable[[list[list[int]], int, int, int], Generation]
@@ -225,9 +225,3 @@ def shared_ragged(values: list[list[int] | None], mine: slice) -> list[list[int]
             block[k, 1:1 + len(v)] = v
     every = every_process(block)
     return [None if row[0] < 0 else row[1:1 + row[0]].tolist() for row in every]
-
-
-def require_tools(cfg: Any) -> None:
-    """A config with ``objective.tools`` whose run cannot use them fails before any work, naming the key."""
-    if cfg.objective.tools is not None and not cfg.data.format == "prompts":
-        raise ToolError("objective.tools samples multi-turn rollouts of prompts: set data.format: prompts")
