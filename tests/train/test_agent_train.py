@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from helpers.run_outputs import metric_rows
 
+from jaxtune.cli import main
 from jaxtune.config import load_config
 from jaxtune.data.chat import CHATML_TOOLS
 from jaxtune.data.synthetic import RECIPE_TOOLS_SYSTEM, multiply_hasty
@@ -84,3 +85,12 @@ def test_fine_tune_rows_render_as_the_rollouts_do():
         {"type": "function", "function": {"name": "multiply", "arguments": json.loads(
             call["content"].split("\n")[1])["arguments"]}}]}, tool_message, answer], tools=schema)
     assert as_run == sft
+
+
+def test_a_tools_module_that_does_not_load_is_one_line(tmp_path, agent_model, data_cache, capsys):
+    code = main(["train", "agent-quickstart", f"run_dir={tmp_path / 'run'}", f"model.from_hf={agent_model}",
+                 f"data.cache_dir={data_cache}", "objective.tools=no_such_tools", "logging.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("error: objective.tools='no_such_tools': ") and "No module named" in err[-1], err[-1]
+    assert _workers() == []

@@ -32,14 +32,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxtune.config import ConfigError
 from jaxtune.data import Tokenizer
 
 CALL_STYLES = ("hermes", "llama3", "mistral")
 
 
-class ToolError(RuntimeError):
+class ToolError(ConfigError):
     """The tools module cannot be used at all (it does not load, a tool cannot be described): stops the run before
-    its first step, naming ``objective.tools``."""
+    its first step, one line naming ``objective.tools``."""
 
 
 @dataclass(frozen=True)
