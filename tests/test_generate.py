@@ -286,3 +286,71 @@ def test_lora_samples_with_its_adapters_merged(scan):
                                                      jax.tree.leaves(before), strict=True))
     base_only = merged_gen.plain(base, prompts, max_new_tokens=12).ids
     assert base_only != merged_gen(weights, prompts, max_new_tokens=12).ids
+
+
+# --- sessions (multi-turn rollouts) ---------------------------------------------------------------------------------
+
+
+def _llama(n_layer: int = 2):
+    """(graphdef, params) of a tiny random Llama (RoPE: positions matter, GQA)."""
+    from jaxtune import sharding
+    from jaxtune.backends import make_state_spec
+    from jaxtune.config import load_config
+
+    cfg = load_config(None, ["model.family=llama", "model.preset=tiny", f"model.n_layer={n_layer}",
+                             "model.d_model=64", "model.n_head=4", "model.n_kv_head=2", "model.d_ff=128",
+                             "model.vocab_size=256", "model.max_seq_len=128"])
+    spec = make_state_spec(cfg, 256, sharding.make_mesh(1, 1, 1, jax.devices()[:1]))
+    params = jax.tree.map(lambda x: x * 3 if x.ndim > 1 else x, spec.init(0).params)
+    return spec.graphdef, params
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_session_continues_turns_as_the_whole_conversation_would(model, family, group):
+    """A multi-turn rollout's session: after a first turn, tokens appended to some rows (a tool's result) and their
+    next turn generated from the cache give the tokens (greedy, and sampled with the same key) and log-probs that
+    generating from each row's whole conversation prefilled again gives; rows not continued are left alone; two
+    more turns, the cache growing past its first bucket. Stop ids end rows at different lengths (so the rows' slots
+    have gaps). GPT-2 (learned positions) and Llama (RoPE, GQA); groups prefilled once. (Sampled turns draw with
+    the session's slots in their keys, so they are not a fresh generation's draws: greedy tokens and log-probs are
+    what is compared.)"""
+    graphdef, params = model if family == "gpt2" else _llama()
+    gen = Generator(graphdef, 128)
+    rng = np.random.default_rng(1)
+    prompts = [p for p in (rng.integers(1, 250, 6).tolist(), rng.integers(1, 250, 13).tolist()) for _ in range(2)]
+    prompts = prompts if group == 2 else [prompts[0], prompts[2], rng.integers(1, 250, 3).tolist(), prompts[1]]
+    first_plain = gen(params, prompts, max_new_tokens=12, keep_stop=True)
+    stop = first_plain.ids[1][3]  # a token row 1 draws early: rows stop at different lengths
+    kw = {"max_new_tokens": 12, "eos_id": [stop], "temperature": 0.0}
+    counted = {"traces": 0}
+
+    def count(call):  # the programs the session's own calls trace
+        before = gen.traces
+        out = call()
+        counted["traces"] += gen.traces - before
+        return out
+
+    first, session = count(lambda: gen.open(params, prompts, group=group, **kw))
+    assert first.ids == gen(params, prompts, keep_stop=True, **kw).ids
+    conversations = [list(p) + list(t) for p, t in zip(prompts, first.ids)]
+    lengths = [[len(t) for t in first.ids]]
+    for turn, rows in enumerate(([0, 1, 3], [1, 3])):
+        appended = [rng.integers(1, 250, 2 + 3 * j).tolist() for j in range(len(rows))]
+        got = count(lambda: session.extend(rows, appended, max_new_tokens=12, seed=turn))
+        whole = [conversations[i] + a for i, a in zip(rows, appended)]
+        again = gen(params, whole, max_new_tokens=12, eos_id=[stop], keep_stop=True)
+        assert got.ids == again.ids, (turn, got.ids, again.ids)
+        np.testing.assert_allclose(np.concatenate(got.logps), np.concatenate(again.logps), rtol=1e-4, atol=1e-4)
+        for i, a, t in zip(rows, appended, got.ids):
+            conversations[i] += a + t
+        lengths.append([len(t) for t in got.ids])
+    assert session.key_valid.shape[1] > 64  # the cache grew past its first bucket (16 + 12 -> 32 -> ...)
+    assert len({n for turn in lengths for n in turn}) > 1 and max(map(max, lengths)) > 1, lengths
+    # programs: the first turn's, then per turn one for its (appended block bucket, cache bucket) and one per cache
+    # growth; the same turns again compile nothing more
+    traces = counted["traces"]
+    assert traces <= 1 + 2 + 2, traces
+    _, again = count(lambda: gen.open(params, prompts, group=group, **kw))
+    count(lambda: again.extend([0, 1, 3], [[5, 6], [7, 8, 9, 10, 11], [1] * 8], max_new_tokens=12, seed=0))
+    assert counted["traces"] == traces

@@ -27,7 +27,7 @@ from jaxtune.config import objective_config
 from jaxtune.data.chat import CHATML_TOOLS
 from jaxtune.models.sampling import Generation
 from jaxtune.tool_schema import SchemaError, tool_schema
-from jaxtune.train.agent import Agent, rows_bucket
+from jaxtune.train.agent import Agent, prefilled_again, rows_bucket
 from jaxtune.train.tools import ToolCall, ToolError, ToolWorker, call_style, parse_tool_calls
 
 TOOLS_MODULE = '''
@@ -281,7 +281,8 @@ def test_trajectories_match_trl(module, tmp_path):
         assert all(p == list(expected) for p in prompt_ids)
 
         script = Script(ours, end)
-        mine = agent.run(_scripted(script, prompt_ids), prompt_ids, script.first(), 0, slice(0, len(SCRIPTS)), 0)
+        extend = prefilled_again(_scripted(script, prompt_ids), BUDGET, len(SCRIPTS))
+        mine = agent.run(extend, prompt_ids, script.first(), 0, slice(0, len(SCRIPTS)), 0)
     finally:
         agent.close()
 
@@ -429,7 +430,7 @@ def test_environments_by_row_and_their_rewards(tmp_path, monkeypatch):
             return Generation([tokenizer.encode_chat(["Got it."])[0] + [tokenizer.eos_id]] * len(batch),
                               [[-0.5] * 4] * len(batch))
 
-        done = agent.run(generate, ids, first, 0, slice(0, 2), 0)
+        done = agent.run(prefilled_again(generate, 64, 2), ids, first, 0, slice(0, 2), 0)
     finally:
         agent.close()
     scores, problems = done.environment_rewards["Guess"]

@@ -211,6 +211,7 @@ class Decode:
     max_new: int = 0
     group: int = 1
     chunk: int = 0
+    keep_cache: bool = False  # a multi-turn session's first turn: the program returns its cache too (`Session`)
 
     def stopped(self, ids: jax.Array) -> jax.Array:
         """(B,) ids -> (B,) whether each is a stop id."""
@@ -258,9 +259,11 @@ class Generator:
     """
 
     def __init__(self, graphdef: nnx.GraphDef, max_seq_len: int,
-                 merged: tuple[nnx.GraphDef, LoraSpec] | None = None):
+                 merged: tuple[nnx.GraphDef, LoraSpec] | None = None, windowed: bool = False):
         self.graphdef = graphdef
         self.max_seq_len = max_seq_len
+        # sliding-window attention counts cache slots: a `Session`'s turns (gaps between rows' slots) need whole rows
+        self.windowed = windowed
         self.traces = 0  # traced programs (whole generations, or prefill + decode), for compile-count checks
         # LoRA: (the graph without adapters, their spec): weights (adapters, base) are merged once per call
         # (`merged_weights`) and sampled by that graph, without the adapters' matmuls on every token
@@ -357,9 +360,37 @@ class Generator:
         ids = jnp.zeros((b, decode.max_new), jnp.int32).at[:, 0].set(nxt)
         logps = jnp.zeros((b, decode.max_new), jnp.float32).at[:, 0].set(decode.sampling.logps(logits, nxt))
         state = (jnp.int32(1), nxt, cache, decode.stopped(nxt), ids, logps)
-        t, _, _, _, ids, logps = self._loop(params, state, decode.max_new, p=p, key=key, lengths=lengths,
-                                            key_valid=key_valid, decode=decode)
-        return ids, logps, t
+        t, _, cache, _, ids, logps = self._loop(params, state, decode.max_new, p=p, key=key, lengths=lengths,
+                                                key_valid=key_valid, decode=decode)
+        return (ids, logps, t, cache) if decode.keep_cache else (ids, logps, t)
+
+    @functools.partial(jax.jit, static_argnames=("self", "decode"), donate_argnames=("cache",))
+    def _extend(self, params, cache, key_valid, tokens, positions, slot, key, lengths, done, *, decode: Decode):
+        """A session's next turn (`Session.extend`): the (B, C) ``tokens`` written from cache slot ``slot`` at
+        their ``positions`` (each row's right-aligned, its padding invalid in ``key_valid``), then decoding from
+        slot ``slot + C`` as `_generate` does, the rows ``done`` already left alone. (ids, logps, positions
+        generated, the cache)."""
+        self.traces += 1
+        model = merge(self.graphdef, params)
+        b, c = tokens.shape
+        hidden, cache = model(tokens, positions=positions, cache=cache, index=slot, key_valid=key_valid,
+                              return_hidden=True)
+        last = model.logits(hidden[:, -1:])[:, 0]
+        p = slot + c
+        nxt = sample_logits(last, jax.random.fold_in(key, p), decode.sampling)
+        ids = jnp.zeros((b, decode.max_new), jnp.int32).at[:, 0].set(nxt)
+        logps = jnp.zeros((b, decode.max_new), jnp.float32).at[:, 0].set(decode.sampling.logps(last, nxt))
+        state = (jnp.int32(1), nxt, cache, done | decode.stopped(nxt), ids, logps)
+        t, _, cache, _, ids, logps = self._loop(params, state, decode.max_new, p=p, key=key, lengths=lengths,
+                                                key_valid=key_valid, decode=decode)
+        return ids, logps, t, cache
+
+    @functools.partial(jax.jit, static_argnames=("self", "slots"), donate_argnames=("cache",))
+    def _grown(self, cache, *, slots: int):
+        """The (L, B, S, K, H) ``cache`` with ``slots`` slots (empty ones added at the end)."""
+        self.traces += 1
+        return jax.tree.map(lambda c: jnp.pad(c, [(0, 0), (0, 0), (0, slots - c.shape[2])] + [(0, 0)] *
+                                              (c.ndim - 3)), cache)
 
     @functools.partial(jax.jit, static_argnames=("self", "decode"), donate_argnames=("cache",))
     def _chunk(self, params, cache, key_valid, token, p, t, max_new, key, lengths, done, *, decode: Decode):
@@ -400,6 +431,30 @@ class Generator:
         return self._stream(params, prompts, block, key, Decode(sampling, stops, chunk=STREAM_CHUNK), max_new_tokens,
                             on_step, keep_stop)
 
+    def open(self, params: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, eos_id: int | Sequence[int] | None = None,
+             seed: int = 0, group: int = 1) -> tuple[Generation, Session]:
+        """A batch generation like ``__call__`` (stop ids kept), and the `Session` that continues its rows with more
+        tokens (tool results) without computing what came before again."""
+        if self.plain is not None and isinstance(params, (tuple, list)):  # LoRA: merged once for every turn
+            return self.plain.open(merged_weights(params[0], params[1], self.lora), prompts,
+                                   max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   eos_id=eos_id, seed=seed, group=group)
+        max_new_tokens = check_prompts(prompts, self.max_seq_len, max_new_tokens)
+        group = _checked_group(prompts, group)
+        block = Prompts.left_padded(prompts, group, max_new_tokens, self.max_seq_len)
+        sampling, stops, key = Sampling.of(temperature, top_k, top_p), stop_tuple(eos_id), jax.random.key(seed)
+        decode = Decode(sampling, stops, block.cache_len, max_new_tokens, group, keep_cache=True)
+        packed = pack_prompts(prompts, block.tokens.shape[1]) if group == 1 and self.pack else None
+        ids, logps, n, cache = self._generate(params, block.tokens, block.valid, key, block.lengths, packed,
+                                              decode=decode)
+        p = block.tokens.shape[1]
+        key_valid = np.concatenate([np.repeat(block.valid, group, axis=0),
+                                    np.ones((len(prompts), block.cache_len - p), bool)], axis=1)
+        session = Session(self, params, cache, key_valid, p, block.lengths.astype(np.int64) - 1,
+                          np.zeros(len(prompts), np.int32), Decode(sampling, stops, max_new=max_new_tokens))
+        return session.taken(host(ids), host(logps), int(host(n)), range(len(prompts))), session
+
     def _batch(self, params, prompts, block: Prompts, key, decode: Decode, keep_stop: bool) -> Generation:
         """Batch generation: one program, the host reading its tokens and log-probs once, at the end."""
         packed = pack_prompts(prompts, block.tokens.shape[1]) if decode.group == 1 and self.pack else None
@@ -435,6 +490,81 @@ class Generator:
                     break
             t = t_next
         return Generation(out, row_logps(drawn, out))
+
+
+@dataclasses.dataclass
+class Session:
+    """A batch generation kept open for more turns (`Generator.open`): every row's KV cache on device, and on the
+    host which cache slots hold its real tokens (``key_valid``, (B, S)), the first slot no turn has written
+    (``slot``), each row's last token and its position. `extend` appends tokens (a tool's result) to some rows and
+    generates their next turn: only the appended tokens are computed, the rest is read from the cache.
+
+    Slots are shared by the rows: a turn writes from ``slot`` on for every row, each row's tokens right-aligned in
+    the appended block, and the slots a row did not fill (its padding, what it generated after its stop) are marked
+    invalid. A row's last token (its stop) is written again at the start of its next block, so a turn never
+    depends on whether the decode loop fed it. Positions are each row's own count, so the model computes what it
+    would on the whole conversation in one row (tested against prefilling it again)."""
+
+    generator: Generator
+    params: Any
+    cache: Any
+    key_valid: np.ndarray
+    slot: int
+    positions: np.ndarray  # (B,) the position of each row's last token
+    last: np.ndarray  # (B,) each row's last token
+    decode: Decode  # the sampling and the stops (shapes set per call)
+
+    def taken(self, ids: np.ndarray, logps: np.ndarray, n: int, rows: Sequence[int], start: int | None = None,
+              ) -> Generation:
+        """The rows' tokens of a turn generated from slot ``start`` (default: ``slot``, a first turn's prompt end),
+        each up to its stop (kept); records each row's last token and position, and invalidates the slots after
+        its last one."""
+        start = self.slot if start is None else start
+        out, out_logps = [], []
+        for j, row in enumerate(ids[:, :n]):
+            hit = np.flatnonzero(np.isin(row, self.decode.stops)) if self.decode.stops else []
+            end = n if not len(hit) else int(hit[0]) + 1
+            out.append(row[:end].tolist())
+            out_logps.append(logps[j, :end].tolist())
+        for j, i in enumerate(rows):
+            self.last[i] = out[j][-1]
+            self.positions[i] += len(out[j])
+            self.key_valid[i, start + len(out[j]) - 1:start + n - 1] = False  # its stop (written again) and after
+        self.slot = start + n - 1
+        return Generation(out, out_logps)
+
+    def extend(self, rows: Sequence[int], appended: Sequence[Sequence[int]], *, max_new_tokens: int,
+               seed: int) -> Generation:
+        """The next turn of ``rows`` (the others left alone), after each one's ``appended`` tokens; at most
+        ``max_new_tokens`` new ones each, stop ids kept."""
+        b = len(self.last)
+        blocks = [[int(self.last[i]), *a] for i, a in zip(rows, appended)]
+        c = bucket(max(map(len, blocks)), minimum=8)
+        tokens, positions = np.zeros((b, c), np.int32), np.zeros((b, c), np.int32)
+        written = np.zeros((b, c), bool)
+        for i, block in zip(rows, blocks):
+            tokens[i, c - len(block):] = block
+            positions[i, c - len(block):] = self.positions[i] + np.arange(len(block))
+            written[i, c - len(block):] = True
+        need = self.slot + c + max_new_tokens
+        if need > self.key_valid.shape[1]:  # a cache bucket more: its slots empty, and valid until written
+            slots = bucket(need)
+            self.cache = self.generator._grown(self.cache, slots=slots)
+            self.key_valid = np.concatenate([self.key_valid, np.ones((b, slots - self.key_valid.shape[1]), bool)], 1)
+        self.key_valid[:, self.slot:self.slot + c] = written
+        done = np.ones(b, bool)
+        done[list(rows)] = False
+        lengths = np.array([self.positions[i] + (len(blocks[rows.index(i)]) if i in rows else 0)
+                            for i in range(b)], np.int32)
+        for i, block in zip(rows, blocks):
+            self.positions[i] += len(block) - 1  # its appended block's last token; the turn's ids are counted next
+        decode = dataclasses.replace(self.decode, max_new=max_new_tokens)
+        ids, logps, n, self.cache = self.generator._extend(
+            self.params, self.cache, self.key_valid, tokens, positions, jnp.int32(self.slot), jax.random.key(seed),
+            lengths, done, decode=decode)
+        ids, logps = host(ids), host(logps)
+        rows = list(rows)
+        return self.taken(ids[rows], logps[rows], int(host(n)), rows, start=self.slot + c)
 
 
 def _checked_group(prompts: Sequence[Sequence[int]], group: int) -> int:

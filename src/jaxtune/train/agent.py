@@ -14,8 +14,11 @@ turn), after its environment's ``reset(**row)`` text is appended to the last use
 per rollout, made in the worker; a row's ``environment`` field picks one of a dict of environments.
 
 **Generation.** The first turn samples the group together (each prompt prefilled once when the group's prompts are
-equal); each later turn continues the rows that called tools, as one batch whose size is bucketed to a power of two
-(so the programs compiled are one per (rows bucket, prompt bucket)), each row's whole conversation prefilled again.
+equal), and keeps its KV cache on device (`jaxtune.models.sampling.Session`); each later turn continues the rows
+that called tools from that cache: only the tool results' tokens are computed, then the next turn decoded, all
+rows in one program (those not continuing left alone). Samplers without a session (torchax) and models with
+sliding-window attention (whose windows count cache slots) prefill each continuing row's whole conversation again
+instead, as one batch bucketed to a power of two of rows.
 Every process sees every row (the generation is SPMD over the mesh); with several processes each runs the tools of
 its own rows and the appended ids are shared before the next turn, so every process takes the same turns.
 
@@ -34,13 +37,35 @@ import jax
 import numpy as np
 
 from jaxtune.data import DataError, PromptRows, Tokenizer
-from jaxtune.models.sampling import Generation
+from jaxtune.models.sampling import Generation, Session
 from jaxtune.train.distributed import every_process
 from jaxtune.train.tool_worker import SINGLE
 from jaxtune.train.tools import ToolWorker, call_style, parse_tool_calls, tool_suffix_ids
 
 # (prompts' ids, max new tokens, seed, group) -> the generation of every row (`jaxtune.models.sampling.Generator`)
 Generate = Callable[[list[list[int]], int, int, int], Generation]
+# (the rollouts to continue, their whole conversations so far with the tool results, the tool results' ids alone,
+# seed) -> those rollouts' next turns, in that order
+Extend = Callable[[list[int], list[list[int]], list[list[int]], int], Generation]
+
+
+def on_cache(session: Session, budget: int) -> Extend:
+    """Turns continued on the first turn's KV cache (`jaxtune.models.sampling.Session`): only the tool results'
+    tokens are computed before each turn."""
+    return lambda rows, conversations, appended, seed: session.extend(rows, appended, max_new_tokens=budget,
+                                                                      seed=seed)
+
+
+def prefilled_again(generate: Generate, budget: int, n: int) -> Extend:
+    """Turns generated from each rollout's whole conversation prefilled again, as one batch of a power-of-two rows
+    bucket (fillers repeat the first row): the way for samplers without a session (torchax, sliding windows)."""
+
+    def extend(rows: list[int], conversations: list[list[int]], appended: list[list[int]], seed: int) -> Generation:
+        width = rows_bucket(len(rows), n)
+        more = generate(conversations + [conversations[0]] * (width - len(rows)), budget, seed, 1)
+        return Generation(more.ids[:len(rows)], more.logps[:len(rows)])
+
+    return extend
 
 
 @dataclass
@@ -122,10 +147,11 @@ class Agent:
                             f"({', '.join(sorted(self.schemas))}); set the row's 'environment' field to one")
         return name
 
-    def run(self, generate: Generate, prompt_ids: list[list[int]], first: Generation, seed: int,
+    def run(self, extend: Extend, prompt_ids: list[list[int]], first: Generation, seed: int,
             mine: slice, first_id: int) -> Trajectories:
-        """The trajectories of every rollout from their first turns ``first``: this process runs the tools of the
-        rollouts ``mine`` (worker ids from ``first_id``); every process takes the same turns."""
+        """The trajectories of every rollout from their first turns ``first``, each later turn from ``extend``
+        (`on_cache`, `prefilled_again`): this process runs the tools of the rollouts ``mine`` (worker ids from
+        ``first_id``); every process takes the same turns."""
         n = len(prompt_ids)
         ids = [list(x) for x in first.ids]
         logps = [list(x) for x in first.logps]
@@ -141,10 +167,8 @@ class Agent:
             if not active:
                 break
             rounds += 1
-            width = rows_bucket(len(active), n)
-            batch = [prompt_ids[i] + ids[i] + suffixes[i] for i in active]
-            batch += [batch[0]] * (width - len(batch))  # fillers: one program per rows bucket
-            more = generate(batch, self.budget, turn_seed(seed, rounds), 1)
+            more = extend(active, [prompt_ids[i] + ids[i] + suffixes[i] for i in active],
+                          [suffixes[i] for i in active], turn_seed(seed, rounds))
             for j, i in enumerate(active):
                 room = self.budget - len(ids[i]) - len(suffixes[i])
                 new, new_logps = more.ids[j][:room], more.logps[j][:room]

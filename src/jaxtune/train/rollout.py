@@ -40,7 +40,7 @@ from jaxtune.config.kinds import BRANCH_KEY, SAMPLER_LOGPS_KEY
 from jaxtune.data import DataError, PromptRows, Tokenizer, stop_ids
 from jaxtune.data.encoded import shared_row
 from jaxtune.models.sampling import Generation
-from jaxtune.train.agent import Agent, Trajectories, shared_ragged
+from jaxtune.train.agent import Agent, Extend, Trajectories, on_cache, prefilled_again, shared_ragged
 from jaxtune.train.distributed import every_process, first_failure
 from jaxtune.train.rewards import (
     ModelScores,
@@ -188,10 +188,12 @@ class Rollout:
                                   keep_stop=True, group=group)
 
         equal = all(prompt_ids[i] == prompt_ids[i - i % group] for i in range(len(prompt_ids)))
-        sampled = generate(prompt_ids, o.max_completion_length, seed, group if equal else 1)
         trajectories = None
-        if self.agent is not None:
-            trajectories = self.agent.run(generate, prompt_ids, sampled, seed, mine, 0)
+        if self.agent is None:
+            sampled = generate(prompt_ids, o.max_completion_length, seed, group if equal else 1)
+        else:  # multi-turn: later turns on the first one's KV cache where the sampler keeps one
+            trajectories = self.agent.run(*self._first_turn(generate, weights, prompt_ids, seed,
+                                                            group if equal else 1, temperature), seed, mine, 0)
             sampled = Generation(trajectories.ids, trajectories.logps)
         ids = sampled.ids
         t1 = time.perf_counter()
@@ -206,6 +208,20 @@ class Rollout:
             return Completions(prompt_ids, ids, texts, expanded, scores, stopped, sampled.logps)
         return Completions(prompt_ids, ids, texts, expanded, scores, stopped, sampled.logps, trajectories.tool_mask,
                            (trajectories.calls, trajectories.failures, trajectories.malformed))
+
+    def _first_turn(self, generate: Callable[..., Generation], weights: Any, prompt_ids: list[list[int]], seed: int,
+                    group: int, temperature: float) -> tuple[Extend, list[list[int]], Generation]:
+        """A multi-turn rollout's first turns, and how its later ones are generated (`jaxtune.train.agent`)."""
+        o = self.cfg.objective
+        if getattr(self.generator, "open", None) is None or getattr(self.generator, "windowed", False):
+            return prefilled_again(generate, o.max_completion_length, len(prompt_ids)), prompt_ids, \
+                generate(prompt_ids, o.max_completion_length, seed, group)
+        greedy = temperature == 0.0
+        first, session = self.generator.open(weights, prompt_ids, max_new_tokens=o.max_completion_length,
+                                             temperature=temperature, top_k=None if greedy else o.top_k,
+                                             top_p=None if greedy or o.top_p >= 1.0 else o.top_p,
+                                             eos_id=self.stops, seed=seed, group=group)
+        return on_cache(session, o.max_completion_length), prompt_ids, first
 
     def _scored(self, source: PromptRows, expanded: list[int], texts: list[str], ids: list[list[int]], mine: slice,
                 step: int, trajectories: Trajectories | None, together: bool) -> Scores:

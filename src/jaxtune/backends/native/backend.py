@@ -157,10 +157,12 @@ class NativeSpec:
         """The KV-cache sampler for eval prompts, `jaxtune generate` and GRPO; with LoRA it samples the model
         without adapters from weights with the adapters merged in (measured faster: benchmarks/RESULTS.md)."""
         lora = adapters(self.model_cfg)
+        windowed = bool(getattr(self.model_cfg, "sliding_window", None))
         if self.quantize:  # QLoRA: merging would dequantize the whole base; the adapters run on it instead
-            return Generator(self.graphdef, self.model_cfg.max_seq_len)
+            return Generator(self.graphdef, self.model_cfg.max_seq_len, windowed=windowed)
         plain = None if lora is None else model_layout(dataclasses.replace(self.model_cfg, lora=None), None)[0]
-        return Generator(self.graphdef, self.model_cfg.max_seq_len, None if lora is None else (plain, lora))
+        return Generator(self.graphdef, self.model_cfg.max_seq_len, None if lora is None else (plain, lora),
+                         windowed=windowed)
 
     def _read_hf(self, abstract: Any, shardings: Any, transform: Any = None) -> Any:
         """``abstract``'s params from the checkpoint. A reward model (a score head) reads a causal LM's weights
