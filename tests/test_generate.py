@@ -337,7 +337,7 @@ def test_a_session_continues_turns_as_the_whole_conversation_would(model, family
     lengths = [[len(t) for t in first.ids]]
     for turn, rows in enumerate(([0, 1, 3], [1, 3])):
         appended = [rng.integers(1, 250, 2 + 3 * j).tolist() for j in range(len(rows))]
-        got = count(lambda: session.extend(rows, appended, max_new_tokens=12, seed=turn))
+        got = count(functools.partial(session.extend, rows, appended, max_new_tokens=12, seed=turn))
         whole = [conversations[i] + a for i, a in zip(rows, appended)]
         again = gen(params, whole, max_new_tokens=12, eos_id=[stop], keep_stop=True)
         assert got.ids == again.ids, (turn, got.ids, again.ids)
