@@ -455,7 +455,7 @@ def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer,
         agent = Agent(o, tokenizer, stop_ids(tokenizer, chat), cfg.data.seq_len - o.max_completion_length)
     try:
         rewards = make_rewards(o, models, agent.reward_labels if agent is not None else ())
-        if not rewards.labels:
+        if agent is not None and not rewards.labels:
             raise ToolError(f"objective.tools={o.tools!r}: no reward: its environment has no get_reward() and "
                             "objective.rewards is empty; add a reward function or a get_reward method")
     except Exception:
