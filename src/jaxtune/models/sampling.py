@@ -385,7 +385,7 @@ class Generator:
                                                 key_valid=key_valid, decode=decode)
         return ids, logps, t, cache
 
-    @functools.partial(jax.jit, static_argnames=("self", "slots"), donate_argnames=("cache",))
+    @functools.partial(jax.jit, static_argnames=("self", "slots"))
     def _grown(self, cache, *, slots: int):
         """The (L, B, S, K, H) ``cache`` with ``slots`` slots (empty ones added at the end)."""
         self.traces += 1
