@@ -457,3 +457,19 @@ def test_text_prompts_and_long_prompts_are_refused(tmp_path, module):
             agent.prompts(chat, [0], 0)
     finally:
         agent.close()
+
+
+def test_tools_without_any_reward_are_refused(tmp_path, monkeypatch):
+    """A tools module whose environment owns no reward, and no objective.rewards: one line before any work, and the
+    worker it started is stopped."""
+    from jaxtune.config import load_config
+    from jaxtune.train.rollout import make_rollout
+
+    (tmp_path / "plain_tools.py").write_text(TOOLS_MODULE.replace("    def get_reward(self) -> float:\n"
+                                                                  "        return float(self.n)\n", ""))
+    monkeypatch.chdir(tmp_path)
+    tokenizer = build_tokenizer(tmp_path / "tok", CHATML_TOOLS, SPECIALS, eos="<|im_end|>")
+    cfg = load_config(None, ["objective.name=grpo", "data.format=prompts", "objective.tools=plain_tools",
+                             "objective.rewards=[]"])
+    with pytest.raises(ToolError, match="objective.tools='plain_tools': no reward"):
+        make_rollout(cfg, None, tokenizer)
