@@ -67,6 +67,14 @@ def sleepy(seconds: float) -> str:
     time.sleep(seconds)
     return "awake"
 
+async def later(x: int) -> str:
+    """An async tool.
+
+    Args:
+        x: anything
+    """
+    return f"later {x}"
+
 def crash(code: int) -> str:
     """Kills its own process.
 
@@ -92,7 +100,7 @@ class Counter:
     def get_reward(self) -> float:
         return float(self.n)
 
-tools = [add, boom, number, sleepy, crash]
+tools = [add, boom, number, sleepy, crash, later]
 environment = Counter
 '''
 
@@ -171,12 +179,13 @@ def test_worker_survives_failing_tools(module):
     worker = ToolWorker(module, timeout=2.0)
     try:
         names = [t["function"]["name"] for t in worker.description["environments"][""]["tools"]]
-        assert names == ["add", "boom", "number", "sleepy", "crash", "bump"]
+        assert names == ["add", "boom", "number", "sleepy", "crash", "later", "bump"]
         assert worker.description["environments"][""]["reward"] == "Counter"
         assert worker.reset(0, "", {"start": 10}) == " (the counter starts at 10)"
         assert worker.reset(1, "", {"start": 100}) is not None
         assert worker.call(0, ToolCall("bump", {"by": 5})) == ("15", False)
         assert worker.call(0, ToolCall("add", {"a": 2, "b": 3})) == ("5", False)
+        assert worker.call(0, ToolCall("later", {"x": 4})) == ("later 4", False)  # async tools are awaited
         result, failed = worker.call(0, ToolCall("boom", {"x": 1}))
         assert failed and result == "{'error': 'out of cheese'}"  # as TRL's loop words it
         result, failed = worker.call(0, ToolCall("number", {"x": 1}))

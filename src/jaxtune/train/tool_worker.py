@@ -17,6 +17,7 @@ Requests and answers are JSON lines on stdin/stdout (the user's own prints go to
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import json
@@ -29,6 +30,11 @@ from jaxtune.tool_schema import tool_schema
 
 # The environment's name a module without a dict of environments uses (TRL's ``None`` key).
 SINGLE = ""
+
+
+def _awaited(value: Any) -> Any:
+    """An async tool's (or ``get_reward``'s) result, run to its end (TRL runs async tools too)."""
+    return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
 def _methods(instance: Any) -> dict[str, Callable[..., Any]]:
@@ -84,7 +90,7 @@ class Host:
         if not isinstance(arguments, dict):
             return {"failed": f"the arguments of {name} must be a JSON object, not {type(arguments).__name__}"}
         try:
-            result = tools[name](**arguments)
+            result = _awaited(tools[name](**arguments))
         except Exception as e:  # noqa: BLE001 (the tool's failure is the model's to read, not the run's)
             return {"failed": str(e)}  # what TRL's loop tells the model
         if not isinstance(result, str):
@@ -94,7 +100,7 @@ class Host:
     def reward(self, rollout: int) -> float | None:
         instance, _ = self.live[rollout]
         get = getattr(instance, "get_reward", None)
-        return None if get is None else (None if (r := get()) is None else float(r))
+        return None if get is None else (None if (r := _awaited(get())) is None else float(r))
 
     def drop(self, rollouts: list[int]) -> None:
         for r in rollouts:
