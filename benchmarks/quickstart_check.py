@@ -4,7 +4,8 @@ what its commands give on this machine, whatever its CPU kind.
 
 The commands are read from each recipe's own header (the ``#   jaxtune ...`` lines, a trailing ``\\`` continuing a
 line), so the header cannot drift from what is checked. Each runs as a subprocess of this Python (``python -m
-jaxtune.cli``); the last one trains the recipe, whose run directory's metrics.jsonl holds the held-out evaluations.
+jaxtune.cli``); the last one trains the recipe, whose run directory (its config's ``run_dir``) holds the held-out
+evaluations in metrics.jsonl.
 Seed ``s`` adds ``train.seed=s`` to every ``jaxtune train`` of the chain (seed 0 is the recipes' own), and runs in its
 own directory; within a seed, a command two recipes share (the fine-tuning quickstart that DPO, KTO and GKD start
 from) runs once.
@@ -127,7 +128,7 @@ def check_one(recipe: str, work: Path, seed: int, done: set[str], reuse: bool = 
     check, started = CHECKS[recipe], time.perf_counter()
     if not run_chain(recipe, work, seed, done, reuse):
         return None
-    evals = evaluations(work / "runs" / recipe, check.metric)
+    evals = evaluations(work / load_config(recipe).run_dir, check.metric)
     first, last = evals[0], evals[-1]
     out = Outcome(recipe, seed, first[check.metric], last[check.metric], first["step"], last["step"],
                   time.perf_counter() - started, check.ok(first[check.metric], last[check.metric]))

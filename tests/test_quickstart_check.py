@@ -29,6 +29,8 @@ def test_every_quickstart_recipe_is_checked_and_its_header_ends_in_training_it()
     for recipe in check.CHECKS:
         commands = check.header_commands(recipe)
         assert commands[-1][:3] == ["jaxtune", "train", recipe], (recipe, commands)
+        # the check reads the recipe's own run_dir (not runs/<recipe>): the last command must write there
+        assert load_config(recipe, commands[-1][3:]).run_dir == load_config(recipe).run_dir, recipe
         for cmd in commands:
             assert cmd[1] in ("train", "export"), (recipe, shlex.join(cmd))
             if cmd[1] == "train":  # each train command's overrides load (a typo in a header fails here)
