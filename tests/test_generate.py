@@ -305,6 +305,24 @@ def _llama(n_layer: int = 2):
     return spec.graphdef, params
 
 
+def _turns_match_prefilling_again(gen, params, session, prompts, first, turns, stop, rng, count):
+    """Runs the session's ``turns`` (each the rows continued, random tokens appended to each) and checks each turn's
+    tokens and log-probs against the whole conversations prefilled again (greedy); each turn's lengths."""
+    conversations = [list(p) + list(t) for p, t in zip(prompts, first.ids)]
+    lengths = [[len(t) for t in first.ids]]
+    for turn, rows in enumerate(turns):
+        appended = [rng.integers(1, 250, 2 + 3 * j).tolist() for j in range(len(rows))]
+        got = count(functools.partial(session.extend, rows, appended, max_new_tokens=12, seed=turn))
+        whole = [conversations[i] + a for i, a in zip(rows, appended)]
+        again = gen(params, whole, max_new_tokens=12, eos_id=[stop], keep_stop=True)
+        assert got.ids == again.ids, (turn, got.ids, again.ids)
+        np.testing.assert_allclose(np.concatenate(got.logps), np.concatenate(again.logps), rtol=1e-4, atol=1e-4)
+        for i, a, t in zip(rows, appended, got.ids):
+            conversations[i] += a + t
+        lengths.append([len(t) for t in got.ids])
+    return lengths
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("group", [1, 2])
 def test_a_session_continues_turns_as_the_whole_conversation_would(model, family, group):
@@ -333,18 +351,8 @@ def test_a_session_continues_turns_as_the_whole_conversation_would(model, family
 
     first, session = count(lambda: gen.open(params, prompts, group=group, **kw))
     assert first.ids == gen(params, prompts, keep_stop=True, **kw).ids
-    conversations = [list(p) + list(t) for p, t in zip(prompts, first.ids)]
-    lengths = [[len(t) for t in first.ids]]
-    for turn, rows in enumerate(([0, 1, 3], [1, 3])):
-        appended = [rng.integers(1, 250, 2 + 3 * j).tolist() for j in range(len(rows))]
-        got = count(functools.partial(session.extend, rows, appended, max_new_tokens=12, seed=turn))
-        whole = [conversations[i] + a for i, a in zip(rows, appended)]
-        again = gen(params, whole, max_new_tokens=12, eos_id=[stop], keep_stop=True)
-        assert got.ids == again.ids, (turn, got.ids, again.ids)
-        np.testing.assert_allclose(np.concatenate(got.logps), np.concatenate(again.logps), rtol=1e-4, atol=1e-4)
-        for i, a, t in zip(rows, appended, got.ids):
-            conversations[i] += a + t
-        lengths.append([len(t) for t in got.ids])
+    lengths = _turns_match_prefilling_again(gen, params, session, prompts, first, ([0, 1, 3], [1, 3]), stop, rng,
+                                            count)
     assert session.key_valid.shape[1] > 64  # the cache grew past its first bucket (16 + 12 -> 32 -> ...)
     assert len({n for turn in lengths for n in turn}) > 1 and max(map(max, lengths)) > 1, lengths
     # programs: the first turn's, then per turn one for its (appended block bucket, cache bucket) and one per cache
@@ -354,3 +362,32 @@ def test_a_session_continues_turns_as_the_whole_conversation_would(model, family
     _, again = count(lambda: gen.open(params, prompts, group=group, **kw))
     count(lambda: again.extend([0, 1, 3], [[5, 6], [7, 8, 9, 10, 11], [1] * 8], max_new_tokens=12, seed=0))
     assert counted["traces"] == traces
+
+
+def test_a_session_keeps_only_the_rows_still_going():
+    """16 rollouts (groups of 2), 5 of them continued, then 2 of those: the first continued turn cuts the session to
+    a bucket of 8 rows (their cache gathered once), the next stays there; each turn's tokens and log-probs are still
+    the whole conversations' prefilled again. A row left out of a turn cannot be continued later. Programs: the first
+    turn's, the gather, one per (rows, appended block, cache) bucket, one per cache growth."""
+    graphdef, params = _llama()
+    gen = Generator(graphdef, 128)
+    rng = np.random.default_rng(2)
+    prompts = [p for _ in range(8) for p in [rng.integers(1, 250, int(rng.integers(3, 14))).tolist()] * 2]
+    stop = gen(params, prompts[:1], max_new_tokens=6, keep_stop=True).ids[0][2]
+    kw = {"max_new_tokens": 12, "eos_id": [stop], "temperature": 0.0, "group": 2}
+    first, session = gen.open(params, prompts, **kw)
+    assert session.key_valid.shape[0] == 16
+    sizes, traces = [], [1]  # per turn, the session's rows (its host arrays', its cache's); the programs it traced
+
+    def sized(call):
+        before = gen.traces
+        out = call()
+        traces.append(gen.traces - before)
+        sizes.append((session.key_valid.shape[0], jax.tree.leaves(session.cache)[0].shape[1]))
+        return out
+
+    _turns_match_prefilling_again(gen, params, session, prompts, first, ([1, 3, 4, 9, 14], [3, 9]), stop, rng, sized)
+    assert sizes == [(8, 8), (8, 8)], sizes
+    assert traces[1] <= 1 + 1 + 1 and sum(traces) <= 1 + 1 + 2 + 2, traces
+    with pytest.raises(ValueError, match=r"rows \[1\] were left out of an earlier turn"):
+        session.extend([1, 3], [[5], [6]], max_new_tokens=4, seed=0)

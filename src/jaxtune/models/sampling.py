@@ -392,6 +392,12 @@ class Generator:
         return jax.tree.map(lambda c: jnp.pad(c, [(0, 0), (0, 0), (0, slots - c.shape[2])] + [(0, 0)] *
                                               (c.ndim - 3)), cache)
 
+    @functools.partial(jax.jit, static_argnames=("self",))
+    def _rows(self, cache, keep):
+        """The (L, B, S, K, H) ``cache``'s rows ``keep`` ((B',) indices), in that order."""
+        self.traces += 1
+        return jax.tree.map(lambda c: jnp.take(c, keep, axis=1), cache)
+
     @functools.partial(jax.jit, static_argnames=("self", "decode"), donate_argnames=("cache",))
     def _chunk(self, params, cache, key_valid, token, p, t, max_new, key, lengths, done, *, decode: Decode):
         """Streaming: up to ``decode.chunk`` positions from position ``t`` (token ``token`` at t - 1) in one program,
@@ -503,7 +509,11 @@ class Session:
     the appended block, and the slots a row did not fill (its padding, what it generated after its stop) are marked
     invalid. A row's last token (its stop) is written again at the start of its next block, so a turn never
     depends on whether the decode loop fed it. Positions are each row's own count, so the model computes what it
-    would on the whole conversation in one row (tested against prefilling it again)."""
+    would on the whole conversation in one row (tested against prefilling it again).
+
+    A row left out of a turn is done (a rollout that answered): no later turn continues it. When a turn's rows fit
+    a power-of-two bucket (at least 8) smaller than the batch, the session keeps those rows only (their cache
+    gathered once), so later turns compute for the rollouts still going and not for the whole first batch."""
 
     generator: Generator
     params: Any
@@ -513,6 +523,11 @@ class Session:
     positions: np.ndarray  # (B,) the position of each row's last token
     last: np.ndarray  # (B,) each row's last token
     decode: Decode  # the sampling and the stops (shapes set per call)
+    index: np.ndarray | None = None  # (first batch's rows,) each row's place in the batch now; -1: done
+
+    def __post_init__(self):
+        if self.index is None:
+            self.index = np.arange(len(self.last))
 
     def taken(self, ids: np.ndarray, logps: np.ndarray, n: int, rows: Sequence[int], start: int | None = None,
               ) -> Generation:
@@ -536,7 +551,8 @@ class Session:
     def extend(self, rows: Sequence[int], appended: Sequence[Sequence[int]], *, max_new_tokens: int,
                seed: int) -> Generation:
         """The next turn of ``rows`` (the others left alone), after each one's ``appended`` tokens; at most
-        ``max_new_tokens`` new ones each, stop ids kept."""
+        ``max_new_tokens`` new ones each, stop ids kept. ``rows`` are the first batch's; the others are done."""
+        rows = self._narrowed(rows)  # from here on, places in the batch
         b = len(self.last)
         blocks = [[int(self.last[i]), *a] for i, a in zip(rows, appended)]
         c = bucket(max(map(len, blocks)), minimum=8)
@@ -563,8 +579,26 @@ class Session:
             self.params, self.cache, self.key_valid, tokens, positions, jnp.int32(self.slot), jax.random.key(seed),
             lengths, done, decode=decode)
         ids, logps = host(ids), host(logps)
-        rows = list(rows)
         return self.taken(ids[rows], logps[rows], int(host(n)), rows, start=self.slot + c)
+
+    def _narrowed(self, rows: Sequence[int]) -> list[int]:
+        """The places of ``rows`` (the first batch's) in the batch, the other rows marked done; the batch first
+        cut to those rows (padded to their bucket by repeating the first, which stays done) when that bucket is
+        smaller."""
+        at = self.index[list(rows)]
+        if (at < 0).any():
+            raise ValueError(f"Session.extend: rows {[r for r, a in zip(rows, at) if a < 0]} were left out of an "
+                             f"earlier turn, so they are done; a turn continues rows of the turn before only")
+        self.index[:] = -1
+        width = bucket(len(rows), minimum=min(8, len(self.last)))
+        if width >= len(self.last):
+            self.index[list(rows)] = at
+            return at.tolist()
+        keep = np.concatenate([at, np.full(width - len(at), at[0])])
+        self.cache = self.generator._rows(self.cache, jnp.asarray(keep, jnp.int32))
+        self.key_valid, self.positions, self.last = self.key_valid[keep], self.positions[keep], self.last[keep]
+        self.index[list(rows)] = np.arange(len(rows))
+        return list(range(len(rows)))
 
 
 def _checked_group(prompts: Sequence[Sequence[int]], group: int) -> int:
