@@ -71,7 +71,7 @@ def jaxtune_impl(a: argparse.Namespace) -> dict:
                                            f"objective.num_generations={a.num_generations}",
                                            f"objective.max_tool_calls={a.max_tool_calls}",
                                            f"objective.max_completion_length={a.max_completion_length}",
-                                           "data.val_fraction=0"])
+                                           f"data.seq_len={a.seq_len}", "data.val_fraction=0"])
     run = load_run(a.model)
     source = make_training_data(cfg.data, run.tokenizer, batch_size=a.prompts, seed=0, eval_batches=1,
                                 max_prompt_tokens=cfg.max_prompt_tokens).prompts.train
@@ -127,11 +127,14 @@ def main(argv=None) -> dict:
     h.add_round_args(ap, rounds=4)
     h.add_common_args(ap)
     h.add_malloc_arg(ap)
-    ap.add_argument("--model", required=True, help="the export of agent-sft-quickstart (runs/agent-sft/model)")
+    ap.add_argument("--model", required=True, help="the export of agent-sft-quickstart (runs/agent-sft/model) or of "
+                    "smollm2-agent-sft (runs/smollm2-agent-sft/model)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--num-generations", type=int, default=8)
     ap.add_argument("--max-tool-calls", type=int, default=2)
     ap.add_argument("--max-completion-length", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=320, help="data.seq_len: the prompt, with the tool's schema, gets "
+                    "what max-completion-length leaves (a real model's tokenizer spends more tokens on it)")
     args = ap.parse_args(argv)
     h.check_rounds(ap, args)
     threads = h.start_trainers(args)

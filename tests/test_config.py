@@ -45,7 +45,8 @@ HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemm
 LOCAL_STARTS = {"runs/finetune-quickstart/model": "finetune-quickstart",
                 "runs/sft-careless/model": "finetune-quickstart",
                 "runs/student-careless/model": "finetune-quickstart",
-                "runs/agent-sft/model": "agent-sft-quickstart"}
+                "runs/agent-sft/model": "agent-sft-quickstart",
+                "runs/smollm2-agent-sft/model": "smollm2-agent-sft"}
 
 
 # torchax recipes: a tiny transformers config of the hub model's architecture, to build it with the recipe's LoRA.
@@ -68,7 +69,7 @@ def test_every_shipped_config_loads_and_builds_its_model_config(path, tmp_path):
         return
     if model.from_hf in LOCAL_STARTS:  # a recipe that starts from another recipe's exported model
         model = load_config(LOCAL_STARTS[model.from_hf]).model
-    elif is_wheel_ref(model.from_hf or ""):  # a real model shipped as wheels: its converted config.json
+    if is_wheel_ref(model.from_hf or ""):  # a real model shipped as wheels: its converted config.json
         pytest.importorskip("gguf")
         if installed_file(model.from_hf) is None:
             pytest.skip(f"{model.from_hf} absent: {wheel_model(model.from_hf).install}")
