@@ -142,24 +142,6 @@ def test_top_p_keeps_the_nucleus(draws):
     assert set(draws["top_p=0.7"][:, 0].tolist()) == {2, 0}
 
 
-def test_draws_follow_the_softmax_across_blocks():
-    """`drawn` (a block of ids, then an id in it) draws each id as often as its softmax probability says: a
-    700-id vocabulary (not a multiple of the block) with its mass in three blocks and masked ids (-inf) among them;
-    20,000 draws, each probability within 4 standard errors; masked ids and the padding never drawn."""
-    from jaxtune.models.sampling import drawn
-
-    logits = np.full((1, 700), -np.inf, np.float32)
-    logits[0, [3, 255, 256, 400, 699]] = [0.0, 1.0, -0.5, 2.0, 0.5]
-    probs = np.exp(logits[0] - logits[0].max())
-    probs /= probs.sum()
-    keys = jax.random.split(jax.random.key(0), 20_000)
-    ids = np.asarray(jax.jit(jax.vmap(lambda k: drawn(jnp.asarray(logits), k)[0]))(keys))
-    counts = np.bincount(ids, minlength=700)
-    assert counts.sum() == len(ids) and set(np.flatnonzero(counts)) <= {3, 255, 256, 400, 699}
-    se = np.sqrt(probs * (1 - probs) / len(ids))
-    np.testing.assert_array_less(np.abs(counts / len(ids) - probs), 4 * se + 1e-12)
-
-
 def test_temperature_sampling_is_seeded(model, gen, greedy):
     def run(seed):
         return gen(model[1], PROMPTS, max_new_tokens=N_NEW, temperature=1.0, seed=seed).ids

@@ -78,39 +78,7 @@ def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
         drop_sorted = (jnp.cumsum(probs, -1) - probs) >= top_p
         drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
         logits = jnp.where(drop, -jnp.inf, logits)
-    return drawn(logits, key)
-
-
-DRAW_BLOCK = 256  # `drawn` picks a block of this many ids, then an id in it
-
-
-def drawn(logits: jax.Array, key: jax.Array) -> jax.Array:
-    """(B, V) logits (-inf: never) -> (B,) ids drawn from their softmax, by inverting its CDF at one uniform per row,
-    in two levels: the block of `DRAW_BLOCK` ids the draw falls in, then the id in that block. The same
-    distribution as `jax.random.categorical`, which draws V Gumbel numbers per row: at a 49,152-id vocabulary that
-    took 17.5 ms of a 32-row decode step on 2 Zen 4 cores, this 0.6 ms. An id without mass is never drawn, even
-    where rounding puts the uniform past a row's last cumulative sum."""
-    b, v = logits.shape
-    pad = -v % DRAW_BLOCK
-    logits = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, pad)), constant_values=-jnp.inf)
-    mass = jnp.exp(logits - jnp.max(logits, -1, keepdims=True)).reshape(b, -1, DRAW_BLOCK)  # (B, V / block, block)
-    blocks = mass.sum(-1)
-    before = jnp.cumsum(blocks, -1)
-    u = jax.random.uniform(key, (b, 1), jnp.float32) * before[:, -1:]
-    j = _first_past(before, blocks, u)
-    inner = jnp.take_along_axis(mass, j[:, None, None], 1)[:, 0]  # (B, block): the chosen block's masses
-    start = jnp.take_along_axis(before - blocks, j[:, None], -1)
-    i = _first_past(jnp.cumsum(inner, -1) + start, inner, u)
-    return (j * DRAW_BLOCK + i).astype(jnp.int32)
-
-
-def _first_past(cumulative: jax.Array, mass: jax.Array, u: jax.Array) -> jax.Array:
-    """Per row, the first index with mass whose cumulative sum passes ``u``; the last index with mass if none
-    does (rounding)."""
-    has = mass > 0
-    past = (cumulative > u) & has
-    last = has.shape[-1] - 1 - jnp.argmax(has[:, ::-1], -1)
-    return jnp.where(past.any(-1), jnp.argmax(past, -1), last)
+    return jax.random.categorical(key, logits, -1).astype(jnp.int32)
 
 
 def stop_tuple(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
