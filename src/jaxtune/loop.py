@@ -25,6 +25,7 @@ from jaxtune.models.fits import check_fits
 from jaxtune.models.hf import checkpoint_tokenizer
 from jaxtune.models.quantize import is_quantized, logical_size
 from jaxtune.train import distributed
+from jaxtune.train.ahead import Ahead, placed
 from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import (
     Laps,
@@ -40,9 +41,9 @@ from jaxtune.train.profile import Profiler
 from jaxtune.train.reference import Frozen, Precomputed, ReferenceSync, precompute_reference, reference_sync
 from jaxtune.train.rollout import Rollout
 from jaxtune.train.run_dir import RunDirError, claim, make_run_dir
-from jaxtune.train.shapes import BatchShapes, Shape
+from jaxtune.train.shapes import BatchShapes, Shape, train_key
 from jaxtune.train.state import ModelSpec, TrainState
-from jaxtune.train.step import Steps, run_steps
+from jaxtune.train.step import Steps, eval_key, run_steps
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
 
@@ -134,9 +135,7 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Ru
     """Checkpoints → mesh → data → model, objective, steps → frozen weights → restore or init → the components
     that report."""
     laps = Laps()
-    if cfg.train.compile_cache_dir:  # JAX keys entries by program, options, flags, device kind and versions
-        jax.config.update("jax_compilation_cache_dir", str(Path(cfg.train.compile_cache_dir).expanduser()))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)  # 1 s would skip eval and sampler
+    _use_compile_cache(cfg)
     proc = jax.process_index()
 
     # Checkpoints first: resuming with a different model/data/seed is refused before any work is done.
@@ -166,6 +165,13 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Ru
     sync = reference_sync(cfg.objective, steps.companion)
     params, notes = _model_notes(cfg, spec, rollout)
 
+    # The first programs compile on worker threads from here on, while the weights are made and read.
+    shapes = BatchShapes.of(cfg)
+    ahead = Ahead(mesh) if cfg.train.compile_ahead and backend.traces_in_threads and start < cfg.train.steps else None
+    early = ahead is not None and not start and not isinstance(steps.companion, Precomputed)  # the data as stepped
+    if early:
+        notes.append(_compile_ahead(ahead, cfg, steps, shapes, data, rollout is None))
+
     # Restore or init, then the frozen weights (a synced reference is the restored step's), then the data position.
     if start:
         start, state, data_state = ckpt.restore(start, spec.abstract)  # an older step if this one is damaged
@@ -175,21 +181,37 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Ru
     frozen, data, reference_notes = _frozen(cfg, run_dir, spec, steps, data, synced)
     if data_state is not None:
         data.train_iter.set_state(data_state)
+    if ahead is not None and not early:  # the batches as stepped are known only now
+        notes.append(_compile_ahead(ahead, cfg, steps, shapes, data, rollout is None))
+    steps.ahead = ahead
 
-    # Components that report.
-    log = StepLog(run_dir, cfg, start, spec.model_cfg)
-    shapes = BatchShapes.of(cfg)
-    eval_batches = [shapes.fit(b)[0] for b in data.eval_batches]  # each held-out batch at its own bucket
-    evaluator = Evaluator(cfg, steps, tokenizer, eval_batches, run_dir, log, data.eval_examples, rollout,
-                          data.prompts.val if data.prompts is not None else None, start=start)
-    for line in ckpt.notes(start, cfg.train.steps) + data.report + notes + reference_notes:
-        log.message(line)
-    profiler = Profiler(cfg.train.profile_steps, run_dir, start, log.message)
-    if proc == 0:
-        prefetch_plotting()  # loss.png at the end
+    log, evaluator, profiler = _reporting(cfg, run_dir, steps, tokenizer, data, rollout, shapes, start,
+                                          ckpt.notes(start, cfg.train.steps) + data.report + notes + reference_notes)
     return Run(cfg=cfg, run_dir=run_dir, mesh=mesh, data=data, spec=spec, steps=steps, rollout=rollout, sync=sync,
                frozen=frozen, state=state, start=start, params=params, ckpt=ckpt, log=log, evaluator=evaluator,
                shapes=shapes, profiler=profiler, laps=laps)
+
+
+def _use_compile_cache(cfg: Config) -> None:
+    if cfg.train.compile_cache_dir:  # JAX keys entries by program, options, flags, device kind and versions
+        jax.config.update("jax_compilation_cache_dir", str(Path(cfg.train.compile_cache_dir).expanduser()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)  # 1 s would skip eval and sampler
+
+
+def _reporting(cfg: Config, run_dir: Path, steps: Steps, tokenizer: Any, data: TrainingData, rollout: Rollout | None,
+               shapes: BatchShapes, start: int, lines: list[str]) -> tuple[StepLog, Evaluator, Profiler]:
+    """The components that report (the step log, the evaluator, the profiler), and the start of training's
+    ``lines`` said."""
+    log = StepLog(run_dir, cfg, start, steps.spec.model_cfg)
+    eval_batches = [shapes.fit(b)[0] for b in data.eval_batches]  # each held-out batch at its own bucket
+    evaluator = Evaluator(cfg, steps, tokenizer, eval_batches, run_dir, log, data.eval_examples, rollout,
+                          data.prompts.val if data.prompts is not None else None, start=start)
+    for line in filter(None, lines):
+        log.message(line)
+    profiler = Profiler(cfg.train.profile_steps, run_dir, start, log.message)
+    if jax.process_index() == 0:
+        prefetch_plotting()  # loss.png at the end
+    return log, evaluator, profiler
 
 
 def _model_notes(cfg: Config, spec: ModelSpec, rollout: Rollout | None) -> tuple[ParameterCount, list[str]]:
@@ -257,12 +279,51 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
             break
     _check(run, log.drain())
     laps.lap("steps")
+    if run.steps.ahead is not None:
+        run.steps.ahead.close()  # what the steps met was waited for; what they did not is dropped
+        run.steps.ahead = None
     if step == total:
         if ckpt.latest_step() != total:
             _save(run, total, state, frozen)
         evaluator.run(total, state.params, frozen)
         laps.lap("eval")
     return state, step
+
+
+def _compile_ahead(ahead: Ahead, cfg: Config, steps: Steps, shapes: BatchShapes, data: TrainingData,
+                   batches_known: bool) -> str:
+    """Submits the programs the run meets first to ``ahead`` (`jaxtune.train.ahead`), on the shapes and shardings of
+    the state and the frozen weights to come: the evaluation's, one per held-out bucket, then the train step's for
+    each bucket of the next ``train.compile_ahead`` batches (read ahead, then the data position put back).
+    ``batches_known`` is False for a rollout's batches: they are made by sampling, so their train step is compiled
+    when met. Returns the line that says what compiles."""
+    spec = steps.spec
+    state = placed(spec.abstract, spec.shardings)
+    frozen = placed(steps.abstract_frozen(), steps.frozen_shardings())
+    programs = []  # (key, jitted, batch), in the order they are first needed
+    if cfg.data.kind.held_out != "answers":
+        programs += [(eval_key(b), steps.eval, b) for b in (shapes.fit(b)[0] for b in data.eval_batches)]
+    if batches_known:
+        it = data.train_iter
+        position = it.get_state()
+        for _ in range(min(cfg.train.compile_ahead, cfg.train.steps)):
+            batch, shape = shapes.fit(next(it))
+            programs.append((train_key(shape), steps.train, batch))
+        it.set_state(position)
+    first = next((i for i, p in enumerate(programs) if p[1] is steps.train), None)
+    if first is not None:  # the first step's program first (the longest to compile), the other buckets' after it
+        programs.insert(0, programs.pop(first))
+    for key, jitted, batch in programs:
+        trained = state.params if jitted is steps.eval else state
+        ahead.submit(key, jitted, trained, sharding.global_batch(spec.mesh, batch), frozen,
+                     later=jitted is steps.train and key != programs[0][0])
+    evals = len({key for key, jitted, _ in programs if jitted is steps.eval})
+    trains = len(ahead.pending) + len(ahead.deferred) - evals
+    what = [f"{evals} held-out evaluation program{'s' * (evals > 1)}"] if evals else []
+    if trains:
+        what.append(f"{trains} train-step program{'s' * (trains > 1)} (the length buckets of the next "
+                    f"{min(cfg.train.compile_ahead, cfg.train.steps)} batches)")
+    return f"compiling ahead on {ahead.workers} threads (train.compile_ahead): {' and '.join(what)}" if what else ""
 
 
 def _next_batch(run: Run, state: TrainState, frozen: Frozen,
@@ -281,7 +342,7 @@ def _train_step(run: Run, state: TrainState, frozen: Frozen, batch: dict[str, An
                 step: int) -> tuple[TrainState, dict[str, Any]]:
     """Train step ``step`` on the host ``batch`` (a length bucket's first batch compiles its program, said)."""
     return run.shapes.step(lambda: run.steps.train(state, sharding.global_batch(run.mesh, batch), frozen), shape,
-                           step, run.log.message)
+                           step, run.log.message, run.steps.ahead)
 
 
 def _check(run: Run, stop: NonFinite | None) -> None:

@@ -9,6 +9,7 @@ Activations are sharded over the batch axes only (``act_*`` names), except the t
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -41,7 +42,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_vocab": "tensor",
 }
 
-_active: list[Mesh] = []
+# the meshes `use_mesh` made active, innermost last: per thread (a context variable), so a program compiled ahead on
+# a worker thread (`jaxtune.train.ahead`) is traced under the mesh it was submitted under, whatever the main thread does
+_active: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar("active_meshes", default=())
 
 
 class ShardingError(ValueError):
@@ -88,18 +91,19 @@ def spec(names: tuple[str | None, ...]) -> P:
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
     """Make ``constrain`` active while tracing model code for ``mesh``."""
-    _active.append(mesh)
+    token = _active.set((*_active.get(), mesh))
     try:
         yield mesh
     finally:
-        _active.pop()
+        _active.reset(token)
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint on an activation by logical names; a no-op outside `use_mesh`."""
-    if not _active:
+    active = _active.get()
+    if not active:
         return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(_active[-1], spec(names)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(active[-1], spec(names)))
 
 
 def param_axes(abstract_params: Any, logical: Any) -> Any:

@@ -121,11 +121,12 @@ def _poison(monkeypatch, nan_steps: set[int]):
                 mask[0, 0] = np.nan
             return {**batch, "loss_mask": mask}
 
-        def get_state(self):
-            return self.it.get_state()
+        def get_state(self):  # the count of batches read is part of the position (the loop reads ahead, then back)
+            return {"inner": self.it.get_state(), "read": self.step}
 
         def set_state(self, s):
-            self.it.set_state(s)
+            self.it.set_state(s["inner"])
+            self.step = s["read"]
 
     def poisoned_data(*a, **k):
         data = real(*a, **k)

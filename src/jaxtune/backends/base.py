@@ -29,6 +29,9 @@ class ParityModel(NamedTuple):
 
 class Backend(Protocol):
     name: str
+    # whether its programs may be traced on worker threads while the main thread traces others (compiled ahead,
+    # `jaxtune.train.ahead`): Flax NNX keeps its tracing state per thread, torchax keeps one environment per process
+    traces_in_threads: bool
 
     def check_config(self, cfg: Config) -> None:
         """Rules that tie this backend's model section to other sections (the mesh, ...): `ConfigError`."""

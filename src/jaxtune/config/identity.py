@@ -36,7 +36,8 @@ RESUMABLE_KEYS = (
     "name", "run_dir", "model.remat", "model.attention", "model.trust_remote_code", "data.cache_dir", "data.bad_rows",
     "data.length_buckets", "data.share_prompts",
     "data.num_proc", "data.token_vocab_size", "data.token_eos_id",
-    "train.steps", "train.on_nan", "train.max_nan_skips", "train.compile_cache_dir", "train.loss_chunk",
+    "train.steps", "train.on_nan", "train.max_nan_skips", "train.compile_cache_dir", "train.compile_ahead",
+    "train.loss_chunk",
     "train.profile_steps",
     "eval", "checkpoint", "mesh", "distributed", "logging",
 )

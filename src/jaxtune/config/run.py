@@ -35,6 +35,9 @@ class TrainConfig(Section):
     max_nan_skips: int = Field(5, ge=1, description="skip: abort after this many non-finite steps in a row")
     compile_cache_dir: str | None = Field("~/.cache/jaxtune/xla", description="JAX's persistent compilation cache "
                                           "(null: off); entries are keyed by program, flags, device and versions")
+    compile_ahead: int = Field(32, ge=0, description="compile the held-out evaluation's programs and the train "
+                               "step's for the length buckets of the next N batches on worker threads, alongside "
+                               "each other and the step-0 evaluation (0: each program compiles at its first use)")
     loss_chunk: int = Field(0, ge=0, description="sequence positions per cross-entropy chunk (large vocabularies); "
                             "0: auto, chunking only when the batch's float32 logits would exceed 1 GiB")
     profile_steps: tuple[int, int] | None = Field(None, description="[START, END]: a jax.profiler trace of steps "

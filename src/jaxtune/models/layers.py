@@ -6,9 +6,12 @@ to mesh axes with one rule table. Activations are constrained at block boundarie
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
@@ -43,6 +46,29 @@ class LoraSpec:
 
 class LoRAParam(nnx.Param):
     """A LoRA adapter matrix. With adapters, these are the only parameters that train."""
+
+
+_FROZEN_AS_SHAPES = contextvars.ContextVar("frozen_as_shapes", default=False)
+
+
+@contextlib.contextmanager
+def frozen_as_shapes() -> Iterator[None]:
+    """Models built inside give their frozen kernels and tables (`nnx.Param`, drawn at random) as shapes only, each
+    key still drawn in turn: the trained group (LoRA's adapters, a score head) gets the values a full build gives
+    it, without the base's draws (`jaxtune.models.registry.init_trained`)."""
+    token = _FROZEN_AS_SHAPES.set(True)
+    try:
+        yield
+    finally:
+        _FROZEN_AS_SHAPES.reset(token)
+
+
+def normal_init(key: jax.Array, shape: tuple[int, ...], std: float, dtype) -> jax.Array | jax.ShapeDtypeStruct:
+    """``std`` x a standard normal draw of ``shape``, for a frozen-when-adapted weight (a shape only inside
+    `frozen_as_shapes`)."""
+    if _FROZEN_AS_SHAPES.get():
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    return std * jax.random.normal(key, shape, dtype)
 
 
 class ScoreHead(nnx.Module):
@@ -80,8 +106,7 @@ class Dense(nnx.Module):
 
     def __init__(self, d_in: int, d_out: int, axes: Axes, *, rngs: nnx.Rngs, std: float = 0.02,
                  bias: bool = True, param_dtype=jnp.float32, dtype=jnp.float32, lora: LoraSpec | None = None):
-        self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), param_dtype),
-                                logical_axes=axes)
+        self.kernel = nnx.Param(normal_init(rngs.params(), (d_in, d_out), std, param_dtype), logical_axes=axes)
         self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype), logical_axes=axes[-1:]) if bias else None
         self.dtype = dtype
         self.lora = lora
@@ -136,8 +161,7 @@ class Embed(nnx.Module):
 
     def __init__(self, num: int, dim: int, axes: Axes, *, rngs: nnx.Rngs, std: float = 0.02,
                  param_dtype=jnp.float32, dtype=jnp.float32):
-        self.embedding = nnx.Param(std * jax.random.normal(rngs.params(), (num, dim), param_dtype),
-                                   logical_axes=axes)
+        self.embedding = nnx.Param(normal_init(rngs.params(), (num, dim), std, param_dtype), logical_axes=axes)
         self.dtype = dtype
 
     def __call__(self, ids: jax.Array) -> jax.Array:

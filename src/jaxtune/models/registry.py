@@ -13,7 +13,7 @@ from jaxtune.config import FAMILY_NAMES
 from jaxtune.models import gemma3, gpt2, llama, mistral, qwen
 from jaxtune.models.decoder import DecoderConfig
 from jaxtune.models.family import Family
-from jaxtune.models.layers import LoRAParam, LoraSpec
+from jaxtune.models.layers import LoRAParam, LoraSpec, frozen_as_shapes
 
 # The implementation of each family `jaxtune.config.kinds.FAMILY_NAMES` declares (``model.family``'s values).
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen.QWEN2, qwen.QWEN3, mistral.FAMILY,
@@ -58,6 +58,19 @@ def init_params(cfg: Any, seed: int) -> list[Any]:
     """The family's initial params, split as `model_layout` splits them (call under jit to place them)."""
     _, *states = nnx.split(build_model(cfg, seed), *param_groups(cfg))
     return [nnx.to_pure_dict(s) for s in states]
+
+
+def init_trained(cfg: Any, seed: int) -> Any:
+    """The trained group of `init_params` (LoRA's adapters, a reward model's head), computed op by op without the
+    frozen base's draws: the same values, without compiling the whole model's initialisation (with LoRA, hundreds of
+    unrolled random draws: ~15 s of XLA:CPU at 135M, benchmarks/RESULTS.md). A score head's normal draw may differ
+    from the compiled one in its last bit. Scanned layers draw each weight for every layer at once (`nnx.vmap`,
+    which cannot hold a shape): they compile quickly and stay compiled."""
+    if getattr(cfg, "scan_layers", False):
+        return jax.jit(lambda: init_params(cfg, seed)[0])()
+    with frozen_as_shapes():
+        model = build_model(cfg, seed)
+    return nnx.to_pure_dict(nnx.split(model, *param_groups(cfg))[1])
 
 
 def merge(graphdef: nnx.GraphDef, weights: Any) -> nnx.Module:

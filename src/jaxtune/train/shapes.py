@@ -16,6 +16,12 @@ from jax.experimental import multihost_utils
 from jaxtune.config import Config
 from jaxtune.config.kinds import BRANCH_SLOTS_KEY
 from jaxtune.data.buckets import bucket_length, cut, cut_regions, longest_row, real_tokens
+from jaxtune.train.ahead import Ahead
+
+
+def train_key(shape: Shape) -> tuple:
+    """The key the train step's program for ``shape`` is compiled ahead under (`jaxtune.train.ahead`)."""
+    return ("train", shape.program)
 
 
 @dataclass(frozen=True)
@@ -89,14 +95,24 @@ class BatchShapes:
         return (cut(batch, length, self.row_keys) if length < self.cap else batch), Shape(length, tokens,
                                                                                           rows * length)
 
-    def step(self, train: Callable[[], Any], shape: Shape, step: int, say: Callable[[str], None]) -> Any:
+    def step(self, train: Callable[[], Any], shape: Shape, step: int, say: Callable[[str], None],
+             ahead: Ahead | None = None) -> Any:
         """``train()`` (the step's dispatch), saying so when ``shape``'s length is new: its program compiles (or is
-        read from the compilation cache) before the dispatch returns."""
+        read from the compilation cache) before the dispatch returns, or was compiled ahead (``ahead``: waited for
+        here, if still compiling)."""
         if shape.program in self.lengths:
             return train()
         self.lengths.add(shape.program)
         split = "" if shape.regions is None else (f" (a prompt's {shape.regions[0]} slots, then "
                                                    f"{self.regions[1]} completions of {shape.regions[1]})")
+        if ahead is not None and ahead.has(train_key(shape)):
+            started = time.perf_counter()
+            compiled = ahead.wait(train_key(shape))
+            ahead.release()  # the later buckets' programs, now that the first step's is made
+            waited = time.perf_counter() - started
+            say(f"step {step}: the train step for batches of {shape.length} positions{split} was compiled ahead "
+                f"({compiled}" + (f"; waited {waited:.1f} s for it)" if waited >= 0.1 else ")"))
+            return train()
         say(f"step {step}: compiling the train step for batches of {shape.length} positions{split} ...")
         started = time.perf_counter()
         out = train()

@@ -15,10 +15,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxtune import sharding
 from jaxtune.config import Config, TrainConfig
+from jaxtune.train.ahead import Ahead
 from jaxtune.train.objectives import Metrics, Objective, make_objective
 from jaxtune.train.objectives.base import (
     combine_metrics,
@@ -249,6 +251,7 @@ class Steps:
     eval: Callable  # (params, global batch, frozen) -> (summed loss, count, metric sums)
     companion: Companion | None = None  # the second model the objective reads, if the steps hold one
     traces: list[int] = field(default_factory=lambda: [0])
+    ahead: Ahead | None = None  # programs being compiled ahead of their first dispatch (`jaxtune.train.ahead`)
 
     @property
     def compiles(self) -> int:
@@ -264,6 +267,11 @@ class Steps:
         held = self.companion is not None and self.companion.holds_weights
         return Frozen(self.spec.frozen_abstract, self.companion.abstract if held else None)
 
+    def frozen_shardings(self) -> Frozen:
+        """Where `frozen`'s arrays are placed: the model's frozen groups as they are, the companion's own."""
+        held = self.companion is not None and self.companion.holds_weights
+        return Frozen(self.spec.frozen_shardings, self.companion.shardings if held else None)
+
     def weights(self, params: Any, frozen: Frozen) -> Any:
         """The model's weights (`ModelSpec.weights`) from the steps' frozen groups: what the sampler takes."""
         return self.spec.weights(params, frozen_of(frozen).model)
@@ -274,12 +282,19 @@ class Steps:
         total = count = 0.0
         sums: dict[str, Any] = {}
         for b in batches:
+            if self.ahead is not None:
+                self.ahead.wait(eval_key(b))
             s, n, m = jax.device_get(self.eval(params, sharding.global_batch(self.spec.mesh, b), frozen_of(frozen)))
             total, count = total + float(s), count + float(n)
             sums = m if not sums else combine_metrics(sums, m)
         denom = max(count, 1.0)
         means = {k: float(v) for k, v in {**per_unit(sums, denom), **counts_of(sums)}.items()}
         return EvalResult(total / denom, count, with_margins(present(means)))
+
+
+def eval_key(batch: dict[str, Any]) -> tuple:
+    """What the eval step compiles one program per: its host batch's keys and shapes."""
+    return ("eval",) + tuple(sorted((k, np.shape(v)) for k, v in batch.items()))
 
 
 def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
@@ -295,8 +310,7 @@ def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
 
     mesh = spec.mesh
     batch_sh = sharding.batch_sharding(mesh)
-    held = companion is not None and companion.holds_weights
-    frozen_sh = Frozen(spec.frozen_shardings, companion.shardings if held else None)
+    frozen_sh = steps.frozen_shardings()
     steps.train = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh, frozen_sh),
                           out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
     steps.eval = jax.jit(eval_impl, in_shardings=(spec.shardings.params, batch_sh, frozen_sh))

@@ -21,7 +21,7 @@ from jaxtune.models import FAMILIES, gguf_blocks, model_config
 from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
 from jaxtune.models.lora import merge_adapters, write_adapter
 from jaxtune.models.quantize import quantize_base, quantized_layout, streaming_quantizer
-from jaxtune.models.registry import adapters, init_params, merge, model_layout
+from jaxtune.models.registry import adapters, init_params, init_trained, merge, model_layout
 from jaxtune.models.sampling import Generator
 from jaxtune.models.unsupported import UnsupportedModelError
 from jaxtune.train.logprobs import (
@@ -103,9 +103,11 @@ class NativeSpec:
         params = None
         if self.from_hf and not self.frozen_abstract:  # full fine-tuning starts from the checkpoint
             params = self._read_hf(self.abstract.params, self.shardings.params)
-        elif self.from_hf and "score" in self.abstract.params:  # LoRA: a reward model's own head trains
-            params = self._read_hf({"score": self.abstract.params["score"]}, {"score": self.shardings.params["score"]})
-            params = {**jax.jit(lambda: init_params(cfg, seed)[0], out_shardings=self.shardings.params)(), **params}
+        elif self.frozen_abstract:  # LoRA: the adapters (and a reward model's head) alone, op by op
+            params = jax.device_put(jax.device_get(init_trained(cfg, seed)), self.shardings.params)  # every host's
+            if self.from_hf and "score" in self.abstract.params:  # a reward model's head from the checkpoint
+                params = {**params, **self._read_hf({"score": self.abstract.params["score"]},
+                                                    {"score": self.shardings.params["score"]})}
 
         def make(params):
             if params is None:
@@ -196,6 +198,7 @@ def with_head(model_cfg: Any, cfg: Config) -> Any:
 
 class NativeBackend:
     name = "native"
+    traces_in_threads = True
 
     def check_config(self, cfg: Config) -> None:
         """Every mesh layout applies: parameters are sharded by their logical axis names."""

@@ -155,6 +155,7 @@ class TorchaxGenerator:
 
 class TorchaxBackend:
     name = "torchax"
+    traces_in_threads = False
 
     def check_config(self, cfg: Config) -> None:
         if cfg.mesh.tensor != 1:
