@@ -9,6 +9,7 @@ record, and `report_lines` asks each part for its columns and sections."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,8 +227,11 @@ class Sampler:
     tokenizer: Tokenizer
     chat: bool
 
-    def __post_init__(self) -> None:
-        self.generator = self.steps.spec.generator()
+    @functools.cached_property
+    def generator(self) -> Any:
+        """Made at its first use: a run that never generates (no ``eval.prompts``, no exact match) does not build the
+        sampling model's layout (~2 s of setup at 135M)."""
+        return self.steps.spec.generator()
 
 
 @dataclass
