@@ -119,7 +119,13 @@ class Run:
 
 
 def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> TrainResult:
-    run = _setup(cfg, backend, run_dir, multi_host)
+    ahead = Ahead() if cfg.train.compile_ahead and backend.traces_in_threads else None  # programs compiled ahead
+    try:
+        run = _setup(cfg, backend, run_dir, multi_host, ahead)
+    except BaseException:
+        if ahead is not None:
+            ahead.close(wait=False)  # nothing more is compiled for a run that did not start
+        raise
     run.laps.lap("setup")
     try:
         with distributed.Preemption(multi_host) as preemption, sharding.use_mesh(run.mesh), \
@@ -127,13 +133,15 @@ def _train(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Tr
             state, step = _loop(run, preemption)
         return _finish(run, state, step, preemption.requested)
     finally:
+        if ahead is not None:
+            ahead.close(wait=False)  # done already, unless the loop stopped on an error
         if run.rollout is not None:
             run.rollout.close()  # the tools' worker, if any
 
 
-def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Run:
-    """Checkpoints → mesh → data → model, objective, steps → frozen weights → restore or init → the components
-    that report."""
+def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool, ahead: Ahead | None = None) -> Run:
+    """Checkpoints → mesh → data → model, objective, steps (``ahead``: their first programs compiled on its threads
+    from then on) → frozen weights → restore or init → the components that report."""
     laps = Laps()
     _use_compile_cache(cfg)
     proc = jax.process_index()
@@ -167,7 +175,7 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool) -> Ru
 
     # The first programs compile on worker threads from here on, while the weights are made and read.
     shapes = BatchShapes.of(cfg)
-    ahead = Ahead(mesh) if cfg.train.compile_ahead and backend.traces_in_threads and start < cfg.train.steps else None
+    ahead = ahead.on(mesh) if ahead is not None and start < cfg.train.steps else None
     early = ahead is not None and not start and not isinstance(steps.companion, Precomputed)  # the data as stepped
     if early:
         notes.append(_compile_ahead(ahead, cfg, steps, shapes, data, rollout is None))

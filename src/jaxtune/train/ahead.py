@@ -85,9 +85,10 @@ def compile_workers() -> int:
 
 class Ahead:
     """Compiles submitted programs on worker threads; `wait` returns a program's compile seconds once it is ready
-    (None when it was never submitted). Every compile is traced under ``mesh``, as the loop's dispatch is."""
+    (None when it was never submitted). Every compile is traced under ``mesh`` (given here or by `on`), as the
+    loop's dispatch is."""
 
-    def __init__(self, mesh: Mesh, workers: int | None = None):
+    def __init__(self, mesh: Mesh | None = None, workers: int | None = None):
         _listen()
         self.mesh = mesh
         self.workers = workers or compile_workers()
@@ -129,9 +130,15 @@ class Ahead:
             jitted.lower(*args).compile()
         return Compiled(time.perf_counter() - started, _hits.count > hits)
 
-    def close(self) -> None:
-        """Drop what has not started (a compile under way finishes: XLA cannot be interrupted)."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
+    def on(self, mesh: Mesh) -> Ahead:
+        """This, its programs traced under ``mesh`` (the run's, made after the threads)."""
+        self.mesh = mesh
+        return self
+
+    def close(self, wait: bool = True) -> None:
+        """Drop what has not started. A compile under way finishes (XLA cannot be interrupted): ``wait`` for it, or
+        not (a run that stops on an error returns at once; the process exits once the compile ends)."""
+        self.pool.shutdown(wait=wait, cancel_futures=True)
         self.pending.clear()
         self.deferred.clear()
 
