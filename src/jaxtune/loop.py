@@ -178,7 +178,7 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool, ahead
     ahead = ahead.on(mesh) if ahead is not None and start < cfg.train.steps else None
     early = ahead is not None and not start and not isinstance(steps.companion, Precomputed)  # the data as stepped
     if early:
-        notes.append(_compile_ahead(ahead, cfg, steps, shapes, data, rollout is None))
+        notes.append(_compile_ahead(ahead, cfg, steps, shapes, data, rollout is None, start))
 
     # Restore or init, then the frozen weights (a synced reference is the restored step's), then the data position.
     if start:
@@ -190,7 +190,7 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool, ahead
     if data_state is not None:
         data.train_iter.set_state(data_state)
     if ahead is not None and not early:  # the batches as stepped are known only now
-        notes.append(_compile_ahead(ahead, cfg, steps, shapes, data, rollout is None))
+        notes.append(_compile_ahead(ahead, cfg, steps, shapes, data, rollout is None, start))
     steps.ahead = ahead
 
     log, evaluator, profiler = _reporting(cfg, run_dir, steps, tokenizer, data, rollout, shapes, start,
@@ -299,22 +299,23 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
 
 
 def _compile_ahead(ahead: Ahead, cfg: Config, steps: Steps, shapes: BatchShapes, data: TrainingData,
-                   batches_known: bool) -> str:
+                   batches_known: bool, start: int) -> str:
     """Submits the programs the run meets first to ``ahead`` (`jaxtune.train.ahead`), on the shapes and shardings of
     the state and the frozen weights to come: the evaluation's, one per held-out bucket, then the train step's for
-    each bucket of the next ``train.compile_ahead`` batches (read ahead, then the data position put back).
+    each bucket of the next ``train.compile_ahead`` batches that steps after ``start`` will read (read ahead, then
+    the data position put back).
     ``batches_known`` is False for a rollout's batches: they are made by sampling, so their train step is compiled
     when met. Returns the line that says what compiles."""
     spec = steps.spec
     state = placed(spec.abstract, spec.shardings)
     frozen = placed(steps.abstract_frozen(), steps.frozen_shardings())
-    programs = []  # (key, jitted, batch), in the order they are first needed
+    programs, n = [], min(cfg.train.compile_ahead, cfg.train.steps - start)  # (key, jitted, batch), as needed
     if cfg.data.kind.held_out != "answers":
         programs += [(eval_key(b), steps.eval, b) for b in (shapes.fit(b)[0] for b in data.eval_batches)]
     if batches_known:
         it = data.train_iter
         position = it.get_state()
-        for _ in range(min(cfg.train.compile_ahead, cfg.train.steps)):
+        for _ in range(n):
             batch, shape = shapes.fit(next(it))
             programs.append((train_key(shape), steps.train, batch))
         it.set_state(position)
@@ -329,8 +330,7 @@ def _compile_ahead(ahead: Ahead, cfg: Config, steps: Steps, shapes: BatchShapes,
     trains = len(ahead.pending) + len(ahead.deferred) - evals
     what = [f"{evals} held-out evaluation program{'s' * (evals > 1)}"] if evals else []
     if trains:
-        what.append(f"{trains} train-step program{'s' * (trains > 1)} (the length buckets of the next "
-                    f"{min(cfg.train.compile_ahead, cfg.train.steps)} batches)")
+        what.append(f"{trains} train-step program{'s' * (trains > 1)} (the length buckets of the next {n} batches)")
     return f"compiling ahead on {ahead.workers} threads (train.compile_ahead): {' and '.join(what)}" if what else ""
 
 
