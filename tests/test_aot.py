@@ -61,7 +61,7 @@ def test_gpt2_124m_compiles_for_v5e_8_with_its_state_flops_and_gradient_all_redu
     what is not a matmul (softmax, norms, the optimizer's elementwise update), which the HLO's matmul count also
     leaves out."""
     cfg, d = gpt2_plan
-    assert d["fits"] and d["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert d["fits"] and d["mesh"] == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
     assert d["slice"]["device_kind"] == "TPU v5 lite" and d["slice"]["chips"] == 8
     state = _state_bytes(cfg, 8)
     batch_rows = 2 * 256 * 4 * 2  # inputs and targets: 2 rows per chip, int32

@@ -121,8 +121,8 @@ def _info(args: argparse.Namespace) -> int:
     mesh = []
     for part in filter(None, (args.mesh or "").split(",")):
         key, _, value = part.partition("=")
-        if key.strip() not in ("data", "fsdp", "tensor") or not value:
-            raise ConfigError(f"--mesh {args.mesh!r}: expected e.g. data=2,fsdp=4,tensor=1")
+        if key.strip() not in ("data", "fsdp", "tensor", "context") or not value:
+            raise ConfigError(f"--mesh {args.mesh!r}: expected e.g. data=2,fsdp=4,tensor=1 (or context=2)")
         mesh.append(f"mesh.{key.strip()}={value}")
     if args.max_batch and not args.compile_for:
         raise ConfigError("--max-batch searches by compiling for a TPU slice; add --compile-for SLICE (e.g. v5e-8)")

@@ -37,9 +37,10 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
     `planned` decides them."""
     cfg, vocab, note = planned(cfg, vocab_size)
     if devices is None:
-        mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        mesh = sharding.mesh_of(cfg.mesh)
     else:
-        mesh = sharding.abstract_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
+        mesh = sharding.abstract_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices,
+                                      context=cfg.mesh.context)
     spec = make_state_spec(cfg, vocab, mesh)
     mcfg = spec.model_cfg  # a native family's config, or a torchax model's ModelInfo
     compute_dtype = mcfg.compute_dtype
@@ -57,7 +58,8 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
     per_token_layer = (34 * mcfg.d_model + 5 * mcfg.n_head * seq) * act_item / 2
     if mcfg.remat == "full":
         per_token_layer = mcfg.d_model * act_item
-    act_b = int(rows * seq * (mcfg.n_layer * per_token_layer + 4 * mcfg.vocab_size) / mesh.shape["tensor"])
+    split = mesh.shape["tensor"] * mesh.shape["context"]  # the context axis holds 1/context of each row's positions
+    act_b = int(rows * seq * (mcfg.n_layer * per_token_layer + 4 * mcfg.vocab_size) / split)
     return {
         "params": mcfg.num_params(),
         "params_non_embedding": mcfg.num_params(non_embedding=True),

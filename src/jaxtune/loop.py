@@ -153,7 +153,7 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool, ahead
         dump_config(cfg, run_dir / "config.yaml")
 
     # Mesh and data.
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    mesh = sharding.mesh_of(cfg.mesh)
     cfg = rows_per_device(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     with distributed.together(multi_host):  # a file missing on one host stops every host, naming it
         tokenizer = load_tokenizer(checkpoint_tokenizer(cfg.tokenizer), cfg.data)

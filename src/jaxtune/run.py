@@ -56,7 +56,7 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = (), me
     ``.gguf`` file: the model directory it converts to (`jaxtune.models.gguf`)."""
     cfg, tokenizer, hf_dir = run_config(target, overrides)
     run_dir = cfg.run_path
-    mesh = mesh or sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    mesh = mesh or sharding.mesh_of(cfg.mesh)
     spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
     if hf_dir and not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
         seq_len = min(cfg.data.seq_len, spec.model_cfg.max_seq_len)

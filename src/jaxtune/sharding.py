@@ -1,9 +1,15 @@
 """Device mesh and the one rule table that maps logical axis names to mesh axes.
 
 Model code only names axes (``("embed", "mlp")`` on a kernel, ``("batch", "seq", "act_embed")`` on an
-activation); this module decides where they live. Parameter axes: ``embed`` is sharded over ``fsdp`` (ZeRO-3
-style: XLA gathers each layer's weights when it needs them), ``vocab``/``heads``/``mlp`` over ``tensor``.
-Activations are sharded over the batch axes only (``act_*`` names), except the tensor-parallel inner dims.
+activation); this module decides where they live. Parameter axes: ``embed`` is sharded over ``fsdp`` and
+``context`` (ZeRO-3 style: XLA gathers each layer's weights when it needs them), ``vocab``/``heads``/``mlp`` over
+``tensor``. Activations are sharded over the batch axes (``batch``), their positions over ``context`` (``seq``:
+context parallelism; attention gathers the keys and values of the whole sequence, see
+`jaxtune.models.layers.attention`), and the tensor-parallel inner dims over ``tensor``.
+
+A ``context`` axis of size 1 is left out of every spec, so a mesh without context parallelism shards exactly as
+before the axis existed; a position dimension that the axis does not divide (a one-token decoding step, a prompt
+bucket) stays whole.
 """
 
 from __future__ import annotations
@@ -19,13 +25,13 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")  # tensor innermost: its collectives are the most frequent
 BATCH_AXES = ("data", "fsdp")
 
 RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
@@ -34,7 +40,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "lora_rank": None,
     # activations
     "batch": BATCH_AXES,
-    "seq": None,
+    "seq": "context",
     "act_embed": None,
     "act_heads": "tensor",
     "act_kv_heads": "tensor",
@@ -51,9 +57,10 @@ class ShardingError(ValueError):
     """A mesh or layout that cannot work; the message names the config key or parameter."""
 
 
-def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tuple[int, int, int]:
-    """The (data, fsdp, tensor) sizes over ``n_devices``, resolving one -1 ("the rest")."""
-    sizes = [data, fsdp, tensor]
+def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int, context: int = 1) -> tuple[int, ...]:
+    """The mesh's sizes in `MESH_AXES` order over ``n_devices``, resolving one -1 ("the rest")."""
+    names = ["data", "fsdp", "tensor"] + (["context"] if context != 1 else [])
+    sizes = [data, fsdp, tensor] + ([context] if context != 1 else [])
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % known:
@@ -61,31 +68,71 @@ def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tuple[int, 
         sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) != n_devices:
         raise ShardingError(
-            f"mesh.data × mesh.fsdp × mesh.tensor = {'×'.join(map(str, sizes))} = {math.prod(sizes)}, "
+            f"{' × '.join(f'mesh.{n}' for n in names)} = {'×'.join(map(str, sizes))} = {math.prod(sizes)}, "
             f"but there are {n_devices} devices; make the product match or set one axis to -1"
         )
-    return tuple(sizes)
+    by_name = dict(zip(names, sizes))
+    return tuple(by_name.get(a, 1) for a in MESH_AXES)
 
 
-def make_mesh(data: int, fsdp: int, tensor: int, devices: list[Any] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over ``devices`` (default: all); one size may be -1 (the rest)."""
+def make_mesh(data: int, fsdp: int, tensor: int, devices: list[Any] | None = None, *, context: int = 1) -> Mesh:
+    """A `MESH_AXES` mesh over ``devices`` (default: all); one size may be -1 (the rest)."""
     devices = list(jax.devices() if devices is None else devices)
-    return Mesh(np.asarray(devices).reshape(mesh_shape(data, fsdp, tensor, len(devices))), MESH_AXES)
+    shape = mesh_shape(data, fsdp, tensor, len(devices), context)
+    if shape[2] > 1 and jax.process_count() > 1:
+        _context_within_processes(devices, shape)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
-def abstract_mesh(data: int, fsdp: int, tensor: int, n_devices: int) -> AbstractMesh:
+def mesh_of(cfg: Any, devices: list[Any] | None = None) -> Mesh:
+    """The mesh a run's ``mesh`` config section asks for (over ``devices``, default all)."""
+    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices, context=cfg.context)
+
+
+def abstract_mesh(data: int, fsdp: int, tensor: int, n_devices: int, *, context: int = 1) -> AbstractMesh:
     """The same mesh over ``n_devices`` hypothetical devices: for planning (shapes and bytes per device)."""
-    return AbstractMesh(mesh_shape(data, fsdp, tensor, n_devices), MESH_AXES)
+    return AbstractMesh(mesh_shape(data, fsdp, tensor, n_devices, context), MESH_AXES)
 
 
-def spec(names: tuple[str | None, ...]) -> P:
-    """Logical names -> PartitionSpec through the rule table (unknown names are an error, not replicated)."""
+def _context_within_processes(devices: list[Any], shape: tuple[int, ...]) -> None:
+    """Each process feeds whole rows (`global_batch`), so the devices that split a row's positions (one context x
+    tensor group) must belong to one process."""
+    groups = np.asarray(devices).reshape(-1, shape[2] * shape[3])
+    for group in groups:
+        owners = sorted({d.process_index for d in group})
+        if len(owners) > 1:
+            raise ShardingError(
+                f"mesh.context={shape[2]} (x mesh.tensor={shape[3]}) spans processes {owners}: the devices that share "
+                f"a sequence must be on one host; make mesh.context x mesh.tensor divide the devices per host "
+                f"({jax.local_device_count()})")
+
+
+def spec(names: tuple[str | None, ...], mesh: Any = None, shape: tuple[int, ...] | None = None) -> P:
+    """Logical names -> PartitionSpec through the rule table (unknown names are an error, not replicated).
+
+    With ``mesh``, a ``context`` axis of size 1 is left out; with ``shape`` too, so is one that does not divide its
+    dimension (that dimension of an activation stays whole)."""
     out = []
-    for n in names:
+    for i, n in enumerate(names):
         if n is not None and n not in RULES:
             raise ShardingError(f"logical axis {n!r} has no sharding rule; add it to jaxtune.sharding.RULES")
-        out.append(None if n is None else RULES[n])
+        axes = None if n is None else RULES[n]
+        if mesh is not None and axes is not None:
+            size = mesh.shape.get("context", 1)
+            keep = size > 1 and (shape is None or shape[i] % size == 0)
+            axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a != "context" or keep)
+            axes = None if not axes else axes[0] if len(axes) == 1 else axes
+        out.append(axes)
     return P(*out)
+
+
+def sharded(name: str) -> int:
+    """How many ways the active mesh (`use_mesh`) splits logical axis ``name``; 1 outside `use_mesh`."""
+    active = _active.get()
+    if not active:
+        return 1
+    axes = spec((name,), active[-1])[0]
+    return math.prod(active[-1].shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
 
 
 @contextlib.contextmanager
@@ -103,7 +150,7 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     active = _active.get()
     if not active:
         return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(active[-1], spec(names)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(active[-1], spec(names, active[-1], x.shape)))
 
 
 def param_axes(abstract_params: Any, logical: Any) -> Any:
@@ -120,7 +167,7 @@ def param_shardings(mesh: Mesh, abstract_params: Any, axes: Any) -> Any:
     """NamedShardings for a params tree, checking that each sharded dimension divides its mesh axes."""
 
     def one(path, x, names):
-        p = spec(names)
+        p = spec(names, mesh)
         for dim, mesh_axes in zip(x.shape, p):
             if mesh_axes is None:
                 continue

@@ -106,7 +106,7 @@ def test_layouts_match_single_device(tmp_path, tiny_overrides, family):
     ref, out = beside(_launch(LAYOUTS, PROBES[family], base), lambda: _single_device(base, tmp_path / "single"))
     assert sorted(ref) == list(range(1, STEPS + 1))
     reshard = out.pop("reshard")
-    assert reshard["bitwise"] and reshard["sharded"] == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert reshard["bitwise"] and reshard["sharded"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
     for name, r in out.items():
         for step, loss in r["losses"].items():
             rel = abs(loss - ref[int(step)]) / abs(ref[int(step)])

@@ -112,7 +112,7 @@ def program(cfg: Config, target: str) -> Program:
     devices = slice_devices(s)
     cfg, vocab, note = planned(cfg)
     try:
-        mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
+        mesh = sharding.mesh_of(cfg.mesh, devices)
     except sharding.ShardingError as e:
         raise sharding.ShardingError(f"--compile-for {s.name} ({len(devices)} chips): {e}") from None
     spec = make_state_spec(cfg, vocab, mesh)

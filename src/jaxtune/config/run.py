@@ -83,10 +83,14 @@ class MeshConfig(Section):
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    context: int = Field(1, description="devices that split each sequence's positions (context parallelism): "
+                         "activations are sharded along the sequence and attention gathers the whole sequence's keys "
+                         "and values; parameters are sharded over it too (like fsdp). For sequences whose activations "
+                         "do not fit one device; the native backend only")
 
     @model_validator(mode="after")
     def _one_rest(self) -> MeshConfig:
-        sizes = [self.data, self.fsdp, self.tensor]
+        sizes = [self.data, self.fsdp, self.tensor, self.context]
         if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
             raise ValueError("mesh axes are positive sizes, with at most one -1")
         return self

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtune.models.quantize import dequantize, is_quantized
-from jaxtune.sharding import constrain
+from jaxtune.sharding import constrain, sharded
 
 Axes = tuple[str | None, ...]
 
@@ -365,11 +365,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     ``mask`` None means plain causal (training); otherwise a boolean (B|1, 1, T, S) of allowed pairs (windows,
     padding, packed segments, a KV cache). A fully masked query row gets a uniform average, never NaN.
     ``scale`` defaults to 1/sqrt(H); ``softcap`` applies cap * tanh(logits / cap) (Gemma 2 style).
+    Under a context axis (``mesh.context``: queries sharded along the sequence) the keys and values are gathered
+    whole, so each device computes its queries' rows of the scores; the result is the unsharded one.
     ``implementation="cudnn"`` goes through `jax.nn.dot_product_attention` (cuDNN flash attention on GPUs).
     Otherwise (``None``/``"xla"``) this is the math of that function's XLA path, written out, because on CPU (a
     small GPT-2 train step) two changes pay: no grouped-query vmap (its layout copies of the scores cost ~3%),
     and causal queries in blocks that skip the all-masked keys (~5%).
     """
+    split = sharded("seq") > 1
+    if split:  # context parallelism: each device's queries attend over the whole sequence's keys and values
+        k, v = (constrain(x, ("batch", None, "act_kv_heads", None)) for x in (k, v))
     if isinstance(mask, RegionMask):
         return _attend_regions(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, softcap)
     if implementation == "cudnn" and softcap is None:
@@ -382,7 +387,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     # Causal: query block i needs keys [0, end of block i] only. Four blocks skip 3/8 of the score matrix;
     # the skipped scores would have been masked to exp(-huge) = 0, so the result is the same.
     t = q.shape[1]
-    n = 4 if t % 4 == 0 and t >= 4 * 64 else 1
+    n = 4 if t % 4 == 0 and t >= 4 * 64 and not split else 1  # blocks would cut across the context shards
     size = t // n
     outs = []
     for i in range(n):

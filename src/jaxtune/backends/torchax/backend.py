@@ -161,6 +161,9 @@ class TorchaxBackend:
         if cfg.mesh.tensor != 1:
             raise ConfigError("mesh.tensor must be 1 with model.backend=torchax (its parameters are sharded by "
                               "shape over mesh.fsdp); use mesh.fsdp instead")
+        if cfg.mesh.context != 1:
+            raise ConfigError("mesh.context must be 1 with model.backend=torchax: context parallelism needs the "
+                              "native model's attention (model.family gpt2/llama/qwen/mistral/gemma3)")
     def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> TorchaxSpec:
         module = build_torch_model(cfg.model, cfg.train.seed, cfg.objective.spec.head)
         model = TorchaxModel(module, remat=cfg.model.remat, compute_dtype=cfg.model.compute_dtype)
