@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtune import aot, sharding
+from jaxtune.aot import search
 from jaxtune.cli import main
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import load_tokenizer, make_training_data
@@ -129,6 +130,43 @@ def test_memory_grows_with_the_batch_and_the_search_brackets_the_limit():
     (b16, _, m16), (b32, _, m32), (b24, _, m24) = found["tried"]
     assert (b16, b32, b24) == (16, 32, 24) and m16 < m24 < m32
     assert m32 - m16 == pytest.approx(2 * (m24 - m16), rel=0.1)  # ~linear in the rows per chip
+
+
+def test_settle_finds_the_edge_of_a_monotone_test_from_either_side():
+    """The search both --max-batch and --max-seq walk: doubling, then bisection, from a fitting or a refused start;
+    a cap stops the doubling; a spent budget stops it anywhere with what it knows."""
+    for edge in (1, 5, 6, 37, 64):
+        for start in (1, 4, 40, 100):
+            tried = []
+
+            def fits(k, edge=edge, tried=tried):
+                tried.append(k)
+                return k <= edge
+
+            assert search.settle(start, start <= edge, fits, lambda: False) == (edge, edge + 1)
+            assert len(tried) <= 2 * (edge + start).bit_length() + 1
+    assert search.settle(3, True, lambda k: True, lambda: False, cap=20) == (20, None)  # 6, 12, then the cap
+    assert search.settle(8, False, lambda k: False, lambda: False) == (0, 1)  # nothing fits
+    assert search.settle(2, True, lambda k: True, lambda: True) == (2, None)  # out of time at once
+
+
+def test_longest_sequence_is_searched_by_compiling_and_stops_at_the_models_context():
+    """--max-seq on v5e-8: 16,384 rows of the small GPT-2 (2,048 a chip) fit at 256 tokens and are refused at
+    512 (the scores grow with the square of the length), the memory per chip of each candidate reported. With 8
+    rows the model's own context (max_seq_len 512) comes first, and the plan says that it, not the chip, is the
+    limit."""
+    p = aot.program(load_config("gpt2-124m", [*SMALL[:-2], "model.max_seq_len=1024", "train.micro_batches=1",
+                                              "train.batch_size=16384", "data.seq_len=256"]), "v5e-8")
+    found = aot.longest_sequence(p, budget_seconds=900)
+    assert found == {**found, "tokens": 256, "refused": 512, "unit": 256, "exact": True, "capped": False}
+    (t256, ok256, m256), (t512, ok512, m512) = found["tried"]
+    assert (t256, ok256, t512, ok512) == (256, True, 512, False) and 15.75 * aot.GiB < m512 and m256 < m512 / 2
+    p = aot.program(load_config("gpt2-124m", [*SMALL[:-2], "model.max_seq_len=512", "train.micro_batches=1",
+                                              "train.batch_size=8", "data.seq_len=128"]), "v5e-8")
+    d = aot.longest_sequence(p, budget_seconds=900)
+    assert d == {**d, "tokens": 512, "refused": None, "capped": True, "compiles": 2}
+    text = aot.report._longest_line(d)
+    assert text.startswith("longest sequence: 512 tokens fit: the model's own context (max_seq_len 512)")
 
 
 def test_a_batch_too_large_for_v5e_is_refused_with_the_numbers():
@@ -261,6 +299,17 @@ def test_grpo_plan_compiles_each_reward_model_beside_the_step(tmp_path):
     assert "reward model:     objective.rewards[1] (" in aot.format_plan(d)
 
 
+def test_grpo_longest_completion_fits_both_the_step_and_the_sampler():
+    """For GRPO --max-seq searches the completion length after the run's prompt room (96 - 24 = 72 tokens), each
+    candidate's train step and sampler compiled; here up to the model's context (600: completions of 512)."""
+    p = aot.program(load_config(None, [*GRPO, "model.max_seq_len=600"]), "v5e-8")
+    d = aot.longest_sequence(p, budget_seconds=900)
+    assert d == {**d, "tokens": 512, "completion": True, "prompt_tokens": 72, "capped": True, "compiles": 2}
+    (t1, ok1, m1), (t2, ok2, m2) = d["tried"]
+    assert (t1, ok1, t2, ok2) == (256, True, 512, True) and m1 < m2
+    assert aot.report._longest_line(d).startswith("longest completion: after prompts of 72 tokens, 512 tokens fit")
+
+
 def test_grpo_sampler_memory_grows_with_the_group_and_the_completion_length():
     """The sampler's KV cache is rows x cache positions (the prompt fixed at 16 tokens by data.max_prompt_length): the
     buffers the compiled decode loop carries are the shapes computed by hand, doubling with num_generations (4 -> 8)
@@ -340,6 +389,8 @@ def test_cli_prints_the_plan_and_json(capsys):
     assert "not a Cloud TPU slice name" in capsys.readouterr().err
     assert main(["info", "gpt2-124m", "--max-batch"]) == 2
     assert "add --compile-for SLICE" in capsys.readouterr().err
+    assert main(["info", "gpt2-124m", "--max-seq"]) == 2
+    assert "--max-seq searches by compiling for a TPU slice" in capsys.readouterr().err
 
 
 def test_libtpu_stays_quiet_and_shareable_on_a_cpu_host():

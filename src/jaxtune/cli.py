@@ -3,7 +3,7 @@
     jaxtune train CONFIG [key=value ...]
     jaxtune eval RUN_DIR|MODEL_DIR|CONFIG [key=value ...] [--data test.jsonl]
     jaxtune generate RUN_DIR --prompt TEXT [--prompt TEXT ...] [--chat] [--truncate left]
-    jaxtune info CONFIG [key=value ...] [--compile-for v5e-8 [--max-batch]] [--json]
+    jaxtune info CONFIG [key=value ...] [--compile-for v5e-8 [--max-batch] [--max-seq]] [--json]
     jaxtune export RUN_DIR OUT_DIR [--dtype bfloat16] [--adapter]
     jaxtune export RUN_DIR OUT.gguf --gguf [--gguf-type f16|bf16|q8_0|f32]
     jaxtune parity HF_DIR
@@ -124,8 +124,9 @@ def _info(args: argparse.Namespace) -> int:
         if key.strip() not in ("data", "fsdp", "tensor", "context") or not value:
             raise ConfigError(f"--mesh {args.mesh!r}: expected e.g. data=2,fsdp=4,tensor=1 (or context=2)")
         mesh.append(f"mesh.{key.strip()}={value}")
-    if args.max_batch and not args.compile_for:
-        raise ConfigError("--max-batch searches by compiling for a TPU slice; add --compile-for SLICE (e.g. v5e-8)")
+    for flag, given in (("--max-batch", args.max_batch), ("--max-seq", args.max_seq)):
+        if given and not args.compile_for:
+            raise ConfigError(f"{flag} searches by compiling for a TPU slice; add --compile-for SLICE (e.g. v5e-8)")
     target, *more = args.compile_for or [None]  # key=value overrides may follow the slice name
     if any("=" not in o for o in more):
         raise ConfigError(f"--compile-for {' '.join(args.compile_for)}: give one slice name, then key=value overrides")
@@ -135,7 +136,8 @@ def _info(args: argparse.Namespace) -> int:
         from jaxtune.aot import format_plan, plan, tpu_slice
 
         devices = tpu_slice(target).chips  # a bad name fails before anything is built
-        report["compiled"] = plan(cfg, target, args.search_seconds if args.max_batch else 0.0)
+        report["compiled"] = plan(cfg, target, args.search_seconds if args.max_batch else 0.0,
+                                  args.search_seconds if args.max_seq else 0.0)
     else:
         devices = args.devices
     report["info"] = info(cfg, devices=devices)
@@ -216,7 +218,7 @@ def _info_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="parameters, FLOPs per token and memory per device for a config")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--mesh", help="mesh sizes, e.g. data=2,fsdp=4,tensor=1 (one may be -1)")
+    p.add_argument("--mesh", help="mesh sizes, e.g. data=2,fsdp=4,tensor=1 or fsdp=2,context=4 (one may be -1)")
     p.add_argument("--devices", type=int, help="plan for this many devices instead of this host's")
     p.add_argument("--compile-for", nargs="+", metavar="SLICE", help="compile the real train step for a Cloud TPU "
                    "slice on this machine (v5e-8, v5litepod-8, v5p-128, v6e-256, v4-8; needs pip install "
@@ -224,7 +226,10 @@ def _info_command(sub: argparse._SubParsersAction) -> None:
                    "MFU")
     p.add_argument("--max-batch", action="store_true", help="with --compile-for: also search the largest global "
                    "batch that fits, compiling each candidate")
-    p.add_argument("--search-seconds", type=float, default=900.0, help="--max-batch's compile time budget "
+    p.add_argument("--max-seq", action="store_true", help="with --compile-for: also search the longest sequence "
+                   "(data.seq_len; GRPO: the longest completion) that fits at train.batch_size, up to the model's "
+                   "context, compiling each candidate (mesh.context splits sequences)")
+    p.add_argument("--search-seconds", type=float, default=900.0, help="each search's compile time budget "
                    "(default 900)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(fn=_info)

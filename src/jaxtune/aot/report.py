@@ -1,6 +1,6 @@
 """A run's plan on a TPU slice from its compiled step (`jaxtune.aot.step`): the roofline step time, MFU and tokens/s
-(`roofline`), the largest global batch the compiler accepts (`largest_batch`), the plan's numbers (`plan`) and its
-text (`format_plan`)."""
+(`roofline`), the plan's numbers (`plan`, with the searches of `jaxtune.aot.search` when asked) and its text
+(`format_plan`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from jaxtune import sharding
 from jaxtune.aot.catalog import GiB
 from jaxtune.aot.reward_models import compile_reward_models
 from jaxtune.aot.sampler import compile_sampler, step_estimate
+from jaxtune.aot.search import largest_batch, longest_sequence
 from jaxtune.aot.step import Program, program
 from jaxtune.config import Config
 
@@ -31,42 +32,11 @@ def roofline(p: Program, compiled: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_second": tokens / step if step else None}
 
 
-def largest_batch(p: Program, first: dict[str, Any], budget_seconds: float) -> dict[str, Any]:
-    """The largest global batch (a multiple of `Program.batch_unit`) the compiler accepts within the slice's HBM:
-    doubling from the compiled ``first`` batch until one is refused (halving if ``first`` was), then bisection,
-    compiling each candidate, until ``budget_seconds`` of compiling is spent. ``exact``: the neighbours were
-    settled (the next multiple was refused); ``tried``: (batch, fits, bytes per chip) of each compile, in order
-    (a refused one's bytes are at least what the compiler asked for)."""
-    unit, spent = p.batch_unit, first["compile_seconds"]
-    k = first["batch_size"] // unit
-    lo, hi = (k, None) if first["fits"] else (0, k)
-    tried = [(first["batch_size"], first["fits"], first["memory"]["total"])]
-
-    def fits(k: int) -> bool:
-        nonlocal spent
-        r = p.compile(k * unit)
-        spent += r["compile_seconds"]
-        tried.append((k * unit, r["fits"], r["memory"]["total"]))
-        return r["fits"]
-
-    while spent < budget_seconds and (hi is None or (lo == 0 and hi > 1)):
-        k = lo * 2 if hi is None else hi // 2
-        if fits(k):
-            lo = k
-        else:
-            hi = k
-    while spent < budget_seconds and hi is not None and hi - lo > 1:
-        k = (lo + hi) // 2
-        lo, hi = (k, hi) if fits(k) else (lo, k)
-    return {"batch_size": lo * unit or None, "refused": hi * unit if hi else None, "unit": unit,
-            "exact": hi is not None and hi - lo == 1, "compiles": len(tried), "compile_seconds": spent,
-            "tried": tried}
-
-
-def plan(cfg: Config, target: str, search_seconds: float = 0.0) -> dict[str, Any]:
+def plan(cfg: Config, target: str, search_seconds: float = 0.0, seq_seconds: float = 0.0) -> dict[str, Any]:
     """``cfg``'s train step compiled for the slice ``target`` at train.batch_size: memory per chip and whether it
     fits, FLOPs, HBM and collective bytes per chip and step, the roofline (when it compiled), and with
-    ``search_seconds`` > 0 the largest batch that fits (`largest_batch`)."""
+    ``search_seconds`` > 0 the largest batch that fits (`largest_batch`), with ``seq_seconds`` > 0 the longest
+    sequence (`longest_sequence`)."""
     p = program(cfg, target)
     b, unit = p.cfg.train.batch_size, p.batch_unit
     if b % unit:
@@ -102,6 +72,8 @@ def plan(cfg: Config, target: str, search_seconds: float = 0.0) -> dict[str, Any
         out["reward_models"] = compile_reward_models(p)
     if search_seconds > 0:
         out["largest_batch"] = largest_batch(p, r, search_seconds)
+    if seq_seconds > 0:
+        out["longest_sequence"] = longest_sequence(p, seq_seconds)
     return out
 
 
@@ -155,6 +127,8 @@ def format_plan(d: dict[str, Any]) -> str:
         budget = "" if lb["exact"] else "; stopped by the time budget"
         lines.append(f"largest batch:    {found}{refused} (multiples of {lb['unit']}; {lb['compiles']} compiles, "
                      f"{lb['compile_seconds']:.0f} s{budget})")
+    if "longest_sequence" in d:
+        lines.append(_longest_line(d["longest_sequence"]))
     return "\n".join(lines)
 
 
@@ -203,3 +177,15 @@ def _sampler_lines(d: dict[str, Any]) -> list[str]:
                      f"{100 * e['generation'] / e['step']:.0f}% of it generating")
         lines.append(line)
     return lines
+
+
+def _longest_line(ls: dict[str, Any]) -> str:
+    what = (f"longest completion: after prompts of {ls['prompt_tokens']} tokens, " if ls["completion"]
+            else "longest sequence: ")
+    found = f"{ls['tokens']:,} tokens fit" if ls["tokens"] else f"none fits (not even {ls['unit']} tokens)"
+    if ls["capped"]:
+        found += f": the model's own context (max_seq_len {ls['model_max_seq_len']:,}); it is not the limit"
+    refused = f", {ls['refused']:,} do not" if ls["refused"] else ""
+    budget = "" if ls["exact"] or ls["capped"] else "; stopped by the time budget"
+    return (f"{what}{found}{refused} (batch {ls['batch_size']}, multiples of {ls['unit']}; {ls['compiles']} "
+            f"compiles, {ls['compile_seconds']:.0f} s{budget})")
