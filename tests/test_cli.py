@@ -86,7 +86,7 @@ def test_info_plans_a_mesh_of_hypothetical_devices(capsys):
     one = capsys.readouterr().out
     assert main(["info", "gpt2-124m", "--devices", "8", "--mesh", "data=1,fsdp=8"]) == 0
     eight = capsys.readouterr().out
-    assert "{'data': 1, 'fsdp': 8, 'tensor': 1} over 8 device(s)" in eight
+    assert "{'data': 1, 'fsdp': 8, 'context': 1, 'tensor': 1} over 8 device(s)" in eight
     params = lambda out: float(out.split("params ")[-1].split(" GiB")[0])
     assert abs(params(one) / params(eight) - 8) < 0.1
     assert main(["info", "gpt2-124m", "--devices", "7", "--mesh", "data=1,fsdp=7"]) == 2
