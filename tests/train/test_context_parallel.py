@@ -1,7 +1,7 @@
 """Context parallelism (``mesh.context``, issue 47) on 8 simulated CPU devices: each sequence's positions are split
 across devices, and every family's logits and gradients, full and LoRA, over packed rows, equal the unsharded ones;
-pretraining, packed SFT, DPO and GRPO runs give the single-device losses; a checkpoint written with the axis restores
-without it and the other way round, bitwise; the axis really divides what a device holds.
+pretraining, packed SFT, DPO, KTO and GRPO runs give the single-device losses; a checkpoint written with the axis
+restores without it and the other way round, bitwise; the axis really divides what a device holds.
 
 Tolerances (float32): logits 1e-5 absolute (they are O(1)), gradients 1e-5 of each leaf's largest entry, losses
 1e-5 relative. Sharded contractions add partial sums in another order; the data-, fsdp- and tensor-parallel layouts
@@ -182,8 +182,8 @@ def sources(tmp_path_factory):
 
 
 def _runs(tmp_path, data_cache, sources) -> dict[str, list[str]]:
-    """Four tiny runs, each a few steps: pretraining GPT-2 windows, packed SFT (LoRA), DPO (LoRA) and GRPO (full,
-    with a KL reference; its sampler runs under the same mesh)."""
+    """Five tiny runs, each a few steps: pretraining GPT-2 windows, packed SFT (LoRA), DPO (LoRA), KTO (full, its
+    KL rows too) and GRPO (full, with a KL reference; its sampler runs under the same mesh)."""
     cache = f"data.cache_dir={data_cache}"
     return {
         "pretrain": [*TINY, cache, *COMMON, "model.n_head=8", "train.steps=3"],
@@ -192,6 +192,9 @@ def _runs(tmp_path, data_cache, sources) -> dict[str, list[str]]:
         "dpo": [*MODEL, *TOK, cache, *COMMON, f"data.sources=[{sources['pairs']}]", "data.format=preference",
                 "data.seq_len=64", "data.val_fraction=0.1", "objective.name=dpo", "model.lora.rank=4",
                 "optim.lr=1e-2", "train.batch_size=8", "train.steps=3", "eval.every=3", "eval.batches=1"],
+        "kto": ["kto-quickstart", "model.from_hf=null", *MODEL, *TOK, cache, *COMMON, "data.seq_len=64",
+                "data.length_buckets=0", "tokenizer.train_bytes=1000000", "optim.lr=1e-2", "optim.warmup_steps=0",
+                "train.batch_size=8", "train.steps=3", "eval.every=3", "eval.batches=1"],
         "grpo": [*MODEL, *TOK, cache, *COMMON, f"data.sources=[{sources['prompts']}]", "data.format=prompts",
                  "data.seq_len=48", "data.val_fraction=0", "objective.name=grpo", "objective.num_generations=4",
                  "objective.max_completion_length=16", "objective.beta=0.04", "objective.prompts_per_step=4",
