@@ -310,6 +310,24 @@ def test_grpo_longest_completion_fits_both_the_step_and_the_sampler():
     assert aot.report._longest_line(d).startswith("longest completion: after prompts of 72 tokens, 512 tokens fit")
 
 
+def test_splash_kernel_compiles_for_v5e_under_a_mesh():
+    """model.attention=splash on v5e-8 with rows, parameters and heads split (data 2 x fsdp 2 x tensor 2): the TPU
+    compiler builds the Pallas kernel (Mosaic custom calls: forward, dq and dkv per layer) into the train step, and
+    the plan fits; XLA's attention has none."""
+    base = ["model.family=llama", "model.preset=tiny", "model.vocab_size=512", "model.max_seq_len=1024",
+            "data.seq_len=1024", "train.batch_size=8", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    calls = {}
+    for attention in ("auto", "splash"):
+        cfg = load_config(None, [*base, f"model.attention={attention}"])
+        p = aot.program(cfg, "v5e-8")
+        with sharding.use_mesh(p.mesh):
+            lowered = p.steps.train.lower(p.steps.spec.abstract, aot.abstract_batch(cfg, 8, p.mesh),
+                                          p.steps.abstract_frozen())
+        calls[attention] = lowered.compile().as_text().count("tpu_custom_call")
+    assert calls == {"auto": 0, "splash": 2 * 3}
+    assert aot.plan(load_config(None, [*base, "model.attention=splash"]), "v5e-8")["fits"]
+
+
 def test_grpo_sampler_memory_grows_with_the_group_and_the_completion_length():
     """The sampler's KV cache is rows x cache positions (the prompt fixed at 16 tokens by data.max_prompt_length): the
     buffers the compiled decode loop carries are the shapes computed by hand, doubling with num_generations (4 -> 8)

@@ -73,6 +73,9 @@ def train(cfg: Config) -> TrainResult:
     if multi_host:
         distributed.check_same_config(cfg.to_dict())
     backend = backend_of(cfg)
+    if getattr(cfg.model, "attention", None) == "splash" and jax.devices()[0].platform != "tpu":
+        raise ConfigError(f"model.attention=splash is JAX's TPU attention kernel, and this run's devices are "
+                          f"{jax.devices()[0].platform}: use model.attention=auto (XLA's, the same math) here")
     run_dir = cfg.run_path
     with distributed.together(multi_host, (RunDirError,)):
         make_run_dir(run_dir)

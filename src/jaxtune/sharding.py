@@ -145,6 +145,12 @@ def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
         _active.reset(token)
 
 
+def active_mesh() -> Mesh | None:
+    """The innermost mesh `use_mesh` made active on this thread, or None."""
+    active = _active.get()
+    return active[-1] if active else None
+
+
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint on an activation by logical names; a no-op outside `use_mesh`."""
     active = _active.get()

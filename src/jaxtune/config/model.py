@@ -89,7 +89,11 @@ class NativeModelConfig(ModelSection):
     vocab_size: int | None = Field(None, ge=2, description="default: the tokenizer's vocabulary size")
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
     scan_layers: bool = False
-    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    attention: Literal["auto", "xla", "cudnn", "splash"] = Field(
+        "auto", description="auto/xla: XLA's attention; cudnn: cuDNN flash attention (GPUs); splash: JAX's Pallas "
+        "splash attention kernel on TPU (memory linear in the sequence; causal, packed and sliding-window training "
+        "forwards, lengths in multiples of 128; the sampler and GRPO's region rows keep XLA's). TPU only, and not "
+        "with mesh.context > 1")
     quantize: Literal["nf4", "int8", "int4", "gguf"] | None = Field(
         None, description="QLoRA: keep the frozen base's adapted kernels (model.lora.targets) quantized on the device, "
         "in blocks of 64 inputs with a float32 scale each (nf4: QLoRA's 4-bit NormalFloat; int8; int4), dequantized "

@@ -271,10 +271,12 @@ class Decoder(nnx.Module):
         spec = MaskSpec.of_forward(t, cache, index, key_valid=key_valid, segment_ids=segment_ids,
                                    branch_ids=branch_ids, positions=positions, branch_slots=branch_slots)
         full_rope = cfg.rope.sincos(positions, cfg.hd)
-        ctx = {"full": (full_rope, attention_mask(spec))}
+        # the kernel's masks are static per layer kind: a scan over layers of both kinds takes the dense one
+        blocks = cfg.attention == "splash" and not (cfg.scan_layers and len(set(types)) > 1)
+        ctx = {"full": (full_rope, attention_mask(spec, blocks))}
         if "sliding" in types:
             local_rope = full_rope if cfg.local_rope is None else cfg.local_rope.sincos(positions, cfg.hd)
-            ctx["sliding"] = (local_rope, attention_mask(dataclasses.replace(spec, window=cfg.sliding_window)))
+            ctx["sliding"] = (local_rope, attention_mask(dataclasses.replace(spec, window=cfg.sliding_window), blocks))
 
         if cfg.scan_layers:
             if len(ctx) > 1 and ctx["full"][1] is None:  # one traced body for both kinds: materialise the mask

@@ -25,7 +25,7 @@ class RuntimeConfig:
     compute_dtype: str = "float32"
     remat: str = "none"
     scan_layers: bool = False
-    attention: str = "auto"  # auto | xla | cudnn
+    attention: str = "auto"  # auto | xla | cudnn | splash
     bos_id: int | None = None  # token ids carried to an exported config.json
     eos_id: int | None = None
 

@@ -166,7 +166,7 @@ class GPT(nnx.Module):
         x = constrain(x, ("batch", "seq", "act_embed"))
         mask = attention_mask(MaskSpec.of_forward(t, cache, index, key_valid=key_valid, segment_ids=segment_ids,
                                                   branch_ids=branch_ids, positions=positions,
-                                                  branch_slots=branch_slots))
+                                                  branch_slots=branch_slots), cfg.attention == "splash")
         x, cache = run_layers(self.blocks, x, lambda blk, x, k, kv, _: blk(x, mask, k, kv, index),
                               n_layer=cfg.n_layer, scan=cfg.scan_layers, remat=cfg.remat, key=key, cache=cache)
         x = self.ln_f(x)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtune.models.kernels import BlockMask, kernel_takes, splash_attention
 from jaxtune.models.quantize import dequantize, is_quantized
 from jaxtune.sharding import constrain, sharded
 
@@ -314,11 +315,15 @@ class RegionMask(NamedTuple):
     branches: jax.Array
 
 
-def attention_mask(spec: MaskSpec) -> jax.Array | RegionMask | None:
+def attention_mask(spec: MaskSpec, blocks: bool = False) -> jax.Array | RegionMask | BlockMask | None:
     """The mask of ``spec``: None for plain causal attention (not ``explicit``), a `RegionMask` for rows in regions,
-    else a boolean (B|1, 1, T, S) of allowed (query, key) pairs."""
+    with ``blocks`` a `BlockMask` (a kernel's: `jaxtune.models.kernels`) where the mask is causal, packed and
+    windowed only over a length the kernel takes, else a boolean (B|1, 1, T, S) of allowed (query, key) pairs."""
     if spec.branch_slots is not None:
         return _region_mask(spec)
+    if blocks and not spec.explicit and spec.key_valid is None and spec.branch_ids is None \
+            and kernel_takes(spec.queries):
+        return BlockMask(spec.segment_ids, spec.window)
     if not spec.explicit and spec.window is None and spec.key_valid is None and spec.segment_ids is None \
             and spec.branch_ids is None:
         return None
@@ -367,11 +372,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     ``scale`` defaults to 1/sqrt(H); ``softcap`` applies cap * tanh(logits / cap) (Gemma 2 style).
     Under a context axis (``mesh.context``: queries sharded along the sequence) the keys and values are gathered
     whole, so each device computes its queries' rows of the scores; the result is the unsharded one.
-    ``implementation="cudnn"`` goes through `jax.nn.dot_product_attention` (cuDNN flash attention on GPUs).
+    ``implementation="cudnn"`` goes through `jax.nn.dot_product_attention` (cuDNN flash attention on GPUs); a
+    `BlockMask` (``model.attention: splash``) through the Pallas TPU kernel (`jaxtune.models.kernels`).
     Otherwise (``None``/``"xla"``) this is the math of that function's XLA path, written out, because on CPU (a
     small GPT-2 train step) two changes pay: no grouped-query vmap (its layout copies of the scores cost ~3%),
     and causal queries in blocks that skip the all-masked keys (~5%).
     """
+    if isinstance(mask, BlockMask):
+        return splash_attention(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, softcap)
     split = sharded("seq") > 1
     if split:  # context parallelism: each device's queries attend over the whole sequence's keys and values
         k, v = (constrain(x, ("batch", None, "act_kv_heads", None)) for x in (k, v))

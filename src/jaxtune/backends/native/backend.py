@@ -201,7 +201,12 @@ class NativeBackend:
     traces_in_threads = True
 
     def check_config(self, cfg: Config) -> None:
-        """Every mesh layout applies: parameters are sharded by their logical axis names."""
+        """Every mesh layout applies (parameters are sharded by their logical axis names), but the splash kernel
+        holds whole sequences on each device."""
+        if cfg.model.attention == "splash" and cfg.mesh.context != 1:
+            raise ConfigError(f"model.attention=splash with mesh.context={cfg.mesh.context}: the splash kernel "
+                              "attends over whole sequences on each device; use model.attention=auto with the "
+                              "context axis, or mesh.context=1 with the kernel")
 
     def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> NativeSpec:
         model_cfg = with_head(model_config(cfg.model, vocab_size), cfg)
