@@ -328,6 +328,21 @@ def test_splash_kernel_compiles_for_v5e_under_a_mesh():
     assert aot.plan(load_config(None, [*base, "model.attention=splash"]), "v5e-8")["fits"]
 
 
+def test_grpo_sampler_kv_cache_is_split_along_the_context_axis():
+    """With mesh.context=8 each chip carries 1/8 of the KV cache's slots of all 32 rows: as many bytes as 4 whole
+    rows under data=8, read from the compiled decode loop's buffers (their shape is the split one)."""
+    from jaxtune.aot.sampler import compile_sampler
+
+    base = [*GRPO, "data.max_prompt_length=16", "model.max_seq_len=512", "data.seq_len=272",
+            "objective.max_completion_length=256"]
+    kv = {}
+    for mesh in (["mesh.data=8"], ["mesh.data=1", "mesh.context=8"]):
+        sp = compile_sampler(aot.program(load_config(None, [*base, *mesh]), "v5e-8"))
+        assert sp["kv_read_from_program"] and sp["cache_len"] == 512, mesh
+        kv[mesh[-1]] = sp["kv_cache"]
+    assert kv["mesh.context=8"] == kv["mesh.data=8"] == 2 * 2 * 4 * 512 * 2 * 16 * 2  # K, V x layers x rows ...
+
+
 def test_grpo_sampler_memory_grows_with_the_group_and_the_completion_length():
     """The sampler's KV cache is rows x cache positions (the prompt fixed at 16 tokens by data.max_prompt_length): the
     buffers the compiled decode loop carries are the shapes computed by hand, doubling with num_generations (4 -> 8)

@@ -1,7 +1,9 @@
 """The sampler under every mesh layout the trainer supports (issue 32): one process with 8 CPU devices, a tiny Llama
 full and with LoRA, its weights sharded as in training over data, fsdp and tensor. Greedy and seeded sampled
 completions (one compiled generation each) equal the single-device ones token for token, and the log-probs agree to
-float32 rounding (sharded contractions add partial sums in another order: a few ulp)."""
+float32 rounding (sharded contractions add partial sums in another order: a few ulp). With a context axis
+(data 2 x context 4) the prompts' prefill is split along the sequence and the KV cache's slots are split too, each
+decoding step's softmax reduced across the devices that hold them."""
 
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ rng = np.random.default_rng(0)
 prompts = [rng.integers(1, 256, n).tolist() for n in (3, 7, 12, 5, 9, 4, 11, 6)]
 out = {}
 for lora in (False, True):  # data parallelism (8x1x1) replicates the weights: LoRA adds nothing there
-    for shape in [(1, 1, 1), (1, 8, 1), (2, 2, 2)] + ([] if lora else [(8, 1, 1)]):
+    for shape in [(1, 1, 1, 1), (1, 8, 1, 1), (2, 2, 2, 1), (2, 1, 1, 4)] + ([] if lora else [(8, 1, 1, 1)]):
         cfg = load_config(None, MODEL + (["model.lora.rank=4"] if lora else []))
         devices = jax.devices()[:int(np.prod(shape))]
-        mesh = sharding.make_mesh(*shape, devices)
+        mesh = sharding.make_mesh(*shape[:3], devices, context=shape[3])
         spec = make_state_spec(cfg, 256, mesh)
         params, frozen = spec.init(0).params, spec.load_frozen(0)
         if lora:  # B != 0 (host values, placed as the params are), so the adapters change the tokens
@@ -53,12 +55,12 @@ def test_greedy_and_sampled_completions_equal_one_devices_under_every_layout(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     for kind in ("full", "lora"):
-        one = out[f"{kind}-1x1x1"]
-        assert one["greedy"] != out["full-1x1x1"]["greedy"] or kind == "full"  # LoRA's adapters count
+        one = out[f"{kind}-1x1x1x1"]
+        assert one["greedy"] != out["full-1x1x1x1"]["greedy"] or kind == "full"  # LoRA's adapters count
         for key, got in out.items():
-            if not key.startswith(kind) or key.endswith("1x1x1"):
+            if not key.startswith(kind) or key.endswith("-1x1x1x1"):
                 continue
-            assert got["sharded"] == (not key.endswith("8x1x1")), key  # data parallelism replicates the weights
+            assert got["sharded"] == (not key.endswith("8x1x1x1")), key  # data parallelism replicates the weights
             assert got["compiles"] == 2, (key, got["compiles"])  # one program per (greedy, sampled) shape
             assert got["greedy"] == one["greedy"], key
             assert got["sampled"] == one["sampled"], key

@@ -50,15 +50,16 @@ _HLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
 
 
 def _kv_cache(p: Program, rows: int, cache_len: int, hlo: str) -> dict[str, Any]:
-    """The KV cache on one chip: ``rows`` rows of ``cache_len`` positions, rows split over the data axes, KV heads
-    over the tensor axis. Its dtype is the one the compiled program keeps it in, read from the decode loop's carried
-    buffers (the TPU compiler stores a float32 cache in bfloat16 where the attention's matmuls read it at default
-    precision anyway), else the compute dtype; and whether it lives on chip (VMEM, memory space 1: small caches)
-    rather than in HBM."""
+    """The KV cache on one chip: ``rows`` rows of ``cache_len`` positions, rows split over the data axes, positions
+    over the context axis, KV heads over the tensor axis. Its dtype is the one the compiled program keeps it in,
+    read from the decode loop's carried buffers (the TPU compiler stores a float32 cache in bfloat16 where the
+    attention's matmuls read it at default precision anyway), else the compute dtype; and whether it lives on chip
+    (VMEM, memory space 1: small caches) rather than in HBM."""
     m, mesh = p.steps.spec.model_cfg, p.mesh
     kv_heads = getattr(m, "n_kv_head", None) or m.n_head
     head_dim = getattr(m, "head_dim", None) or m.d_model // m.n_head
-    dims = (m.n_layer, math.ceil(rows / p.data_parallel), cache_len,
+    ctx = mesh.shape["context"]  # the cache's slots are split along the context axis where it divides them
+    dims = (m.n_layer, math.ceil(rows / p.data_parallel), cache_len // ctx if cache_len % ctx == 0 else cache_len,
             max(1, kv_heads // max(1, min(mesh.shape["tensor"], kv_heads))), head_dim)
     loop = next((line for line in hlo.splitlines() if " while(" in line), "")
     shape = ",".join(map(str, dims))

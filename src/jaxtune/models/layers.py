@@ -380,7 +380,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     """
     if isinstance(mask, BlockMask):
         return splash_attention(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, softcap)
-    split = sharded("seq") > 1
+    ways = sharded("seq")
+    split = ways > 1 and q.shape[1] % ways == 0  # a decoding step's one query is not split: its keys stay split
     if split:  # context parallelism: each device's queries attend over the whole sequence's keys and values
         k, v = (constrain(x, ("batch", None, "act_kv_heads", None)) for x in (k, v))
     if isinstance(mask, RegionMask):
@@ -510,7 +511,8 @@ def write_kv(kv: LayerKV, k: jax.Array, v: jax.Array, index: jax.Array) -> tuple
 def kv_cache(n_layer: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
     """An empty `KVCache`: (L, B, S, K, H) keys and values."""
     shape = (n_layer, batch, length, kv_heads, head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    names = ("layers", "batch", "seq", "act_kv_heads", None)  # under a context axis its slots are split too
+    return KVCache(constrain(jnp.zeros(shape, dtype), names), constrain(jnp.zeros(shape, dtype), names))
 
 
 REMAT_POLICIES = {
