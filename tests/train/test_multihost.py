@@ -420,6 +420,17 @@ def test_processes_with_different_configs_stop_at_once_naming_the_key_and_host(t
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_context_axis_across_hosts_is_refused_on_every_host(tmp_path, tiny_overrides):
+    """Each process feeds whole rows, so the devices that split one sequence (mesh.context) must share a host: two
+    processes of 2 devices with context=4 is one line on each, naming the sizes and the devices per host."""
+    errs = _finish(tmp_path, _launch(tmp_path, [*tiny_overrides, "mesh.data=1", "mesh.context=4"],
+                                     worker=CLI_WORKER), ok=False)
+    for line in _error_lines(errs):
+        assert line == ("error: mesh.context=4 (x mesh.tensor=1) spans processes [0, 1]: the devices that share a "
+                        "sequence must be on one host; make mesh.context x mesh.tensor divide the devices per host (2)")
+    assert not any((tmp_path / "run" / "checkpoints").iterdir())  # refused before the first step
+
+
 def test_a_data_file_missing_on_one_host_stops_every_host_naming_it(tmp_path, tiny_overrides):
     """The same config on both hosts, but data.sources' file exists on host 0 only (each process runs in its own
     directory here): both stop with the error of process 1, naming it and its host, rather than process 0 waiting
