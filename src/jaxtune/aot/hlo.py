@@ -62,14 +62,14 @@ def _parse(hlo: str) -> tuple[dict[str, list[_Op]], str]:
     """Computations (name -> ops) and the entry computation's name."""
     comps: dict[str, list[_Op]] = {}
     entry, current = "", None
-    for line in hlo.splitlines():
+    for line in _joined(hlo):
         if line and not line[0].isspace():
             if line.rstrip().endswith("{"):
                 head = line.split()
                 current = (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
                 comps[current] = []
                 entry = current if head[0] == "ENTRY" else entry
-            elif line.startswith("}"):
+            elif line.strip() == "}":
                 current = None
             continue
         m = _INSTR.match(line)
@@ -85,6 +85,19 @@ def _parse(hlo: str) -> tuple[dict[str, list[_Op]], str]:
         operands = re.findall(r"%([^\s,()]+)", rest[start:i])
         comps[current].append(_Op(m.group(1), rest[1:o.start()], o.group(1), operands, rest[start:i], rest[i + 1:]))
     return comps, entry
+
+
+def _joined(hlo: str) -> list[str]:
+    """The module's lines, an instruction whose attributes run over several lines (a Pallas kernel's metadata: JSON
+    with newlines, its continuation lines at column 0, one of them starting with "}}") joined into one."""
+    lines: list[str] = []
+    for line in hlo.splitlines():
+        header = line.startswith(("ENTRY ", "%", "HloModule")) or line.strip() == "}"
+        if line and not line[0].isspace() and not header and lines and lines[-1][:1].isspace():
+            lines[-1] += " " + line
+        else:
+            lines.append(line)
+    return lines
 
 
 def _trip_count(while_op: _Op, comps: dict[str, list[_Op]], ops: dict[str, _Op]) -> int | None:
@@ -176,6 +189,7 @@ class HloCounts:
     ici_bytes: float = 0.0  # what the collectives move through one chip in ring algorithms
     loops: int = 0
     loops_unknown: int = 0  # loops whose trip count the HLO does not show: counted once
+    kernels: int = 0  # opaque kernel calls (Pallas/Mosaic ``tpu_custom_call``): their FLOPs are not in the HLO
 
     def add(self, other: HloCounts, times: float) -> None:
         self.flops += times * other.flops
@@ -185,6 +199,7 @@ class HloCounts:
             self.collective_bytes[k] += times * v
         self.loops += other.loops
         self.loops_unknown += other.loops_unknown
+        self.kernels += int(times * other.kernels)
 
 
 def hlo_counts(hlo: str, devices: int) -> HloCounts:
@@ -207,6 +222,8 @@ def hlo_counts(hlo: str, devices: int) -> HloCounts:
                 c.flops += _conv_flops(op, ops)
             elif op.opcode == "dot":
                 c.flops += _dot_flops(op, ops)
+            elif op.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in op.attrs:
+                c.kernels += 1
             kind = op.opcode.removesuffix("-done")
             if kind in COLLECTIVES:
                 source = ops.get(op.operands[0]) if op.opcode.endswith("-done") and op.operands else op
