@@ -310,21 +310,21 @@ def test_grpo_longest_completion_fits_both_the_step_and_the_sampler():
     assert aot.report._longest_line(d).startswith("longest completion: after prompts of 72 tokens, 512 tokens fit")
 
 
-def test_splash_kernel_compiles_for_v5e_under_a_mesh():
-    """model.attention=splash on v5e-8 with rows, parameters and heads split (data 2 x fsdp 2 x tensor 2): the TPU
-    compiler builds the Pallas kernel (Mosaic custom calls: forward, dq and dkv per layer) into the train step, and
-    the plan fits and says that its roofline cannot see inside them; XLA's attention has none."""
+def test_splash_kernel_compiles_for_v5e_and_v6e_under_a_mesh():
+    """model.attention=splash on v5e-8 and v6e-8 with rows, parameters and heads split (data 2 x fsdp 2 x tensor 2):
+    the TPU compiler builds the Pallas kernel (Mosaic custom calls: forward, dq and dkv per layer) into the train
+    step, and the plan fits and says that its roofline cannot see inside them; XLA's attention has none."""
     base = ["model.family=llama", "model.preset=tiny", "model.vocab_size=512", "model.max_seq_len=1024",
             "data.seq_len=1024", "train.batch_size=8", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
     calls = {}
-    for attention in ("auto", "splash"):
+    for attention, target in (("auto", "v5e-8"), ("splash", "v5e-8"), ("splash", "v6e-8")):
         cfg = load_config(None, [*base, f"model.attention={attention}"])
-        p = aot.program(cfg, "v5e-8")
+        p = aot.program(cfg, target)
         with sharding.use_mesh(p.mesh):
             lowered = p.steps.train.lower(p.steps.spec.abstract, aot.abstract_batch(cfg, 8, p.mesh),
                                           p.steps.abstract_frozen())
-        calls[attention] = lowered.compile().as_text().count("tpu_custom_call")
-    assert calls == {"auto": 0, "splash": 2 * 3}
+        calls[attention, target] = lowered.compile().as_text().count('custom_call_target="tpu_custom_call"')
+    assert calls == {("auto", "v5e-8"): 0, ("splash", "v5e-8"): 2 * 3, ("splash", "v6e-8"): 2 * 3}
     d = aot.plan(load_config(None, [*base, "model.attention=splash"]), "v5e-8")
     # the kernels' matmuls are not in the HLO: the model's FLOPs stand in, so MFU stays a bound, never above 100%
     assert d["fits"] and d["roofline"]["kernels"] == 2 * 3 and 0 < d["roofline"]["mfu"] <= 1
