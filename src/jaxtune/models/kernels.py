@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
 from jaxtune import sharding
 
@@ -70,9 +72,6 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: BlockMask, 
                      softcap: float | None) -> jax.Array:
     """Attention of (B, T, N, H) queries over (B, T, K, H) keys and values (K divides N) under ``mask``, through the
     splash kernel, the same math as `jaxtune.models.layers.attention`'s XLA path."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
     active, interpret = sharding.active_mesh(), _platform() != "tpu"
     window = mask.window
 
