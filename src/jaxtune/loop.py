@@ -27,6 +27,7 @@ from jaxtune.models.quantize import is_quantized, logical_size
 from jaxtune.train import distributed
 from jaxtune.train.ahead import Ahead, placed
 from jaxtune.train.checkpoint import Checkpointer
+from jaxtune.train.lagged import Lagged, copied
 from jaxtune.train.metrics import (
     Laps,
     NonFinite,
@@ -108,6 +109,8 @@ class Run:
     spec: ModelSpec
     steps: Steps
     rollout: Rollout | None  # GRPO: samples each batch's completions
+    lagged: Lagged | None  # objective.max_staleness: the rollouts of the next steps, sampled ahead
+    behind: tuple[list[int], list[Any]]  # those a restored checkpoint had sampled ahead: steps, trained params
     sync: ReferenceSync | None  # TR-DPO: the reference copy mixed with the policy every so many updates
     frozen: Frozen  # weights the steps read and never train (a LoRA base, the companion's), as restored
     state: TrainState  # restored, or initialised
@@ -198,9 +201,21 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool, ahead
 
     log, evaluator, profiler = _reporting(cfg, run_dir, steps, tokenizer, data, rollout, shapes, start,
                                           ckpt.notes(start, cfg.train.steps) + data.report + notes + reference_notes)
+    lagged, behind = _lagged(cfg, ckpt, spec, steps, data, rollout, start)
     return Run(cfg=cfg, run_dir=run_dir, mesh=mesh, data=data, spec=spec, steps=steps, rollout=rollout, sync=sync,
                frozen=frozen, state=state, start=start, params=params, ckpt=ckpt, log=log, evaluator=evaluator,
-               shapes=shapes, profiler=profiler, laps=laps)
+               shapes=shapes, profiler=profiler, laps=laps, lagged=lagged, behind=behind)
+
+
+def _lagged(cfg: Config, ckpt: Checkpointer, spec: ModelSpec, steps: Steps, data: TrainingData,
+            rollout: Rollout | None, start: int) -> tuple[Lagged | None, tuple[list[int], list[Any]]]:
+    """``objective.max_staleness``'s rollouts sampled ahead (`jaxtune.train.lagged`), and those the restored step
+    ``start`` had sampled ahead (their steps and trained params, to sample them again)."""
+    k = getattr(cfg.objective, "max_staleness", 0)
+    if not k or rollout is None:
+        return None, ([], [])
+    behind = ckpt.restore_behind(start, spec.abstract.params) if start else ([], [])
+    return Lagged(k, cfg.train.steps, rollout, steps.weights, data), behind
 
 
 def _use_compile_cache(cfg: Config) -> None:
@@ -267,10 +282,15 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
             log.message("step 0: evaluating the starting model (the baseline report.md compares against) ...")
         evaluator.run(0, state.params, frozen, bar=cfg.logging.progress)
         laps.lap("eval")
+    if run.lagged is not None:
+        log.message(run.lagged.fill(step, state.params, frozen, run.behind))
     while step < total:
         profiler.before(step + 1)  # the trace holds the whole step: its batch, GRPO's sampling, the update
         batch, shape, sampled = _next_batch(run, state, frozen, step)
+        held = copied(state.params) if run.lagged is not None else None  # before the step donates them
         state, metrics = _train_step(run, state, frozen, batch, shape, step + 1)
+        if held is not None:  # the step runs meanwhile
+            run.lagged.refill(step + 1, held, frozen)
         if step == run.start:
             laps.lap("compile")  # the first dispatch compiled the step (or loaded it from the cache)
         step += 1
@@ -340,9 +360,10 @@ def _compile_ahead(ahead: Ahead, cfg: Config, steps: Steps, shapes: BatchShapes,
 def _next_batch(run: Run, state: TrainState, frozen: Frozen,
                 step: int) -> tuple[dict[str, Any], Shape, dict[str, float]]:
     """The batch of step ``step + 1`` cut to its length bucket (fine-tuning rows, pairs, completions), its shape,
-    and GRPO's rollout metrics: its completions sampled by the policy as it is now."""
-    batch, sampled = next(run.data.train_iter), {}
-    if run.rollout is not None:
+    and GRPO's rollout metrics: its completions sampled by the policy as it is now (or, sampled ahead, as it was:
+    `jaxtune.train.lagged`)."""
+    batch, sampled = run.lagged.take(step + 1) if run.lagged is not None else (next(run.data.train_iter), {})
+    if run.rollout is not None and run.lagged is None:
         batch, sampled = run.rollout.batch(run.steps.weights(state.params, frozen), run.data.prompts.train,
                                            batch, step, more=lambda: next(run.data.train_iter))
     batch, shape = run.shapes.fit(batch)
@@ -375,7 +396,10 @@ def _save(run: Run, step: int, state: TrainState, frozen: Frozen) -> None:
     _check(run, run.log.drain())  # never save a state whose loss has not been checked
     run.laps.lap("steps")
     synced = frozen.companion if run.sync is not None else None  # a reference that training changes is state
-    run.ckpt.save(step, state, run.data.train_iter.get_state(), run.cfg.to_dict(), reference=synced)
+    lagged = run.lagged
+    position = lagged.position() if lagged is not None else run.data.train_iter.get_state()
+    run.ckpt.save(step, state, position, run.cfg.to_dict(), reference=synced,
+                  behind=lagged.behind() if lagged is not None else None)
     run.laps.lap("save")
 
 

@@ -56,6 +56,7 @@ UNSET: dict[str, tuple[Any, ...]] = {
     "use_adaptive_entropy": (False,), "entropy_coef_min": (0.0,), "entropy_coef_max": (1.0,),
     "entropy_coef_delta": (0.005,), "entropy_target": (0.2,), "delta": (None,), "use_bias_correction_kl": (True,),
     "center_rewards_coefficient": (None,), "tools": (None,), "max_tool_calls": (None,), "tool_timeout": (None,),
+    "max_staleness": (0,),
 }
 DEFAULT_TOOL_TIMEOUT = 10.0  # seconds a tool call may take (objective.tool_timeout unset)
 CLIPPED_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")  # the loss types with PPO's clipped ratio
@@ -316,6 +317,13 @@ class ClippedPolicy(Sampling):
         "sampler when model.compute_dtype is float32, where the two agree to float rounding; trainer otherwise). "
         "Every step logs sampler_logp_diff/mean and /max, |sampler - trainer| over completion tokens")
 
+    max_staleness: int = Field(
+        0, ge=0, description="sample the next steps' rollouts while this step trains (off-policy RL, "
+        "jaxtune.train.lagged): step s trains on completions sampled with the weights of update max(0, s - 1 - "
+        "max_staleness), so the learner never waits for the sampler; 0 (the default): on-policy, each step samples "
+        "with the weights it trains. With 1 or more the loss corrects for the lag with the sampler's log-probs: "
+        "grpo's importance_sampling defaults to token_truncate, rloo's ratio takes them as the old policy's. Holds "
+        "max_staleness copies of the trained weights (LoRA: the adapters), also in each checkpoint")
     tools: str | None = Field(
         None, description="multi-turn rollouts with tools: a Python module (imported from the working directory, "
         "in a worker process) naming `tools`, a list of typed functions with Google-style docstrings, and/or "
@@ -346,6 +354,18 @@ class ClippedPolicy(Sampling):
                              "have no tool calls")
         return self
 
+    @model_validator(mode="after")
+    def _staleness(self) -> ClippedPolicy:
+        if not self.max_staleness:
+            return self
+        if self.old_logps == "trainer" and not self.corrects_sampler:
+            raise ValueError(f"objective.max_staleness={self.max_staleness} with old_logps=trainer: the ratio would "
+                             "compare the policy with itself and nothing would correct for the stale sampler; drop "
+                             "old_logps (the sampler's are the old policy's then)"
+                             + (" or set objective.importance_sampling" if "importance_sampling" in
+                                type(self).model_fields else ""))
+        return self
+
     @property
     def timeout(self) -> float:
         """Seconds a tool call may take."""
@@ -357,8 +377,11 @@ class ClippedPolicy(Sampling):
         return False
 
     def default_old_logps(self, compute_dtype: str) -> Literal["sampler", "trainer"]:
-        """``old_logps`` where unset: the sampler's where they are the trainer's to float rounding (float32)."""
-        return "sampler" if compute_dtype == "float32" and not self.corrects_sampler else "trainer"
+        """``old_logps`` where unset: the sampler's where they are the trainer's to float rounding (float32), or where
+        the sampler lags (``max_staleness``) and nothing else corrects for it."""
+        if self.corrects_sampler:
+            return "trainer"
+        return "sampler" if compute_dtype == "float32" or self.max_staleness else "trainer"
 
 
 # --- the objectives -------------------------------------------------------------------------------------------------
@@ -550,6 +573,11 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
     def corrects_sampler(self) -> bool:
         return self.importance_sampling != "off"
 
+    @field_validator("importance_sampling", mode="before")
+    @classmethod
+    def _off_as_bool(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare off as false
+
     @field_validator("scale_rewards", mode="before")
     @classmethod
     def _scale_as_bool(cls, value: Any) -> Any:
@@ -633,6 +661,14 @@ class GRPOConfig(ClippedPolicy, SyncedReference, LossTypes, Weighted):
                         "only on a near collapse (language models' token entropies are ~1-10 nats early on); set "
                         "objective.entropy_target near the entropy logged in the first steps")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stale_corrected(cls, data: Any) -> Any:
+        """Rollouts sampled ahead (``max_staleness``) are corrected by default: TRL's token_truncate."""
+        if isinstance(data, dict) and data.get("max_staleness") and "importance_sampling" not in data:
+            return {**data, "importance_sampling": "token_truncate"}
+        return data
 
     @model_validator(mode="after")
     def _importance_sampling(self) -> GRPOConfig:

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 COMMIT_MARK = "commit_success.txt"
 REFERENCE = "reference"  # the item of a reference model that training changes (objective.sync_ref_model)
+BEHIND, LAGGED = "behind", "lagged"  # rollouts sampled ahead (objective.max_staleness): their weights, their steps
 
 
 # Orbax's temporary directory of a step being saved: <step>.orbax-checkpoint-tmp[-<id>]
@@ -206,7 +207,8 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # Orbax's own temp dirs from a killed save
             create=True,
         )
-        items = ("state", "data", "config", REFERENCE)  # a step without a reference writes the first three only
+        items = ("state", "data", "config", REFERENCE, BEHIND, LAGGED)  # a step writes the first three, and others
+        # where it has them
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=items)
 
     def latest_step(self) -> int | None:
@@ -274,13 +276,18 @@ class Checkpointer:
         return step % self.every == 0
 
     def save(self, step: int, state: Any, data_state: dict[str, Any], config: dict[str, Any],
-             reference: Any = None) -> None:
+             reference: Any = None, behind: tuple[list[int], list[Any]] | None = None) -> None:
         """Start saving (asynchronously when configured); a second save waits for the first. ``reference``: a
-        reference model that training changes, saved beside the state (None: there is none)."""
+        reference model that training changes, saved beside the state (None: there is none). ``behind``: the steps
+        of rollouts sampled ahead and not yet trained on, and the trained params each was sampled with
+        (`jaxtune.train.lagged`)."""
         items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state),
                  "config": ocp.args.JsonSave(config)}
         if reference is not None:
             items[REFERENCE] = ocp.args.StandardSave(reference)
+        if behind is not None and behind[0]:
+            items[LAGGED] = ocp.args.JsonSave({"steps": list(behind[0])})
+            items[BEHIND] = ocp.args.StandardSave(list(behind[1]))
         args = ocp.args.Composite(**items)
         with self._as_write_error(step):
             self.manager.save(step, args=args, force=True)  # waits for the previous save to finish first
@@ -393,6 +400,21 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 (said in one line, with the step)
             raise CheckpointError(f"checkpoint step {step}: its reference model cannot be restored: "
                                   f"{_first_line(e)}") from None
+
+    def restore_behind(self, step: int, abstract: Any) -> tuple[list[int], list[Any]]:
+        """The rollouts ``step`` had sampled ahead (`save`'s ``behind``): their steps, and the params each was sampled
+        with restored into ``abstract``'s shardings; none where the step holds none (it saved the run's last step)."""
+        if not (self.directory / str(step) / LAGGED).is_dir():
+            return [], []
+        try:
+            steps = self.manager.restore(step, args=ocp.args.Composite(
+                **{LAGGED: ocp.args.JsonRestore()}))[LAGGED]["steps"]
+            trees = self.manager.restore(step, args=ocp.args.Composite(
+                **{BEHIND: ocp.args.StandardRestore([abstract] * len(steps))}))[BEHIND]
+        except Exception as e:  # noqa: BLE001 (said in one line, with the step)
+            raise CheckpointError(f"checkpoint step {step}: the weights of its rollouts sampled ahead "
+                                  f"(objective.max_staleness) cannot be restored: {_first_line(e)}") from None
+        return [int(s) for s in steps], list(trees)
 
     def read_config(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]

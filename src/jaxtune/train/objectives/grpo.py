@@ -353,7 +353,8 @@ class GRPO:
         """With ``importance_sampling`` (and the sampler's log-probs in the batch), the weight of each token's loss:
         r = exp(old - sampler) per token, or per completion (the mean over its tokens), truncated to or masked outside
         [min, max] (TRL's modes), ``old`` being the trainer's log-probs of the policy that sampled; and its
-        ``importance_sampling_ratio/mean``, ``/min`` and ``/max`` over completion tokens."""
+        ``importance_sampling_ratio/mean``, ``/min`` and ``/max`` over completion tokens, and ``/cut_fraction``: the
+        share of those whose ratio fell outside [min, max] (truncated, or masked)."""
         mask, sampler = batch["loss_mask"], batch[SAMPLER_LOGPS_KEY]
         gap = jax.lax.stop_gradient(old - sampler) * mask
         if self.importance_sampling.startswith("sequence"):  # each completion's mean gap, on its tokens
@@ -363,6 +364,7 @@ class GRPO:
         ratio = jnp.exp(gap)
         lo = -jnp.inf if self.importance_sampling_min is None else self.importance_sampling_min
         hi = jnp.inf if self.importance_sampling_max is None else self.importance_sampling_max
+        cut = ((ratio < lo) | (ratio > hi)) * mask
         if self.importance_sampling.endswith("truncate"):
             ratio = jnp.clip(ratio, lo, hi)
         else:
@@ -371,6 +373,7 @@ class GRPO:
             "importance_sampling_ratio/mean": (jnp.sum(ratio * mask), jnp.sum(mask)),
             "importance_sampling_ratio/min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
             "importance_sampling_ratio/max": jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
+            "importance_sampling_ratio/cut_fraction": (jnp.sum(cut), jnp.sum(mask)),
         }
         return ratio, metrics
 

@@ -1,0 +1,119 @@
+"""Rollouts sampled while the learner trains (``objective.max_staleness`` = k ≥ 1): off-policy RL with a bound.
+
+Step s trains on the rollout of step s (its prompts, seed and layout exactly the on-policy loop's), sampled with the
+weights of update v(s) = max(0, s - 1 - k) instead of s - 1. The order of the work is fixed, so a run is a function
+of its config, however long each part takes:
+
+* before the first step, the rollouts of steps 1 .. k are sampled (with the starting weights);
+* iteration n takes rollout n (sampled earlier), copies the weights w_{n-1} the learner is about to update (the
+  train step donates its state), dispatches train step n (JAX returns at once) and then samples rollout n + k with the
+  copy while the step runs.
+
+On the same devices the sampler's programs run beside or after the step's, as the runtime schedules them, and the
+host's share of a rollout (reading the tokens, rewards, tools, the layout) overlaps the step. Every process does the
+same things in the same order, so their collectives line up as in the on-policy loop.
+
+The loss corrects for the lag with the sampler's log-probs (`jaxtune.config.objectives`: grpo's
+``importance_sampling`` defaults to token_truncate, rloo's ratio takes them as the old policy's). Each step logs
+``staleness``: the updates between the weights that sampled its batch and the learner's.
+
+Resume: a checkpoint after step S holds, beside the state, the trained params that sampled the rollouts of steps
+S + 1 .. S + k still to train on (`Checkpointer.save`'s ``behind``), and the data position from before the first of
+them was read. A resumed run samples them again from those, with their seeds, so it trains on the very rollouts the
+interrupted run would have (bitwise). k copies of the trained params are held (LoRA: the adapters only).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.train.reference import Frozen
+from jaxtune.train.rollout import Rollout
+
+Batch = dict[str, Any]
+
+
+@dataclass
+class Pending:
+    """A rollout sampled ahead of the step that trains on it."""
+
+    step: int  # the step that trains on it
+    version: int  # the update whose weights sampled it (0: the starting weights)
+    params: Any  # those trained params (a copy; LoRA: the adapters)
+    position: dict[str, Any]  # the data position before its prompts were read
+    batch: Batch
+    sampled: dict[str, float]  # its rollout metrics
+
+
+def copied(params: Any) -> Any:
+    """A copy of ``params`` on their devices, which a later donation of the originals leaves alone."""
+    return jax.tree.map(jnp.copy, params)
+
+
+@dataclass
+class Lagged:
+    """The rollouts of the next ``k`` steps, sampled ahead (see the module)."""
+
+    k: int
+    total: int  # the run's last step: nothing is sampled past it
+    rollout: Rollout
+    weights: Callable[[Any, Frozen], Any]  # (trained params, frozen) -> what the sampler takes (`Steps.weights`)
+    data: Any  # `TrainingData`: its prompt source and train iterator
+    pending: deque[Pending] | None = None
+
+    def fill(self, start: int, params: Any, frozen: Frozen, behind: tuple[list[int], list[Any]] = ([], [])) -> str:
+        """Samples the rollouts of steps ``start`` + 1 .. ``start`` + k (up to ``total``): from the trained params
+        each was sampled with before (``behind``, a checkpoint's), else from ``params`` (the starting weights, or a
+        resumed step's where its checkpoint holds none). The run log's line."""
+        self.pending = deque()
+        saved = dict(zip(*behind))
+        now = None
+        steps = range(start + 1, min(start + self.k, self.total) + 1)
+        for s in steps:
+            if s in saved:
+                self._sample(s, max(0, s - 1 - self.k), saved[s], frozen)
+            else:
+                now = copied(params) if now is None else now
+                self._sample(s, start, now, frozen)
+        if not steps:
+            return ""
+        missing = [s for s in steps if s not in saved]
+        line = f"objective.max_staleness={self.k}: sampled the rollouts of steps {steps[0]}-{steps[-1]} ahead"
+        if start and missing:
+            line += (f"; steps {missing[0]}-{missing[-1]} with step {start}'s weights (the checkpoint holds no "
+                     "older ones for them)")
+        return line
+
+    def take(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """Step ``step``'s batch and rollout metrics, with its ``staleness``."""
+        p = self.pending.popleft()
+        if p.step != step:
+            raise RuntimeError(f"rollouts sampled ahead out of order: step {step} met the rollout of step {p.step}")
+        return p.batch, {**p.sampled, "staleness": float(step - 1 - p.version)}
+
+    def refill(self, step: int, params: Any, frozen: Frozen) -> None:
+        """After train step ``step`` is dispatched: samples the rollout of step ``step`` + k with ``params``, the
+        weights of update ``step`` - 1 (a copy made before the step donated them)."""
+        if step + self.k <= self.total:
+            self._sample(step + self.k, step - 1, params, frozen)
+
+    def position(self) -> dict[str, Any]:
+        """The data position a checkpoint saves: before the prompts of the first rollout not yet trained on."""
+        return self.pending[0].position if self.pending else self.data.train_iter.get_state()
+
+    def behind(self) -> tuple[list[int], list[Any]]:
+        """What a checkpoint saves to sample the pending rollouts again: their steps and trained params."""
+        return [p.step for p in self.pending], [p.params for p in self.pending]
+
+    def _sample(self, step: int, version: int, params: Any, frozen: Frozen) -> None:
+        it = self.data.train_iter
+        position = it.get_state()
+        batch, sampled = self.rollout.batch(self.weights(params, frozen), self.data.prompts.train, next(it), step - 1,
+                                            more=lambda: next(it))
+        self.pending.append(Pending(step, version, params, position, batch, sampled))
