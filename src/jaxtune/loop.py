@@ -27,7 +27,7 @@ from jaxtune.models.quantize import is_quantized, logical_size
 from jaxtune.train import distributed
 from jaxtune.train.ahead import Ahead, placed
 from jaxtune.train.checkpoint import Checkpointer
-from jaxtune.train.lagged import Lagged, copied
+from jaxtune.train.lagged import Lagged
 from jaxtune.train.metrics import (
     Laps,
     NonFinite,
@@ -175,7 +175,7 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool, ahead
     check_fits(spec.model_cfg.vocab_size, spec.model_cfg.max_seq_len, seq_len=cfg.data.seq_len)
     runtime.release_malloc(4 * spec.model_cfg.num_params())  # a large model: give freed memory back (runtime.py)
     steps = run_steps(spec, cfg, loaded_companion(cfg, mesh, spec.model_cfg.vocab_size, tokenizer))
-    rollout = load_rollout(cfg, mesh, spec.generator(), tokenizer) if data.prompts is not None else None
+    rollout, own = _rollout(cfg, mesh, spec, tokenizer, data)
     sync = reference_sync(cfg.objective, steps.companion)
     params, notes = _model_notes(cfg, spec, rollout)
 
@@ -201,21 +201,30 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool, ahead
 
     log, evaluator, profiler = _reporting(cfg, run_dir, steps, tokenizer, data, rollout, shapes, start,
                                           ckpt.notes(start, cfg.train.steps) + data.report + notes + reference_notes)
-    lagged, behind = _lagged(cfg, ckpt, spec, steps, data, rollout, start)
+    lagged, behind = _lagged(cfg, ckpt, spec, steps, data, rollout, start, own)
     return Run(cfg=cfg, run_dir=run_dir, mesh=mesh, data=data, spec=spec, steps=steps, rollout=rollout, sync=sync,
                frozen=frozen, state=state, start=start, params=params, ckpt=ckpt, log=log, evaluator=evaluator,
                shapes=shapes, profiler=profiler, laps=laps, lagged=lagged, behind=behind)
 
 
+def _rollout(cfg: Config, mesh: Any, spec: ModelSpec, tokenizer: Any,
+             data: TrainingData) -> tuple[Rollout | None, Any]:
+    """GRPO's rollouts (prompt data), their reward models on the sampler's devices, and those devices' own mesh
+    (``mesh.rollout``; else None: the sampler shares ``mesh``)."""
+    own = sharding.sampler_mesh(cfg.mesh.rollout)
+    return (None if data.prompts is None else load_rollout(cfg, own or mesh, spec.generator(), tokenizer)), own
+
+
 def _lagged(cfg: Config, ckpt: Checkpointer, spec: ModelSpec, steps: Steps, data: TrainingData,
-            rollout: Rollout | None, start: int) -> tuple[Lagged | None, tuple[list[int], list[Any]]]:
-    """``objective.max_staleness``'s rollouts sampled ahead (`jaxtune.train.lagged`), and those the restored step
-    ``start`` had sampled ahead (their steps and trained params, to sample them again)."""
+            rollout: Rollout | None, start: int, own: Any) -> tuple[Lagged | None, tuple[list[int], list[Any]]]:
+    """``objective.max_staleness``'s rollouts sampled ahead (`jaxtune.train.lagged`; on ``own``, the sampler's mesh,
+    where it has one), and those the restored step ``start`` had sampled ahead (their steps and trained params, to
+    sample them again)."""
     k = getattr(cfg.objective, "max_staleness", 0)
     if not k or rollout is None:
         return None, ([], [])
     behind = ckpt.restore_behind(start, spec.abstract.params) if start else ([], [])
-    return Lagged(k, cfg.train.steps, rollout, steps.weights, data), behind
+    return Lagged(k, cfg.train.steps, rollout, steps.weights, data, own), behind
 
 
 def _use_compile_cache(cfg: Config) -> None:
@@ -287,7 +296,7 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
     while step < total:
         profiler.before(step + 1)  # the trace holds the whole step: its batch, GRPO's sampling, the update
         batch, shape, sampled = _next_batch(run, state, frozen, step)
-        held = copied(state.params) if run.lagged is not None else None  # before the step donates them
+        held = run.lagged.place(state.params) if run.lagged is not None else None  # before the step donates them
         state, metrics = _train_step(run, state, frozen, batch, shape, step + 1)
         if held is not None:  # the step runs meanwhile
             run.lagged.refill(step + 1, held, frozen)

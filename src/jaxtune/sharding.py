@@ -85,8 +85,30 @@ def make_mesh(data: int, fsdp: int, tensor: int, devices: list[Any] | None = Non
 
 
 def mesh_of(cfg: Any, devices: list[Any] | None = None) -> Mesh:
-    """The mesh a run's ``mesh`` config section asks for (over ``devices``, default all)."""
+    """The mesh a run's ``mesh`` config section asks for (over ``devices``, default all but ``mesh.rollout``'s)."""
+    if devices is None:
+        devices = learner_and_sampler_devices(getattr(cfg, "rollout", 0))[0]
     return make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices, context=cfg.context)
+
+
+def learner_and_sampler_devices(rollout: int) -> tuple[list[Any], list[Any]]:
+    """``mesh.rollout``'s split of the devices: (the learner's, the sampler's own: the last ``rollout``; none at 0)."""
+    devices = list(jax.devices())
+    if not rollout:
+        return devices, []
+    if jax.process_count() > 1:
+        raise ShardingError(f"mesh.rollout={rollout}: devices of the sampler's own are for one process; with "
+                            f"{jax.process_count()} processes set mesh.rollout=0 (the sampler shares every device)")
+    if rollout >= len(devices):
+        raise ShardingError(f"mesh.rollout={rollout} leaves the learner none of the {len(devices)} devices; give the "
+                            f"sampler at most {len(devices) - 1}")
+    return devices[:-rollout], devices[-rollout:]
+
+
+def sampler_mesh(rollout: int) -> Mesh | None:
+    """The sampler's own mesh (``mesh.rollout`` devices, rows split over them, weights replicated), or None."""
+    devices = learner_and_sampler_devices(rollout)[1]
+    return make_mesh(-1, 1, 1, devices) if devices else None
 
 
 def abstract_mesh(data: int, fsdp: int, tensor: int, n_devices: int, *, context: int = 1) -> AbstractMesh:

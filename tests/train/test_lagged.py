@@ -12,11 +12,15 @@ refused in one line.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers.processes import beside
 from helpers.rows import write_jsonl
 from helpers.run_outputs import final_params, metric_rows
 from helpers.tiny_runs import assert_kill9_resume_is_bitwise, run_overrides
@@ -24,6 +28,7 @@ from helpers.tiny_runs import assert_kill9_resume_is_bitwise, run_overrides
 from jaxtune import sharding
 from jaxtune.backends import backend_of
 from jaxtune.config import load_config
+from jaxtune.data import load_tokenizer
 from jaxtune.data.synthetic import arithmetic_prompts
 from jaxtune.loop import _setup, train
 from jaxtune.train.lagged import copied
@@ -135,3 +140,36 @@ def test_rloo_takes_the_samplers_log_probs_as_the_old_policys(grpo):
     assert cfg.objective.old_logps == "sampler"
     assert load_config(None, grpo("objective.name=rloo", "model.compute_dtype=bfloat16")).objective.old_logps == \
         "trainer"
+
+
+SPLIT_SCRIPT = """
+import json, sys
+from jaxtune.config import load_config
+from jaxtune.loop import train
+result = train(load_config(None, sys.argv[1:]))
+print("RESULT " + json.dumps([result.losses[s] for s in sorted(result.losses)]))
+"""
+
+
+def test_the_samplers_own_devices_change_nothing_but_where_it_runs(grpo, tmp_path):
+    """2 CPU devices, mesh.rollout=1: the learner on the first, the sampler (and its copy of the weights, moved after
+    each update) on the second. The losses and final adapters equal the run with both on one device, bitwise."""
+    over = ["objective.max_staleness=1", "model.lora.rank=4", "eval.every=2", "eval.exact_match=4"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    cfg = load_config(None, grpo(*over))
+    load_tokenizer(cfg.tokenizer, cfg.data)  # trained and cached once, before two processes want it
+    split = grpo(*over, "mesh.rollout=1", run="split")
+    proc = subprocess.Popen([sys.executable, "-c", SPLIT_SCRIPT, *split], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    result, losses = beside(proc, lambda: train(cfg))
+    assert losses == [result.losses[s] for s in sorted(result.losses)]
+    mine, theirs = final_params(cfg, 4)[0], final_params(load_config(None, split), 4)[0]
+    jax.tree.map(np.testing.assert_array_equal, theirs, mine)
+
+
+def test_sampler_devices_need_a_lag_and_leave_the_learner_some(grpo):
+    with pytest.raises(Exception, match=r"mesh\.rollout=1 gives the sampler devices of its own.*needs "
+                                        r"objective\.max_staleness >= 1"):
+        load_config(None, grpo("mesh.rollout=1"))
+    with pytest.raises(Exception, match=r"mesh\.rollout=1 leaves the learner none of the 1 devices"):
+        train(load_config(None, grpo("mesh.rollout=1", "objective.max_staleness=1")))

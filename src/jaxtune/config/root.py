@@ -103,6 +103,14 @@ class Config(Section):
         return self.model_copy(update={"train": train.model_copy(update={"batch_size": obj.prompts_per_step})})
 
     @model_validator(mode="after")
+    def _sampler_devices(self) -> Config:
+        if self.mesh.rollout and not getattr(self.objective, "max_staleness", 0):
+            raise ValueError(f"mesh.rollout={self.mesh.rollout} gives the sampler devices of its own, to sample the "
+                             "next rollouts beside the learner's step: that needs objective.max_staleness >= 1 "
+                             "(grpo, rloo); drop mesh.rollout otherwise")
+        return self
+
+    @model_validator(mode="after")
     def _old_logps(self) -> Config:
         """A clipped policy's old log-probs come from the sampler where they are the trainer's to float rounding
         (float32 compute), else from a trainer forward; the resolved choice is what config.yaml records."""

@@ -88,6 +88,11 @@ class MeshConfig(Section):
                          "and values; parameters are sharded over it too (like fsdp). For sequences whose activations "
                          "do not fit one device; the native backend only")
 
+    rollout: int = Field(0, ge=0, description="with objective.max_staleness: devices of the sampler's own, taken "
+                         "from the end of the device list (the other axes then cover the rest), where rollouts are "
+                         "sampled beside the learner's steps, the weights copied device to device after each update; "
+                         "0: the sampler shares the learner's devices. One process only")
+
     @model_validator(mode="after")
     def _one_rest(self) -> MeshConfig:
         sizes = [self.data, self.fsdp, self.tensor, self.context]

@@ -10,7 +10,10 @@ of its config, however long each part takes:
   copy while the step runs.
 
 On the same devices the sampler's programs run beside or after the step's, as the runtime schedules them, and the
-host's share of a rollout (reading the tokens, rewards, tools, the layout) overlaps the step. Every process does the
+host's share of a rollout (reading the tokens, rewards, tools, the layout) overlaps the step. With ``mesh.rollout``
+devices of its own (one process) the sampler runs there, beside the step: the copy of the weights it samples with is
+moved there device to device (`jax.device_put`), the frozen ones (a LoRA base) once, and the reward models live
+there too. Every process does the
 same things in the same order, so their collectives line up as in the on-policy loop.
 
 The loss corrects for the lag with the sampler's log-probs (`jaxtune.config.objectives`: grpo's
@@ -25,6 +28,7 @@ interrupted run would have (bitwise). k copies of the trained params are held (L
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +36,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 
+from jaxtune import sharding
 from jaxtune.train.reference import Frozen
 from jaxtune.train.rollout import Rollout
 
@@ -65,7 +71,24 @@ class Lagged:
     rollout: Rollout
     weights: Callable[[Any, Frozen], Any]  # (trained params, frozen) -> what the sampler takes (`Steps.weights`)
     data: Any  # `TrainingData`: its prompt source and train iterator
+    mesh: Mesh | None = None  # mesh.rollout: the sampler's own devices (None: the learner's)
     pending: deque[Pending] | None = None
+    _frozen: tuple[Any, Frozen] | None = None  # (the learner's frozen model weights, their copy on ``mesh``)
+
+    def place(self, params: Any) -> Any:
+        """A copy of the trained ``params`` where the sampler runs: on its own devices (`jax.device_put`, device to
+        device), or beside them; a later donation of the originals leaves it alone."""
+        if self.mesh is None:
+            return copied(params)
+        return jax.device_put(params, jax.tree.map(lambda x: NamedSharding(self.mesh, x.sharding.spec), params))
+
+    def _placed_frozen(self, frozen: Frozen) -> Frozen:
+        """The frozen model weights (a LoRA base) on the sampler's devices, copied there once."""
+        if self.mesh is None:
+            return frozen
+        if self._frozen is None or self._frozen[0] is not frozen.model:
+            self._frozen = (frozen.model, Frozen(self.place(frozen.model)))
+        return self._frozen[1]
 
     def fill(self, start: int, params: Any, frozen: Frozen, behind: tuple[list[int], list[Any]] = ([], [])) -> str:
         """Samples the rollouts of steps ``start`` + 1 .. ``start`` + k (up to ``total``): from the trained params
@@ -77,9 +100,9 @@ class Lagged:
         steps = range(start + 1, min(start + self.k, self.total) + 1)
         for s in steps:
             if s in saved:
-                self._sample(s, max(0, s - 1 - self.k), saved[s], frozen)
+                self._sample(s, max(0, s - 1 - self.k), self.place(saved[s]), frozen)
             else:
-                now = copied(params) if now is None else now
+                now = self.place(params) if now is None else now
                 self._sample(s, start, now, frozen)
         if not steps:
             return ""
@@ -114,6 +137,7 @@ class Lagged:
     def _sample(self, step: int, version: int, params: Any, frozen: Frozen) -> None:
         it = self.data.train_iter
         position = it.get_state()
-        batch, sampled = self.rollout.batch(self.weights(params, frozen), self.data.prompts.train, next(it), step - 1,
-                                            more=lambda: next(it))
+        with sharding.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            batch, sampled = self.rollout.batch(self.weights(params, self._placed_frozen(frozen)),
+                                                self.data.prompts.train, next(it), step - 1, more=lambda: next(it))
         self.pending.append(Pending(step, version, params, position, batch, sampled))

@@ -164,6 +164,10 @@ class TorchaxBackend:
         if cfg.mesh.context != 1:
             raise ConfigError("mesh.context must be 1 with model.backend=torchax: context parallelism needs the "
                               "native model's attention (model.family gpt2/llama/qwen/mistral/gemma3)")
+        if cfg.mesh.rollout:
+            raise ConfigError("mesh.rollout must be 0 with model.backend=torchax: its sampler runs on the learner's "
+                              "devices (objective.max_staleness still samples ahead there)")
+
     def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> TorchaxSpec:
         module = build_torch_model(cfg.model, cfg.train.seed, cfg.objective.spec.head)
         model = TorchaxModel(module, remat=cfg.model.remat, compute_dtype=cfg.model.compute_dtype)
