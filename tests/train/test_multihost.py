@@ -192,8 +192,8 @@ def grpo_overrides(tmp_path, data_cache) -> list[str]:
 
 
 @pytest.mark.parametrize("extra", [[], ["objective.dynamic_sampling=true", "objective.max_resample=2",
-                                          "objective.loss_type=grpo"], ["reward-model"]],
-                         ids=["dapo", "dynamic-grpo", "reward-model"])
+                                          "objective.loss_type=grpo"], ["reward-model"], ["objective.max_staleness=1"]],
+                         ids=["dapo", "dynamic-grpo", "reward-model", "lagged"])
 def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_overrides, extra, request):
     """GRPO (a KL to a frozen copy) in 2 processes of 1 CPU device each against one process over the same 2 devices,
     both with mesh fsdp=2 (the weights sharded over the two, the batch split): each process holds its block of the
@@ -204,11 +204,14 @@ def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_override
     of the data's next prompts, so the run is still the one process's. With a reward model among the rewards (a
     random classifier over the quickstart's tokenizer, its weights sharded over both processes' devices), every
     process's completions are scored in one program and each process keeps its own: the scores are the one
-    process's."""
+    process's. With rollouts sampled a step ahead (max_staleness 1, corrected by token_truncate) every process
+    samples and trains in the same order, so the run is still the one process's, its staleness and importance
+    ratios included."""
     from helpers.run_outputs import final_params, metric_rows
 
     rewards = "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}"
-    modelled = extra == ["reward-model"]
+    modelled, dynamic, lagged = extra == ["reward-model"], "objective.dynamic_sampling=true" in extra, \
+        "objective.max_staleness=1" in extra
     if modelled:
         from helpers.reward_models import classifier
 
@@ -226,11 +229,14 @@ def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_override
     one, two = metric_rows(tmp_path / "single", "train"), metric_rows(tmp_path / "two", "train")
     for a, b in zip(one, two, strict=True):  # the sampled completions and their scores are the same at every step
         for k in ("reward", "reward_std", "completions/mean_length", "rewards/length/mean", "grad_norm",
-                  *(["dynamic_sampling/rounds", "dynamic_sampling/reward"] if extra else []),
+                  *(["dynamic_sampling/rounds", "dynamic_sampling/reward"] if dynamic else []),
+                  *(["staleness", "importance_sampling_ratio/mean"] if lagged else []),
                   *(["rewards/model/mean", "rewards/model/std"] if modelled else [])):
             assert a[k] == pytest.approx(b[k], rel=1e-6), (k, a[k], b[k])
-    if extra:  # the extra rounds happened
+    if dynamic:  # the extra rounds happened
         assert any(r["dynamic_sampling/rounds"] > 1 for r in one), [r["dynamic_sampling/rounds"] for r in one]
+    if lagged:
+        assert [r["staleness"] for r in two] == [0, 1, 1]
     eval_one, eval_two = metric_rows(tmp_path / "single", "eval"), metric_rows(tmp_path / "two", "eval")
     assert [r["accuracy"] for r in eval_one] == [r["accuracy"] for r in eval_two]
     if modelled:  # the held-out answers' model scores too
