@@ -273,6 +273,26 @@ def test_grpo_plan_compiles_the_sampler_beside_the_step_and_splits_the_step_esti
     assert "step estimate:    generation" in text and "% of it generating" in text
 
 
+def test_grpo_plan_says_what_sampling_ahead_would_save():
+    """objective.max_staleness: on the learner's chips the estimate keeps the sequential step (only the host's work
+    overlaps); with mesh.rollout=2 of 8 chips, generation on 2 (the weights whole on each, the KV cache over 2) and
+    training on 6 are scaled from the slice's programs, and the step is the longer of the two."""
+    shared = aot.plan(load_config(None, [*GRPO, "objective.max_staleness=1"]), "v5e-8")
+    e = shared["estimate"]
+    assert e["overlap"] == {"max_staleness": 1, "rollout_chips": 0, "step": e["step"]}
+    assert "sampled ahead:    objective.max_staleness=1 on the learner's chips: the device time stays about" in \
+        aot.format_plan(shared)
+    split = aot.plan(load_config(None, [*GRPO, "objective.max_staleness=1", "mesh.rollout=2"]), "v5e-8")
+    e, sp, chip = split["estimate"], split["sampler"], aot.CHIPS["v5e"]
+    o = e["overlap"]
+    assert o["generation"] == pytest.approx(e["prefill"] * 4 + 24 * (sp["weights_whole"] + sp["kv_cache"] * 4)
+                                            / chip.hbm_bw)
+    assert o["training"] == pytest.approx(max(e["training_roofline"], e["training_at_mfu"]) * 8 / 6)
+    assert o["step"] == max(o["generation"], o["training"])
+    assert sp["weights_whole"] == sp["weights"]  # data-parallel over the 8 chips: each holds the weights whole
+    assert "sampled ahead:    objective.max_staleness=1, mesh.rollout=2: generation" in aot.format_plan(split)
+
+
 def test_grpo_plan_compiles_each_reward_model_beside_the_step(tmp_path):
     """A reward model among GRPO's rewards is in the plan: its scoring program compiled for a step's 8 x 4
     completions at the widest bucket the run scores (72 prompt + 24 completion positions: 128, cut to the reward

@@ -182,7 +182,24 @@ def _sampler_lines(d: dict[str, Any]) -> list[str]:
                      f"at {100 * e['mfu_assumed']:.0f}% MFU; about {e['step']:.2f} s per step, "
                      f"{100 * e['generation'] / e['step']:.0f}% of it generating")
         lines.append(line)
+        if "overlap" in e:
+            lines.append(_overlap_line(e))
     return lines
+
+
+def _overlap_line(e: dict[str, Any]) -> str:
+    """``objective.max_staleness``'s step beside the sequential one (`jaxtune.aot.sampler.overlapped`)."""
+    o = e["overlap"]
+    head = f"sampled ahead:    objective.max_staleness={o['max_staleness']}"
+    if "refused" in o:
+        return f"{head}: {o['refused']}"
+    if not o["rollout_chips"]:
+        return (f"{head} on the learner's chips: the device time stays about {e['step']:.2f} s per step; what "
+                "overlaps is the host's (rewards, tools, layout). mesh.rollout gives the sampler chips of its own")
+    r = o["rollout_chips"]
+    return (f"{head}, mesh.rollout={r}: generation {o['generation']:.2f} s on {r} chips (weights whole on each), "
+            f"training {o['training']:.2f} s on the rest (both scaled from the slice's programs): about "
+            f"{o['step']:.2f} s per step against {e['step']:.2f} s sequential ({e['step'] / o['step']:.2f}x)")
 
 
 def _longest_line(ls: dict[str, Any]) -> str:

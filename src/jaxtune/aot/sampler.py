@@ -106,10 +106,11 @@ def compile_sampler(p: Program) -> dict[str, Any]:
     resident = sum(sharding.shard_bytes(a) for a in jax.tree.leaves((spec.abstract, p.steps.abstract_frozen())))
     merged = sum(sharding.shard_bytes(a) for a in adapted_kernels(spec.abstract.params, weights)) if lora else 0
     weights_b = sum(sharding.shard_bytes(a) for a in jax.tree.leaves(weights))
+    whole = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(weights))
     total = resident + merged + program["outputs"] + program["temporaries"] + program["code"]
     if not lora:  # the sampler's weights are the state's params, counted in resident
         total += program["arguments"] - weights_b
-    return {**shapes, "program": program, "weights": weights_b, "merged_kernels": merged,
+    return {**shapes, "program": program, "weights": weights_b, "weights_whole": whole, "merged_kernels": merged,
             "kv_cache": kv["bytes"], "kv_dtype": kv["dtype"], "kv_on_chip": kv["on_chip"],
             "kv_read_from_program": kv["read_from_program"], "resident": resident,
             "total": total, "fits": total <= p.slice.chip.hbm_usable, "lora_merged": lora,
@@ -131,4 +132,25 @@ def step_estimate(p: Program, sampler: dict[str, Any], train_roofline: dict[str,
         at_mfu = train_roofline["model_flops"] / (chips * chip.peak_flops * MFU_ASSUMED)
         out.update(training_roofline=passes * train_roofline["step_seconds"], training_at_mfu=passes * at_mfu)
         out["step"] = out["generation"] + max(out["training_roofline"], out["training_at_mfu"])
+        if getattr(p.cfg.objective, "max_staleness", 0):
+            out["overlap"] = overlapped(p, sampler, out)
     return out
+
+
+def overlapped(p: Program, sampler: dict[str, Any], e: dict[str, Any]) -> dict[str, Any]:
+    """``objective.max_staleness``'s step (`jaxtune.train.lagged`): on shared chips the device work is the sequential
+    step's (what overlaps is the host's: rewards, tools); with ``mesh.rollout`` = r chips of the sampler's own, the
+    longer of generation there (its weights whole on each chip, as the sampler's mesh holds them, the KV cache over r)
+    and training on the other chips, both scaled from the slice's programs (linear in chips: an estimate)."""
+    chips, r, k = p.slice.chips, p.cfg.mesh.rollout, p.cfg.objective.max_staleness
+    if not r:
+        return {"max_staleness": k, "rollout_chips": 0, "step": e["step"]}
+    if r >= chips:
+        return {"max_staleness": k, "rollout_chips": r,
+                "refused": f"mesh.rollout={r} leaves the learner none of the {chips} chips"}
+    per_token = sampler["weights_whole"] + sampler["kv_cache"] * chips / r  # bytes a sampler chip reads a position
+    decode = sampler["max_new_tokens"] * per_token / p.slice.chip.hbm_bw
+    generation = e["prefill"] * chips / r + decode
+    training = max(e["training_roofline"], e["training_at_mfu"]) * chips / (chips - r)
+    return {"max_staleness": k, "rollout_chips": r, "generation": generation, "training": training,
+            "step": max(generation, training)}
