@@ -9,6 +9,7 @@ policy's verdict, on which the loop stops), `Evaluator` (``eval.every``: held-ou
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,10 +297,9 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
     while step < total:
         profiler.before(step + 1)  # the trace holds the whole step: its batch, GRPO's sampling, the update
         batch, shape, sampled = _next_batch(run, state, frozen, step)
-        held = run.lagged.place(state.params) if run.lagged is not None else None  # before the step donates them
-        state, metrics = _train_step(run, state, frozen, batch, shape, step + 1)
-        if held is not None:  # the step runs meanwhile
-            run.lagged.refill(step + 1, held, frozen)
+        trained = functools.partial(_train_step, run, state, frozen, batch, shape, step + 1)
+        state, metrics = trained() if run.lagged is None else run.lagged.advance(step + 1, state.params, frozen,
+                                                                                   trained)
         if step == run.start:
             laps.lap("compile")  # the first dispatch compiled the step (or loaded it from the cache)
         step += 1

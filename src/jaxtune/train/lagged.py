@@ -6,11 +6,11 @@ of its config, however long each part takes:
 
 * before the first step, the rollouts of steps 1 .. k are sampled (with the starting weights);
 * iteration n takes rollout n (sampled earlier), copies the weights w_{n-1} the learner is about to update (the
-  train step donates its state), dispatches train step n (JAX returns at once) and then samples rollout n + k with the
-  copy while the step runs.
+  train step donates its state), and samples rollout n + k with the copy beside train step n (`Lagged.advance`).
 
-On the same devices the sampler's programs run beside or after the step's, as the runtime schedules them, and the
-host's share of a rollout (reading the tokens, rewards, tools, the layout) overlaps the step. With ``mesh.rollout``
+On the devices the learner uses, the completions are generated first and train step n is dispatched as soon as they
+are on the host (JAX returns at once), so the host's share of the rollout (the rewards, the layout) runs while the
+step does; the devices run one program at a time, as on-policy. With ``mesh.rollout``
 devices of its own (one process) the sampler runs there, beside the step: the copy of the weights it samples with is
 moved there device to device (`jax.device_put`), the frozen ones (a LoRA base) once, and the reward models live
 there too. Every process does the
@@ -120,11 +120,25 @@ class Lagged:
             raise RuntimeError(f"rollouts sampled ahead out of order: step {step} met the rollout of step {p.step}")
         return p.batch, {**p.sampled, "staleness": float(step - 1 - p.version)}
 
-    def refill(self, step: int, params: Any, frozen: Frozen) -> None:
-        """After train step ``step`` is dispatched: samples the rollout of step ``step`` + k with ``params``, the
-        weights of update ``step`` - 1 (a copy made before the step donated them)."""
-        if step + self.k <= self.total:
-            self._sample(step + self.k, step - 1, params, frozen)
+    def advance(self, step: int, params: Any, frozen: Frozen, train: Callable[[], Any]) -> Any:
+        """Train step ``step`` (``train()``, which donates ``params``, the weights of update ``step`` - 1) and, beside
+        it, sample the rollout of step ``step`` + k with a copy of those weights; ``train()``'s result.
+
+        On devices shared with the learner the rollout's completions are generated first and the step is dispatched
+        as soon as they are on the host, so the host scores them (rewards, tools' rewards, the layout) while the step
+        runs, and no two programs share the devices at once (XLA:CPU would run both on the same cores, and they
+        thrash). On the sampler's own devices (``mesh.rollout``) the step is dispatched first and the whole rollout
+        runs beside it."""
+        held = self.place(params)  # before the step donates them
+        if step + self.k > self.total:
+            return train()
+        if self.mesh is not None:
+            out = train()
+            self._sample(step + self.k, step - 1, held, frozen)
+            return out
+        out: list[Any] = []
+        self._sample(step + self.k, step - 1, held, frozen, between=lambda: out.append(train()))
+        return out[0]
 
     def position(self) -> dict[str, Any]:
         """The data position a checkpoint saves: before the prompts of the first rollout not yet trained on."""
@@ -134,10 +148,12 @@ class Lagged:
         """What a checkpoint saves to sample the pending rollouts again: their steps and trained params."""
         return [p.step for p in self.pending], [p.params for p in self.pending]
 
-    def _sample(self, step: int, version: int, params: Any, frozen: Frozen) -> None:
+    def _sample(self, step: int, version: int, params: Any, frozen: Frozen,
+                between: Callable[[], None] | None = None) -> None:
         it = self.data.train_iter
         position = it.get_state()
         with sharding.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             batch, sampled = self.rollout.batch(self.weights(params, self._placed_frozen(frozen)),
-                                                self.data.prompts.train, next(it), step - 1, more=lambda: next(it))
+                                                self.data.prompts.train, next(it), step - 1, more=lambda: next(it),
+                                                between=between)
         self.pending.append(Pending(step, version, params, position, batch, sampled))

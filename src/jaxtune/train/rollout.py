@@ -157,14 +157,15 @@ class Rollout:
         return stop_ids(self.tokenizer, self.chat)
 
     def sample(self, weights: Any, source: PromptRows, rows: list[int], *, group: int, temperature: float,
-               seed: int, step: int = 0, local: bool = False) -> Completions:
+               seed: int, step: int = 0, local: bool = False, between: Callable[[], None] | None = None) -> Completions:
         """``group`` completions of each of the prompts ``rows`` of ``source`` (temperature 0: greedy), scored.
 
         ``local``: ``rows`` are this process's share of the step's prompts (several processes): the completions of
         every process's prompts are sampled together, SPMD over the whole mesh (the same tokens as one process
         sampling the whole batch), each process scores its own with the reward functions, and the scores are
         shared; a reward that fails on one process stops every process with its error. Otherwise every process
-        holds the same ``rows`` (held-out prompts) and does the same."""
+        holds the same ``rows`` (held-out prompts) and does the same. ``between()`` is called once the completions
+        are on the host and before they are scored (`jaxtune.train.lagged` dispatches a train step there)."""
         o = self.cfg.objective
         together = local and jax.process_count() > 1
         every = [int(r) for r in every_process(np.asarray(rows, np.int64))] if together else list(rows)
@@ -197,12 +198,14 @@ class Rollout:
             sampled = Generation(trajectories.ids, trajectories.logps)
         ids = sampled.ids
         t1 = time.perf_counter()
-        stops = set(self.stops)
+        if between is not None:
+            between()
+        stops, t2 = set(self.stops), time.perf_counter()
         stopped = np.array([bool(c) and c[-1] in stops for c in ids])
         texts = trajectories.texts if trajectories is not None else \
             [self.tokenizer.decode(c[:-1] if s else c) for c, s in zip(ids, stopped)]
         scores = self._scored(source, expanded, texts, ids, mine, step, trajectories, together)
-        self.timings = {"generation": t1 - t0, "rewards": time.perf_counter() - t1,
+        self.timings = {"generation": t1 - t0, "rewards": time.perf_counter() - t2,
                         "generated_tokens": float(sum(len(c) for c in ids))}
         if trajectories is None:
             return Completions(prompt_ids, ids, texts, expanded, scores, stopped, sampled.logps)
@@ -272,9 +275,12 @@ class Rollout:
         return done, scores
 
     def batch(self, weights: Any, source: PromptRows, prompts: PromptBatch, step: int,
-              more: Callable[[], PromptBatch] | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+              more: Callable[[], PromptBatch] | None = None,
+              between: Callable[[], None] | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """The training batch for the prompt batch ``prompts`` at ``step`` (N = prompts × ``num_generations`` rows)
-        and the rollout's metrics. ``more()``: the next prompt batch of the data, for dynamic sampling."""
+        and the rollout's metrics. ``more()``: the next prompt batch of the data, for dynamic sampling.
+        ``between()``: called once, when the first completions are on the host (`sample`); before returning at the
+        latest."""
         o = self.cfg.objective
         rows = [int(r) for r in prompts["row"]]
         mixed = o.spec.completions == "mixed"  # some steps train on the data's completions (gkd's lmbda)
@@ -282,11 +288,13 @@ class Rollout:
         resampled: dict[str, float] = {}
         if on_policy:
             done = self.sample(weights, source, rows, group=o.num_generations, temperature=o.temperature,
-                               seed=rollout_seed(self.cfg.train.seed, step), step=step, local=True)
+                               seed=rollout_seed(self.cfg.train.seed, step), step=step, local=True, between=between)
             if getattr(o, "dynamic_sampling", False):
                 done, resampled = self.resampled(done, weights, source, more, step)
         else:
             done = self.given(source, rows, o.num_generations)
+            if between is not None:
+                between()
         advantages, zero_std = ADVANTAGES[o.spec.baseline](done, o, self.rewards.weights)
         metrics = {**self.metrics(done, zero_std), **resampled}  # over every process's completions
         if mixed:
