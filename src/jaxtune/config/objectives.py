@@ -320,9 +320,10 @@ class ClippedPolicy(Sampling):
     max_staleness: int = Field(
         0, ge=0, description="sample the next steps' rollouts while this step trains (off-policy RL, "
         "jaxtune.train.lagged): step s trains on completions sampled with the weights of update max(0, s - 1 - "
-        "max_staleness), so the learner never waits for the sampler; 0 (the default): on-policy, each step samples "
-        "with the weights it trains. With 1 or more the loss corrects for the lag with the sampler's log-probs: "
-        "grpo's importance_sampling defaults to token_truncate, rloo's ratio takes them as the old policy's. Holds "
+        "max_staleness), so the rollout's host work (rewards, layout) overlaps the step, and its generation too on "
+        "devices of its own (mesh.rollout); 0 (the default): on-policy, each step samples with the weights it "
+        "trains. With 1 or more the loss corrects for the lag with the sampler's log-probs: grpo's "
+        "importance_sampling defaults to token_truncate, rloo's ratio takes them as the old policy's. Holds "
         "max_staleness copies of the trained weights (LoRA: the adapters), also in each checkpoint")
     tools: str | None = Field(
         None, description="multi-turn rollouts with tools: a Python module (imported from the working directory, "
