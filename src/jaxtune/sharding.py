@@ -92,17 +92,23 @@ def mesh_of(cfg: Any, devices: list[Any] | None = None) -> Mesh:
 
 
 def learner_and_sampler_devices(rollout: int) -> tuple[list[Any], list[Any]]:
-    """``mesh.rollout``'s split of the devices: (the learner's, the sampler's own: the last ``rollout``; none at 0)."""
+    """``mesh.rollout``'s split of the devices: (the learner's, the sampler's own; none at 0). One process gives the
+    sampler its last ``rollout`` devices; several give it each their last ``rollout`` / processes (so every process
+    feeds both, and moves the weights between its own devices)."""
     devices = list(jax.devices())
     if not rollout:
         return devices, []
-    if jax.process_count() > 1:
-        raise ShardingError(f"mesh.rollout={rollout}: devices of the sampler's own are for one process; with "
-                            f"{jax.process_count()} processes set mesh.rollout=0 (the sampler shares every device)")
-    if rollout >= len(devices):
-        raise ShardingError(f"mesh.rollout={rollout} leaves the learner none of the {len(devices)} devices; give the "
-                            f"sampler at most {len(devices) - 1}")
-    return devices[:-rollout], devices[-rollout:]
+    procs = jax.process_count()
+    if rollout % procs:
+        raise ShardingError(f"mesh.rollout={rollout}: each of the {procs} processes gives the sampler as many of its "
+                            f"devices; make mesh.rollout a multiple of {procs}")
+    each, local = rollout // procs, jax.local_device_count()
+    if each >= local:
+        raise ShardingError(f"mesh.rollout={rollout} leaves the learner none of the {local} devices"
+                            + (f" of each of the {procs} processes" if procs > 1 else "")
+                            + f"; give the sampler at most {(local - 1) * procs}")
+    sampler = [d for p in range(procs) for d in [d for d in devices if d.process_index == p][-each:]]
+    return [d for d in devices if d not in sampler], sampler
 
 
 def sampler_mesh(rollout: int) -> Mesh | None:

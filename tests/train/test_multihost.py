@@ -192,8 +192,9 @@ def grpo_overrides(tmp_path, data_cache) -> list[str]:
 
 
 @pytest.mark.parametrize("extra", [[], ["objective.dynamic_sampling=true", "objective.max_resample=2",
-                                          "objective.loss_type=grpo"], ["reward-model"], ["objective.max_staleness=1"]],
-                         ids=["dapo", "dynamic-grpo", "reward-model", "lagged"])
+                                          "objective.loss_type=grpo"], ["reward-model"], ["objective.max_staleness=1"],
+                                   ["objective.max_staleness=1", "mesh.rollout=2"]],
+                         ids=["dapo", "dynamic-grpo", "reward-model", "lagged", "lagged-own-devices"])
 def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_overrides, extra, request):
     """GRPO (a KL to a frozen copy) in 2 processes of 1 CPU device each against one process over the same 2 devices,
     both with mesh fsdp=2 (the weights sharded over the two, the batch split): each process holds its block of the
@@ -206,20 +207,23 @@ def test_grpo_in_two_processes_samples_and_trains_as_one(tmp_path, grpo_override
     process's completions are scored in one program and each process keeps its own: the scores are the one
     process's. With rollouts sampled a step ahead (max_staleness 1, corrected by token_truncate) every process
     samples and trains in the same order, so the run is still the one process's, its staleness and importance
-    ratios included."""
+    ratios included; and so with the sampler on devices of its own (mesh.rollout=2: 2 devices a process, one the
+    learner's and one the sampler's, against one process's 4), the weights gathered on the learner's devices and
+    each process's copy moved to its own sampler device after every update."""
     from helpers.run_outputs import final_params, metric_rows
 
     rewards = "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}"
     modelled, dynamic, lagged = extra == ["reward-model"], "objective.dynamic_sampling=true" in extra, \
         "objective.max_staleness=1" in extra
+    own = 2 if "mesh.rollout=2" in extra else 1  # devices a process holds
     if modelled:
         from helpers.reward_models import classifier
 
         rm = classifier(request.getfixturevalue("quickstart_sft_model"), tmp_path / "rm")
         rewards, extra = f"{rewards}, {{name: model, path: {rm}}}", []
     base = [*grpo_overrides, f"{rewards}]", "mesh.fsdp=2", *extra]
-    single = _single(tmp_path, [*base, f"run_dir={tmp_path / 'single'}"], devices=2)
-    results = _finish(tmp_path, _launch(tmp_path, [*base, f"run_dir={tmp_path / 'two'}"], devices=1))
+    single = _single(tmp_path, [*base, f"run_dir={tmp_path / 'single'}"], devices=2 * own)
+    results = _finish(tmp_path, _launch(tmp_path, [*base, f"run_dir={tmp_path / 'two'}"], devices=own))
     _, err = single.communicate(timeout=600)
     assert single.returncode == 0, err[-3000:]
     ref = json.loads((tmp_path / "single.json").read_text())

@@ -88,10 +88,11 @@ class MeshConfig(Section):
                          "and values; parameters are sharded over it too (like fsdp). For sequences whose activations "
                          "do not fit one device; the native backend only")
 
-    rollout: int = Field(0, ge=0, description="with objective.max_staleness: devices of the sampler's own, taken "
-                         "from the end of the device list (the other axes then cover the rest), where rollouts are "
-                         "sampled beside the learner's steps, the weights copied device to device after each update; "
-                         "0: the sampler shares the learner's devices. One process only")
+    rollout: int = Field(0, ge=0, description="with objective.max_staleness: devices of the sampler's own (the last "
+                         "of the device list; with several processes the last mesh.rollout / processes of each), "
+                         "where rollouts are sampled beside the learner's steps, the weights whole on each and copied "
+                         "device to device after each update; the other mesh axes cover the rest. 0: the sampler "
+                         "shares the learner's devices")
 
     @model_validator(mode="after")
     def _one_rest(self) -> MeshConfig:

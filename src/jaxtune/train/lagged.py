@@ -10,11 +10,11 @@ of its config, however long each part takes:
 
 On the devices the learner uses, the completions are generated first and train step n is dispatched as soon as they
 are on the host (JAX returns at once), so the host's share of the rollout (the rewards, the layout) runs while the
-step does; the devices run one program at a time, as on-policy. With ``mesh.rollout``
-devices of its own (one process) the sampler runs there, beside the step: the copy of the weights it samples with is
-moved there device to device (`jax.device_put`), the frozen ones (a LoRA base) once, and the reward models live
-there too. Every process does the
-same things in the same order, so their collectives line up as in the on-policy loop.
+step does; the devices run one program at a time, as on-policy. With ``mesh.rollout`` devices of its own the
+sampler runs there, beside the step: the copy of the weights it samples with is moved there device to device
+(`jax.device_put`; with several processes, gathered whole on the learner's devices and each process's replica copied
+to its own sampler devices), the frozen ones (a LoRA base) once, and the reward models live there too. Every
+process does the same things in the same order, so their collectives line up as in the on-policy loop.
 
 The loss corrects for the lag with the sampler's log-probs (`jaxtune.config.objectives`: grpo's
 ``importance_sampling`` defaults to token_truncate, rloo's ratio takes them as the old policy's). Each step logs
@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtune import sharding
 from jaxtune.train.reference import Frozen
@@ -80,7 +81,27 @@ class Lagged:
         device), or beside them; a later donation of the originals leaves it alone."""
         if self.mesh is None:
             return copied(params)
-        return jax.device_put(params, jax.tree.map(lambda x: NamedSharding(self.mesh, x.sharding.spec), params))
+        if jax.process_count() == 1:
+            return jax.device_put(params, jax.tree.map(lambda x: NamedSharding(self.mesh, x.sharding.spec), params))
+        return self._across_processes(params)
+
+    def _across_processes(self, params: Any) -> Any:
+        """Several processes: the weights gathered whole on the learner's devices (one program over its mesh; JAX
+        moves arrays between device sets of several hosts only on TPU), then each process copies its replica to its
+        own sampler devices, device to device: the sampler's weights are whole on each of its devices."""
+        leaves = jax.tree.leaves(params)
+        if not leaves:  # no frozen weights (full fine-tuning)
+            return params
+        learner = leaves[0].sharding.mesh
+        whole = jax.jit(lambda t: t, out_shardings=sharding.replicated(learner))(params)
+        target = NamedSharding(self.mesh, P())
+        mine = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+
+        def move(x: jax.Array) -> jax.Array:
+            local = x.addressable_shards[0].data
+            return jax.make_array_from_single_device_arrays(x.shape, target, [jax.device_put(local, d) for d in mine])
+
+        return jax.tree.map(move, whole)
 
     def _placed_frozen(self, frozen: Frozen) -> Frozen:
         """The frozen model weights (a LoRA base) on the sampler's devices, copied there once."""
@@ -128,16 +149,20 @@ class Lagged:
         as soon as they are on the host, so the host scores them (rewards, tools' rewards, the layout) while the step
         runs, and no two programs share the devices at once (XLA:CPU would run both on the same cores, and they
         thrash). On the sampler's own devices (``mesh.rollout``) the step is dispatched first and the whole rollout
-        runs beside it."""
+        runs beside it. Across CPU processes nothing runs beside anything: their collectives (gloo's) mix up the
+        messages of two programs running at once on different devices, so the step is waited for where it is
+        dispatched (the order is the shared devices')."""
         held = self.place(params)  # before the step donates them
         if step + self.k > self.total:
             return train()
-        if self.mesh is not None:
+        serial = jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
+        if self.mesh is not None and not serial:
             out = train()
             self._sample(step + self.k, step - 1, held, frozen)
             return out
         out: list[Any] = []
-        self._sample(step + self.k, step - 1, held, frozen, between=lambda: out.append(train()))
+        run = (lambda: out.append(jax.block_until_ready(train()))) if serial else (lambda: out.append(train()))
+        self._sample(step + self.k, step - 1, held, frozen, between=run)
         return out[0]
 
     def position(self) -> dict[str, Any]:
@@ -152,8 +177,17 @@ class Lagged:
                 between: Callable[[], None] | None = None) -> None:
         it = self.data.train_iter
         position = it.get_state()
+        if between is not None and self.mesh is not None:  # the step traces under the learner's mesh
+            learner, step_now = sharding.active_mesh(), between
+            between = lambda: _under(learner, step_now)
         with sharding.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             batch, sampled = self.rollout.batch(self.weights(params, self._placed_frozen(frozen)),
                                                 self.data.prompts.train, next(it), step - 1, more=lambda: next(it),
                                                 between=between)
         self.pending.append(Pending(step, version, params, position, batch, sampled))
+
+
+def _under(mesh: Mesh | None, work: Callable[[], None]) -> None:
+    """``work()`` with ``mesh`` the active mesh again (None: none set)."""
+    with sharding.use_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        work()
