@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 
 from jaxtune import sharding
@@ -56,7 +57,7 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = (), me
     ``.gguf`` file: the model directory it converts to (`jaxtune.models.gguf`)."""
     cfg, tokenizer, hf_dir = run_config(target, overrides)
     run_dir = cfg.run_path
-    mesh = mesh or sharding.mesh_of(cfg.mesh)
+    mesh = mesh or sharding.mesh_of(cfg.mesh, jax.devices())  # every device: mesh.rollout's split is training's
     spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
     if hf_dir and not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
         seq_len = min(cfg.data.seq_len, spec.model_cfg.max_seq_len)

@@ -1,9 +1,10 @@
 """What the end-to-end tests of the objectives trained on completions share (test_preference_train.py,
-test_grpo_train.py): the tiny Llama they train, a maker of a run's overrides, the same run on the torchax backend,
-and the check that a killed run resumes bitwise."""
+test_grpo_train.py, test_lagged.py): the tiny Llama they train, a maker of a run's overrides, GRPO's tiny run on
+arithmetic prompts, the same run on the torchax backend, and the check that a killed run resumes bitwise."""
 
 from __future__ import annotations
 
+import itertools
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -13,10 +14,12 @@ import numpy as np
 import pytest
 
 from helpers.processes import run_driver, start_driver, wait
+from helpers.rows import write_jsonl
 from helpers.run_outputs import final_params, losses
 from helpers.tiny_config import TORCHAX_LLAMA
 from jaxtune.config import Config, load_config
 from jaxtune.data import load_tokenizer
+from jaxtune.data.synthetic import arithmetic_prompts
 from jaxtune.loop import train
 from jaxtune.train.checkpoint import Checkpointer
 
@@ -74,3 +77,19 @@ def assert_kill9_resume_is_bitwise(tmp_path: Path, make: Callable[..., list[str]
         assert resumed_losses[s] == ref.losses[s], (s, resumed_losses[s], ref.losses[s])
     params, _ = final_params(cfg, steps)
     jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+
+
+# Rewards that vary on a random model: the length penalty (completions run to 16 tokens) and a digit count.
+GRPO_REST = ["data.format=prompts", "data.chat_template=chatml", "data.seq_len=48", "data.val_fraction=0.1",
+             "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
+             "objective.name=grpo", "objective.num_generations=4", "objective.max_completion_length=16",
+             "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}]",
+             "optim.lr=1e-2", "optim.warmup_steps=0", "optim.schedule=constant", "objective.prompts_per_step=4",
+             "train.steps=4",
+             "eval.every=2", "eval.exact_match=8", "checkpoint.every=2", "logging.every=1", "logging.progress=false",
+             "logging.tensorboard=false"]
+
+
+def arithmetic_prompts_file(directory: Path, n: int = 200) -> Path:
+    """The first ``n`` generated arithmetic prompts (`synthetic:arithmetic-prompts`) as ``directory``/prompts.jsonl."""
+    return write_jsonl(directory / "prompts.jsonl", itertools.islice(arithmetic_prompts(), n))

@@ -11,7 +11,6 @@ test_grpo_objective.py.
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import sys
@@ -20,24 +19,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.rows import write_jsonl
 from helpers.run_outputs import metric_rows
-from helpers.tiny_runs import assert_kill9_resume_is_bitwise, run_overrides, torchax_lora_config
+from helpers.tiny_runs import (
+    GRPO_REST,
+    arithmetic_prompts_file,
+    assert_kill9_resume_is_bitwise,
+    run_overrides,
+    torchax_lora_config,
+)
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
-from jaxtune.data.synthetic import arithmetic_prompts
 from jaxtune.loop import train
 
-# Rewards that vary on a random model: the length penalty (completions run to 16 tokens) and a digit count.
-REST = ["data.format=prompts", "data.chat_template=chatml", "data.seq_len=48", "data.val_fraction=0.1",
-        "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
-        "objective.name=grpo", "objective.num_generations=4", "objective.max_completion_length=16",
-        "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}]",
-        "optim.lr=1e-2", "optim.warmup_steps=0", "optim.schedule=constant", "objective.prompts_per_step=4",
-        "train.steps=4",
-        "eval.every=2", "eval.exact_match=8", "checkpoint.every=2", "logging.every=1", "logging.progress=false",
-        "logging.tensorboard=false"]
 ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_number/mean",
                    "rewards/length/mean", "rewards/length/std", "completions/mean_length", "completions/max_length",
                    "completions/clipped_ratio", "time/generation", "time/rewards", "generation_tok_s")
@@ -49,14 +43,13 @@ SAMPLER_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl",
-                       itertools.islice(arithmetic_prompts(), 200))
+    return arithmetic_prompts_file(tmp_path_factory.mktemp("prompts"))
 
 
 @pytest.fixture
 def grpo(prompts_file, tmp_path, data_cache):
     """grpo("objective.beta=0.04", ...) -> overrides of a tiny native GRPO run in this test's tmp dir."""
-    return run_overrides(REST, prompts_file, tmp_path, data_cache)
+    return run_overrides(GRPO_REST, prompts_file, tmp_path, data_cache)
 
 
 def test_grpo_trains_with_a_reference_and_reports(grpo):

@@ -11,7 +11,6 @@ refused in one line.
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -21,36 +20,29 @@ import jax
 import numpy as np
 import pytest
 from helpers.processes import beside
-from helpers.rows import write_jsonl
 from helpers.run_outputs import final_params, metric_rows
-from helpers.tiny_runs import assert_kill9_resume_is_bitwise, run_overrides
+from helpers.tiny_runs import GRPO_REST, arithmetic_prompts_file, assert_kill9_resume_is_bitwise, run_overrides
 
 from jaxtune import sharding
 from jaxtune.backends import backend_of
 from jaxtune.config import load_config
 from jaxtune.data import load_tokenizer
-from jaxtune.data.synthetic import arithmetic_prompts
 from jaxtune.loop import _setup, train
+from jaxtune.run import load_run
 from jaxtune.train.lagged import copied
 
-REST = ["data.format=prompts", "data.chat_template=chatml", "data.seq_len=48", "data.val_fraction=0.1",
-        "tokenizer.kind=bpe", "tokenizer.vocab_size=300", "tokenizer.special_tokens=[<|im_start|>,<|im_end|>]",
-        "objective.name=grpo", "objective.num_generations=4", "objective.max_completion_length=16",
-        "objective.rewards=[{name: exact_number, field: answer}, {name: length, max_tokens: 12, buffer: 8}]",
-        "optim.lr=3e-2", "optim.warmup_steps=0", "optim.schedule=constant", "objective.prompts_per_step=4",
-        "train.steps=4", "eval.every=0", "eval.exact_match=0", "checkpoint.every=100", "logging.every=1",
-        "logging.progress=false", "logging.tensorboard=false", "train.compile_ahead=0"]
+EXTRA = ["optim.lr=3e-2", "eval.every=0", "eval.exact_match=0", "checkpoint.every=100", "train.compile_ahead=0"]
 
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl",
-                       itertools.islice(arithmetic_prompts(), 200))
+    return arithmetic_prompts_file(tmp_path_factory.mktemp("prompts"))
 
 
 @pytest.fixture
 def grpo(prompts_file, tmp_path, data_cache):
-    return run_overrides(REST, prompts_file, tmp_path, data_cache)
+    """grpo(*extra, run=...) -> the tiny GRPO run's overrides (`GRPO_REST`, 4 steps, no evaluation), then ``extra``."""
+    return run_overrides([*GRPO_REST, *EXTRA], prompts_file, tmp_path, data_cache)
 
 
 def reference(cfg, k: int) -> tuple[list[float], list[dict], object]:
@@ -103,6 +95,16 @@ def test_the_overlapped_loop_equals_the_plain_order(grpo, k, capsys):
     assert ratios[0] == pytest.approx(1.0, abs=1e-5) and all(abs(x - 1.0) > 1e-4 for x in ratios[1:]), ratios
     assert all(0.0 <= r["importance_sampling_ratio/cut_fraction"] <= 1.0 for r in rows)
     assert f"objective.max_staleness={k}: sampled the rollouts of steps 1-{k} ahead" in said
+
+
+def test_rloo_sampled_ahead_equals_the_plain_order(grpo):
+    """rloo with a step of lag (its old log-probs the sampler's): the loop's losses equal the plain order's."""
+    over = ("objective.name=rloo", "objective.max_staleness=1", "model.lora.rank=4")
+    cfg = load_config(None, grpo(*over))
+    train(cfg)
+    rows = metric_rows(cfg.run_path, "train")
+    assert [r["loss"] for r in rows] == reference(load_config(None, grpo(*over, run="ref")), 1)[0]
+    assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -165,6 +167,8 @@ def test_the_samplers_own_devices_change_nothing_but_where_it_runs(grpo, tmp_pat
     assert losses == [result.losses[s] for s in sorted(result.losses)]
     mine, theirs = final_params(cfg, 4)[0], final_params(load_config(None, split), 4)[0]
     jax.tree.map(np.testing.assert_array_equal, theirs, mine)
+    loaded = load_run(tmp_path / "split")  # eval and export take every device here (one): the split is training's
+    assert loaded.step == 4 and loaded.spec.mesh.devices.size == 1
 
 
 def test_sampler_devices_need_a_lag_and_leave_the_learner_some(grpo):

@@ -147,11 +147,11 @@ class Lagged:
 
         On devices shared with the learner the rollout's completions are generated first and the step is dispatched
         as soon as they are on the host, so the host scores them (rewards, tools' rewards, the layout) while the step
-        runs, and no two programs share the devices at once (XLA:CPU would run both on the same cores, and they
-        thrash). On the sampler's own devices (``mesh.rollout``) the step is dispatched first and the whole rollout
-        runs beside it. Across CPU processes nothing runs beside anything: their collectives (gloo's) mix up the
-        messages of two programs running at once on different devices, so the step is waited for where it is
-        dispatched (the order is the shared devices')."""
+        runs. (Dispatching the step first leaves the devices idle while the host scores: with a reward that waits
+        0.1 s a batch, measured 0.35-0.40 s a step against 0.28-0.31 on CPU.) On the sampler's own devices
+        (``mesh.rollout``) the step is dispatched first and the whole rollout runs beside it. Across CPU processes
+        nothing runs beside anything: their collectives (gloo's) mix up the messages of two programs running at once
+        on different devices, so the step is waited for where it is dispatched (the order is the shared devices')."""
         held = self.place(params)  # before the step donates them
         if step + self.k > self.total:
             return train()
