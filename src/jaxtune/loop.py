@@ -292,8 +292,9 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
             log.message("step 0: evaluating the starting model (the baseline report.md compares against) ...")
         evaluator.run(0, state.params, frozen, bar=cfg.logging.progress)
         laps.lap("eval")
-    if run.lagged is not None:
-        log.message(run.lagged.fill(step, state.params, frozen, run.behind))
+    filled = run.lagged.fill(step, state.params, frozen, run.behind) if run.lagged is not None else ""
+    if filled:
+        log.message(filled)
     while step < total:
         profiler.before(step + 1)  # the trace holds the whole step: its batch, GRPO's sampling, the update
         batch, shape, sampled = _next_batch(run, state, frozen, step)
