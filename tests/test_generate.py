@@ -142,6 +142,49 @@ def test_top_p_keeps_the_nucleus(draws):
     assert set(draws["top_p=0.7"][:, 0].tolist()) == {2, 0}
 
 
+@pytest.mark.parametrize("draw", ["cdf", "gumbel"])
+def test_draws_follow_the_softmax_across_blocks(draw):
+    """Either draw picks each id as often as its softmax probability says: a 700-id vocabulary (not a multiple of
+    `DRAW_BLOCK`) with its mass in three blocks and masked ids (-inf) among them; 20,000 draws, each probability
+    within 4 standard errors; masked ids and the padding never drawn. Gumbel's is `jax.random.categorical`'s, the
+    draw of older runs, token for token."""
+    logits = np.full((1, 700), -np.inf, np.float32)
+    logits[0, [3, 255, 256, 400, 699]] = [0.0, 1.0, -0.5, 2.0, 0.5]
+    probs = np.exp(logits[0] - logits[0].max())
+    probs /= probs.sum()
+    keys = jax.random.split(jax.random.key(0), 20_000)
+    ids = np.asarray(jax.jit(jax.vmap(lambda k: sample_logits(jnp.asarray(logits), k, Sampling(1.0, draw=draw))[0]))(
+        keys))
+    counts = np.bincount(ids, minlength=700)
+    assert counts.sum() == len(ids) and set(np.flatnonzero(counts)) <= {3, 255, 256, 400, 699}
+    se = np.sqrt(probs * (1 - probs) / len(ids))
+    np.testing.assert_array_less(np.abs(counts / len(ids) - probs), 4 * se + 1e-12)
+    if draw == "gumbel":
+        categorical = jax.jit(jax.vmap(lambda k: jax.random.categorical(k, jnp.asarray(logits[0]))))(keys)
+        assert (ids == np.asarray(categorical)).all()
+    with pytest.raises(ValueError, match="draw='inverse': not one of cdf, gumbel"):
+        Sampling.of(1.0, None, None, "inverse")
+
+
+@pytest.mark.parametrize("heads,kv_heads,t,softcap", [(9, 3, 1, None), (9, 3, 5, None), (4, 4, 1, 30.0),
+                                                       (4, 4, 3, None)])
+def test_attention_over_the_cache_layout_equals_attention(heads, kv_heads, t, softcap):
+    """`cached_attention` over keys (B, K, H, S) and values (B, K, S, H), the cache's layout, gives `attention`'s
+    output over the same keys and values laid (B, S, K, H), under a mask with holes, to 1e-6: grouped and plain
+    heads, one query (a decode step) and several (a prefill or a turn's block), with and without a softcap."""
+    from jaxtune.models.layers import attention, cached_attention
+
+    rng = np.random.default_rng(heads + t)
+    b, s, h = 3, 24, 16
+    q = jnp.asarray(rng.standard_normal((b, t, heads, h)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, s, kv_heads, h)), jnp.float32) for _ in range(2))
+    mask = jnp.asarray(rng.random((b, 1, t, s)) < 0.7)
+    want = attention(q, k, v, mask, None, softcap=softcap)
+    got = cached_attention(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)), mask, None,
+                           softcap=softcap)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+
+
 def test_temperature_sampling_is_seeded(model, gen, greedy):
     def run(seed):
         return gen(model[1], PROMPTS, max_new_tokens=N_NEW, temperature=1.0, seed=seed).ids

@@ -153,11 +153,7 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool, ahead
     _use_compile_cache(cfg)
     proc = jax.process_index()
 
-    # Checkpoints first: resuming with a different model/data/seed is refused before any work is done.
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-    start = ckpt.resume_step(cfg.to_dict())
-    if proc == 0:
-        dump_config(cfg, run_dir / "config.yaml")
+    ckpt, start, cfg = _resumed(cfg, run_dir, proc)
 
     # Mesh and data.
     mesh = sharding.mesh_of(cfg.mesh)
@@ -206,6 +202,20 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool, ahead
     return Run(cfg=cfg, run_dir=run_dir, mesh=mesh, data=data, spec=spec, steps=steps, rollout=rollout, sync=sync,
                frozen=frozen, state=state, start=start, params=params, ckpt=ckpt, log=log, evaluator=evaluator,
                shapes=shapes, profiler=profiler, laps=laps, lagged=lagged, behind=behind)
+
+
+def _resumed(cfg: Config, run_dir: Path, proc: int) -> tuple[Checkpointer, int, Config]:
+    """The run's checkpoints, the step to resume from (0: none) and the config as run, saved in ``run_dir``.
+    Checkpoints first: resuming with a different model/data/seed is refused before any work is done. A run saved
+    before ``train.draw`` existed sampled by Gumbel draws: resumed with the key unset, it keeps them, so that its
+    rollouts are those it would have sampled."""
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    start = ckpt.resume_step(cfg.to_dict())
+    if start and "draw" not in cfg.train.model_fields_set and "draw" not in ckpt.read_config(start).get("train", {}):
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"draw": "gumbel"})})
+    if proc == 0:
+        dump_config(cfg, run_dir / "config.yaml")
+    return ckpt, start, cfg
 
 
 def _rollout(cfg: Config, mesh: Any, spec: ModelSpec, tokenizer: Any,

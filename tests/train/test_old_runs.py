@@ -75,3 +75,5 @@ def test_an_old_run_resumes_bitwise(name, tmp_path):
     assert sorted(result.losses) == [3, 4], result.losses  # resumed from step 2: steps 1 and 2 not run again
     assert result.losses == old, {s: (result.losses.get(s), old[s]) for s in old}
     assert (run / "checkpoints" / "4").is_dir()
+    if name == "grpo":  # saved before train.draw: it kept sampling by Gumbel draws, and its config now says so
+        assert load_config(run / "config.yaml").train.draw == "gumbel"

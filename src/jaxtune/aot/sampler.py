@@ -59,8 +59,9 @@ def _kv_cache(p: Program, rows: int, cache_len: int, hlo: str) -> dict[str, Any]
     kv_heads = getattr(m, "n_kv_head", None) or m.n_head
     head_dim = getattr(m, "head_dim", None) or m.d_model // m.n_head
     ctx = mesh.shape["context"]  # the cache's slots are split along the context axis where it divides them
-    dims = (m.n_layer, math.ceil(rows / p.data_parallel), cache_len // ctx if cache_len % ctx == 0 else cache_len,
-            max(1, kv_heads // max(1, min(mesh.shape["tensor"], kv_heads))), head_dim)
+    heads = max(1, kv_heads // max(1, min(mesh.shape["tensor"], kv_heads)))
+    slots = cache_len // ctx if cache_len % ctx == 0 else cache_len
+    dims = (m.n_layer, math.ceil(rows / p.data_parallel), heads, slots, head_dim)  # the values' (L, B, K, S, H)
     loop = next((line for line in hlo.splitlines() if " while(" in line), "")
     shape = ",".join(map(str, dims))
     found = re.findall(rf"(\w+)\[{shape}\]\{{[^}}]*?(S\(1\))?\}}", loop)
@@ -92,8 +93,8 @@ def compile_sampler(p: Program) -> dict[str, Any]:
     valid = jax.ShapeDtypeStruct((n, plen), jnp.bool_, sharding=rows_sh)
     lengths = jax.ShapeDtypeStruct((shapes["rows"],), jnp.int32, sharding=rows_sh)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
-    decode = Decode(Sampling.of(o.temperature, o.top_k, None if o.top_p >= 1.0 else o.top_p), (0,),
-                    shapes["cache_len"], shapes["max_new_tokens"], shapes["group"])
+    sampling = Sampling.of(o.temperature, o.top_k, None if o.top_p >= 1.0 else o.top_p, p.cfg.train.draw)
+    decode = Decode(sampling, (0,), shapes["cache_len"], shapes["max_new_tokens"], shapes["group"])
     with sharding.use_mesh(mesh):
         lowered = Generator._generate.lower(target, weights, tokens, valid, key, lengths, decode=decode)
     compiled = lowered.compile()

@@ -29,6 +29,7 @@ from jaxtune.models.layers import (
     apply_rope,
     attention,
     attention_mask,
+    cached_attention,
     constrain,
     dropout,
     head_scores,
@@ -166,11 +167,13 @@ class Attention(nnx.Module):
         cos, sin = rope
         q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
         k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
+        impl = None if cfg.attention == "auto" else cfg.attention
         if kv is not None:
             kv, k, v = write_kv(kv, k, v, index)
-            k, v = k.astype(cd), v.astype(cd)
-        impl = None if cfg.attention == "auto" else cfg.attention
-        y = attention(q, k, v, mask, impl, scale=cfg.query_scale, softcap=cfg.attn_softcap)
+            y = cached_attention(q, k.astype(cd), v.astype(cd), mask, impl, scale=cfg.query_scale,
+                                 softcap=cfg.attn_softcap)
+        else:
+            y = attention(q, k, v, mask, impl, scale=cfg.query_scale, softcap=cfg.attn_softcap)
         return self.o(y.reshape(b, t, cfg.n_head * cfg.hd), ko), kv
 
 
@@ -249,7 +252,7 @@ class Decoder(nnx.Module):
                  return_hidden=False, branch_ids=None, branch_slots=None):
         """tokens: (B, T) int -> logits (B, T, V) float32 (the same interface as `GPT`).
 
-        positions: (B, T) RoPE positions, default 0..T-1. key: dropout key. cache: a `KVCache` (L, B, S, K, H)
+        positions: (B, T) RoPE positions, default 0..T-1. key: dropout key. cache: a `KVCache`
         written at slot ``index``, returns (logits, cache). key_valid: (B, S) real-token key slots.
         segment_ids: (B, T) packed sequences. return_hidden: final normalised hidden states instead of logits.
         branch_ids: (B, T) completions after a shared prompt; branch_slots: (B, G, C), rows in regions: a prompt,

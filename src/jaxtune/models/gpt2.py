@@ -25,6 +25,7 @@ from jaxtune.models.layers import (
     ScoreHead,
     attention,
     attention_mask,
+    cached_attention,
     constrain,
     dropout,
     head_scores,
@@ -117,10 +118,12 @@ class Block(nnx.Module):
         qkv = jnp.einsum("btd,dkf->btkf", y, self.qkv[...].astype(cd)) + self.qkv_bias[...].astype(cd)
         qkv = qkv.reshape(b, t, 3, cfg.n_head, cfg.head_dim)
         q, k, v = (constrain(qkv[:, :, i], ("batch", "seq", "act_heads", None)) for i in range(3))
+        impl = None if cfg.attention == "auto" else cfg.attention
         if kv is not None:
             kv, k, v = write_kv(kv, k, v, index)
-        impl = None if cfg.attention == "auto" else cfg.attention
-        y = attention(q, k.astype(cd), v.astype(cd), mask, impl).reshape(b, t, cfg.d_model)
+            y = cached_attention(q, k.astype(cd), v.astype(cd), mask, impl).reshape(b, t, cfg.d_model)
+        else:
+            y = attention(q, k.astype(cd), v.astype(cd), mask, impl).reshape(b, t, cfg.d_model)
         y = dropout(self.attn_out(y), cfg.dropout, k_attn)
         x = residual_fence(constrain(x + y, ("batch", "seq", "act_embed")))
         y = self.fc(self.ln_2(x))
@@ -146,7 +149,7 @@ class GPT(nnx.Module):
         """tokens: (B, T) int -> logits (B, T, V) in float32.
 
         positions: (B, T), default 0..T-1. key: dropout PRNG key (None: deterministic).
-        cache: a `KVCache` (L, B, S, N, H) written at slot ``index``; when given, returns
+        cache: a `KVCache` written at slot ``index``; when given, returns
         (logits, new_cache). key_valid: (B, S) which key slots hold real tokens (padding is False).
         segment_ids: (B, T) packed-sequence ids (no attention across segments).
         return_hidden: return the final normalised hidden states (B, T, D) instead of logits (see `logits`).

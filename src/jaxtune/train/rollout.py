@@ -186,7 +186,7 @@ class Rollout:
             return self.generator(weights, prompts, max_new_tokens=max_new, temperature=temperature,
                                   top_k=None if greedy else o.top_k,
                                   top_p=None if greedy or o.top_p >= 1.0 else o.top_p, eos_id=self.stops, seed=seed,
-                                  keep_stop=True, group=group)
+                                  keep_stop=True, group=group, draw=self.cfg.train.draw)
 
         equal = all(prompt_ids[i] == prompt_ids[i - i % group] for i in range(len(prompt_ids)))
         trajectories = None
@@ -223,7 +223,7 @@ class Rollout:
         first, session = self.generator.open(weights, prompt_ids, max_new_tokens=o.max_completion_length,
                                              temperature=temperature, top_k=None if greedy else o.top_k,
                                              top_p=None if greedy or o.top_p >= 1.0 else o.top_p,
-                                             eos_id=self.stops, seed=seed, group=group)
+                                             eos_id=self.stops, seed=seed, group=group, draw=self.cfg.train.draw)
         return on_cache(session, o.max_completion_length), prompt_ids, first
 
     def _scored(self, source: PromptRows, expanded: list[int], texts: list[str], ids: list[list[int]], mine: slice,

@@ -128,7 +128,8 @@ class TorchaxGenerator:
 
     def __call__(self, weights: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | list[int] | None = None,
-                 seed: int = 0, on_step: Any = None, keep_stop: bool = False, group: int = 1) -> Generation:
+                 seed: int = 0, on_step: Any = None, keep_stop: bool = False, group: int = 1,
+                 draw: str = "cdf") -> Generation:
         """The new ids per prompt and each one's log-prob under the tempered distribution (`Generation`).
         ``group`` is a hint this sampler does not use: it recomputes every row's prefix at every token anyway."""
         max_new_tokens = check_prompts(prompts, self.max_seq_len, max_new_tokens)
@@ -138,7 +139,7 @@ class TorchaxGenerator:
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
-        key, sampling, stops = jax.random.key(seed), Sampling.of(temperature, top_k, top_p), stop_tuple(eos_id)
+        key, sampling, stops = jax.random.key(seed), Sampling.of(temperature, top_k, top_p, draw), stop_tuple(eos_id)
         out: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
         drawn = []  # (B,) log-probs per position
