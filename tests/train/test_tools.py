@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import sys
 from types import SimpleNamespace
 from typing import Literal
@@ -175,6 +176,44 @@ def test_tool_calls_are_read_in_each_style():
         call_style("{{ messages }}")
 
 
+def _with_response_template(directory, template):
+    """The tokenizer of ``directory`` (`build_tokenizer`'s) with transformers' ``response_template`` in its config."""
+    from jaxtune.config import DataConfig, TokenizerConfig
+    from jaxtune.data import load_tokenizer
+
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "response_template": template}))
+    return load_tokenizer(TokenizerConfig(kind="hf", path=str(directory)), DataConfig())
+
+
+def test_tool_calls_are_read_by_a_response_template(tmp_path):
+    """A tokenizer whose config carries transformers' ``response_template`` has its replies read by transformers'
+    parser (the end-of-turn token included, as its templates expect): the calls are those the template's own style
+    reads (Qwen 3's Hermes, Llama 3's), a call it cannot read is malformed, not raised, and a reply without calls is
+    its content. A data.chat_template that replaces the tokenizer's template drops its response template."""
+    pytest.importorskip("trl")
+    from trl.chat_template_utils import llama3_template, qwen3_template
+
+    hermes = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    read = parse_tool_calls(hermes + "<|im_end|>", "response_template", qwen3_template)
+    assert (read.content, read.calls, read.malformed) == ("Let me add.", parse_tool_calls(hermes, "hermes").calls, [])
+    llama = '{"name": "add", "parameters": {"a": 2, "b": 3}}'
+    assert parse_tool_calls(llama + "<|eot_id|>", "response_template", llama3_template).calls == \
+        parse_tool_calls(llama, "llama3").calls == [ToolCall("add", {"a": 2, "b": 3})]
+    bad = parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 2,,}}\n</tool_call><|im_end|>',
+                           "response_template", qwen3_template)
+    assert bad.calls == [] and "could not be read" in bad.malformed[0] and bad.wants_tools
+    plain = parse_tool_calls("The answer is 5.<|im_end|>", "response_template", qwen3_template)
+    assert (plain.content, plain.wants_tools) == ("The answer is 5.", False)
+
+    build_tokenizer(tmp_path / "tok", CHATML_TOOLS, SPECIALS, eos="<|im_end|>")
+    tok = _with_response_template(tmp_path / "tok", qwen3_template)
+    assert tok.response_template == qwen3_template
+    assert call_style(tok.chat_template, tok.response_template) == "response_template"
+    tok.chat_template = "{{ messages }}"  # data.chat_template replaced it
+    assert tok.response_template is None
+
+
 def test_worker_survives_failing_tools(module):
     worker = ToolWorker(module, timeout=2.0)
     try:
@@ -263,13 +302,18 @@ class Script:
         return self.turns[rollout][k], self.logps(rollout, k)
 
 
-def test_trajectories_match_trl(module, tmp_path):
+@pytest.mark.parametrize("reader", ["hermes", "response_template"])
+def test_trajectories_match_trl(module, tmp_path, reader):
+    """``reader``: jaxtune reads the calls in the template's style, or with transformers' parser where the
+    tokenizer's config carries a ``response_template`` (the one TRL's tokenizer is given here)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("trl")
     from trl import GRPOTrainer
     from trl.chat_template_utils import parse_response, qwen3_template
 
     ours = build_tokenizer(tmp_path / "tok", CHATML_TOOLS, SPECIALS, eos="<|im_end|>")
+    if reader == "response_template":
+        ours = _with_response_template(tmp_path / "tok", qwen3_template)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
     theirs.response_template = qwen3_template  # the Hermes format of Qwen 3, which chatml-tools writes
     end = ours.eos_id
@@ -277,6 +321,7 @@ def test_trajectories_match_trl(module, tmp_path):
     objective = objective_config(name="grpo", tools=module, rewards=[{"name": "length"}], max_tool_calls=2,
                                  max_completion_length=BUDGET, tool_timeout=5.0)
     agent = Agent(objective, ours, [end], 4000)
+    assert agent.style == reader
     try:
         # the prompts: rendered with the tools (and the environment's reset text) as transformers renders them
         source = SimpleNamespace(prompt=lambda r: copy.deepcopy(prompt), fields=lambda r: {"start": 0},

@@ -52,6 +52,7 @@ class Tokenizer(abc.ABC):
     eos_id: int
     fingerprint: str  # stable across save/load; keys the token cache
     chat_template: str | None = None  # Jinja chat template (transformers' convention); saved with the tokenizer
+    response_template: dict[str, Any] | None = None  # how a reply is read back (transformers'; `_HFTokenizer`)
     # What the checkpoint's tokenizer puts before a text (Gemma's <bos>, Llama 3's <|begin_of_text|>): a prompt
     # given as plain text starts with it, as transformers encodes it; models trained with it degrade without it.
     bos_prefix: tuple[int, ...] = ()
@@ -118,6 +119,14 @@ class _HFTokenizer(Tokenizer):
         with_specials, plain = (tok.encode("a", add_special_tokens=add).ids for add in (True, False))
         if len(with_specials) > len(plain) and with_specials[-len(plain):] == plain:
             self.bos_prefix = tuple(with_specials[:len(with_specials) - len(plain)])
+
+    @property
+    def response_template(self) -> dict[str, Any] | None:
+        """transformers' declarative reading of a reply (tokenizer_config.json ``response_template``: its content,
+        tool calls ...) for the tokenizer's own chat template; None where it has none or data.chat_template
+        replaced the template."""
+        template = self._config.get("response_template")
+        return template if isinstance(template, dict) and self.chat_template == self._source_template else None
 
     def _special_strings(self) -> dict[str, str]:
         specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self._config.items()

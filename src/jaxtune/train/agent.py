@@ -40,7 +40,7 @@ from jaxtune.data import DataError, PromptRows, Tokenizer
 from jaxtune.models.sampling import Generation, Session
 from jaxtune.train.distributed import every_process
 from jaxtune.train.tool_worker import SINGLE
-from jaxtune.train.tools import ToolWorker, call_style, parse_tool_calls, tool_suffix_ids
+from jaxtune.train.tools import ParsedTurn, ToolWorker, call_style, parse_tool_calls, tool_suffix_ids
 
 # (prompts' ids, max new tokens, seed, group) -> the generation of every row (`jaxtune.models.sampling.Generator`)
 Generate = Callable[[list[list[int]], int, int, int], Generation]
@@ -97,7 +97,8 @@ class Agent:
     """The run's tools: its worker, the template's tool-call style, and the multi-turn loop (`run`)."""
 
     def __init__(self, objective: Any, tokenizer: Tokenizer, stops: list[int], max_prompt_tokens: int):
-        self.style = call_style(tokenizer.chat_template)
+        self.reply = tokenizer.response_template
+        self.style = call_style(tokenizer.chat_template, self.reply)
         self.worker = ToolWorker(objective.tools, objective.timeout)
         self.tokenizer, self.stops = tokenizer, list(stops)
         self.budget = objective.max_completion_length
@@ -183,9 +184,15 @@ class Agent:
 
     def _text(self, turn: list[int]) -> str:
         """A turn's text without its stop id and its tool calls (all of it, where a call cannot be read)."""
-        text = self.tokenizer.decode(turn[:-1] if turn and turn[-1] in self.stops else turn)
-        parsed = parse_tool_calls(text, self.style)
-        return text if parsed.malformed else parsed.content
+        parsed = self._parsed(turn)
+        return self.tokenizer.decode(turn[:-1] if turn and turn[-1] in self.stops else turn) if parsed.malformed \
+            else parsed.content
+
+    def _parsed(self, turn: list[int]) -> ParsedTurn:
+        """A turn read for tool calls: its text without its stop id, except for transformers' response templates,
+        which read the end of the turn."""
+        whole = self.style == "response_template" or not turn or turn[-1] not in self.stops
+        return parse_tool_calls(self.tokenizer.decode(turn if whole else turn[:-1]), self.style, self.reply)
 
     def _tools(self, last: list[list[int]], active: list[int], mine: slice,
                first_id: int) -> tuple[list[list[int] | None], int, int, int]:
@@ -201,7 +208,7 @@ class Agent:
             turn = last[i]
             if not turn or turn[-1] not in self.stops:
                 continue  # a turn cut by the budget: the rollout ends
-            parsed = parse_tool_calls(self.tokenizer.decode(turn[:-1]), self.style)
+            parsed = self._parsed(turn)
             if parsed.malformed:  # the model's mistake: the turn is its answer, and is scored (TRL's)
                 malformed += 1
                 continue

@@ -12,7 +12,10 @@ replaying its ``reset`` and its calls so far, so neither the step nor the run is
 (`call_style`): ``hermes`` (Qwen 2.5/3, and jaxtune's shipped ``chatml-tools``: ``<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>``, one block per call), ``llama3`` (the whole turn one JSON object
 ``{"name": ..., "parameters": {...}}``, after ``<|python_tag|>`` or not) and ``mistral`` (``[TOOL_CALLS]`` then a
-JSON list, or ``name[ARGS]{...}``). A call that cannot be read (bad JSON, no name) is the model's mistake: it gets an
+JSON list, or ``name[ARGS]{...}``). A tokenizer whose config carries transformers' ``response_template`` (the
+declarative reading of a reply that ``tokenizer.parse_response`` follows) is read by transformers' own parser
+instead (``response_template``), so a template family jaxtune does not know is read as transformers reads it. A call
+that cannot be read (bad JSON, no name) is the model's mistake: it gets an
 error message as the result and the call counts as failed; the rollout goes on.
 
 **Tool results** are rendered by the chat template as ``tool`` messages after the assistant's turn, as TRL 1.16
@@ -35,7 +38,7 @@ from typing import Any
 from jaxtune.config import ConfigError
 from jaxtune.data import Tokenizer
 
-CALL_STYLES = ("hermes", "llama3", "mistral")
+CALL_STYLES = ("hermes", "llama3", "mistral", "response_template")
 
 
 class ToolError(ConfigError):
@@ -63,8 +66,11 @@ class ParsedTurn:
         return bool(self.calls or self.malformed)
 
 
-def call_style(template: str | None) -> str:
-    """How the chat template writes tool calls (`CALL_STYLES`); a `ToolError` when it writes none."""
+def call_style(template: str | None, response_template: dict[str, Any] | None = None) -> str:
+    """How the chat template writes tool calls (`CALL_STYLES`; transformers' ``response_template`` first, where the
+    tokenizer has one); a `ToolError` when it writes none."""
+    if response_template is not None:
+        return "response_template"
     if template and "<tool_call>" in template:
         return "hermes"
     if template and "[TOOL_CALLS]" in template:
@@ -92,8 +98,11 @@ def _one_call(text: str, arguments_key: str = "arguments") -> tuple[ToolCall | N
     return ToolCall(obj["name"], args), None
 
 
-def parse_tool_calls(text: str, style: str) -> ParsedTurn:
-    """The tool calls in one assistant turn's ``text`` (its stop token left out), written in ``style``."""
+def parse_tool_calls(text: str, style: str, response_template: dict[str, Any] | None = None) -> ParsedTurn:
+    """The tool calls in one assistant turn's ``text`` (its stop token left out), written in ``style``
+    (``response_template``: read by transformers' parser with that template)."""
+    if style == "response_template":
+        return _parsed_by_transformers(text, response_template)
     if style == "hermes":
         calls, malformed = [], []
         for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.DOTALL):
@@ -126,6 +135,34 @@ def parse_tool_calls(text: str, style: str) -> ParsedTurn:
                               if sep else (None, "a tool call is the tool's name, [ARGS], then its JSON arguments"))
         return ParsedTurn(head.strip(), [c for c, _ in parsed if c], [w for _, w in parsed if w])
     raise ValueError(f"unknown tool-call style {style!r} (one of {CALL_STYLES})")
+
+
+def _parsed_by_transformers(text: str, response_template: dict[str, Any] | None) -> ParsedTurn:
+    """``text`` read as transformers' ``tokenizer.parse_response`` reads it (the turn from its start: no prefix).
+    A call whose arguments its parser cannot read (it raises, or leaves them a string) is malformed."""
+    from transformers.utils.chat_parsing import parse_response  # slow import, only for such tokenizers
+
+    try:
+        message = parse_response(text, response_template, prefix="")
+    except Exception as e:  # noqa: BLE001 (the model's text, not the run, is at fault)
+        why = str(e).splitlines()[0] if str(e) else repr(e)
+        return ParsedTurn(text.strip(), [], [f"the reply could not be read: {why}"])
+    calls, malformed = [], []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        name, args = function.get("name"), function.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                malformed.append(f"the arguments of {name} are not a JSON object")
+                continue
+        if not isinstance(name, str) or not isinstance(args, dict):
+            malformed.append('a tool call is a "name" string and an object of arguments')
+            continue
+        calls.append(ToolCall(name, args))
+    content = message.get("content")
+    return ParsedTurn(content.strip() if isinstance(content, str) else "", calls, malformed)
 
 
 def tool_suffix_ids(tokenizer: Tokenizer, tool_messages: list[dict[str, Any]], stops: list[int]) -> list[int]:
