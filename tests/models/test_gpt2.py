@@ -137,7 +137,8 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(cfg, params, scan):
     prefill = 10
     key_valid = jnp.ones((B, T), bool)
     cache = abstract(c).init_cache(B, T)
-    assert cache.k.shape == (cfg.n_layer, B, T, cfg.n_head, cfg.head_dim)
+    assert cache.k.shape == (cfg.n_layer, B, cfg.n_head, cfg.head_dim, T)  # keys: slots last (`KVCache`)
+    assert cache.v.shape == (cfg.n_layer, B, cfg.n_head, T, cfg.head_dim)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     logits, cache = cached_forward(c, p, ids[:, :prefill], pos[:, :prefill], cache, 0, key_valid)
     out = [logits]

@@ -72,7 +72,8 @@ def reference(cfg, k: int) -> tuple[list[float], list[dict], object]:
 def test_the_overlapped_loop_equals_the_plain_order(grpo, k, capsys):
     """LoRA GRPO, 4 steps, lag k: the loop's losses, objective metrics and final adapters equal the plain order's
     bitwise; each step logs its staleness min(s - 1, k); the lag is corrected (token_truncate by default), so the
-    importance ratios are 1 (to float rounding) while the sampler is not behind and move off 1 once it is."""
+    importance ratios are 1 (to float rounding) while the sampler is not behind, and move off 1 once it is behind
+    weights that changed (a step whose groups all scored alike changes none)."""
     over = (f"objective.max_staleness={k}", "model.lora.rank=4")
     cfg = load_config(None, grpo(*over))
     assert cfg.objective.importance_sampling == ("token_truncate" if k else "off")
@@ -92,7 +93,7 @@ def test_the_overlapped_loop_equals_the_plain_order(grpo, k, capsys):
         return
     assert [r["staleness"] for r in rows] == [min(s - 1, k) for s in range(1, 5)]
     ratios = [r["importance_sampling_ratio/mean"] for r in rows]
-    assert ratios[0] == pytest.approx(1.0, abs=1e-5) and all(abs(x - 1.0) > 1e-4 for x in ratios[1:]), ratios
+    assert ratios[0] == pytest.approx(1.0, abs=1e-5) and any(abs(x - 1.0) > 1e-4 for x in ratios[1:]), ratios
     assert all(0.0 <= r["importance_sampling_ratio/cut_fraction"] <= 1.0 for r in rows)
     assert f"objective.max_staleness={k}: sampled the rollouts of steps 1-{k} ahead" in said
 
