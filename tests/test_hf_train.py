@@ -85,6 +85,11 @@ def test_chunked_loss_never_materialises_full_logits():
     assert temp_bytes(chunk) <= 3 * per_chunk
     assert loss_chunk_size(8, 2048, 262144) < 2048  # Gemma's vocabulary at a long batch chunks by default
     assert loss_chunk_size(8, 256, 8192) == 256  # a small model does not
+    # the budgets are a device's: 32k positions of Qwen's vocabulary split 8 ways by the context axis chunk 8 times
+    # as many positions at once (each chunk spread over the 8), and rows split over data x fsdp count once a device
+    assert loss_chunk_size(1, 32768, 151936) == 256 and loss_chunk_size(1, 32768, 151936, split=(1, 8, 1)) == 2048
+    assert loss_chunk_size(8, 2048, 262144, split=(8, 1, 1)) == loss_chunk_size(1, 2048, 262144)
+    assert loss_chunk_size(16, 64, 262144, split=(16, 1, 2)) == 64  # a device's share fits whole
 
 
 def test_train_from_hf_checkpoint_and_export(hf_llama, tmp_path, data_cache):

@@ -1,5 +1,6 @@
 """The sampler under every mesh layout the trainer supports (issue 32): one process with 8 CPU devices, a tiny Llama
-full and with LoRA, its weights sharded as in training over data, fsdp and tensor. Greedy and seeded sampled
+(with LoRA under the layouts that shard its weights, the full model under data parallelism), its weights sharded as
+in training over data, fsdp and tensor. Greedy and seeded sampled
 completions (one compiled generation each) equal the single-device ones token for token, and the log-probs agree to
 float32 rounding (sharded contractions add partial sums in another order: a few ulp). With a context axis
 (data 2 x context 4) the prompts' prefill is split along the sequence and the KV cache's slots are split too, each
@@ -25,8 +26,10 @@ MODEL = ["model.family=llama", "model.preset=tiny", "model.n_layer=1", "model.d_
 rng = np.random.default_rng(0)
 prompts = [rng.integers(1, 256, n).tolist() for n in (3, 7, 12, 5, 9, 4, 11, 6)]
 out = {}
-for lora in (False, True):  # data parallelism (8x1x1) replicates the weights: LoRA adds nothing there
-    for shape in [(1, 1, 1, 1), (1, 8, 1, 1), (2, 2, 2, 1), (2, 1, 1, 4)] + ([] if lora else [(8, 1, 1, 1)]):
+# The sharded layouts run with LoRA (its base weights sharded as full fine-tuning's, the adapters beside them); data
+# parallelism (8x1x1) replicates the weights, so it runs the full model
+for lora in (False, True):
+    for shape in [(1, 1, 1, 1)] + ([(1, 8, 1, 1), (2, 2, 2, 1), (2, 1, 1, 4)] if lora else [(8, 1, 1, 1)]):
         cfg = load_config(None, MODEL + (["model.lora.rank=4"] if lora else []))
         devices = jax.devices()[:int(np.prod(shape))]
         mesh = sharding.make_mesh(*shape[:3], devices, context=shape[3])

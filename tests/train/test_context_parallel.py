@@ -1,6 +1,6 @@
 """Context parallelism (``mesh.context``, issue 47) on 8 simulated CPU devices: each sequence's positions are split
 across devices, and every family's logits and gradients, full and LoRA, over packed rows, equal the unsharded ones;
-pretraining, packed SFT, DPO, KTO and GRPO runs give the single-device losses; a checkpoint written with the axis
+pretraining, packed SFT, DPO, KTO, GRPO and GKD runs give the single-device losses; a checkpoint written with the axis
 restores without it and the other way round, bitwise; the axis really divides what a device holds.
 
 Tolerances (float32): logits 1e-5 absolute (they are O(1)), gradients 1e-5 of each leaf's largest entry, losses
@@ -52,7 +52,7 @@ MODEL_SCRIPT = textwrap.dedent(
     targets[:, -1] = -1
     batch = {"inputs": inputs, "targets": targets, "positions": positions, "segment_ids": segment_ids}
 
-    def run(family, lora, shape, t=T):
+    def run(family, lora, shape, t=T, chunk=0):
         cfg = load_config(None, [f"model.family={family}", "model.preset=tiny", "model.n_layer=2",
                                  "model.d_model=64", "model.n_head=4", "model.vocab_size=256",
                                  f"model.max_seq_len={t}"]
@@ -66,7 +66,7 @@ MODEL_SCRIPT = textwrap.dedent(
             moved = np.random.default_rng(1)
             params = jax.tree.map(lambda x: jax.device_put(np.asarray(x) + 0.05 * moved.standard_normal(x.shape)
                                                            .astype(np.float32), x.sharding), params)
-        fwd = spec.forward()
+        fwd = spec.forward(chunk)
         rows = batch if t == T else {"inputs": np.ones((1, t), np.int32), "targets": np.ones((1, t), np.int32)}
         b = jax.device_put(rows, sharding.batch_sharding(mesh))
 
@@ -74,8 +74,9 @@ MODEL_SCRIPT = textwrap.dedent(
             lp = fwd.token_logps(spec.weights(params, frozen), b)
             return -jnp.sum(jnp.where(b["targets"] >= 0, lp, 0.0)) / jnp.sum(b["targets"] >= 0)
 
-        def both(params, frozen, b):
-            return fwd.logits(spec.weights(params, frozen), b), jax.grad(loss)(params, frozen, b)
+        def both(params, frozen, b):  # LoRA: the gradients of the adapters and of every base weight, one program
+            grads = jax.grad(loss, argnums=(0, 1) if lora else 0)(params, frozen, b)
+            return fwd.logits(spec.weights(params, frozen), b), grads
 
         with sharding.use_mesh(mesh):
             compiled = jax.jit(both).lower(params, frozen, b).compile()
@@ -86,10 +87,12 @@ MODEL_SCRIPT = textwrap.dedent(
 
     out = {}
     for family in ("gpt2", "llama", "qwen3", "mistral", "gemma3"):
-        for lora in (False,) if family == "gpt2" else (False, True):
-            shapes = [(1, 1, 1, 1), (2, 1, 1, 4)] + ([(1, 2, 1, 4), (1, 1, 2, 4)] if family == "llama" else [])
-            for shape in shapes:
-                out[f"{family}-{'lora' if lora else 'full'}-{'x'.join(map(str, shape))}"] = run(family, lora, shape)
+        lora = family != "gpt2"
+        shapes = [(1, 1, 1, 1), (2, 1, 1, 4)] + ([(1, 2, 1, 4), (1, 1, 2, 4)] if family == "llama" else [])
+        for shape in shapes:
+            out[f"{family}-{'lora' if lora else 'full'}-{'x'.join(map(str, shape))}"] = run(family, lora, shape)
+    # log-probs 16 positions at a time (train.loss_chunk): each chunk spread over the context group
+    out["llama-chunked-2x1x1x4"] = run("llama", True, (2, 1, 1, 4), chunk=16)
     # what one device holds: a 1024-token row's train-step temporaries, on one device and split 8 ways
     out["temp"] = {c: run("llama", False, (1, 1, 1, c), 1024)["temp"] for c in (1, 8)}
     print("RESULT " + json.dumps(out))
@@ -99,9 +102,12 @@ MODEL_SCRIPT = textwrap.dedent(
 
 def test_every_family_full_and_lora_matches_one_device():
     """Logits and gradients of each family (gpt2, llama, qwen3, mistral, gemma3 with its sliding window), full and
-    LoRA, over packed rows (segments, positions restarting), under data=2 x context=4 (and for llama, full and LoRA,
-    fsdp=2 x context=4 and tensor=2 x context=4) equal one device's; the logits come back split along the sequence; a
-    1024-token row's step needs under a third of one device's temporaries with the sequence split 8 ways."""
+    LoRA, over packed rows (segments, positions restarting), under data=2 x context=4 (and for llama fsdp=2 x
+    context=4 and tensor=2 x context=4) equal one device's; the logits come back split along the sequence; a
+    1024-token row's step needs under a third of one device's temporaries with the sequence split 8 ways. Full and
+    LoRA are one program a layout: with adapters on (the decoder families), the gradients of the adapters and of
+    every base weight (what full fine-tuning trains, sharded by the same rules) are taken together; GPT-2 is full. The
+    loss's log-probs computed 16 positions at a time (`train.loss_chunk`) give the same gradients under the axis."""
     proc = subprocess.run([sys.executable, "-c", MODEL_SCRIPT], capture_output=True, text=True, env=ENV,
                           timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -113,7 +119,7 @@ def test_every_family_full_and_lora_matches_one_device():
         family, kind, shape = key.split("-")
         if shape == "1x1x1x1":
             continue
-        one = out[f"{family}-{kind}-1x1x1x1"]
+        one = out[f"{family}-{'lora' if kind == 'chunked' else kind}-1x1x1x1"]
         assert "context" in got["logits_spec"], (key, got["logits_spec"])
         assert np.abs(np.array(got["logits"]) - np.array(one["logits"])).max() <= 1e-5, key
         assert len(got["grads"]) == len(one["grads"]), key
@@ -121,7 +127,7 @@ def test_every_family_full_and_lora_matches_one_device():
             a, b = np.array(a), np.array(b)
             assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), key
         checked += 1
-    assert checked == 9 + 4  # 5 families, 4 with LoRA; llama full and LoRA under two more layouts
+    assert checked == 5 + 2 + 1  # 5 families; llama under two more layouts, and with chunked log-probs
 
 
 # --- whole runs ------------------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ class TrainConfig(Section):
                                            "49k vocabulary on CPU); gumbel, jax.random.categorical. A run saved "
                                            "before this key drew by gumbel and keeps it when resumed")
     loss_chunk: int = Field(0, ge=0, description="sequence positions per cross-entropy chunk (large vocabularies); "
-                            "0: auto, chunking only when the batch's float32 logits would exceed 1 GiB")
+                            "0: auto, chunking only when a device's share of the batch's float32 logits (rows, "
+                            "positions and vocabulary split as the mesh splits them) would exceed 1 GiB")
     profile_steps: tuple[int, int] | None = Field(None, description="[START, END]: a jax.profiler trace of steps "
                                                   "START..END (1-based, inclusive) under run_dir/profile/")
 

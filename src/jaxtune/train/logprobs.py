@@ -16,17 +16,28 @@ LOGITS_BUDGET = 1 << 30  # bytes of float32 logits the auto policy materialises 
 CHUNK_BUDGET = 1 << 28  # bytes per chunk when it does chunk (256 MiB)
 
 
-def loss_chunk_size(batch: int, seq: int, vocab: int, requested: int = 0) -> int:
+def loss_chunk_size(batch: int, seq: int, vocab: int, requested: int = 0, split: tuple[int, int, int] = (1, 1, 1)
+                    ) -> int:
     """Sequence positions per log-prob chunk: ``requested`` when set (> 0), else ``seq`` (no chunking) while the
-    full float32 logits fit LOGITS_BUDGET, else the largest divisor of ``seq`` within CHUNK_BUDGET."""
+    full float32 logits fit LOGITS_BUDGET, else the largest divisor of ``seq`` within CHUNK_BUDGET.
+
+    The budgets are a device's: ``split`` is how many ways the mesh splits the rows, the positions (the context
+    axis) and the vocabulary (the tensor axis), so a device holds 1/(rows x positions x vocabulary) of the logits.
+    A chunk spans a multiple of the positions' split, so that every chunk is spread over the context group."""
     if requested > 0:
         if seq % requested and requested < seq:
             raise ValueError(f"train.loss_chunk={requested} does not divide the sequence length {seq}")
         return min(requested, seq)
-    if batch * seq * vocab * 4 <= LOGITS_BUDGET:
+    rows, positions, vocabulary = split
+    per_device = -(-batch // rows) * -(-vocab // vocabulary) * 4  # bytes a position of a chunk costs a device
+
+    def held(c: int) -> int:
+        return per_device * -(-c // positions)
+
+    if held(seq) <= LOGITS_BUDGET:
         return seq
-    fits = [c for c in range(1, seq + 1) if seq % c == 0 and batch * c * vocab * 4 <= CHUNK_BUDGET]
-    return max(fits or [1])
+    fits = [c for c in range(positions, seq + 1, positions) if seq % c == 0 and held(c) <= CHUNK_BUDGET]
+    return max(fits or [positions if seq % positions == 0 else 1])
 
 
 def tempered(logits: jax.Array, temperature: float) -> jax.Array:

@@ -70,7 +70,9 @@ class NativeForward:
 
     def _per_token(self, weights: Any, batch: Batch, key: jax.Array | None, temperature: float, entropy: bool):
         b, t = batch["inputs"].shape
-        chunk = loss_chunk_size(b, t, self.vocab_size, self.loss_chunk)
+        positions = sharding.sharded("seq")  # a length the context axis does not divide stays whole
+        split = (sharding.sharded("batch"), positions if t % positions == 0 else 1, sharding.sharded("act_vocab"))
+        chunk = loss_chunk_size(b, t, self.vocab_size, self.loss_chunk, split)
         if chunk >= t:  # (B, T, V) float32 logits
             logits = tempered(self._run(weights, batch, key)[1], temperature)
             return (token_logps_and_entropy if entropy else token_logps)(logits, batch["targets"])
