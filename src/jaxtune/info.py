@@ -54,10 +54,10 @@ def info(cfg: Config, vocab_size: int | None = None, devices: int | None = None)
     rows = max(batch // dp, 1)
     act_item = np.dtype(compute_dtype).itemsize
     # Saved activations per layer ~ (34 D + 5 N T) bytes/token at 2 bytes (Korthikanti et al. 2022), scaled to
-    # the compute dtype; full remat keeps only each layer's input.
+    # the compute dtype; full remat keeps only each layer's input, offload keeps even that in host memory.
     per_token_layer = (34 * mcfg.d_model + 5 * mcfg.n_head * seq) * act_item / 2
-    if mcfg.remat == "full":
-        per_token_layer = mcfg.d_model * act_item
+    if mcfg.remat in ("full", "offload"):
+        per_token_layer = mcfg.d_model * act_item if mcfg.remat == "full" else 0
     split = mesh.shape["tensor"] * mesh.shape["context"]  # the context axis holds 1/context of each row's positions
     act_b = int(rows * seq * (mcfg.n_layer * per_token_layer + 4 * mcfg.vocab_size) / split)
     return {

@@ -116,12 +116,22 @@ def reference_grads(cfg, params):
     return logits_and_grads(cfg, params, tokens(2))
 
 
-# Both policies and both layer layouts, against one loop/no-remat reference (scan == loop is tested above).
-@pytest.mark.parametrize("remat,scan", [("full", False), ("dots", True)], ids=["full-loop", "dots-scan"])
-def test_remat_same_logits_and_grads(cfg, params, reference_grads, remat, scan):
+# The policies under both layer layouts, against one loop/no-remat reference (scan == loop is tested above); offload
+# keeps each layer's input in host memory: one stacked (layers, B, T, D) residual under scan, one a layer in the loop,
+# and nothing else there.
+@pytest.mark.parametrize("remat,scan", [("full", False), ("dots", True), ("offload", False), ("offload", True)],
+                         ids=["full-loop", "dots-scan", "offload-loop", "offload-scan"])
+def test_remat_same_logits_and_grads(cfg, params, reference_grads, remat, scan, capsys):
     want_logits, want_grads = reference_grads
     p = stack_blocks(params) if scan else params
-    got_logits, got_grads = logits_and_grads(cfg.replace(scan_layers=scan, remat=remat), p, tokens(2))
+    c = cfg.replace(scan_layers=scan, remat=remat)
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(lambda p: with_params(c, p)(tokens(2)[:, :-1]).sum(), p)
+    on_host = [line for line in capsys.readouterr().out.splitlines() if "<host>" in line]
+    layer_input = f"[{cfg.n_layer},{B},{T - 1},{cfg.d_model}]" if scan else f"[{B},{T - 1},{cfg.d_model}]"
+    assert len(on_host) == (0 if remat != "offload" else 1 if scan else cfg.n_layer), on_host
+    assert all(layer_input in line for line in on_host), on_host
+    got_logits, got_grads = logits_and_grads(c, p, tokens(2))
     if scan:
         want_grads = stack_blocks(want_grads)
     assert rel(got_logits, want_logits) <= 1e-6

@@ -236,20 +236,32 @@ def _loss_and_grads(model, tokens, frozen=()):
     return jax.value_and_grad(loss), params
 
 
-def test_remat_is_applied_and_changes_nothing_numerically(torchax_overrides):
+def test_remat_is_applied_and_changes_nothing_numerically(torchax_overrides, capsys):
     """model.remat=full wraps every block in jax.checkpoint (the jaxpr has one checkpoint per layer) and gives
-    the same loss and gradients as no remat (1e-6)."""
+    the same loss and gradients as no remat (1e-6); so does model.remat=offload, which keeps each block's input (its
+    hidden states, not the mask or rotary tables all blocks share) in host memory."""
     hf_config = _hf_config(torchax_overrides)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 32)).astype(np.int32))
     out = {}
-    for remat in ("none", "full"):
+    for remat in ("none", "full", "offload"):
         fn, params = _loss_and_grads(_model(hf_config, remat=remat), tokens)
         out[remat] = (jax.jit(fn)(params), str(jax.make_jaxpr(fn)(params)))
     remat = re.compile(r"\b(?:remat2?|checkpoint)\[")  # the primitive's name differs across JAX versions
     assert len(remat.findall(out["full"][1])) == 2 and not remat.findall(out["none"][1])
-    (l0, g0), (l1, g1) = out["none"][0], out["full"][0]
-    assert rel(l1, l0) <= 1e-6
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(jnp.abs(b).max())), g1, g0)
+    from jaxtune.backends.torchax.model import merge_weights
+
+    model = _model(hf_config, remat="offload")
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(lambda p: model.logits(merge_weights(p, ()), tokens).sum(),
+                                            model.initial()[0])
+    on_host = [line for line in capsys.readouterr().out.splitlines() if "<host>" in line]
+    assert len(on_host) == 2 and all("f32<host>[2,32,64]" in line for line in on_host), on_host  # a block's input
+    (l0, g0) = out["none"][0]
+    for kind in ("full", "offload"):
+        l1, g1 = out[kind][0]
+        assert rel(l1, l0) <= 1e-6
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(jnp.abs(b).max())),
+                     g1, g0)
 
 
 def test_bf16_compute_and_bf16_frozen_base(torchax_overrides):

@@ -97,7 +97,8 @@ def format_plan(d: dict[str, Any]) -> str:
         lines.append(f"memory / chip:    arguments {_gib(m['arguments'])}, outputs {_gib(m['outputs'])} "
                      f"({_gib(m['aliased'])} of them in donated arguments), temporaries {_gib(m['temporaries'])}, "
                      f"code {_gib(m['code'])}: {_gib(m['total'])} of {_gib(usable)} usable HBM: fits, "
-                     f"{_gib(d['headroom'])} ({100 * d['headroom'] / usable:.1f}%) free")
+                     f"{_gib(d['headroom'])} ({100 * d['headroom'] / usable:.1f}%) free"
+                     + (f"; and {_gib(m['host'])} of the host's memory (model.remat=offload)" if m.get("host") else ""))
     elif m["total"] is not None:
         over = m["total"] - usable
         lines.append(f"memory / chip:    does not fit: at least {_gib(m['total'])} (the compiler's "

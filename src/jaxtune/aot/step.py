@@ -86,7 +86,8 @@ class Program:
         mem = compiled.memory_analysis()
         memory = {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
                   "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes,
-                  "code": mem.generated_code_size_in_bytes}
+                  "code": mem.generated_code_size_in_bytes,
+                  "host": mem.host_temp_size_in_bytes}  # the host memory the program keeps (model.remat=offload)
         memory["total"] = (memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
                            + memory["code"])
         cost = compiled.cost_analysis() or {}

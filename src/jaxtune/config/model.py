@@ -68,7 +68,10 @@ class ModelSection(Section):
     max_seq_len: int | None = Field(None, ge=1)
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    remat: Literal["none", "full", "dots", "dots_no_batch", "offload"] = Field(
+        "none", description="what the backward pass recomputes instead of keeping: full (everything but each "
+        "layer's input), dots / dots_no_batch (all but the matmuls' outputs), offload (as full, each layer's input "
+        "kept in host memory, not the accelerator's)")
     lora: LoraConfig = LoraConfig()
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune.models.kernels import BlockMask, kernel_takes, splash_attention
 from jaxtune.models.quantize import dequantize, is_quantized
@@ -563,11 +564,17 @@ def kv_cache(n_layer: int, batch: int, length: int, kv_heads: int, head_dim: int
                    constrain(jnp.zeros(values, dtype), ("layers", "batch", "act_kv_heads", "seq", None)))
 
 
+LAYER_INPUT = "layer_input"  # each layer's input (`run_layers` names it): what the `offload` policy moves to host
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # as "full", but every layer's input, which "full" keeps in device memory for the backward pass, is kept in the
+    # host's (pinned) memory instead and brought back when its layer is recomputed
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,), offload_src="device",
+        offload_dst="pinned_host"),
 }
 
 
@@ -599,7 +606,10 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
     args = layer_args if layer_args is not None else [None] * n_layer
 
     def wrap(fn):
-        return fn if remat == "none" else nnx.remat(fn, policy=REMAT_POLICIES[remat])
+        if remat == "none":
+            return fn
+        return nnx.remat(lambda lyr, x, *rest: fn(lyr, checkpoint_name(x, LAYER_INPUT), *rest),
+                         policy=REMAT_POLICIES[remat])
 
     if scan:
         scanned_args = None if layer_args is None else jnp.asarray(args)
@@ -630,6 +640,6 @@ def run_layers(layers, x, body, *, n_layer: int, scan: bool, remat: str, key: ja
     return x, cache
 
 
-__all__ = ["REMAT_POLICIES", "Dense", "Embed", "KVCache", "LayerKV", "LayerNorm", "MaskSpec", "RMSNorm", "RegionMask",
-           "Rope", "apply_rope", "attention", "attention_mask", "cached_attention", "constrain", "dropout", "kv_cache",
-           "residual_fence", "run_layers", "stack_layers", "write_kv"]
+__all__ = ["LAYER_INPUT", "REMAT_POLICIES", "Dense", "Embed", "KVCache", "LayerKV", "LayerNorm", "MaskSpec", "RMSNorm",
+           "RegionMask", "Rope", "apply_rope", "attention", "attention_mask", "cached_attention", "constrain",
+           "dropout", "kv_cache", "residual_fence", "run_layers", "stack_layers", "write_kv"]

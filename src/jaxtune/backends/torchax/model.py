@@ -24,12 +24,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import traverse_util
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune.backends.torchax.compat import import_torchax
 from jaxtune.config import LORA_OUR_TO_HF, LORA_TARGETS, ConfigError, TorchaxModelConfig
 from jaxtune.models.hf import read_config_json, resolve_hf_dir
 from jaxtune.models.hf_fields import is_classifier
-from jaxtune.models.layers import REMAT_POLICIES
+from jaxtune.models.layers import LAYER_INPUT, REMAT_POLICIES
 
 
 class UnsupportedOpError(NotImplementedError):
@@ -315,6 +316,9 @@ def _checkpointed(forward: Callable, env: Any, policy: Any) -> Callable:
         key = env.get_and_rotate_prng_key()
 
         def pure(arrays, key):
+            # the block's hidden states (its first tensor) are what model.remat=offload keeps in host memory; not its
+            # mask or rotary tables, which every block shares
+            arrays = [checkpoint_name(arrays[0], LAYER_INPUT), *arrays[1:]]
             vals = list(leaves)
             for i, a in zip(where, interop.torch_view(arrays)):
                 vals[i] = a
