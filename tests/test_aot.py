@@ -55,6 +55,7 @@ def gpt2_plan():
     return cfg, aot.plan(cfg, "v5e-8")
 
 
+@pytest.mark.slow
 def test_gpt2_124m_compiles_for_v5e_8_with_its_state_flops_and_gradient_all_reduce(gpt2_plan):
     """Tolerances: XLA's argument bytes are the state each chip holds (float32 params and two AdamW moments,
     replicated) plus its batch rows and scalars: within 0.1%. FLOPs: the HLO's matmuls against 6N + 12 L D T (no
@@ -85,6 +86,7 @@ def test_gpt2_124m_compiles_for_v5e_8_with_its_state_flops_and_gradient_all_redu
     assert 0 < rl["mfu"] < 1 and rl["tokens_per_second"] == pytest.approx(16 * 256 / rl["step_seconds"])
 
 
+@pytest.mark.slow
 def test_remat_trades_temporaries_for_recomputed_matmuls(gpt2_plan):
     """With every layer rematerialised (model.remat=full) the same step keeps fewer activations (its temporaries
     shrink) and recomputes each layer's forward matmuls: the layers' 6N becomes 8N; the head and attention are not
@@ -104,6 +106,7 @@ def test_remat_trades_temporaries_for_recomputed_matmuls(gpt2_plan):
     assert "of the host's memory (model.remat=offload)" in aot.format_plan(offload)
 
 
+@pytest.mark.slow
 def test_llama_1b_lora_compiles_for_v5p_8():
     """The llama-lora recipe (Llama 3.2 1B, planned from its preset offline: bf16 frozen base, rank-16 adapters on
     every projection), layers scanned, on v5p-8: 4 chips, each a megacore device of 2 TensorCores. Its arguments
@@ -126,6 +129,7 @@ WIDE = ["model.preset=tiny", "model.n_layer=1", "model.vocab_size=1048576", "dat
         "model.max_seq_len=1024", "train.loss_chunk=1024", "train.micro_batches=1"]
 
 
+@pytest.mark.slow
 def test_memory_grows_with_the_batch_and_the_search_brackets_the_limit():
     """The largest-batch search (doubling from the compiled batch, then bisection, every candidate compiled)
     answers a multiple of the data-parallel degree whose next multiple the compiler refuses: from 16 (2 rows per
@@ -159,6 +163,7 @@ def test_settle_finds_the_edge_of_a_monotone_test_from_either_side():
     assert search.settle(2, True, lambda k: True, lambda: True) == (2, None)  # out of time at once
 
 
+@pytest.mark.slow
 def test_longest_sequence_is_searched_by_compiling_and_stops_at_the_models_context():
     """--max-seq on v5e-8: 16,384 rows of the small GPT-2 (2,048 a chip) fit at 256 tokens and are refused at
     512 (the scores grow with the square of the length), the memory per chip of each candidate reported. With 8
@@ -328,6 +333,7 @@ def test_grpo_plan_compiles_each_reward_model_beside_the_step(tmp_path):
     assert "reward model:     objective.rewards[1] (" in aot.format_plan(d)
 
 
+@pytest.mark.slow
 def test_grpo_longest_completion_fits_both_the_step_and_the_sampler():
     """For GRPO --max-seq searches the completion length after the run's prompt room (96 - 24 = 72 tokens), each
     candidate's train step and sampler compiled; here up to the model's context (600: completions of 512)."""
@@ -339,6 +345,7 @@ def test_grpo_longest_completion_fits_both_the_step_and_the_sampler():
     assert aot.report._longest_line(d).startswith("longest completion: after prompts of 72 tokens, 512 tokens fit")
 
 
+@pytest.mark.slow
 def test_splash_kernel_compiles_for_v5e_and_v6e_under_a_mesh():
     """model.attention=splash on v5e-8 and v6e-8 with rows, parameters and heads split (data 2 x fsdp 2 x tensor 2):
     the TPU compiler builds the Pallas kernel (Mosaic custom calls: forward, dq and dkv per layer) into the train

@@ -266,6 +266,7 @@ def smollm2(tmp_path_factory):
     mp.undo()
 
 
+@pytest.mark.slow
 def test_smollm2_logits_and_greedy(smollm2):
     """SmolLM2-135M-Instruct Q4_1: logits on a chat prompt vs transformers' GGUF loader (rel <= 3e-5; measured
     3.0e-6), and greedy tokens equal up to and including the EOS that ends the answer."""

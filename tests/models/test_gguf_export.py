@@ -422,6 +422,7 @@ def test_errors_and_warnings(tiny, root, monkeypatch, caplog):
 # --- a real model ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_smollm2_f16_export(root):
     """SmolLM2-135M-Instruct (Q4_1, imported by jaxtune) exported to f16 and reloaded by transformers: both answer a
     chat prompt greedily with SmolLM2's answer, through the EOS (each one's argmax at every position of it,

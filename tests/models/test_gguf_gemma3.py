@@ -246,6 +246,7 @@ def gemma270m() -> dict:
             "ref": hf_from_gguf(path, config=transformers.AutoConfig.from_pretrained(ckpt.dir))}
 
 
+@pytest.mark.slow
 def test_gemma3_270m_config(gemma270m):
     """The config rebuilt from the file's metadata is the published google/gemma-3-270m one (jaxtune's preset
     gemma3-270m): shapes, window 512, one global layer in six, RoPE bases 1M/10k, query_pre_attn_scalar 256, tied
@@ -255,6 +256,7 @@ def test_gemma3_270m_config(gemma270m):
     assert cfg.replace(norm_eps=1e-6) == FAMILIES["gemma3"].presets["gemma3-270m"]()
 
 
+@pytest.mark.slow
 def test_gemma3_270m_tensors_match_transformers(gemma270m):
     """Every imported tensor equals transformers' dequantization of the file (Q8_0, Q5_0, Q4_K, Q6_K, F32 norms)."""
     ckpt, theirs = gemma270m["ckpt"], gemma270m["ref"].state_dict()
@@ -263,6 +265,7 @@ def test_gemma3_270m_tensors_match_transformers(gemma270m):
         np.testing.assert_array_equal(ckpt.get(name), theirs[name].numpy(), err_msg=name)
 
 
+@pytest.mark.slow
 def test_gemma3_270m_logits_and_greedy_past_window(gemma270m):
     """600 tokens of text, past the 512-token sliding window: logits vs transformers' GGUF loader rel <= 3e-5
     (measured 5.0e-6), the same argmax at every position, and 8 greedy tokens equal (ours through the KV cache,
@@ -291,6 +294,7 @@ def test_gemma3_270m_logits_and_greedy_past_window(gemma270m):
     assert generated == greedy
 
 
+@pytest.mark.slow
 def test_gemma3_270m_tokenizer(gemma270m):
     """The converted tokenizer: Gemma 3's special ids, kept whole; text round-trips; BOS added; generation stops
     at <eos> and <end_of_turn>."""

@@ -70,6 +70,7 @@ def merged_export_matches(run_dir, tmp_path):
     return run, ids, ours
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_lora_sft_lowers_held_out_loss(lora_run):
     """LoRA on the real weights learns the real instructions: held-out loss falls within 6 steps (step 0 is the
@@ -81,6 +82,7 @@ def test_lora_sft_lowers_held_out_loss(lora_run):
     assert losses[6] <= losses[0] - 0.02, losses
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_merged_export_reloads_in_transformers(lora_run, tmp_path):
     """The trained run exported merged (float32) loads in transformers with our LoRA model's logits."""
@@ -93,6 +95,7 @@ def test_merged_export_reloads_in_transformers(lora_run, tmp_path):
         assert rel(base(torch.from_numpy(ids)).logits.float().numpy(), ours) > 1e-3
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_qlora_sft_tracks_lora_and_its_exports_reload(lora_run, tmp_path):
     """The same shortened run with model.quantize=nf4 (QLoRA): its held-out loss starts above LoRA's by the nf4

@@ -100,6 +100,7 @@ MODEL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_every_family_full_and_lora_matches_one_device():
     """Logits and gradients of each family (gpt2, llama, qwen3, mistral, gemma3 with its sliding window), full and
     LoRA, over packed rows (segments, positions restarting), under data=2 x context=4 (and for llama fsdp=2 x
@@ -213,6 +214,7 @@ def _config(over: list[str]):
     return load_config(over[0], over[1:]) if "=" not in over[0] else load_config(None, over)
 
 
+@pytest.mark.slow
 def test_runs_match_one_device_and_checkpoints_cross_meshes(tmp_path, data_cache, sources):
     """Each run under data=2 x context=4 gives the single-device run's losses (<= 1e-5 relative) with as many
     train-step compiles; the SFT run's checkpoint restores bitwise under data=8 and under context=8."""

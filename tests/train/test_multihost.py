@@ -22,6 +22,9 @@ from jaxtune.config import load_config
 from jaxtune.data import load_tokenizer, prepare_tokens
 from jaxtune.loop import train
 
+# Each test launches processes that compile on their own (30-90 s apiece on 2 cores): `-m "not slow"` skips them all
+pytestmark = pytest.mark.slow
+
 WORKER = textwrap.dedent(
     """
     import json, os, sys

@@ -95,6 +95,7 @@ def _single_device(base: list[str], run_dir) -> dict[int, float]:
     return train(load_config(None, base[:-1] + [f"run_dir={run_dir}"])).losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_layouts_match_single_device(tmp_path, tiny_overrides, family):
     """Every layout gives the single-device losses over 6 steps (<=1e-5 rel), compiles once, really shards
