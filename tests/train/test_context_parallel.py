@@ -91,8 +91,16 @@ MODEL_SCRIPT = textwrap.dedent(
         shapes = [(1, 1, 1, 1), (2, 1, 1, 4)] + ([(1, 2, 1, 4), (1, 1, 2, 4)] if family == "llama" else [])
         for shape in shapes:
             out[f"{family}-{'lora' if lora else 'full'}-{'x'.join(map(str, shape))}"] = run(family, lora, shape)
-    # log-probs 16 positions at a time (train.loss_chunk): each chunk spread over the context group
-    out["llama-chunked-2x1x1x4"] = run("llama", True, (2, 1, 1, 4), chunk=16)
+    # log-probs 16 positions at a time (train.loss_chunk): each chunk spread over the context group; and the
+    # attention scores of each device's 16 queries in 4 chunks of 4 (`layers.query_chunks`, budget lowered)
+    from jaxtune.models import layers
+    budget, smallest = layers.SCORES_BUDGET, layers.MIN_QUERY_CHUNK
+    layers.SCORES_BUDGET, layers.MIN_QUERY_CHUNK = 4 * 64 * 4, 4
+    assert layers.query_chunks(1, 16, 4, 64) == 4
+    try:
+        out["llama-chunked-2x1x1x4"] = run("llama", True, (2, 1, 1, 4), chunk=16)
+    finally:
+        layers.SCORES_BUDGET, layers.MIN_QUERY_CHUNK = budget, smallest
     # what one device holds: a 1024-token row's train-step temporaries, on one device and split 8 ways
     out["temp"] = {c: run("llama", False, (1, 1, 1, c), 1024)["temp"] for c in (1, 8)}
     print("RESULT " + json.dumps(out))
@@ -108,7 +116,8 @@ def test_every_family_full_and_lora_matches_one_device():
     1024-token row's step needs under a third of one device's temporaries with the sequence split 8 ways. Full and
     LoRA are one program a layout: with adapters on (the decoder families), the gradients of the adapters and of
     every base weight (what full fine-tuning trains, sharded by the same rules) are taken together; GPT-2 is full. The
-    loss's log-probs computed 16 positions at a time (`train.loss_chunk`) give the same gradients under the axis."""
+    loss's log-probs computed 16 positions at a time (`train.loss_chunk`), with each device's queries scored 4 at a
+    time (`layers.query_chunks`), give the same logits and gradients under the axis."""
     proc = subprocess.run([sys.executable, "-c", MODEL_SCRIPT], capture_output=True, text=True, env=ENV,
                           timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

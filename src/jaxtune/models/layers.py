@@ -392,6 +392,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    chunks = query_chunks(q.shape[0], q.shape[1] // (ways if split else 1), q.shape[2], k.shape[1])
+    if chunks > 1:  # long sequences: a chunk of the queries' scores at a time
+        return _attend_in_chunks(q, k, v, mask, scale, softcap, ways if split else 1, chunks)
     if mask is not None:
         return _attend(q, k, v, mask, scale, softcap)
     # Causal: query block i needs keys [0, end of block i] only. Four blocks skip 3/8 of the score matrix;
@@ -429,6 +432,49 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
         return jnp.einsum("bnts,bsnh->btnh", probs, v)
     out = jnp.einsum("bkgts,bskh->btkgh", probs.reshape(b, kh, n // kh, t, -1), v)
     return out.reshape(b, t, n, h)
+
+
+SCORES_BUDGET = 1 << 30  # bytes of float32 attention scores a device holds at once (1 GiB)
+MIN_QUERY_CHUNK = 128  # the fewest queries a chunk holds
+
+
+def query_chunks(batch: int, queries: int, heads: int, keys: int) -> int:
+    """How many chunks a device scores its ``queries`` in: 1 while its float32 scores (its share of ``batch`` rows
+    and of ``heads`` as the mesh splits them, x queries x keys) fit SCORES_BUDGET, else the fewest halvings that fit
+    (chunks of at least MIN_QUERY_CHUNK queries that divide them)."""
+    rows, heads = -(-batch // sharded("batch")), -(-heads // sharded("act_heads"))
+    n = 1
+    while (rows * heads * queries * keys * 4 > SCORES_BUDGET * n and queries % (2 * n) == 0
+           and queries // (2 * n) >= MIN_QUERY_CHUNK):
+        n *= 2
+    return n
+
+
+def _attend_in_chunks(q, k, v, mask: jax.Array | None, scale: float, softcap: float | None, ways: int,
+                      n: int) -> jax.Array:
+    """`_attend` ``n`` chunks of queries at a time (`jax.lax.map`, each chunk rematerialised in the backward pass),
+    so that one chunk's (rows, heads, queries / n, keys) scores are alive, never the whole (T, S) matrix; each
+    query's softmax is over all its keys, so the result is the one-pass one. ``ways``: how many devices the
+    queries are split over (the context axis): each device's own queries are chunked (a chunk takes the j-th of
+    every device's), so nothing moves between devices. ``mask`` None is causal, made per chunk from positions."""
+    b, t, heads, h = q.shape
+    s, local = k.shape[1], t // ways
+    c = local // n
+    qs = jnp.moveaxis(q.reshape(b, ways, n, c, heads, h), 2, 0)  # (n, B, ways, C, N, H)
+    ms = None if mask is None else jnp.moveaxis(mask.reshape(*mask.shape[:2], ways, n, c, s), 3, 0)
+
+    def chunk(j, qj, mj):
+        qj = constrain(qj.reshape(b, ways * c, heads, h), ("batch", "seq", "act_heads", None))
+        if mj is None:  # causal: the chunk's queries are, on device w, positions w * local + j * c + [0, c)
+            at = (jnp.arange(ways)[:, None] * local + j * c + jnp.arange(c)[None, :]).reshape(-1)
+            mj = (jnp.arange(s)[None, :] <= at[:, None])[None, None]
+        else:
+            mj = mj.reshape(*mj.shape[:2], ways * c, s)
+        return _attend(qj, k, v, mj, scale, softcap)
+
+    body = jax.checkpoint(lambda args: chunk(*args))
+    out = jax.lax.map(body, (jnp.arange(n), qs, ms))  # (n, B, ways * C, N, H)
+    return jnp.moveaxis(out.reshape(n, b, ways, c, heads, h), 0, 2).reshape(b, t, heads, h)
 
 
 def _attend_regions(q, k, v, mask: RegionMask, scale: float, softcap: float | None) -> jax.Array:
