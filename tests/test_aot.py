@@ -165,16 +165,17 @@ def test_settle_finds_the_edge_of_a_monotone_test_from_either_side():
 
 @pytest.mark.slow
 def test_longest_sequence_is_searched_by_compiling_and_stops_at_the_models_context():
-    """--max-seq on v5e-8: 16,384 rows of the small GPT-2 (2,048 a chip) fit at 256 tokens and are refused at
-    512 (the scores grow with the square of the length), the memory per chip of each candidate reported. With 8
-    rows the model's own context (max_seq_len 512) comes first, and the plan says that it, not the chip, is the
+    """--max-seq on v5e-8: 32,768 rows of the small GPT-2 (4,096 a chip) fit at 256 tokens and are refused at
+    512, the memory per chip of each candidate reported: about twice as much at twice the length (the attention
+    scores are held a chunk of queries at a time, `layers.query_chunks`, so they do not grow with its square). With
+    8 rows the model's own context (max_seq_len 512) comes first, and the plan says that it, not the chip, is the
     limit."""
     p = aot.program(load_config("gpt2-124m", [*SMALL[:-2], "model.max_seq_len=1024", "train.micro_batches=1",
-                                              "train.batch_size=16384", "data.seq_len=256"]), "v5e-8")
+                                              "train.batch_size=32768", "data.seq_len=256"]), "v5e-8")
     found = aot.longest_sequence(p, budget_seconds=900)
     assert found == {**found, "tokens": 256, "refused": 512, "unit": 256, "exact": True, "capped": False}
     (t256, ok256, m256), (t512, ok512, m512) = found["tried"]
-    assert (t256, ok256, t512, ok512) == (256, True, 512, False) and 15.75 * aot.GiB < m512 and m256 < m512 / 2
+    assert (t256, ok256, t512, ok512) == (256, True, 512, False) and 15.75 * aot.GiB < m512 < 2.5 * m256  # 1.96x
     p = aot.program(load_config("gpt2-124m", [*SMALL[:-2], "model.max_seq_len=512", "train.micro_batches=1",
                                               "train.batch_size=8", "data.seq_len=128"]), "v5e-8")
     d = aot.longest_sequence(p, budget_seconds=900)
