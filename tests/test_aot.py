@@ -184,6 +184,21 @@ def test_longest_sequence_is_searched_by_compiling_and_stops_at_the_models_conte
     assert text.startswith("longest sequence: 512 tokens fit: the model's own context (max_seq_len 512)")
 
 
+def test_a_compiled_program_over_the_usable_hbm_is_said_not_to_fit(monkeypatch):
+    """A program the TPU compiler accepts whose arguments, temporaries and code pass what a chip may use (here the
+    usable figure is lowered to 1 MiB) does not fit: the plan says so with its compiled numbers, not a KeyError."""
+    import dataclasses
+
+    from jaxtune.aot import catalog
+
+    monkeypatch.setitem(catalog.CHIPS, "v5e", dataclasses.replace(catalog.CHIPS["v5e"], hbm_usable=2.0 ** 20))
+    d = aot.plan(load_config("gpt2-124m", [*SMALL, "train.micro_batches=1", "train.batch_size=8"]), "v5e-8")
+    assert not d["fits"] and "compiler" not in d
+    text = aot.format_plan(d)
+    over = (d["memory"]["total"] - 2.0 ** 20) / aot.GiB
+    assert "does not fit: arguments" in text and f"over by {over:.2f} GiB" in text, text
+
+
 def test_a_batch_too_large_for_v5e_is_refused_with_the_numbers():
     """262,144 sequences of 128 tokens on v5e-8 (16 GiB per chip): the TPU compiler refuses the program; the plan
     says "does not fit" with what it needs (the compiler's temporaries plus the state) against the 15.75 GiB

@@ -99,6 +99,11 @@ def format_plan(d: dict[str, Any]) -> str:
                      f"code {_gib(m['code'])}: {_gib(m['total'])} of {_gib(usable)} usable HBM: fits, "
                      f"{_gib(d['headroom'])} ({100 * d['headroom'] / usable:.1f}%) free"
                      + (f"; and {_gib(m['host'])} of the host's memory (model.remat=offload)" if m.get("host") else ""))
+    elif "state_and_frozen" not in m:  # compiled, but more than the chip's usable HBM in all
+        over = m["total"] - usable
+        lines.append(f"memory / chip:    does not fit: arguments {_gib(m['arguments'])}, temporaries "
+                     f"{_gib(m['temporaries'])}, code {_gib(m['code'])}: {_gib(m['total'])} of {_gib(usable)} "
+                     f"usable HBM: over by {_gib(over)} ({100 * over / usable:.0f}%)")
     elif m["total"] is not None:
         over = m["total"] - usable
         lines.append(f"memory / chip:    does not fit: at least {_gib(m['total'])} (the compiler's "
