@@ -26,14 +26,15 @@ IDENTITY_KEYS = (
     "train.seed", "train.batch_size", "train.micro_batches",
 )
 # Free to change on resume: names and places (the data cache included), how a step is computed with the same math
-# (remat, attention kernel, loss chunks, length buckets and shared prompts: the same tokens at the same positions,
-# only padding or a repeated prompt cut), how the sampler draws (train.draw: the same distribution), how long
-# (train.steps: a longer run continues; with optim.decay_steps unset the schedule follows the new length), what
-# happens on a bad row or a NaN (data.bad_rows: a run that got this far had none or dropped them; raise stops before
-# training), how many processes tokenize (data.num_proc: the tokens are identical for any count) and what token files
-# are checked against (data.token_*: they change no id), and how often to evaluate, save and log.
+# (remat, attention kernel, the products' formulation, loss chunks, length buckets and shared prompts: the same
+# tokens at the same positions, only padding or a repeated prompt cut), how the sampler draws (train.draw: the same
+# distribution), how long (train.steps: a longer run continues; with optim.decay_steps unset the schedule follows the
+# new length), what happens on a bad row or a NaN (data.bad_rows: a run that got this far had none or dropped them;
+# raise stops before training), how many processes tokenize (data.num_proc: the tokens are identical for any count)
+# and what token files are checked against (data.token_*: they change no id), and how often to evaluate, save and log.
 RESUMABLE_KEYS = (
-    "name", "run_dir", "model.remat", "model.attention", "model.trust_remote_code", "data.cache_dir", "data.bad_rows",
+    "name", "run_dir", "model.remat", "model.attention", "model.formulation", "model.trust_remote_code",
+    "data.cache_dir", "data.bad_rows",
     "data.length_buckets", "data.share_prompts",
     "data.num_proc", "data.token_vocab_size", "data.token_eos_id",
     "train.steps", "train.on_nan", "train.max_nan_skips", "train.compile_cache_dir", "train.compile_ahead",

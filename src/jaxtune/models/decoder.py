@@ -144,7 +144,7 @@ class Attention(nnx.Module):
         pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         d, n, k, h = cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.hd
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
-        kw = {"rngs": rngs, "std": cfg.init_std, "param_dtype": pd, "dtype": cd}
+        kw = {"rngs": rngs, "std": cfg.init_std, "param_dtype": pd, "dtype": cd, "formulation": cfg.formulation}
         self.q = Dense(d, n * h, ("embed", "heads"), bias=cfg.qkv_bias, lora=cfg.lora_on("q"), **kw)
         self.k = Dense(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, lora=cfg.lora_on("k"), **kw)
         self.v = Dense(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, lora=cfg.lora_on("v"), **kw)
@@ -173,7 +173,8 @@ class Attention(nnx.Module):
             y = cached_attention(q, k.astype(cd), v.astype(cd), mask, impl, scale=cfg.query_scale,
                                  softcap=cfg.attn_softcap)
         else:
-            y = attention(q, k, v, mask, impl, scale=cfg.query_scale, softcap=cfg.attn_softcap)
+            y = attention(q, k, v, mask, impl, scale=cfg.query_scale, softcap=cfg.attn_softcap,
+                          formulation=cfg.formulation)
         return self.o(y.reshape(b, t, cfg.n_head * cfg.hd), ko), kv
 
 
@@ -184,7 +185,8 @@ def _keys(key: jax.Array | None, n: int) -> list[jax.Array | None]:
 class MLP(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
-        kw = {"rngs": rngs, "std": cfg.init_std, "bias": cfg.mlp_bias, "param_dtype": pd, "dtype": cd}
+        kw = {"rngs": rngs, "std": cfg.init_std, "bias": cfg.mlp_bias, "param_dtype": pd, "dtype": cd,
+              "formulation": cfg.formulation}
         self.gate = Dense(cfg.d_model, cfg.d_ff, ("embed", "mlp"), lora=cfg.lora_on("gate"), **kw)
         self.up = Dense(cfg.d_model, cfg.d_ff, ("embed", "mlp"), lora=cfg.lora_on("up"), **kw)
         self.down = Dense(cfg.d_ff, cfg.d_model, ("mlp", "embed"), lora=cfg.lora_on("down"),

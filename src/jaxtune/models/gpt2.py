@@ -101,10 +101,12 @@ class Block(nnx.Module):
         self.qkv = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d, 3, n * h), pd),
                              logical_axes=("embed", None, "heads"))
         self.qkv_bias = nnx.Param(jnp.zeros((3, n * h), pd), logical_axes=(None, "heads"))
-        self.attn_out = Dense(n * h, d, ("heads", "embed"), rngs=rngs, std=resid_std, param_dtype=pd, dtype=cd)
+        self.attn_out = Dense(n * h, d, ("heads", "embed"), rngs=rngs, std=resid_std, param_dtype=pd, dtype=cd,
+                              formulation=cfg.formulation)
         self.ln_2 = LayerNorm(d, eps=cfg.ln_eps, param_dtype=pd, dtype=cd)
-        self.fc = Dense(d, cfg.ff, ("embed", "mlp"), rngs=rngs, param_dtype=pd, dtype=cd)
-        self.proj = Dense(cfg.ff, d, ("mlp", "embed"), rngs=rngs, std=resid_std, param_dtype=pd, dtype=cd)
+        self.fc = Dense(d, cfg.ff, ("embed", "mlp"), rngs=rngs, param_dtype=pd, dtype=cd, formulation=cfg.formulation)
+        self.proj = Dense(cfg.ff, d, ("mlp", "embed"), rngs=rngs, std=resid_std, param_dtype=pd, dtype=cd,
+                          formulation=cfg.formulation)
         self.cfg = cfg
 
     def __call__(self, x, mask, key=None, kv=None, index=None):
@@ -123,7 +125,8 @@ class Block(nnx.Module):
             kv, k, v = write_kv(kv, k, v, index)
             y = cached_attention(q, k.astype(cd), v.astype(cd), mask, impl).reshape(b, t, cfg.d_model)
         else:
-            y = attention(q, k.astype(cd), v.astype(cd), mask, impl).reshape(b, t, cfg.d_model)
+            y = attention(q, k.astype(cd), v.astype(cd), mask, impl,
+                          formulation=cfg.formulation).reshape(b, t, cfg.d_model)
         y = dropout(self.attn_out(y), cfg.dropout, k_attn)
         x = residual_fence(constrain(x + y, ("batch", "seq", "act_embed")))
         y = self.fc(self.ln_2(x))

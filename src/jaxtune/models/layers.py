@@ -107,7 +107,9 @@ class Dense(nnx.Module):
     along ``W``'s in and out axes so they sit with their base weight."""
 
     def __init__(self, d_in: int, d_out: int, axes: Axes, *, rngs: nnx.Rngs, std: float = 0.02,
-                 bias: bool = True, param_dtype=jnp.float32, dtype=jnp.float32, lora: LoraSpec | None = None):
+                 bias: bool = True, param_dtype=jnp.float32, dtype=jnp.float32, lora: LoraSpec | None = None,
+                 formulation: int = 1):
+        self.formulation = formulation  # 1: `matmul`'s gradient; 0: autodiff's (model.formulation)
         self.kernel = nnx.Param(normal_init(rngs.params(), (d_in, d_out), std, param_dtype), logical_axes=axes)
         self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype), logical_axes=axes[-1:]) if bias else None
         self.dtype = dtype
@@ -122,13 +124,36 @@ class Dense(nnx.Module):
         """``key``: LoRA dropout (None: none)."""
         kernel = self.kernel.get_value()  # an array, or QLoRA's quantized kernel (`jaxtune.models.quantize`)
         weight = dequantize(kernel, self.dtype) if is_quantized(kernel) else kernel.astype(self.dtype)
-        y = x.astype(self.dtype) @ weight
+        y = (matmul if self.formulation >= 1 else jnp.matmul)(x.astype(self.dtype), weight)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora is not None:
             y = y + low_rank(dropout(x, self.lora.dropout, key).astype(self.dtype), self.lora_a[...].astype(self.dtype),
                              self.lora_b[...].astype(self.dtype), self.lora.scale)
         return y
+
+
+@jax.custom_vjp
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w for x (..., in) and w (in, out), the product of every `Dense` (``model.formulation`` 1).
+
+    The same products as autodiff's gradient, with the weight's written the other way round. Autodiff computes it
+    as (out, in) = dyᵀ x and transposes that; XLA:CPU then lays the (tokens, out) output gradient out transposed
+    for it, and fuses that transpose into the elementwise work computing the gradient (a SwiGLU's backward), which
+    writes with a stride: ~9 ms for (784 x 1536) floats. Here dW = xᵀ dy, (in, out) directly: the activation x is
+    what gets transposed, alone. An MLP's forward and backward at SmolLM2-135M's shapes (784 tokens) went from 90
+    to 63 ms on 2 Zen 4 cores (PyTorch eager: 72; benchmarks/RESULTS.md)."""
+    return x @ w
+
+
+def _matmul_bwd(res, dy):
+    x, w = res
+    lead = tuple(range(x.ndim - 1))  # every token axis, contracted
+    dw = jax.lax.dot_general(x, dy, ((lead, lead), ((), ())))
+    return dy @ w.T.astype(dy.dtype), dw.astype(w.dtype)
+
+
+matmul.defvjp(lambda x, w: (x @ w, (x, w)), _matmul_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -365,7 +390,7 @@ def _region_mask(spec: MaskSpec) -> RegionMask:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, implementation: str | None, *,
-              scale: float | None = None, softcap: float | None = None):
+              scale: float | None = None, softcap: float | None = None, formulation: int = 1):
     """Scaled dot-product attention, (B, T, N, H) x (B, S, K, H) -> (B, T, N, H); K divides N (grouped-query).
 
     ``mask`` None means plain causal (training); otherwise a boolean (B|1, 1, T, S) of allowed pairs (windows,
@@ -377,8 +402,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     `BlockMask` (``model.attention: splash``) through the Pallas TPU kernel (`jaxtune.models.kernels`).
     Otherwise (``None``/``"xla"``) this is the math of that function's XLA path, written out, because on CPU (a
     small GPT-2 train step) two changes pay: no grouped-query vmap (its layout copies of the scores cost ~3%),
-    and causal queries in blocks that skip the all-masked keys (~5%).
+    and causal queries in blocks that skip the all-masked keys (~5%). ``formulation`` 1 (``model.formulation``) lays
+    the heads out before the positions (`_attend`); 0 is the earlier layout (`_attend_positions_first`), the same
+    math to float rounding, kept so that a run saved before it resumes bitwise.
     """
+    attend = _attend if formulation >= 1 else _attend_positions_first
     if isinstance(mask, BlockMask):
         return splash_attention(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, softcap)
     ways = sharded("seq")
@@ -386,7 +414,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     if split:  # context parallelism: each device's queries attend over the whole sequence's keys and values
         k, v = (constrain(x, ("batch", None, "act_kv_heads", None)) for x in (k, v))
     if isinstance(mask, RegionMask):
-        return _attend_regions(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, softcap)
+        return _attend_regions(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, softcap,
+                               attend)
     if implementation == "cudnn" and softcap is None:
         if mask is None:
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
@@ -394,9 +423,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     chunks = query_chunks(q.shape[0], q.shape[1] // (ways if split else 1), q.shape[2], k.shape[1])
     if chunks > 1:  # long sequences: a chunk of the queries' scores at a time
-        return _attend_in_chunks(q, k, v, mask, scale, softcap, ways if split else 1, chunks)
+        return _attend_in_chunks(q, k, v, mask, scale, softcap, ways if split else 1, chunks, attend)
     if mask is not None:
-        return _attend(q, k, v, mask, scale, softcap)
+        return attend(q, k, v, mask, scale, softcap)
     # Causal: query block i needs keys [0, end of block i] only. Four blocks skip 3/8 of the score matrix;
     # the skipped scores would have been masked to exp(-huge) = 0, so the result is the same.
     t = q.shape[1]
@@ -407,15 +436,42 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
         lo, hi = i * size, (i + 1) * size
         s = min(hi, k.shape[1])  # keys past the block's last query are all masked (query i sees keys <= i)
         causal = jnp.arange(s)[None, :] <= jnp.arange(lo, hi)[:, None]  # (size, s)
-        outs.append(_attend(q[:, lo:hi], k[:, :s], v[:, :s], causal[None, None], scale, softcap))
+        outs.append(attend(q[:, lo:hi], k[:, :s], v[:, :s], causal[None, None], scale, softcap))
     return jnp.concatenate(outs, axis=1) if n > 1 else outs[0]
 
 
 def _attend(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
-    """Softmax attention of (B, T, N, H) queries over (B, S, K, H) keys where ``mask`` (.., 1, T, S) allows."""
+    """Softmax attention of (B, T, N, H) queries over (B, S, K, H) keys where ``mask`` (.., 1, T, S) allows.
+
+    Computed head-major: queries as (B, K, G T, H) (a key/value head's G query heads, grouped-query), keys and
+    values as (B, K, S, H), so every product of the forward and of its gradient is a batched matrix product over
+    the leading (B, K) with the scores (B, K, G T, S) in the layout each one reads. Only the small operands are
+    transposed. With the heads after the positions, XLA:CPU transposed the (B, K, G T, S) scores and their
+    gradient for the backward's products: on 2 Zen 4 cores one layer's forward and backward at SmolLM2-135M's heads
+    (4 rows of 260) took 37 ms, head-major 19 (PyTorch's sdpa 17; benchmarks/RESULTS.md)."""
     b, t, n, h = q.shape
     kh = k.shape[2]
     # bf16 inputs: bf16 products, f32 accumulation, as jax.nn.dot_product_attention does.
+    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
+    g = n // kh
+    qg = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)  # (B, K, G T, H)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, H)
+    logits = jnp.einsum("bkqh,bksh->bkqs", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(scale)
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
+    fill = jnp.float32(-0.7 * jnp.finfo(jnp.float32).max)
+    logits = jnp.where(jnp.tile(mask, (1, 1, g, 1)), logits, fill)  # the mask once per query head of a group
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, v)
+    return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _attend_positions_first(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
+    """`_attend` as it was before ``model.formulation`` 1: the products read the heads after the positions
+    (slower on CPU, the same values to float rounding), for runs saved before then."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
     precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
     if kh == n:
         logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=precision, preferred_element_type=jnp.float32)
@@ -451,7 +507,7 @@ def query_chunks(batch: int, queries: int, heads: int, keys: int) -> int:
 
 
 def _attend_in_chunks(q, k, v, mask: jax.Array | None, scale: float, softcap: float | None, ways: int,
-                      n: int) -> jax.Array:
+                      n: int, attend=None) -> jax.Array:
     """`_attend` ``n`` chunks of queries at a time (`jax.lax.map`, each chunk rematerialised in the backward pass),
     so that one chunk's (rows, heads, queries / n, keys) scores are alive, never the whole (T, S) matrix; each
     query's softmax is over all its keys, so the result is the one-pass one. ``ways``: how many devices the
@@ -470,14 +526,14 @@ def _attend_in_chunks(q, k, v, mask: jax.Array | None, scale: float, softcap: fl
             mj = (jnp.arange(s)[None, :] <= at[:, None])[None, None]
         else:
             mj = mj.reshape(*mj.shape[:2], ways * c, s)
-        return _attend(qj, k, v, mj, scale, softcap)
+        return (attend or _attend)(qj, k, v, mj, scale, softcap)
 
     body = jax.checkpoint(lambda args: chunk(*args))
     out = jax.lax.map(body, (jnp.arange(n), qs, ms))  # (n, B, ways * C, N, H)
     return jnp.moveaxis(out.reshape(n, b, ways, c, heads, h), 0, 2).reshape(b, t, heads, h)
 
 
-def _attend_regions(q, k, v, mask: RegionMask, scale: float, softcap: float | None) -> jax.Array:
+def _attend_regions(q, k, v, mask: RegionMask, scale: float, softcap: float | None, attend=None) -> jax.Array:
     """`_attend` over a row in regions (`RegionMask`): the prompt's queries over its keys, then each completion's
     queries over the prompt's keys (not copied per completion) and its own, under one softmax."""
     b, t, n, h = q.shape
@@ -500,7 +556,7 @@ def _attend_regions(q, k, v, mask: RegionMask, scale: float, softcap: float | No
     out = out.reshape(b, g * c, n, h)
     if p == 0:
         return out
-    return jnp.concatenate([_attend(q[:, :p], kp, vp, mask.prompt, scale, softcap), out], axis=1)
+    return jnp.concatenate([(attend or _attend)(q[:, :p], kp, vp, mask.prompt, scale, softcap), out], axis=1)
 
 
 @jax.custom_vjp

@@ -14,7 +14,8 @@ from jaxtune.models.layers import LoraSpec
 from jaxtune.models.registry import FAMILIES
 
 # Keys of the model section that still apply with model.from_hf (the checkpoint's config.json decides `STRUCTURAL`).
-RUNTIME = ("param_dtype", "compute_dtype", "remat", "scan_layers", "attention", "dropout", "max_seq_len")
+RUNTIME = ("param_dtype", "compute_dtype", "remat", "scan_layers", "attention", "formulation", "dropout",
+           "max_seq_len")
 
 
 def model_config(cfg: NativeModelConfig, vocab_size: int | None = None) -> Any:
