@@ -5,8 +5,8 @@ Formulation 1 (the default) scores attention with the heads before the positions
 formulation runs saved before it were trained with (`layers._attend_positions_first`, autodiff's gradient), which a
 resumed old run keeps (`tests/train/test_old_runs.py` holds it bitwise).
 
-Checked here: the two agree (attention outputs and gradients within 1e-6 of the largest entry, a model's loss and
-gradients within 1e-5 relative; measured ~1e-7); and on CPU the compiled gradient of formulation 1 has none of the
+Checked here: the two agree (attention outputs and gradients within 2e-6 of the largest entry, measured up to 1.2e-6;
+a model's loss and gradients within 1e-5 relative); and on CPU the compiled gradient of formulation 1 has none of the
 layout copies it exists to remove: no fusion writes the attention scores (or their gradient) transposed, and none
 computes the SwiGLU's gradient while writing it transposed (formulation 0 does both).
 """
@@ -61,8 +61,8 @@ def test_head_major_attention_equals_the_positions_first_one(kv_heads, kind, sof
     mask = _mask(kind)
     (_, new), g_new = _attention_grad(1, mask, softcap)(q, k, v)
     (_, old), g_old = _attention_grad(0, mask, softcap)(q, k, v)
-    for a, b in zip((new, *g_new), (old, *g_old), strict=True):
-        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-6 * np.abs(np.asarray(b)).max()
+    for a, b in zip((new, *g_new), (old, *g_old), strict=True):  # k's and v's gradients sum T G rows another way
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 2e-6 * np.abs(np.asarray(b)).max()
 
 
 def _transposing_fusions(hlo: str) -> list[tuple[int, int]]:

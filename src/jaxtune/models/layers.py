@@ -443,9 +443,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
 def _attend(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
     """Softmax attention of (B, T, N, H) queries over (B, S, K, H) keys where ``mask`` (.., 1, T, S) allows.
 
-    Computed head-major: queries as (B, K, G T, H) (a key/value head's G query heads, grouped-query), keys and
+    Computed head-major: queries as (B, K, T G, H) (a key/value head's G query heads, grouped-query), keys and
     values as (B, K, S, H), so every product of the forward and of its gradient is a batched matrix product over
-    the leading (B, K) with the scores (B, K, G T, S) in the layout each one reads. Only the small operands are
+    the leading (B, K) with the scores (B, K, T G, S) in the layout each one reads. Only the small operands are
     transposed. With the heads after the positions, XLA:CPU transposed the (B, K, G T, S) scores and their
     gradient for the backward's products: on 2 Zen 4 cores one layer's forward and backward at SmolLM2-135M's heads
     (4 rows of 260) took 37 ms, head-major 19 (PyTorch's sdpa 17; benchmarks/RESULTS.md)."""
@@ -454,17 +454,19 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
     # bf16 inputs: bf16 products, f32 accumulation, as jax.nn.dot_product_attention does.
     precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
     g = n // kh
-    qg = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)  # (B, K, G T, H)
+    # (B, K, T G, H): a position's G query heads side by side, so that a sequence split over devices (the context
+    # axis, on T) stays split over the merged axis
+    qg = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, H)
     logits = jnp.einsum("bkqh,bksh->bkqs", qg, k, precision=precision, preferred_element_type=jnp.float32)
     logits = logits * jnp.float32(scale)
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
     fill = jnp.float32(-0.7 * jnp.finfo(jnp.float32).max)
-    logits = jnp.where(jnp.tile(mask, (1, 1, g, 1)), logits, fill)  # the mask once per query head of a group
+    logits = jnp.where(jnp.repeat(mask, g, axis=2), logits, fill)  # a query's mask row for each of its G heads
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkqs,bksh->bkqh", probs, v)
-    return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
 def _attend_positions_first(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
