@@ -65,8 +65,8 @@ GRPO = ["data.sources=[synthetic:arithmetic-prompts]", "data.format=prompts", "d
 @pytest.mark.parametrize("name", ["dpo", "grpo"])
 def test_an_old_run_resumes_bitwise(name, tmp_path):
     """The old run, stopped at step 2, resumes there (not from scratch) under the current code. No key counts as
-    changed, and steps 3 and 4 give the old code's losses exactly (with ``model.formulation`` 0, which the resume
-    sets: formulation 1 rounds the last bits otherwise)."""
+    changed, and steps 3 and 4 give the old code's losses exactly (with ``model.formulation`` and ``optim.formulation``
+    0, which the resume sets: formulation 1 rounds the last bits otherwise)."""
     run = tmp_path / "run"
     shutil.copytree(OLD_RUNS / name, run)
     old = {int(step): loss for step, loss in json.loads((OLD_RUNS / f"{name}_losses.json").read_text()).items()}
@@ -78,5 +78,6 @@ def test_an_old_run_resumes_bitwise(name, tmp_path):
     assert (run / "checkpoints" / "4").is_dir()
     resumed = load_config(run / "config.yaml")
     assert resumed.model.formulation == 0  # saved before model.formulation: it kept the products' old formulation
+    assert resumed.optim.formulation == 0  # saved before optim.formulation: its lr schedule still folded in
     if name == "grpo":  # saved before train.draw: it kept sampling by Gumbel draws, and its config now says so
         assert resumed.train.draw == "gumbel"

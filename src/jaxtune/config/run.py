@@ -24,6 +24,12 @@ class OptimConfig(Section):
     decay_steps: int | None = Field(None, ge=1, description="in optimizer updates; default: train.steps (times "
                                     "objective.num_iterations for grpo)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    formulation: int = Field(
+        1, ge=0, le=1, description="1: this section's numbers (lr, warmup and decay steps, min_lr_ratio, betas, eps, "
+        "weight decay, momentum, grad_clip) are inputs of the train program, so that a run with another lr or "
+        "train.steps finds its program in train.compile_cache_dir instead of compiling it; 0: they are constants "
+        "folded into the program, which rounds a few steps' learning rates one ulp otherwise. A run saved before this "
+        "key existed resumes with 0, so that it continues bitwise")
 
 
 class TrainConfig(Section):

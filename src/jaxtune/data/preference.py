@@ -160,7 +160,7 @@ def load_pairs(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, s
                chunk: int = 1024) -> list[EncodedPair]:
     """Every good pair of ``sources`` encoded, length-checked (``data.overlong``), with drops counted in
     ``stats``."""
-    encoder = Encoder(tokenizer, data_cfg)
+    encoder = Encoder(tokenizer, data_cfg, cached=True)
     limit = data_cfg.seq_len + 1
     out: list[EncodedPair] = []
     for pending in parsed_rows(sources, data_cfg, stats, chunk):

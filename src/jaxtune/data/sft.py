@@ -55,6 +55,7 @@ import numpy as np
 
 from jaxtune.config import DataConfig
 from jaxtune.data.chat import REPLY_PLACEHOLDER, end_of_turn, resolve_chat_template
+from jaxtune.data.encode_cache import EncodeCache
 from jaxtune.data.encoded import Encoded, Examples, PackedRows
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import Example
@@ -66,9 +67,13 @@ from jaxtune.data.tokenizer import Tokenizer
 class Encoder:
     """Conversations -> (ids, mask) with the tokenizer's chat template, as the module docstring describes."""
 
-    def __init__(self, tokenizer: Tokenizer, data_cfg: DataConfig):
+    def __init__(self, tokenizer: Tokenizer, data_cfg: DataConfig, cached: bool = False):
+        """``cached``: keep what `encode` makes in ``data.cache_dir`` and read it back (`EncodeCache`): a run's data,
+        not the rows a run makes as it goes."""
         self.tok = tokenizer
         self.loss_on = data_cfg.loss_on
+        self.cache = EncodeCache(data_cfg.cache_dir, tokenizer, self.loss_on) if cached and data_cfg.cache_dir \
+            else None
 
     def pieces(self, ex: Example, prompt_turns: int = 0) -> list[tuple[str, bool]]:
         """The rendered text as (piece, trained) in order; assistant turns before ``prompt_turns`` (a preference
@@ -149,6 +154,16 @@ class Encoder:
 
     def encode(self, examples: list[Example], prompt_turns: list[int] | None = None) -> list[Encoded]:
         """Each example's (ids, mask); ``prompt_turns``: each one's, as `pieces` takes it (default 0)."""
+        if self.cache is None:
+            return self._encode(examples, prompt_turns)
+        key = self.cache.key(examples, prompt_turns)
+        out = self.cache.read(key, examples)
+        if out is None:
+            out = self._encode(examples, prompt_turns)
+            self.cache.write(key, out)
+        return out
+
+    def _encode(self, examples: list[Example], prompt_turns: list[int] | None) -> list[Encoded]:
         all_pieces = [self.pieces(ex, k) for ex, k in zip(examples, prompt_turns or [0] * len(examples))]
         flat = [text for pieces in all_pieces for text, _ in pieces]
         chat = bool(examples) and bool(examples[0].messages)
@@ -248,7 +263,7 @@ class SFTData:
 def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, stats: SFTStats,
                   chunk: int = 1024) -> list[Encoded]:
     """Every good row of ``sources`` encoded, length-checked (``data.overlong``), with drops counted in ``stats``."""
-    encoder = Encoder(tokenizer, data_cfg)
+    encoder = Encoder(tokenizer, data_cfg, cached=True)
     limit = data_cfg.seq_len + 1
     out: list[Encoded] = []
     for pending in parsed_rows(sources, data_cfg, stats, chunk):

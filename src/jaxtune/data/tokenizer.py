@@ -77,9 +77,9 @@ class Tokenizer(abc.ABC):
         if self.chat_template is None:
             raise DataError("this tokenizer has no chat template (tokenizer_config.json chat_template or "
                             "chat_template.jinja); set data.chat_template (e.g. chatml)")
-        return _render(self.chat_template, messages, add_generation_prompt, self._special_strings(), tools)
+        return _render(self.chat_template, messages, add_generation_prompt, self.special_strings(), tools)
 
-    def _special_strings(self) -> dict[str, str]:
+    def special_strings(self) -> dict[str, str]:
         return {}
 
     @abc.abstractmethod
@@ -128,7 +128,7 @@ class _HFTokenizer(Tokenizer):
         template = self._config.get("response_template")
         return template if isinstance(template, dict) and self.chat_template == self._source_template else None
 
-    def _special_strings(self) -> dict[str, str]:
+    def special_strings(self) -> dict[str, str]:
         specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self._config.items()
                     if k.endswith("_token") and isinstance(v, (str, dict))}
         return {"eos_token": self._eos_token, **specials}

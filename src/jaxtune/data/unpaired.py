@@ -141,7 +141,7 @@ def load_unpaired(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer
                   chunk: int = 1024) -> list[EncodedRow]:
     """Every good row of ``sources`` encoded, length-checked (``data.max_prompt_length``, ``data.overlong``), with
     drops counted in ``stats``."""
-    encoder = Encoder(tokenizer, data_cfg)
+    encoder = Encoder(tokenizer, data_cfg, cached=True)
     limit = data_cfg.seq_len + 1
     out: list[EncodedRow] = []
     for pending in parsed_rows(sources, data_cfg, stats, chunk):

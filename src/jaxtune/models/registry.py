@@ -13,7 +13,7 @@ from jaxtune.config import FAMILY_NAMES
 from jaxtune.models import gemma3, gpt2, llama, mistral, qwen
 from jaxtune.models.decoder import DecoderConfig
 from jaxtune.models.family import Family
-from jaxtune.models.layers import LoRAParam, LoraSpec, frozen_as_shapes
+from jaxtune.models.layers import KeyStream, LoRAParam, LoraSpec, frozen_as_shapes
 
 # The implementation of each family `jaxtune.config.kinds.FAMILY_NAMES` declares (``model.family``'s values).
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen.QWEN2, qwen.QWEN3, mistral.FAMILY,
@@ -24,7 +24,10 @@ if set(FAMILIES) != set(FAMILY_NAMES):  # declared without an implementation, or
 
 
 def build_model(cfg: Any, seed: int) -> nnx.Module:
-    return FAMILIES[cfg.family].module_cls(cfg, rngs=nnx.Rngs(params=seed))
+    """The family's module, its weights drawn from ``seed`` (a scanned stack splits ``nnx.Rngs``; layers built one
+    by one draw the same keys from a `KeyStream`)."""
+    rngs = nnx.Rngs(params=seed) if getattr(cfg, "scan_layers", False) else KeyStream(seed)
+    return FAMILIES[cfg.family].module_cls(cfg, rngs=rngs)
 
 
 def param_groups(cfg: Any) -> tuple:

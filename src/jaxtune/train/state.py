@@ -135,6 +135,7 @@ class ModelSpec(Protocol):
     model_cfg: ModelInfo
     tx: optax.GradientTransformation
     lr_schedule: optax.Schedule
+    optimizer: Any  # `jaxtune.train.optim.Optimizer`: tx and lr_schedule, and the train program's inputs
     mesh: Mesh
     shardings: TrainState  # NamedSharding per leaf
     abstract: TrainState  # ShapeDtypeStruct per leaf, with .sharding

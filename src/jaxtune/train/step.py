@@ -9,6 +9,7 @@ NaN policy, dropout) are made when the step is *built*, not inside it. Training,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from jaxtune.train.objectives.base import (
     varies_per_pass,
     with_margins,
 )
+from jaxtune.train.optim import Optimizer
 from jaxtune.train.reference import Companion, Frozen, frozen_of, step_reference, with_companion
 from jaxtune.train.state import Batch, Forward, ModelSpec, TrainState
 
@@ -139,9 +141,17 @@ def repeated(update: Callable, passes: int, first_key: int, carried: Collection[
     return run
 
 
+def _reading(optimizer: Optimizer | None, hyper: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer and schedule that read their numbers from ``hyper`` (the train program's inputs)."""
+    if optimizer is None:
+        raise ValueError("a train step given the optimizer's numbers needs the Optimizer that reads them")
+    return optimizer.tx(hyper), optimizer.schedule(hyper)
+
+
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *,
                     micro_batches: int = 1, skip_nonfinite: bool = False, use_dropout: bool = True, passes: int = 1,
-                    prepare: Callable[[Any, Batch, Frozen], Batch] | None = None, objective: Any = None):
+                    prepare: Callable[[Any, Batch, Frozen], Batch] | None = None, objective: Any = None,
+                    optimizer: Optimizer | None = None):
     """Build the step around ``loss_fn`` (`objective_loss`). The loss is weighted by the objective's count over
     the whole batch (`accumulated`); so are the objective's metrics.
 
@@ -151,12 +161,13 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
     and the learning-rate schedule counts updates. ``objective``: the one ``loss_fn`` computes, where it carries
     scalars from update to update (``advance``; `jaxtune.train.objectives.base`): each update's loss reads the state's
     carry, which the update's metric means then advance. A non-finite pass (with ``skip_nonfinite``) keeps the state
-    as it was before the step, its carry too."""
+    as it was before the step, its carry too. ``optimizer``: where the step is given the optimizer's numbers
+    (``hyper``, `Optimizer.inputs`), ``tx`` and ``lr_schedule`` are made from them."""
     gradients = accumulated(loss_fn, micro_batches)
     advance = getattr(objective, "advance", None)
     carried: set[str] = set()
 
-    def update(params, opt_state, carry, batch, step_key, frozen):
+    def update(tx, params, opt_state, carry, batch, step_key, frozen):
         loss, count, extra, grads = gradients(params, {**batch, **carry}, step_key, frozen)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -167,11 +178,11 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
             extra = {**extra, **logged}
         return optax.apply_updates(params, updates), opt_state, carry, (loss, count, extra, grad_norm, finite)
 
-    updates = repeated(update, passes, micro_batches, carried)
-
-    def train_step(state: TrainState, batch: Batch, frozen: Frozen | None = None):
+    def train_step(state: TrainState, batch: Batch, frozen: Frozen | None = None, hyper: Any = None):
         """``frozen``: weights that do not train (a LoRA base, the companion's): read, never updated, no optimizer
-        state."""
+        state. ``hyper``: the optimizer's numbers (`Optimizer.inputs`), or None where ``tx`` holds them."""
+        opt, schedule = (tx, lr_schedule) if hyper is None else _reading(optimizer, hyper)
+        updates = repeated(functools.partial(update, opt), passes, micro_batches, carried)
         frozen = frozen_of(frozen)
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step) if use_dropout else None
         if prepare is not None:
@@ -191,7 +202,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedu
             nan_skipped=state.nan_skipped + jnp.where(finite, 0, 1),
             carry=carry,
         )
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step * passes), "count": count,
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step * passes), "count": count,
                    "finite": finite, "nan_streak": new_state.nan_streak, **extra}
         return new_state, metrics
 
@@ -229,7 +240,7 @@ def build_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
             return objective.prepare(forward, weights, batch, companion_view)
     step = make_train_step(loss, spec.tx, spec.lr_schedule, micro_batches=train.micro_batches,
                            skip_nonfinite=train.on_nan == "skip", use_dropout=spec.model_cfg.needs_key, passes=passes,
-                           prepare=prepare, objective=objective)
+                           prepare=prepare, objective=objective, optimizer=spec.optimizer)
     return step, make_eval_step(loss, prepare if objective.prepares else None, initial_carry(objective))
 
 
@@ -297,6 +308,21 @@ def eval_key(batch: dict[str, Any]) -> tuple:
     return ("eval",) + tuple(sorted((k, np.shape(v)) for k, v in batch.items()))
 
 
+class WithInputs:
+    """The jitted train step called (and lowered) with the optimizer's numbers as its last argument (`Optimizer
+    .inputs`, host scalars that each call places; None where the program holds them as constants): ``(state, batch,
+    frozen)`` as before."""
+
+    def __init__(self, jitted: Any, inputs: Any):
+        self.jitted, self.inputs = jitted, inputs
+
+    def __call__(self, state: TrainState, batch: Batch, frozen: Any = None) -> tuple[TrainState, Metrics]:
+        return self.jitted(state, batch, frozen, self.inputs)
+
+    def lower(self, state: Any, batch: Any, frozen: Any = None) -> Any:
+        return self.jitted.lower(state, batch, frozen, self.inputs)
+
+
 def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
               companion: Companion | None = None) -> Steps:
     """`build_steps` jitted once with explicit shardings: batches over the data axes, state donated, the frozen
@@ -304,15 +330,16 @@ def jit_steps(spec: ModelSpec, objective: Objective, train: TrainConfig,
     step_impl, eval_impl = build_steps(spec, objective, train, companion)
     steps = Steps(spec, None, None, companion)
 
-    def counted_step(state, batch, frozen):
+    def counted_step(state, batch, frozen, hyper):
         steps.traces[0] += 1
-        return step_impl(state, batch, frozen)
+        return step_impl(state, batch, frozen, hyper)
 
     mesh = spec.mesh
     batch_sh = sharding.batch_sharding(mesh)
     frozen_sh = steps.frozen_shardings()
-    steps.train = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh, frozen_sh),
-                          out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
+    jitted = jax.jit(counted_step, in_shardings=(spec.shardings, batch_sh, frozen_sh, sharding.replicated(mesh)),
+                     out_shardings=(spec.shardings, sharding.replicated(mesh)), donate_argnums=0)
+    steps.train = WithInputs(jitted, spec.optimizer.inputs if spec.optimizer is not None else None)
     steps.eval = jax.jit(eval_impl, in_shardings=(spec.shardings.params, batch_sh, frozen_sh))
     return steps
 

@@ -32,7 +32,7 @@ from jaxtune.train.logprobs import (
     token_logps_and_entropy,
 )
 from jaxtune.train.objectives import initial_carry
-from jaxtune.train.optim import make_optimizer, schedule
+from jaxtune.train.optim import Optimizer
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout
 
 
@@ -98,6 +98,7 @@ class NativeSpec:
     base_layout: tuple = ()
     gguf_plan: Any = None  # model.quantize=gguf: where each adapted kernel's blocks are in the file
     carry: dict = field(default_factory=dict)  # the objective's initial carry (`TrainState.carry`)
+    optimizer: Optimizer | None = None  # what made tx and lr_schedule; formulation 1: the train program's inputs
 
     def init(self, seed: int) -> TrainState:
         """A fresh state, created sharded (each device computes or reads only its own shards)."""
@@ -212,7 +213,8 @@ class NativeBackend:
 
     def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> NativeSpec:
         model_cfg = with_head(model_config(cfg.model, vocab_size), cfg)
-        tx = make_optimizer(cfg.optim, cfg.optimizer_updates)
+        optimizer = Optimizer(cfg.optim, cfg.optimizer_updates)
+        tx = optimizer.tx()
         graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
         carry = initial_carry(cfg.objective)
         shardings, abstract, frozen = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed, carry)
@@ -227,8 +229,8 @@ class NativeBackend:
             base = (frozen[0], frozen_sh[0])
             quantized, placed = quantized_layout(abstract.params, frozen[0], frozen_sh[0], kind)
             frozen, frozen_sh = (quantized,), (placed,)
-        return NativeSpec(model_cfg, graphdef, tx, schedule(cfg.optim, cfg.optimizer_updates), mesh, shardings,
-                          abstract, cfg.model.from_hf, frozen, frozen_sh, kind, base, plan, carry)
+        return NativeSpec(model_cfg, graphdef, tx, optimizer.schedule(), mesh, shardings,
+                          abstract, cfg.model.from_hf, frozen, frozen_sh, kind, base, plan, carry, optimizer)
 
     def runs(self, config_json: dict[str, Any]) -> bool:
         try:

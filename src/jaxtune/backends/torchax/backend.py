@@ -42,7 +42,7 @@ from jaxtune.models.sampling import (
 )
 from jaxtune.train.logprobs import tempered, token_logps, token_logps_and_entropy
 from jaxtune.train.objectives import initial_carry
-from jaxtune.train.optim import make_optimizer, schedule
+from jaxtune.train.optim import Optimizer
 from jaxtune.train.state import Batch, TrainState, init_state, state_layout
 
 
@@ -84,6 +84,7 @@ class TorchaxSpec:
     frozen_abstract: tuple = ()
     frozen_shardings: tuple = ()
     carry: dict = field(default_factory=dict)  # the objective's initial carry (`TrainState.carry`)
+    optimizer: Optimizer | None = None  # what made tx and lr_schedule; formulation 1: the train program's inputs
 
     def init(self, seed: int) -> TrainState:
         """A fresh state from the module's weights (checkpoint or seeded init), placed shard by shard."""
@@ -182,13 +183,14 @@ class TorchaxBackend:
         abstract_groups = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), g) for g in groups]
         fsdp = mesh.shape["fsdp"]
         group_sh = [jax.tree.map(lambda a: NamedSharding(mesh, P(*fsdp_axes(a.shape, fsdp))), g) for g in groups]
-        tx = make_optimizer(cfg.optim, cfg.optimizer_updates)
+        optimizer = Optimizer(cfg.optim, cfg.optimizer_updates)
+        tx = optimizer.tx()
         carry = initial_carry(cfg.objective)
         shardings, abstract, frozen_abstract = state_layout(tx, abstract_groups, group_sh, mesh, cfg.train.seed,
                                                             carry)
-        return TorchaxSpec(info, model, tx, schedule(cfg.optim, cfg.optimizer_updates), mesh, shardings, abstract,
+        return TorchaxSpec(info, model, tx, optimizer.schedule(), mesh, shardings, abstract,
                            trainable, frozen if model.frozen_names else None, frozen_abstract, tuple(group_sh[1:]),
-                           carry)
+                           carry, optimizer)
 
     def runs(self, config_json: dict[str, Any]) -> bool:
         """Any transformers causal LM (its ops must lower through torchax: checked when it first runs)."""
