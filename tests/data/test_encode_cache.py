@@ -83,7 +83,13 @@ def test_a_damaged_entry_is_encoded_again(tmp_path, tok_dir):
     first = Encoder(_tok(tok_dir), cfg, cached=True).encode(rows)
     (entry,) = (tmp_path / "encoded").glob("*.npz")
     whole = entry.read_bytes()
-    for damaged in (whole[: len(whole) // 2], b"", whole.replace(b"offsets", b"offsetz")):
+    with np.load(entry) as f:  # a whole file that does not fit the rows: one row fewer, or ids past the last row's
+        ids, mask, offsets = f["ids"], f["mask"], f["offsets"]
+    misfits = []
+    for kept in ((ids, mask, offsets[:-1]), (ids, mask[:-1], offsets)):
+        np.savez(tmp_path / "misfit.npz", **dict(zip(("ids", "mask", "offsets"), kept)))
+        misfits.append((tmp_path / "misfit.npz").read_bytes())
+    for damaged in (whole[: len(whole) // 2], b"", whole.replace(b"offsets", b"offsetz"), *misfits):
         entry.write_bytes(damaged)
         assert _same(first, Encoder(_tok(tok_dir), cfg, cached=True).encode(rows))
         assert entry.read_bytes() == whole  # written again, whole
