@@ -20,7 +20,6 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import numpy as np
 import tokenizers
 
@@ -44,6 +43,8 @@ class EncodeCache:
     damaged."""
 
     def __init__(self, directory: str | Path, tokenizer: Any, loss_on: str):
+        import jinja2  # imported where it is used, as the chat templates' renderer does
+
         self.directory = Path(directory).expanduser() / "encoded"
         self.salt = json.dumps([_FORMAT, _code(), tokenizers.__version__, jinja2.__version__, tokenizer.fingerprint,
                                 tokenizer.chat_template, tokenizer.special_strings(), list(tokenizer.bos_prefix),
