@@ -147,6 +147,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--alpha", type=float, default=16.0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-sdpa", action="store_true", help="skip the transformers sdpa row")
+    ap.add_argument("--scan", action="store_true", help="also jaxtune's step with model.scan_layers=true (its own "
+                    "adapters, drawn per layer from split keys: the same step-1 loss, later ones close)")
     ap.add_argument("--hf-unpacked", action="store_true",
                     help="give transformers plain causal rows (no position_ids): less masking work, and a different "
                          "function, so the step-1 loss check is reported but not enforced")
@@ -166,11 +168,11 @@ def main(argv=None) -> dict:
     tmp = tempfile.TemporaryDirectory()
     n_params = write_hf_model(tmp.name, args)
     targets = "[" + ",".join(HF_TARGETS) + "]"
-    cfg = load_config(None, [f"model.from_hf={tmp.name}", f"model.lora.rank={args.rank}",
-                             f"model.lora.alpha={args.alpha}", f"model.lora.targets={targets}",
-                             f"data.seq_len={args.seq}", f"train.batch_size={args.batch}", f"train.steps={n_steps}",
-                             f"optim.lr={args.lr}", "optim.weight_decay=0.0", "optim.grad_clip=null",
-                             "optim.schedule=constant", "optim.warmup_steps=0"])
+    overrides = [f"model.from_hf={tmp.name}", f"model.lora.rank={args.rank}", f"model.lora.alpha={args.alpha}",
+                 f"model.lora.targets={targets}", f"data.seq_len={args.seq}", f"train.batch_size={args.batch}",
+                 f"train.steps={n_steps}", f"optim.lr={args.lr}", "optim.weight_decay=0.0", "optim.grad_clip=null",
+                 "optim.schedule=constant", "optim.warmup_steps=0"]
+    cfg = load_config(None, overrides)
     ocfg = cfg.optim
 
     # ---- jaxtune: the LoRA step as train() builds and jits it
@@ -192,15 +194,20 @@ def main(argv=None) -> dict:
 
     impls: dict[str, dict] = {}
     with sharding.use_mesh(mesh):
-        box = {"state": state, "i": 0}
+        steps = {"jaxtune LoRA (jax.jit)": (state, frozen, train_step)}
+        if args.scan:
+            scanned = jaxtune_step(load_config(None, [*overrides, "model.scan_layers=true"]))
+            steps["jaxtune LoRA, scan_layers"] = (scanned["state"], scanned["frozen"], scanned["train_step"])
+        for name, (st, fr, fn) in steps.items():
+            box = {"state": st, "i": 0}
 
-        def jax_step():
-            box["state"], metrics = train_step(box["state"], jax_batches[box["i"]], frozen)
-            jax.block_until_ready((box["state"], metrics))
-            box["i"] += 1
-            return float(metrics["loss"])
+            def jax_step(box=box, fr=fr, fn=fn):
+                box["state"], metrics = fn(box["state"], jax_batches[box["i"]], fr)
+                jax.block_until_ready((box["state"], metrics))
+                box["i"] += 1
+                return float(metrics["loss"])
 
-        impls["jaxtune LoRA (jax.jit)"] = {"step": jax_step}
+            impls[name] = {"step": jax_step}
         trainable = {}
         for attn in attns:
             model, trainable[attn] = peft_model(tmp.name, attn, args, init_adapters)
