@@ -95,7 +95,7 @@ class NativeModelConfig(ModelSection):
         False, description="stack the layers' parameters and run them as one scanned layer: the programs hold one "
         "layer, so they compile several times faster and a re-run reads them from train.compile_cache_dir in about a "
         "second (a 30-layer 135M LoRA DPO job on 2 Zen 4 cores: first step 25.5 s cold and 16.6 s on a re-run, "
-        "against 47.3 s and 36.4 s unrolled); its steps were 3-5% slower there, and 12% faster on LoRA SFT's packed "
+        "against 47.3 s and 36.4 s unrolled); its steps were 3-5% slower there, and as fast on LoRA SFT's packed "
         "4 x 512-token rows. Checkpoints keep the layout: a run resumes with the value it started with")
     attention: Literal["auto", "xla", "cudnn", "splash"] = Field(
         "auto", description="auto/xla: XLA's attention; cudnn: cuDNN flash attention (GPUs); splash: JAX's Pallas "
