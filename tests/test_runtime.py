@@ -54,6 +54,57 @@ def test_tune_malloc_removes_the_page_faults_of_a_reused_buffer():
     assert mode == "tuned" and int(released) > 19 * 10_000, released
 
 
+# The train loop's heap on a CPU run (`HeapWatch`): a step's temporary buffer larger than the 2 GB that mallopt's trim
+# threshold takes, freed and allocated again; then a freed block the steps do not reuse (an evaluation's, a
+# compile's), which must be given back once, and a steady loop after it, which must not be.
+WATCH = textwrap.dedent("""
+    import ctypes, resource, sys
+    from jaxtune import runtime
+    assert runtime.tune_malloc() == "tuned"
+    runtime.release_malloc(runtime.KEEP_HEAP_MAX_BYTES + 1)  # a large model's setup: glibc's mmap and trim again
+    watch = runtime.HeapWatch.start("cpu") if sys.argv[1] == "cpu" else None
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    def touched(size):
+        p = libc.malloc(size)
+        ctypes.memset(p, 1, size)
+        return p
+    def step(size=(2 << 30) + (64 << 20)):
+        libc.free(ctypes.c_void_p(touched(size)))
+        if watch is not None:
+            watch.after_step(None)
+    step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step(); step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    trims = watch.trims if watch else 0
+    kept = runtime.resident_bytes()
+    libc.free(ctypes.c_void_p(touched(11 << 28)))  # 2.75 GB freed: more than the steps reuse (an evaluation's)
+    grown = runtime.resident_bytes()
+    step()
+    after = runtime.resident_bytes()
+    step(); step(); step()
+    print(faults, trims, watch.trims if watch else 0, kept >> 20, grown >> 20, after >> 20,
+          runtime.HeapWatch.start("tpu") is None)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings: Linux only")
+def test_heap_watch_reuses_a_step_buffer_over_2gb_and_gives_back_what_the_steps_do_not_reuse():
+    """2.06 GB is 540k pages: faulted in afresh every step unless the heap keeps it; the 0.7 GB more that a larger
+    block left resident is given back (one trim), then the steady steps trim nothing. Not on a non-CPU platform, and
+    not by default."""
+    *numbers, off_cpu = _python(WATCH, "cpu")
+    faults, trims, trims_after, kept, grown, after = map(int, numbers)
+    assert faults < 50_000, faults  # two steps of a kept 2.06 GB buffer: not its 1.08M pages again
+    assert trims == 0, trims
+    assert grown > kept + 600  # the larger block, freed, stayed resident ...
+    assert trims_after == 1 and after < kept - 1500, (trims_after, kept, after)  # ... until the next step's end
+    assert off_cpu == "True"  # off the CPU nothing changes
+    faults, *_ = map(int, _python(WATCH, "none")[:-1])  # tune_malloc's 2 GB trim threshold alone: faulted every step
+    assert faults > 2 * 500_000, faults
+
+
 def test_jaxtune_malloc_default_opts_out():
     import os
 

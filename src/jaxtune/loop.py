@@ -304,6 +304,7 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
     and evaluation; each component keeps its own schedule (``eval.every``, ``checkpoint.every``, ``logging.every``)."""
     cfg, log, laps, evaluator, ckpt, profiler = run.cfg, run.log, run.laps, run.evaluator, run.ckpt, run.profiler
     total, state, step, frozen = cfg.train.steps, run.state, run.start, run.frozen
+    heap = runtime.HeapWatch.start(run.mesh.devices.flat[0].platform)  # a CPU step reuses its pages (runtime.py)
     if step == 0 and evaluator.active:
         if not cfg.logging.progress:  # else its progress bar says so
             log.message("step 0: evaluating the starting model (the baseline report.md compares against) ...")
@@ -321,6 +322,8 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
         if step == run.start:
             laps.lap("compile")  # the first dispatch compiled the step (or loaded it from the cache)
         step += 1
+        if heap is not None:
+            heap.after_step(state)
         profiler.after(step, state)
         _check(run, log.push(step, {**metrics, **sampled}, shape))
         if run.sync is not None and run.sync.due(step):  # before this step's evaluation and save, as TRL's

@@ -8,7 +8,9 @@ and a third of the step's time in the kernel (benchmarks/RESULTS.md). `tune_mall
 process (one arena, no trim, no mmap for large blocks), so each step reuses warm pages. Its cost is memory: the
 process keeps its peak heap instead of shrinking between steps (measured in benchmarks/RESULTS.md, "Time outside
 the train step"). The CLI applies it before JAX starts; ``JAXTUNE_MALLOC=default`` leaves glibc as it is, and a
-library user calling ``train()`` may call `tune_malloc` first. It is a no-op off glibc (macOS, musl).
+library user calling ``train()`` may call `tune_malloc` first. It is a no-op off glibc (macOS, musl). A large model
+gives memory back while its weights are read (`release_malloc`); the train loop then keeps the heap for its steps,
+whatever their buffers' size, and gives it back when it grows (`HeapWatch`).
 
 **libtpu on a machine without a TPU** (`quiet_libtpu`). ``pip install 'jaxtune[aot]'`` installs libtpu so that
 `jaxtune info --compile-for` can compile for a TPU slice on any host. JAX then tries a TPU backend in every process:
@@ -29,6 +31,7 @@ import ctypes.util
 import glob
 import importlib.util
 import os
+from typing import Any
 
 # mallopt parameters (glibc malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
@@ -45,8 +48,7 @@ def tune_malloc() -> str:
         _tuned = "default"
         return _tuned
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         _tuned = "unavailable"
         return _tuned
@@ -55,21 +57,83 @@ def tune_malloc() -> str:
     return _tuned
 
 
-# Above this many parameter bytes (float32), a run gives memory back again (`release_malloc`).
+# Above this many parameter bytes (float32), a run gives memory back again while it sets up (`release_malloc`).
 KEEP_HEAP_MAX_BYTES = 200 << 20
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def release_malloc(param_bytes: int) -> bool:
     """Undo `tune_malloc`'s no-mmap / no-trim for a model of ``param_bytes`` (float32) past `KEEP_HEAP_MAX_BYTES`,
-    before its weights are read; True when it did. The kept heap's cost grows with the model (fragments of freed
-    weight copies and step buffers are never returned: SmolLM2-135M peaked at 10.6 GB tuned vs 4.9 GB default over 3
-    LoRA steps) while the page faults it saves shrink relative to a longer step. One arena stays."""
+    before its weights are read; True when it did. Reading and converting a large model's weights leaves freed copies
+    all over a kept heap (SmolLM2-135M peaked at 10.6 GB tuned vs 4.9 GB default over 3 LoRA steps); `HeapWatch`
+    keeps the heap again for the steps. One arena stays."""
     if _tuned != "tuned" or param_bytes <= KEEP_HEAP_MAX_BYTES:
         return False
-    mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    mallopt = _libc().mallopt
     mallopt(_M_MMAP_MAX, 65536)  # glibc's default
     mallopt(_M_TRIM_THRESHOLD, 128 << 10)  # glibc's default
     return True
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class HeapWatch:
+    """The train loop's memory on a CPU run under `tune_malloc`: every step reuses the previous step's warm pages, and
+    the heap is given back only when it has grown.
+
+    XLA:CPU allocates a step's temporary buffer (7.8 GB for a LoRA step of SmolLM2-135M on 4 x 512 tokens) at its
+    start and frees it at its end. `tune_malloc`'s trim threshold (2 GB, the most ``mallopt`` takes as a size) gives
+    a larger block back to the kernel when it is freed, so the next step faults and zeroes it again: there the step
+    spent a fifth of its time in the kernel. `start` keeps every freed block (no mmap, no trim, also after
+    `release_malloc`) and gives back what setup left free (``malloc_trim``). A step that starts before the previous one
+    has freed its buffer takes a second block, so on a kept heap the loop waits for each step (`after_step`), which
+    on a CPU costs nothing: host and device are the same cores. Other programs (evaluation, sampling, compiles on
+    worker threads) can still leave freed blocks the steps do not reuse: when the resident memory at a step's end
+    exceeds the least seen at a step's end since the heap was last given back by an eighth (and 64 MiB), it is given
+    back again (``malloc_trim``), and the next step faults its buffer in once. Measured in benchmarks/RESULTS.md
+    ("Page faults at 135M").
+    """
+
+    GROWTH, SLACK = 1.125, 64 << 20
+
+    def __init__(self, libc: Any) -> None:
+        self._libc = libc
+        self.floor: int | None = None
+        self.trims = 0
+
+    @classmethod
+    def start(cls, platform: str) -> HeapWatch | None:
+        """Keep the heap for the steps of a run on ``platform``; None (nothing to do) off the CPU, or when
+        `tune_malloc` did not tune this process."""
+        if _tuned != "tuned" or platform != "cpu":
+            return None
+        libc = _libc()
+        if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, -1)):  # -1: SIZE_MAX, never trim
+            return None
+        libc.malloc_trim(0)
+        return cls(libc)
+
+    def after_step(self, state: Any) -> None:
+        """Wait for the step that made ``state``; give the heap back when it has grown (see the class)."""
+        import jax
+
+        jax.block_until_ready(state)
+        rss = resident_bytes()
+        if self.floor is None or rss < self.floor:
+            self.floor = rss
+        elif rss > self.floor * self.GROWTH + self.SLACK:
+            self._libc.malloc_trim(0)
+            self.floor, self.trims = None, self.trims + 1
 
 
 # What libtpu reads from the environment when it cannot ask a TPU VM's metadata server.
