@@ -245,7 +245,7 @@ def tune_malloc() -> None:
     """
     libc = ctypes.CDLL("libc.so.6")
     m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
-    ok = libc.mallopt(m_arena_max, 1) and libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)
+    ok = libc.mallopt(m_arena_max, 1) and libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, -1)
     if not ok:
         raise RuntimeError("mallopt failed")
 

@@ -72,7 +72,7 @@ WATCH = textwrap.dedent("""
     def step(size=(2 << 30) + (64 << 20)):
         libc.free(ctypes.c_void_p(touched(size)))
         if watch is not None:
-            watch.after_step(None)
+            watch.after_step()
     step()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step(); step()

@@ -322,8 +322,9 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
         if step == run.start:
             laps.lap("compile")  # the first dispatch compiled the step (or loaded it from the cache)
         step += 1
-        if heap is not None:
-            heap.after_step(state)
+        if heap is not None:  # one step at a time, so that each reuses the last one's buffer
+            jax.block_until_ready(state)
+            heap.after_step()
         profiler.after(step, state)
         _check(run, log.push(step, {**metrics, **sampled}, shape))
         if run.sync is not None and run.sync.due(step):  # before this step's evaluation and save, as TRL's

@@ -92,16 +92,16 @@ class HeapWatch:
     the heap is given back only when it has grown.
 
     XLA:CPU allocates a step's temporary buffer (7.8 GB for a LoRA step of SmolLM2-135M on 4 x 512 tokens) at its
-    start and frees it at its end. `tune_malloc`'s trim threshold (2 GB, the most ``mallopt`` takes as a size) gives
-    a larger block back to the kernel when it is freed, so the next step faults and zeroes it again: there the step
-    spent a fifth of its time in the kernel. `start` keeps every freed block (no mmap, no trim, also after
-    `release_malloc`) and gives back what setup left free (``malloc_trim``). A step that starts before the previous one
-    has freed its buffer takes a second block, so on a kept heap the loop waits for each step (`after_step`), which
-    on a CPU costs nothing: host and device are the same cores. Other programs (evaluation, sampling, compiles on
-    worker threads) can still leave freed blocks the steps do not reuse: when the resident memory at a step's end
-    exceeds the least seen at a step's end since the heap was last given back by an eighth (and 64 MiB), it is given
-    back again (``malloc_trim``), and the next step faults its buffer in once. Measured in benchmarks/RESULTS.md
-    ("Page faults at 135M").
+    start and frees it at its end. `tune_malloc`'s trim threshold (2 GB, the largest positive ``int``) gives a larger
+    block back to the kernel when it is freed, so the next step faults and zeroes it again: there the step spent a
+    fifth of its time in the kernel. `start` keeps every freed block (no mmap; trim threshold -1, which glibc reads as
+    the largest size; also after `release_malloc`) and gives back what setup left free (``malloc_trim``). A step that
+    starts before the previous one has freed its buffer takes a second block, so on a kept heap the loop waits for
+    each step before it calls `after_step`, which on a CPU costs nothing: host and device are the same cores. Other
+    programs (evaluation, sampling, compiles on worker threads) can still leave freed blocks the steps do not reuse:
+    when the resident memory at a step's end exceeds the least seen at a step's end since the heap was last given
+    back by an eighth (and 64 MiB), it is given back again (``malloc_trim``), and the next step faults its buffer in
+    once. Measured in benchmarks/RESULTS.md ("A step's buffer over 2 GB was faulted in afresh every step").
     """
 
     GROWTH, SLACK = 1.125, 64 << 20
@@ -123,11 +123,8 @@ class HeapWatch:
         libc.malloc_trim(0)
         return cls(libc)
 
-    def after_step(self, state: Any) -> None:
-        """Wait for the step that made ``state``; give the heap back when it has grown (see the class)."""
-        import jax
-
-        jax.block_until_ready(state)
+    def after_step(self) -> None:
+        """At a step's end, once the caller has waited for it: give the heap back when it has grown (see the class)."""
         rss = resident_bytes()
         if self.floor is None or rss < self.floor:
             self.floor = rss
