@@ -322,11 +322,10 @@ def _loop(run: Run, preemption: distributed.Preemption) -> tuple[TrainState, int
         if step == run.start:
             laps.lap("compile")  # the first dispatch compiled the step (or loaded it from the cache)
         step += 1
-        if heap is not None:  # one step at a time, so that each reuses the last one's buffer
-            jax.block_until_ready(state)
-            heap.after_step()
         profiler.after(step, state)
         _check(run, log.push(step, {**metrics, **sampled}, shape))
+        if heap is not None:
+            _check(run, _one_at_a_time(heap, log, state))
         if run.sync is not None and run.sync.due(step):  # before this step's evaluation and save, as TRL's
             frozen = run.sync(frozen, state.params)
             log.message(run.sync.note(step))
@@ -406,6 +405,14 @@ def _train_step(run: Run, state: TrainState, frozen: Frozen, batch: dict[str, An
     """Train step ``step`` on the host ``batch`` (a length bucket's first batch compiles its program, said)."""
     return run.shapes.step(lambda: run.steps.train(state, sharding.global_batch(run.mesh, batch), frozen), shape,
                            step, run.log.message, run.steps.ahead)
+
+
+def _one_at_a_time(heap: runtime.HeapWatch, log: StepLog, state: TrainState) -> NonFinite | None:
+    """On a CPU run's kept heap, wait for the step, so that the next one reuses its buffer (`runtime.HeapWatch`), and
+    read its metrics now (its row is written at once, not after the next step)."""
+    jax.block_until_ready(state)
+    heap.after_step()
+    return log.drain()
 
 
 def _check(run: Run, stop: NonFinite | None) -> None:
