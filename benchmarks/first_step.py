@@ -36,8 +36,9 @@ pair to the batch's longest. The warm-up differs by a step (TRL's lr is 0 at ste
   tensorboard: false}``; ``train.compile_cache_dir`` and ``data.cache_dir`` in the work dir, both new each round).
   jaxtune also evaluates the starting model at step 0 (the baseline its report compares against): that evaluation
   is part of its time to the first step. Its step-1 time is the ``"time"`` of metrics.jsonl's ``{"kind": "train",
-  "step": 1}`` row, which the loop writes when it reads step 1's metrics, one step late (after step 2's batch is
-  fetched and dispatched), so it can be late by that much, never early.
+  "step": 1}`` row, which the loop writes when it reads step 1's metrics: at once on a CPU run (`runtime.HeapWatch`
+  waits for each step), else one step late (after step 2's batch is fetched and dispatched), so it can be late by
+  that much, never early.
 - TRL 1.16: ``python benchmarks/first_step.py --child trl --spec ...`` (this file, in TRL-only mode): imports torch,
   transformers, peft, datasets and trl, loads the model and tokenizer with ``from_pretrained(dtype=float32)``, reads
   the JSONL files with ``datasets.load_dataset("json", cache_dir=...)``, builds ``DPOTrainer(peft_config=LoraConfig

@@ -13,6 +13,7 @@ from helpers.processes import run_driver, start_driver, wait
 from helpers.run_outputs import final_params, losses
 
 from jaxtune import loop as loop_mod
+from jaxtune import runtime
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import DataError, load_tokenizer, prepare_tokens
 from jaxtune.loop import NonFiniteLossError, train
@@ -141,6 +142,25 @@ def test_nan_abort_keeps_last_good_checkpoint(tiny_cfg, monkeypatch):
     with pytest.raises(NonFiniteLossError, match=r"step 7: loss=nan.*last good checkpoint: 5"):
         train(cfg)
     assert Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint).latest_step() == 5
+
+
+def test_on_a_kept_cpu_heap_each_step_is_read_before_the_next_and_a_nan_still_stops_at_its_step(tiny_cfg, monkeypatch):
+    """With `runtime.HeapWatch` (what `jaxtune train` starts on a CPU run; here without its process-wide mallopt), the
+    loop waits for each step and reads its metrics before it dispatches the next, so a step's row is written at once;
+    the NaN policy still stops at the poisoned step with the last good checkpoint kept."""
+    monkeypatch.setattr(runtime.HeapWatch, "start", classmethod(lambda cls, platform: cls(runtime._libc())))
+    read_before, dispatch = {}, loop_mod._train_step
+
+    def recorded(run, state, frozen, batch, shape, step):
+        read_before[step] = max(run.log.losses, default=0)  # the last step whose metrics were read
+        return dispatch(run, state, frozen, batch, shape, step)
+
+    monkeypatch.setattr(loop_mod, "_train_step", recorded)
+    _poison(monkeypatch, {7})
+    cfg = tiny_cfg("train.on_nan=abort", NO_EVAL)
+    with pytest.raises(NonFiniteLossError, match=r"step 7: loss=nan.*last good checkpoint: 5"):
+        train(cfg)
+    assert read_before == {k: k - 1 for k in range(1, 8)}  # without the watch: step k - 2 (a step late)
 
 
 def test_nan_skip_counts_and_aborts_after_k_in_a_row(tiny_cfg, monkeypatch):
