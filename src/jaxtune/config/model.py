@@ -94,9 +94,10 @@ class NativeModelConfig(ModelSection):
     scan_layers: bool = Field(
         False, description="stack the layers' parameters and run them as one scanned layer: the programs hold one "
         "layer, so they compile several times faster and a re-run reads them from train.compile_cache_dir in about a "
-        "second (a 30-layer 135M LoRA DPO job on 2 Zen 4 cores: first step 25.5 s cold and 16.6 s on a re-run, "
-        "against 47.3 s and 36.4 s unrolled); its steps were 3-5% slower there, and as fast on LoRA SFT's packed "
-        "4 x 512-token rows. Checkpoints keep the layout: a run resumes with the value it started with")
+        "second (a 30-layer 135M LoRA DPO job on 2 Zen 4 cores: first step 25.1-25.7 s cold and 14.3-14.9 s on a "
+        "re-run, against 46.8-48.3 s and 34.6-39.6 s unrolled and TRL's 20.5 s and 14.6-15.2 s); its steps were "
+        "3-10% slower there, and as fast on LoRA SFT's packed 4 x 512-token rows. Checkpoints keep the layout: a "
+        "run resumes with the value it started with")
     attention: Literal["auto", "xla", "cudnn", "splash"] = Field(
         "auto", description="auto/xla: XLA's attention; cudnn: cuDNN flash attention (GPUs); splash: JAX's Pallas "
         "splash attention kernel on TPU (memory linear in the sequence; causal, packed and sliding-window training "
