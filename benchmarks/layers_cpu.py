@@ -1,7 +1,8 @@
 """One layer's attention and one SwiGLU MLP, forward and backward, in each ``model.formulation`` beside PyTorch eager.
 
 Formulation 0 is jaxtune's layout before 2026-11-29 (attention's products with the positions before the heads,
-autodiff's dense gradients); 1 is the default (`jaxtune.models.layers._attend`, `layers.matmul`). At SmolLM2-135M's
+autodiff's dense gradients); 1 has `jaxtune.models.layers._attend` and `layers.matmul`; 2 (the default) differs from 1
+in the MLP's down projection, whose weight gradient transposes the narrower output gradient. At SmolLM2-135M's
 shapes by default: 4 rows of 260 positions (a reward-model step's shared-prompt rows), 9 query heads over 3 key/value
 heads of 64, the rows' mask a prompt then two branches; the MLP 576 -> 1536 -> 576 over the same 1,040 tokens.
 PyTorch: ``scaled_dot_product_attention`` with the same boolean mask (``enable_gqa``) and the MLP's three matmuls,
@@ -15,6 +16,7 @@ medians (and minima) of ``--calls`` calls after two warm-up calls. The formulati
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -67,8 +69,8 @@ def mlp_rows(a, rng) -> dict:
     x, w = (rng.standard_normal((a.rows, a.positions, d)).astype(np.float32) for _ in range(2))
     weights = [(0.02 * rng.standard_normal(s)).astype(np.float32) for s in [(d, f), (d, f), (f, d)]]
     out = {}
-    for form in (0, 1):
-        mm = layers.matmul if form else jnp.matmul
+    for form in (0, 1, 2):  # 2 differs from 1 in the down projection's weight gradient (1536 -> 576)
+        mm = functools.partial(layers.matmul, formulation=form) if form else jnp.matmul
 
         def loss(ws, x, mm=mm):
             return jnp.sum(mm(jax.nn.silu(mm(x, ws[0])) * mm(x, ws[1]), ws[2]) * w)
@@ -96,7 +98,8 @@ def main(argv=None) -> None:
     print(f"machine: {h.machine()}; threads {threads}; jax {jax.__version__}, torch {torch.__version__}")
     table = {}
     for name, rows in (("attention", attention_rows(a, rng)), ("SwiGLU MLP", mlp_rows(a, rng))):
-        new, old = rows["jaxtune, formulation 1"][1], rows["jaxtune, formulation 0"][1]
+        ours = [rows[k][1] for k in rows if k.startswith("jaxtune")]
+        new, old = ours[-1], ours[0]  # the newest formulation against 0
         worst = max(float(np.abs(np.asarray(x) - np.asarray(y)).max() / np.abs(np.asarray(y)).max())
                     for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True))
         print(f"\n{name}: formulations agree to {worst:.1e} of the largest entry\n")

@@ -322,7 +322,7 @@ RESOLVED = yaml.safe_load((FIXTURES / "saved_configs_resolved.yaml").read_text()
 
 # keys outside the objective added after the fixtures, with their defaults
 ADDED_SINCE = {"train.compile_ahead": 32, "mesh.context": 1, "mesh.rollout": 0, "train.draw": "cdf",
-               "model.formulation": 1, "optim.formulation": 1}
+               "model.formulation": 2, "optim.formulation": 1}
 
 
 @pytest.mark.parametrize("path", SAVED, ids=lambda p: p.stem)

@@ -208,8 +208,9 @@ def _resumed(cfg: Config, run_dir: Path, proc: int) -> tuple[Checkpointer, int, 
     """The run's checkpoints, the step to resume from (0: none) and the config as run, saved in ``run_dir``.
     Checkpoints first: resuming with a different model/data/seed is refused before any work is done. A run saved
     before ``train.draw`` existed sampled by Gumbel draws: resumed with the key unset, it keeps them, so that its
-    rollouts are those it would have sampled; one saved before ``model.formulation`` (or ``optim.formulation``)
-    existed keeps formulation 0, so that its steps continue bitwise."""
+    rollouts are those it would have sampled. A run keeps the ``model.formulation`` and ``optim.formulation`` it was
+    saved with unless the config sets them (0 when saved before they existed), so that its steps continue bitwise
+    whatever the defaults have become since."""
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     start = ckpt.resume_step(cfg.to_dict())
     saved = ckpt.read_config(start) if start else {}
@@ -217,9 +218,9 @@ def _resumed(cfg: Config, run_dir: Path, proc: int) -> tuple[Checkpointer, int, 
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"draw": "gumbel"})})
     for section in ("model", "optim") if start else ():
         part = getattr(cfg, section)
-        if "formulation" in type(part).model_fields and "formulation" not in part.model_fields_set \
-                and "formulation" not in saved.get(section, {}):
-            cfg = cfg.model_copy(update={section: part.model_copy(update={"formulation": 0})})
+        if "formulation" in type(part).model_fields and "formulation" not in part.model_fields_set:
+            kept = saved.get(section, {}).get("formulation", 0)
+            cfg = cfg.model_copy(update={section: part.model_copy(update={"formulation": kept})})
     if proc == 0:
         dump_config(cfg, run_dir / "config.yaml")
     return ckpt, start, cfg

@@ -1,14 +1,17 @@
 """``model.formulation``: how the native models write their products, the same math rounded otherwise in the last bits.
 
-Formulation 1 (the default) scores attention with the heads before the positions (`layers._attend`) and gives every
-`Dense` the gradient of `layers.matmul` (its weight's product written as xᵀ dy, not autodiff's (dyᵀ x)ᵀ); 0 is the
-formulation runs saved before it were trained with (`layers._attend_positions_first`, autodiff's gradient), which a
-resumed old run keeps (`tests/train/test_old_runs.py` holds it bitwise).
+Formulation 1 scores attention with the heads before the positions (`layers._attend`) and gives every `Dense` the
+gradient of `layers.matmul` (its weight's product written as xᵀ dy, not autodiff's (dyᵀ x)ᵀ); 2 (the default) is 1
+with the operand transposed for a weight's gradient the narrower one: (dyᵀ x)ᵀ for a layer narrower out than in, and
+the output head's gradient through `layers.matmul` too. 0 is the formulation runs saved before 1 were trained with
+(`layers._attend_positions_first`, autodiff's gradient). A resumed run keeps its own (`tests/train/test_old_runs.py`
+holds it bitwise).
 
-Checked here: the two agree (attention outputs and gradients within 2e-6 of the largest entry, measured up to 1.2e-6;
-a model's loss and gradients within 1e-5 relative); and on CPU the compiled gradient of formulation 1 has none of the
-layout copies it exists to remove: no fusion writes the attention scores (or their gradient) transposed, and none
-computes the SwiGLU's gradient while writing it transposed (formulation 0 does both).
+Checked here: they agree (attention outputs and gradients within 2e-6 of the largest entry, measured up to 1.2e-6;
+a model's loss and gradients within 1e-5 relative; formulation 2's MLP and head within 1e-6); and on CPU the compiled
+gradient of each has none of the layout copies it exists to remove: with 1, no fusion writes the attention scores (or
+their gradient) transposed, and none computes the SwiGLU's gradient while writing it transposed (0 does both); with
+2, nothing as large as the GELU's output or the logits is written transposed (1 does both).
 """
 
 from __future__ import annotations
@@ -134,9 +137,47 @@ def _model_loss_and_grads(family, formulation: int):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@pytest.mark.parametrize("formulation", [1, 2])
 @pytest.mark.parametrize("family", [LLAMA, GPT2], ids=["llama", "gpt2"])
-def test_either_formulation_gives_a_models_loss_and_gradients(family):
-    (new, g_new), (old, g_old) = _model_loss_and_grads(family, 1), _model_loss_and_grads(family, 0)
+def test_each_formulation_gives_a_models_loss_and_gradients(family, formulation):
+    (new, g_new), (old, g_old) = _model_loss_and_grads(family, formulation), _model_loss_and_grads(family, 0)
     assert abs(float(new) - float(old)) <= 1e-5 * abs(float(old))
     for a, b in zip(jax.tree.leaves(g_new), jax.tree.leaves(g_old), strict=True):
         assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5 * np.abs(np.asarray(b)).max() + 1e-9
+
+
+def _gelu_mlp_and_head_grad(formulation: int, vocab: int = 2048):
+    """GPT-2's MLP (64 -> 256 -> 64, tanh GELU) and a tied output head over ``vocab`` words."""
+    rngs = nnx.Rngs(0)
+    fc = layers.Dense(64, 256, ("embed", "mlp"), rngs=rngs, formulation=formulation)
+    proj = layers.Dense(256, 64, ("mlp", "embed"), rngs=rngs, formulation=formulation)
+    table = layers.Embed(vocab, 64, ("vocab", "embed"), rngs=rngs, formulation=formulation)
+    graph, weights = nnx.split((fc, proj, table))
+
+    def loss(weights, x):
+        fc, proj, table = nnx.merge(graph, weights)
+        logits = table.attend(x + proj(jax.nn.gelu(fc(x), approximate=True)))
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 0])
+
+    return jax.jit(jax.value_and_grad(loss)), weights
+
+
+def test_formulation_2_transposes_the_narrower_operand_of_a_weight_gradient():
+    """Formulation 2 changes two weight gradients, to the same values: a dense layer narrower out than in (GPT-2's
+    down projection) and the output head. With 1 XLA:CPU writes the GELU's (tokens, 256) output transposed while
+    computing it again, and the head's (tokens, vocab) logits gradient transposed; with 2 it transposes neither, only
+    the narrower output gradient and hidden states."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 128, 64)).astype(np.float32))
+    grads = {f: _gelu_mlp_and_head_grad(f) for f in (2, 1, 0)}
+    (a, ga), (b, gb) = (grads[f][0](grads[f][1], x) for f in (2, 0))
+    assert abs(float(a) - float(b)) <= 1e-6 * abs(float(b))
+    for u, w in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        assert np.abs(np.asarray(u) - np.asarray(w)).max() <= 1e-6 * np.abs(np.asarray(w)).max()
+    if jax.default_backend() != "cpu":
+        return
+    hidden, logits = 2 * 128 * 256, 2 * 128 * 2048
+    written = {f: _transposing_fusions(grad.lower(weights, x).compile().as_text()) for f, (grad, weights) in
+               grads.items() if f}
+    assert any(n == hidden and ops >= 2 for n, ops in written[1]), written[1]  # the GELU, computed as transposed
+    assert any(n >= logits for n, _ in written[1]), written[1]
+    assert all(n < hidden for n, _ in written[2]), written[2]

@@ -81,3 +81,22 @@ def test_an_old_run_resumes_bitwise(name, tmp_path):
     assert resumed.optim.formulation == 0  # saved before optim.formulation: its lr schedule still folded in
     if name == "grpo":  # saved before train.draw: it kept sampling by Gumbel draws, and its config now says so
         assert resumed.train.draw == "gumbel"
+
+
+def test_a_run_keeps_the_formulation_it_was_saved_with(tmp_path):
+    """A run saved under ``model.formulation`` 1, resumed by a config that does not set the key after its default
+    became 2, keeps 1: steps 3 and 4 equal the uninterrupted formulation-1 run's exactly. A config that sets 2 gets
+    2, whose steps differ (so the equality above is not one any formulation would pass)."""
+    def run(name, *extra):
+        cfg = load_config(None, [*COMMON, *DPO, f"run_dir={tmp_path / name}", f"data.cache_dir={tmp_path / 'cache'}",
+                                 *extra])
+        return train(cfg).losses
+
+    whole = run("whole", "model.formulation=1")
+    assert sorted(run("cut", "model.formulation=1", "train.steps=2")) == [1, 2]
+    shutil.copytree(tmp_path / "cut", tmp_path / "cut2")
+    assert run("cut") == {s: whole[s] for s in (3, 4)}
+    assert load_config(tmp_path / "cut" / "config.yaml").model.formulation == 1
+    chosen = run("cut2", "model.formulation=2")
+    assert load_config(tmp_path / "cut2" / "config.yaml").model.formulation == 2
+    assert chosen != {s: whole[s] for s in (3, 4)}, chosen

@@ -104,10 +104,13 @@ class NativeModelConfig(ModelSection):
         "forwards, lengths in multiples of 128; the sampler and GRPO's region rows keep XLA's). TPU only, and not "
         "with mesh.context > 1")
     formulation: int = Field(
-        1, ge=0, le=1, description="how the native models write their products: the same math, rounded otherwise in "
-        "the last bits. 1: attention with the heads before the positions, and each dense layer's weight gradient as "
-        "x^T dy (1.3x a 135M reward-model step on 2 Zen 4 cores: XLA:CPU transposes less); 0: the formulation before "
-        "2026-11-29. A run saved before this key existed resumes with 0, so that it continues bitwise")
+        2, ge=0, le=2, description="how the native models write their products: the same math, rounded otherwise in "
+        "the last bits. 2: as 1, and a dense layer narrower out than in (an MLP's down projection) or an output head "
+        "writes its weight gradient as (dy^T x)^T, so that the narrower operand is the one transposed (GPT-2's "
+        "benchmarks/cpu_step.py step 1.09x faster on 2 Zen 4 cores); 1: attention with the heads before the "
+        "positions, and each dense layer's weight gradient as x^T dy (1.3x a 135M reward-model step on 2 Zen 4 "
+        "cores: XLA:CPU transposes less); 0: the formulation before 2026-11-29. A resumed run keeps the formulation "
+        "it was saved with (0 for one saved before this key existed), so that it continues bitwise")
     quantize: Literal["nf4", "int8", "int4", "gguf"] | None = Field(
         None, description="QLoRA: keep the frozen base's adapted kernels (model.lora.targets) quantized on the device, "
         "in blocks of 64 inputs with a float32 scale each (nf4: QLoRA's 4-bit NormalFloat; int8; int4), dequantized "

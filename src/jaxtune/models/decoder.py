@@ -239,7 +239,7 @@ class Decoder(nnx.Module):
         pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), rngs=rngs, std=cfg.init_std,
-                           param_dtype=pd, dtype=cd)
+                           param_dtype=pd, dtype=cd, formulation=cfg.formulation)
         self.layers = stack_layers(lambda r: DecoderLayer(cfg, rngs=r), cfg.n_layer, cfg.scan_layers, rngs)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, offset=cfg.norm_offset, param_dtype=pd, dtype=cd)
         if cfg.num_labels:
@@ -248,7 +248,7 @@ class Decoder(nnx.Module):
             # (V, D) like the embedding, not a (D, V) Dense: XLA:CPU computes the weight gradient of a (D, V)
             # head through a transposed copy of the logits gradient that falls back to a slow dot (~15% of a step)
             self.lm_head = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), rngs=rngs, std=cfg.init_std,
-                                 param_dtype=pd, dtype=cd)
+                                 param_dtype=pd, dtype=cd, formulation=cfg.formulation)
 
     def __call__(self, tokens, positions=None, key=None, cache=None, index=None, key_valid=None, segment_ids=None,
                  return_hidden=False, branch_ids=None, branch_slots=None):

@@ -26,7 +26,7 @@ class RuntimeConfig:
     remat: str = "none"
     scan_layers: bool = False
     attention: str = "auto"  # auto | xla | cudnn | splash
-    formulation: int = 1  # 1: attention head-major, `layers.matmul` gradients; 0: before (model.formulation)
+    formulation: int = 2  # 1: attention head-major, `layers.matmul` gradients; 2: the narrower operand transposed
     bos_id: int | None = None  # token ids carried to an exported config.json
     eos_id: int | None = None
 

@@ -140,7 +140,8 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
         self.cfg = cfg
-        self.wte = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), rngs=rngs, param_dtype=pd, dtype=cd)
+        self.wte = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), rngs=rngs, param_dtype=pd, dtype=cd,
+                         formulation=cfg.formulation)
         self.wpe = Embed(cfg.max_seq_len, cfg.d_model, (None, "embed"), rngs=rngs, std=0.01, param_dtype=pd, dtype=cd)
         self.blocks = stack_layers(lambda r: Block(cfg, rngs=r), cfg.n_layer, cfg.scan_layers, rngs)
         self.ln_f = LayerNorm(cfg.d_model, eps=cfg.ln_eps, param_dtype=pd, dtype=cd)

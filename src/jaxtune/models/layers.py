@@ -109,7 +109,7 @@ class Dense(nnx.Module):
     def __init__(self, d_in: int, d_out: int, axes: Axes, *, rngs: nnx.Rngs, std: float = 0.02,
                  bias: bool = True, param_dtype=jnp.float32, dtype=jnp.float32, lora: LoraSpec | None = None,
                  formulation: int = 1):
-        self.formulation = formulation  # 1: `matmul`'s gradient; 0: autodiff's (model.formulation)
+        self.formulation = formulation  # 1, 2: `matmul`'s gradients; 0: autodiff's (model.formulation)
         self.kernel = nnx.Param(normal_init(rngs.params(), (d_in, d_out), std, param_dtype), logical_axes=axes)
         self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype), logical_axes=axes[-1:]) if bias else None
         self.dtype = dtype
@@ -124,7 +124,8 @@ class Dense(nnx.Module):
         """``key``: LoRA dropout (None: none)."""
         kernel = self.kernel.get_value()  # an array, or QLoRA's quantized kernel (`jaxtune.models.quantize`)
         weight = dequantize(kernel, self.dtype) if is_quantized(kernel) else kernel.astype(self.dtype)
-        y = (matmul if self.formulation >= 1 else jnp.matmul)(x.astype(self.dtype), weight)
+        x = x.astype(self.dtype)
+        y = matmul(x, weight, self.formulation) if self.formulation >= 1 else x @ weight
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora is not None:
@@ -133,27 +134,35 @@ class Dense(nnx.Module):
         return y
 
 
-@jax.custom_vjp
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w for x (..., in) and w (in, out), the product of every `Dense` (``model.formulation`` 1).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x: jax.Array, w: jax.Array, formulation: int = 1) -> jax.Array:
+    """x @ w for x (..., in) and w (in, out), the product of every `Dense` and of a tied or untied output head
+    (``model.formulation`` 1 and 2).
 
-    The same products as autodiff's gradient, with the weight's written the other way round. Autodiff computes it
-    as (out, in) = dyᵀ x and transposes that; XLA:CPU then lays the (tokens, out) output gradient out transposed
-    for it, and fuses that transpose into the elementwise work computing the gradient (a SwiGLU's backward), which
-    writes with a stride: ~9 ms for (784 x 1536) floats. Here dW = xᵀ dy, (in, out) directly: the activation x is
-    what gets transposed, alone. An MLP's forward and backward at SmolLM2-135M's shapes (784 tokens) went from 90
-    to 63 ms on 2 Zen 4 cores (PyTorch eager: 72; benchmarks/RESULTS.md)."""
+    The same products as autodiff's gradient, with the weight's written so that XLA:CPU transposes the smaller
+    operand, alone. Its dots read the left operand with the contracted (token) axis last, so whichever of x and dy
+    is written first gets transposed, and XLA fuses that transpose into the elementwise work computing it, which
+    then writes with a stride (9-37 ms for 5-8 MB of floats against ~1 ms for the transpose alone). Autodiff
+    computes (out, in) = dyᵀ x and transposes that. Formulation 1: dW = xᵀ dy (in, out) directly, the activation
+    transposed: an MLP's forward and backward at SmolLM2-135M's shapes (784 tokens) went from 90 to 63 ms on 2 Zen
+    4 cores (PyTorch eager: 72). Formulation 2: that, unless the output is narrower than the input (an MLP's down
+    projection, GPT-2's 1024 -> 256; a tied head's transposed table): then dW = (dyᵀ x)ᵀ, the narrow gradient
+    transposed instead of the wide activation (and of the logits' gradient for a head). GPT-2's step at
+    `benchmarks/cpu_step.py`'s shapes: 626 -> 572 ms (benchmarks/RESULTS.md)."""
     return x @ w
 
 
-def _matmul_bwd(res, dy):
+def _matmul_bwd(formulation, res, dy):
     x, w = res
     lead = tuple(range(x.ndim - 1))  # every token axis, contracted
-    dw = jax.lax.dot_general(x, dy, ((lead, lead), ((), ())))
+    if formulation >= 2 and dy.shape[-1] < x.shape[-1]:
+        dw = jax.lax.dot_general(dy, x, ((lead, lead), ((), ()))).T
+    else:
+        dw = jax.lax.dot_general(x, dy, ((lead, lead), ((), ())))
     return dy @ w.T.astype(dy.dtype), dw.astype(w.dtype)
 
 
-matmul.defvjp(lambda x, w: (x @ w, (x, w)), _matmul_bwd)
+matmul.defvjp(lambda x, w, formulation: (x @ w, (x, w)), _matmul_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -184,19 +193,22 @@ low_rank.defvjp(_low_rank_fwd, _low_rank_bwd)
 
 
 class Embed(nnx.Module):
-    """Token (or position) table (num, dim); ``attend`` reuses it as a tied output head."""
+    """Token (or position) table (num, dim); ``attend`` reuses it as an output head (tied or not), whose gradient
+    is `matmul`'s from ``formulation`` 2 (the hidden states transposed, not the logits' gradient)."""
 
     def __init__(self, num: int, dim: int, axes: Axes, *, rngs: nnx.Rngs, std: float = 0.02,
-                 param_dtype=jnp.float32, dtype=jnp.float32):
+                 param_dtype=jnp.float32, dtype=jnp.float32, formulation: int = 1):
         self.embedding = nnx.Param(normal_init(rngs.params(), (num, dim), std, param_dtype), logical_axes=axes)
         self.dtype = dtype
+        self.formulation = formulation
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """(B, T, D) -> (B, T, num) logits against the table."""
-        return x.astype(self.dtype) @ self.embedding[...].astype(self.dtype).T
+        x, table = x.astype(self.dtype), self.embedding[...].astype(self.dtype).T
+        return matmul(x, table, self.formulation) if self.formulation >= 2 else x @ table
 
 
 class LayerNorm(nnx.Module):
