@@ -1,9 +1,22 @@
-"""Time to the first step, and the whole job's wall time, of a real DPO job: ``jaxtune train`` beside TRL's
-``DPOTrainer``, each a fresh process, on the same model, LoRA, pairs and batch (issue 49 item 1: "time to first step on
-the 135M DPO benchmark <= 2x TRL's on a cold cache and <= TRL's on a re-run").
+"""Time to the first step, and the whole job's wall time, of a real DPO job (or ``--job grpo``, a GRPO job):
+``jaxtune train`` beside TRL's ``DPOTrainer`` (``GRPOTrainer``), each a fresh process, on the same model, LoRA, data and
+batch (issue 49 item 1: "time to first step on the 135M DPO benchmark <= 2x TRL's on a cold cache and <= TRL's on a
+re-run"; "measure ... for the DPO and GRPO jobs").
 
-    PYTHONPATH=src python benchmarks/first_step.py [--rounds 1] [--steps 16 --rows 10000 --seq-len 256 --batch 8]
-        [--eval-every 8] [--work DIR] [--json out.json]
+    PYTHONPATH=src python benchmarks/first_step.py [--job dpo|grpo] [--rounds 1] [--steps 16 --rows 10000
+        --seq-len 256 --batch 8] [--eval-every 8] [--scan-layers] [--work DIR] [--json out.json]
+
+**The GRPO job** (``--job grpo``): the same model and LoRA; the prompts are the first ``--rows`` rows of
+``synthetic:arithmetic-prompts`` (a sum of two numbers 0-99 asked in one user turn, with its ``answer``), written as
+JSONL and read by both sides (jaxtune: ``data.format: prompts``, every row trained, ``data.val_fraction: 0``; TRL:
+``load_dataset("json")``), rendered with the tokenizer's chat template. A step: ``PROMPTS`` (4) prompts x
+``GENERATIONS`` (4) completions of at most ``NEW_TOKENS`` (64) tokens, sampled at temperature 1.0 (jaxtune's KV-cache
+sampler; TRL's ``model.generate``, no vLLM), scored 1 when the reply's last number is the answer (jaxtune's
+``exact_number``; on TRL's side a function with the same regex), group-normalised advantages, the dapo loss, one
+pass, no reference (beta 0), AdamW at a constant lr, clipping at 1.0; no evaluation on either side (TRL:
+``eval_strategy="no"``; jaxtune: ``eval.every: 0`` and no held-out prompts). SmolLM2-135M rarely gets these sums
+right in 64 tokens, so most groups have one reward and train on a zero advantage: the steps still sample, score and
+take their forward and backward passes, which is what is timed.
 
 **Prepared once** (in a subprocess, before anything is timed; kept in ``--work`` and reused when it is given):
 
@@ -73,12 +86,14 @@ import importlib.metadata
 import itertools
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from decimal import Decimal
 from pathlib import Path
 
 import _harness as h
@@ -91,6 +106,10 @@ VERSIONS = ("jax", "jaxlib", "torch", "transformers", "trl", "peft", "datasets")
 SRC = Path(__file__).resolve().parent.parent / "src"
 SCAN = "scan_layers"
 TARGET = {"cold": 2.0, "re-run": 1.0}  # issue 49 item 1: jaxtune's time to first step <= this x TRL's
+# --job grpo: prompts a step, completions of each, new tokens at most, the reward's regex (jaxtune's exact_number:
+# the last number of the reply, compared with the row's answer)
+PROMPTS, GENERATIONS, NEW_TOKENS = 4, 4, 64
+LAST_NUMBER = r"(?:(?<![\w)\]])-)?(?<!\d)(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
 
 
 # ---------------------------------------------------------------- prepared once (child process)
@@ -98,9 +117,14 @@ def pair_files(work: Path, a: argparse.Namespace) -> tuple[Path, Path]:
     return work / f"pairs-{a.rows}-train.jsonl", work / f"pairs-{a.rows}-val.jsonl"
 
 
+def prompt_file(work: Path, a: argparse.Namespace) -> Path:
+    return work / f"prompts-{a.rows}.jsonl"
+
+
 def prepare(a: argparse.Namespace) -> None:
-    """WORK/model (the GGUF through transformers, saved as float32 safetensors) and the pair files, unless present."""
-    from jaxtune.data.synthetic import arithmetic_preferences
+    """WORK/model (the GGUF through transformers, saved as float32 safetensors) and the pair and prompt files, unless
+    present."""
+    from jaxtune.data.synthetic import arithmetic_preferences, arithmetic_prompts
     from jaxtune.models.wheels import wheel_file
 
     work = Path(a.work)
@@ -129,11 +153,15 @@ def prepare(a: argparse.Namespace) -> None:
         held = max(round(HELD_OUT * len(rows)), EVAL_BATCHES * a.batch)
         for path, part in ((train_file, rows[:-held]), (val_file, rows[-held:])):
             path.write_text("".join(json.dumps(r) + "\n" for r in part))
+    prompts = prompt_file(work, a)
+    if not prompts.is_file():
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in itertools.islice(arithmetic_prompts(0), a.rows)))
 
 
 # ---------------------------------------------------------------- TRL (child process)
 def trl_child(spec: dict) -> None:
-    """One TRL DPO job as a user writes it; ``mark(name)`` writes each phase's unix time to ``spec["marks"]``."""
+    """One TRL job (DPO or GRPO) as a user writes it; ``mark(name)`` writes each phase's unix time to
+    ``spec["marks"]``."""
     marks: dict[str, float] = {}
 
     def mark(name: str) -> None:
@@ -141,18 +169,18 @@ def trl_child(spec: dict) -> None:
         Path(spec["marks"]).write_text(json.dumps(marks))
 
     import datasets
-    import peft
     import torch
     import transformers
-    from trl import DPOConfig, DPOTrainer
+    import trl
 
     mark("imports")
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model"])
     model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     mark("model")
-    train = datasets.load_dataset("json", data_files=spec["train"], split="train", cache_dir=spec["cache"])
-    val = datasets.load_dataset("json", data_files=spec["val"], split="train", cache_dir=spec["cache"])
-    val = val.select(range(spec["eval_pairs"]))
+    data = {k: datasets.load_dataset("json", data_files=spec[k], split="train", cache_dir=spec["cache"])
+            for k in ("train", "val") if spec.get(k)}
+    if "val" in data:
+        data["val"] = data["val"].select(range(spec["eval_pairs"]))
     mark("data")
 
     class StepOne(transformers.TrainerCallback):
@@ -167,21 +195,46 @@ def trl_child(spec: dict) -> None:
             if logs and "eval_runtime" in logs:  # the evaluations' own seconds, to split them from the steps
                 marks["eval_s"] = marks.get("eval_s", 0.0) + logs["eval_runtime"]
 
-    b = spec["batch"]
-    args = DPOConfig(output_dir=spec["out"], use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-                     max_length=spec["seq_len"], per_device_train_batch_size=b, per_device_eval_batch_size=b,
-                     eval_strategy="steps", eval_steps=spec["eval_every"], max_steps=spec["steps"],
-                     save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
-                     beta=BETA, loss_type=["sigmoid"], learning_rate=spec["lr"], lr_scheduler_type="cosine",
-                     warmup_steps=WARMUP, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-                     max_grad_norm=1.0, seed=0)
-    lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=HF_TARGETS, bias="none",
-                           task_type="CAUSAL_LM")
-    trainer = DPOTrainer(model=model, ref_model=None, args=args, train_dataset=train, eval_dataset=val,
-                         processing_class=tokenizer, peft_config=lora, callbacks=[StepOne()])
+    common = {"output_dir": spec["out"], "use_cpu": True, "bf16": False, "gradient_checkpointing": False,
+              "report_to": "none", "max_steps": spec["steps"], "save_strategy": "no", "logging_steps": 1,
+              "disable_tqdm": True, "dataloader_num_workers": 0, "learning_rate": spec["lr"], "weight_decay": 0.0,
+              "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8, "max_grad_norm": 1.0, "seed": 0}
+    lora = __import__("peft").LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=HF_TARGETS,
+                                         bias="none", task_type="CAUSAL_LM")
+    make = _trl_grpo if spec["job"] == "grpo" else _trl_dpo
+    trainer = make(trl, spec, common, model=model, processing_class=tokenizer, peft_config=lora,
+                   callbacks=[StepOne()], data=data)
     mark("trainer")
     trainer.train()
     mark("end")
+
+
+def _trl_dpo(trl, spec: dict, common: dict, data: dict, **kw):
+    """DPOTrainer (it tokenizes every training pair when built), evaluated every ``eval_every`` steps."""
+    b = spec["batch"]
+    args = trl.DPOConfig(**common, max_length=spec["seq_len"], per_device_train_batch_size=b,
+                         per_device_eval_batch_size=b, eval_strategy="steps", eval_steps=spec["eval_every"],
+                         beta=BETA, loss_type=["sigmoid"], lr_scheduler_type="cosine", warmup_steps=WARMUP)
+    return trl.DPOTrainer(ref_model=None, args=args, train_dataset=data["train"], eval_dataset=data["val"], **kw)
+
+
+def _trl_grpo(trl, spec: dict, common: dict, data: dict, **kw):
+    """GRPOTrainer: ``PROMPTS`` x ``GENERATIONS`` completions a step from ``model.generate`` (no vLLM), scored by
+    the last number of the reply against the row's answer, the dapo loss, no reference (beta 0), no evaluation."""
+    last_number = re.compile(LAST_NUMBER)
+
+    def exact_number(completions, answer, **_) -> list[float]:
+        out = []
+        for completion, truth in zip(completions, answer, strict=True):
+            found = last_number.findall(completion[-1]["content"] if isinstance(completion, list) else completion)
+            out.append(float(bool(found) and Decimal(found[-1].replace(",", "")) == Decimal(truth)))
+        return out
+
+    args = trl.GRPOConfig(**common, per_device_train_batch_size=PROMPTS * GENERATIONS, num_generations=GENERATIONS,
+                          max_completion_length=NEW_TOKENS, steps_per_generation=1, num_iterations=1,
+                          temperature=1.0, beta=0.0, loss_type="dapo", lr_scheduler_type="constant",
+                          warmup_steps=0, eval_strategy="no")
+    return trl.GRPOTrainer(reward_funcs=[exact_number], args=args, train_dataset=data["train"], **kw)
 
 
 # ---------------------------------------------------------------- the runs (parent)
@@ -193,15 +246,11 @@ def data_cache(xla_cache: Path) -> Path:
 
 def jaxtune_config(work: Path, a: argparse.Namespace, run_dir: Path, xla_cache: Path, lr: float,
                    scan: bool = False) -> dict:
-    train_file, val_file = pair_files(work, a)
-    return {
-        "name": "first-step-dpo", "run_dir": str(run_dir),
+    """The job's config as a user writes it: DPO over the pair files, or GRPO over the prompt file."""
+    out = {
+        "name": f"first-step-{a.job}", "run_dir": str(run_dir),
         "model": {"from_hf": str(work / "model"), "scan_layers": scan,
                   "lora": {"rank": RANK, "alpha": ALPHA, "dropout": 0.0, "targets": TARGETS}},
-        "data": {"format": "preference", "sources": [str(train_file)], "val_sources": [str(val_file)],
-                 "bad_rows": "raise", "overlong": "truncate", "seq_len": a.seq_len, "val_fraction": HELD_OUT,
-                 "cache_dir": str(data_cache(xla_cache))},
-        "objective": {"name": "dpo", "beta": BETA, "loss_type": "sigmoid"},
         "optim": {"name": "adamw", "lr": lr, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
                   "schedule": "cosine", "warmup_steps": WARMUP, "min_lr_ratio": 0.0, "grad_clip": 1.0},
         "train": {"seed": 0, "steps": a.steps, "batch_size": a.batch, "compile_cache_dir": str(xla_cache)},
@@ -209,6 +258,21 @@ def jaxtune_config(work: Path, a: argparse.Namespace, run_dir: Path, xla_cache: 
         "checkpoint": {"every": a.steps, "keep": 1},
         "logging": {"every": 1, "progress": False, "tensorboard": False},
     }
+    data = {"bad_rows": "raise", "overlong": "truncate", "seq_len": a.seq_len, "cache_dir": str(data_cache(xla_cache))}
+    if a.job == "grpo":  # every prompt trains (no held-out set, no evaluation, as TRL's side)
+        out["data"] = {**data, "format": "prompts", "sources": [str(prompt_file(work, a))], "val_fraction": 0.0}
+        out["objective"] = {"name": "grpo", "prompts_per_step": PROMPTS, "num_generations": GENERATIONS,
+                            "max_completion_length": NEW_TOKENS, "temperature": 1.0, "loss_type": "dapo",
+                            "beta": 0.0, "rewards": [{"name": "exact_number", "field": "answer"}]}
+        out["optim"] |= {"schedule": "constant", "warmup_steps": 0}
+        out["eval"] = {"every": 0, "exact_match": 0}
+        del out["train"]["batch_size"]
+        return out
+    train_file, val_file = pair_files(work, a)
+    out["data"] = {**data, "format": "preference", "sources": [str(train_file)], "val_sources": [str(val_file)],
+                   "val_fraction": HELD_OUT}
+    out["objective"] = {"name": "dpo", "beta": BETA, "loss_type": "sigmoid"}
+    return out
 
 
 def spawn(cmd: list[str], log: Path, what: str) -> dict:
@@ -254,14 +318,16 @@ def trl_run(work: Path, a: argparse.Namespace, name: str, datasets_cache: Path, 
     out.mkdir(parents=True)
     spec = {"model": str(work / "model"), "train": str(train_file), "val": str(val_file), "cache": str(datasets_cache),
             "out": str(out), "marks": str(out / "marks.json"), "lr": lr, "steps": a.steps, "batch": a.batch,
-            "seq_len": a.seq_len, "eval_every": a.eval_every, "eval_pairs": EVAL_BATCHES * a.batch}
+            "seq_len": a.seq_len, "eval_every": a.eval_every, "eval_pairs": EVAL_BATCHES * a.batch, "job": a.job}
+    if a.job == "grpo":
+        spec |= {"train": str(prompt_file(work, a)), "val": None}
     (out / "spec.json").write_text(json.dumps(spec))
     p = spawn([sys.executable, __file__, "--child", "trl", "--spec", str(out / "spec.json")], work / f"{name}.log",
               f"TRL {name}")
     marks = json.loads((out / "marks.json").read_text())
     t, where = p["spawn"], {}
     for label, key in (("start + imports", "imports"), ("model + tokenizer", "model"), ("load_dataset", "data"),
-                       ("DPOTrainer() (tokenizing)", "trainer"), ("train() to on_train_begin", "train_begin"),
+                       (f"{a.job.upper()}Trainer()", "trainer"), ("train() to on_train_begin", "train_begin"),
                        ("step 1", "step1"), ("steps 2.. + evals", "end")):
         where[label], t = marks[key] - t, marks[key]
     evals = marks.get("eval_s", 0.0)
@@ -348,6 +414,8 @@ def versions() -> dict[str, str]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--job", choices=["dpo", "grpo"], default="dpo", help="the DPO job over preference pairs, or a "
+                    "GRPO job over arithmetic prompts (no evaluation on either side)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the four runs; the tables report medians")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rows", type=int, default=10_000, help="pairs generated (2%% held out)")
@@ -384,8 +452,13 @@ def main(argv: list[str] | None = None) -> dict | None:
            "--batch", str(a.batch)], work / "prepare.log", "preparing the model directory and the pairs")
     print(f"prepared in {time.time() - t0:.0f} s (not timed): {work / 'model'}, {pair_files(work, a)[0].name} / "
           f"{pair_files(work, a)[1].name}")
-    print(f"job: SmolLM2-135M-Instruct (fp32) LoRA r{RANK} a{ALPHA}, DPO sigmoid beta {BETA}, {a.steps} steps of "
-          f"{a.batch} pairs, seq_len {a.seq_len}, eval every {a.eval_every} over {EVAL_BATCHES} x {a.batch} pairs")
+    if a.job == "grpo":
+        print(f"job: SmolLM2-135M-Instruct (fp32) LoRA r{RANK} a{ALPHA}, GRPO dapo beta 0, {a.steps} steps of "
+              f"{PROMPTS} prompts x {GENERATIONS} completions of up to {NEW_TOKENS} tokens, exact_number reward, "
+              "no evaluation")
+    else:
+        print(f"job: SmolLM2-135M-Instruct (fp32) LoRA r{RANK} a{ALPHA}, DPO sigmoid beta {BETA}, {a.steps} steps of "
+              f"{a.batch} pairs, seq_len {a.seq_len}, eval every {a.eval_every} over {EVAL_BATCHES} x {a.batch} pairs")
     load0 = os.getloadavg()
     rounds = [one_round(work, a, r) for r in range(a.rounds)]
     rows = medians(rounds)

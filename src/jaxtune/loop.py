@@ -41,7 +41,7 @@ from jaxtune.train.metrics import (
 )
 from jaxtune.train.profile import Profiler
 from jaxtune.train.reference import Frozen, Precomputed, ReferenceSync, precompute_reference, reference_sync
-from jaxtune.train.rollout import Rollout
+from jaxtune.train.rollout import Rollout, clipped_rows
 from jaxtune.train.run_dir import RunDirError, claim, make_run_dir
 from jaxtune.train.shapes import BatchShapes, Shape, train_key
 from jaxtune.train.state import ModelSpec, TrainState
@@ -358,21 +358,22 @@ def _compile_ahead(ahead: Ahead, cfg: Config, steps: Steps, shapes: BatchShapes,
     the state and the frozen weights to come: the evaluation's, one per held-out bucket, then the train step's for
     each bucket of the next ``train.compile_ahead`` batches that steps after ``start`` will read (read ahead, then
     the data position put back).
-    ``batches_known`` is False for a rollout's batches: they are made by sampling, so their train step is compiled
-    when met. Returns the line that says what compiles."""
+    ``batches_known`` is False for a rollout's batches: they are made by sampling, so the train step is compiled
+    ahead for one guess, the next prompt batch with every completion at ``max_completion_length`` (`clipped_rows`),
+    and any other shape when met. Returns the line that says what compiles."""
     spec = steps.spec
     state = placed(spec.abstract, spec.shardings)
     frozen = placed(steps.abstract_frozen(), steps.frozen_shardings())
     programs, n = [], min(cfg.train.compile_ahead, cfg.train.steps - start)  # (key, jitted, batch), as needed
     if cfg.data.kind.held_out != "answers":
         programs += [(eval_key(b), steps.eval, b) for b in (shapes.fit(b)[0] for b in data.eval_batches)]
-    if batches_known:
-        it = data.train_iter
-        position = it.get_state()
-        for _ in range(n):
-            batch, shape = shapes.fit(next(it))
-            programs.append((train_key(shape), steps.train, batch))
-        it.set_state(position)
+    it = data.train_iter
+    position = it.get_state()
+    for _ in range(n if batches_known else min(n, 1)):
+        batch = next(it) if batches_known else clipped_rows(cfg, data.prompts.train, next(it))
+        batch, shape = shapes.fit(batch)
+        programs.append((train_key(shape), steps.train, batch))
+    it.set_state(position)
     first = next((i for i, p in enumerate(programs) if p[1] is steps.train), None)
     if first is not None:  # the first step's program first (the longest to compile), the other buckets' after it
         programs.insert(0, programs.pop(first))
@@ -383,8 +384,10 @@ def _compile_ahead(ahead: Ahead, cfg: Config, steps: Steps, shapes: BatchShapes,
     evals = len({key for key, jitted, _ in programs if jitted is steps.eval})
     trains = len(ahead.pending) + len(ahead.deferred) - evals
     what = [f"{evals} held-out evaluation program{'s' * (evals > 1)}"] if evals else []
-    if trains:
+    if trains and batches_known:
         what.append(f"{trains} train-step program{'s' * (trains > 1)} (the length buckets of the next {n} batches)")
+    elif trains:
+        what.append("1 train-step program (the next prompts' completions cut at objective.max_completion_length)")
     return f"compiling ahead on {ahead.workers} threads (train.compile_ahead): {' and '.join(what)}" if what else ""
 
 

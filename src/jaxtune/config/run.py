@@ -43,7 +43,9 @@ class TrainConfig(Section):
                                           "(null: off); entries are keyed by program, flags, device and versions")
     compile_ahead: int = Field(32, ge=0, description="compile the held-out evaluation's programs and the train "
                                "step's for the length buckets of the next N batches on worker threads, alongside "
-                               "each other and the step-0 evaluation (0: each program compiles at its first use)")
+                               "each other and the step-0 evaluation (GRPO-like: the next prompts with every "
+                               "completion at max_completion_length, alongside the first sampling); 0: each program "
+                               "compiles at its first use")
     draw: Literal["cdf", "gumbel"] = Field("cdf", description="how the sampler draws a token from its softmax in "
                                            "RL rollouts (the same distribution either way): cdf, one uniform number "
                                            "a row, the CDF inverted in two levels (17 ms less per 32-row step at a "

@@ -310,21 +310,15 @@ class Rollout:
         return rows, metrics
 
     def laid_out(self, done: Completions, advantages: np.ndarray) -> dict[str, np.ndarray]:
-        """The completions as training rows with their ``advantages``: a row per prompt, its prompt once and then
-        its group's completions (``data.share_prompts``), or a row per completion."""
+        """The completions as training rows with their ``advantages`` (`layout`)."""
         o = self.cfg.objective
-        if not self.cfg.data.shares_prompts:
-            return {**training_rows(done.prompt_ids, done.ids, done.logps, self.cfg.data.seq_len, done.tool_mask),
-                    "advantages": advantages}
         g = o.num_generations
-        if self.agent is not None and any(done.prompt_ids[i] != done.prompt_ids[i - i % g]
-                                          for i in range(len(done.prompt_ids))):
+        if self.cfg.data.shares_prompts and self.agent is not None and any(
+                done.prompt_ids[i] != done.prompt_ids[i - i % g] for i in range(len(done.prompt_ids))):
             raise DataError(f"objective.tools={o.tools}: the environment's reset() gave one prompt's rollouts "
                             "different texts, so they share no prompt; set data.share_prompts=false (a row per "
                             "rollout)")
-        rows = shared_rows(done.prompt_ids, done.ids, done.logps, g, self.cfg.data.seq_len, o.max_completion_length,
-                           done.tool_mask)
-        return {**rows, "advantages": advantages.reshape(-1, g)}
+        return layout(self.cfg, done.prompt_ids, done.ids, done.logps, advantages, done.tool_mask)
 
     def given(self, source: PromptRows, rows: list[int], group: int) -> Completions:
         """``group`` copies of each prompt row's own completion (its ``completion`` field, or the reply that ended
@@ -471,6 +465,28 @@ def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer,
             agent.close()
         raise
     return Rollout(cfg, generator, tokenizer, rewards, chat, agent)
+
+
+def layout(cfg: Config, prompt_ids: list[list[int]], ids: list[list[int]], logps: list[list[float]],
+           advantages: np.ndarray, tool_mask: list[list[int]] | None = None) -> dict[str, np.ndarray]:
+    """Completions (each group's ``num_generations`` in a row) as training rows with their ``advantages``: a row per
+    prompt, its prompt once and then its group's completions (``data.share_prompts``), or a row per completion."""
+    if not cfg.data.shares_prompts:
+        return {**training_rows(prompt_ids, ids, logps, cfg.data.seq_len, tool_mask), "advantages": advantages}
+    g = cfg.objective.num_generations
+    rows = shared_rows(prompt_ids, ids, logps, g, cfg.data.seq_len, cfg.objective.max_completion_length, tool_mask)
+    return {**rows, "advantages": advantages.reshape(-1, g)}
+
+
+def clipped_rows(cfg: Config, source: PromptRows, prompts: PromptBatch) -> dict[str, np.ndarray]:
+    """The training rows of ``prompts`` if every completion ``max_completion_length`` tokens long: the shape of a
+    step whose longest completion was cut there, which the train step is compiled ahead for (`jaxtune.loop`: the
+    first step's completions are not known before they are sampled, and at the start of a run a group of sampled
+    completions often has one that runs to the cap)."""
+    group, width = cfg.objective.num_generations, cfg.objective.max_completion_length
+    prompt_ids = [source.ids(int(r)) for r in prompts["row"] for _ in range(group)]
+    ids, logps = [[0] * width for _ in prompt_ids], [[0.0] * width for _ in prompt_ids]
+    return layout(cfg, prompt_ids, ids, logps, np.zeros(len(prompt_ids), np.float32))
 
 
 def training_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], logps: list[list[float]],
