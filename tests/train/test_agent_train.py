@@ -57,7 +57,9 @@ def test_grpo_with_tools_trains(tmp_path, agent_model, data_cache, share):
     rows = metric_rows(run, "train")
     assert len(rows) == 2
     assert sum(r["tools/call_frequency"] for r in rows) > 0, rows  # the rollouts called the tool
-    assert all(r["tools/failure_frequency"] == 0.0 for r in rows)
+    # the worker answered: most calls succeeded. A sampled call can still fail on its own (one wrote the argument
+    # name '' and the tool raised TypeError): it is answered with the error and the rollout goes on, as TRL's loop
+    assert all(r["tools/failure_frequency"] < r["tools/call_frequency"] / 2 for r in rows), rows
     # the trained tokens are the model's own (TRL's count): the tool results' tokens in the trajectories are not
     assert [r["count"] for r in rows] == [round(r["completions/mean_length"] * 8) for r in rows]
     # one program for the first turns (one prompt bucket), then one per (rows bucket 1, 2, 4, 8; prompt bucket
