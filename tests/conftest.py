@@ -49,7 +49,7 @@ def agent_model(tmp_path_factory, data_cache) -> Path:
 
     root = tmp_path_factory.mktemp("agent-sft")
     rows = write_jsonl(root / "calls.jsonl", (r for r in itertools.islice(multiply_hasty(), 3000)
-                                              if len(r["messages"]) == 5))
+                                              if len(r["messages"]) == 4))
     assert main(["train", "agent-sft-quickstart", f"run_dir={root / 'sft'}", f"data.cache_dir={data_cache}",
                  f"data.sources=[{rows}]", "train.steps=60", "train.batch_size=8", "eval.every=0",
                  "data.val_fraction=0", "checkpoint.every=1000", *QUICK]) == 0

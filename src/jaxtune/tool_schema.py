@@ -1,11 +1,15 @@
 """A Python function as the JSON schema a chat template shows the model (transformers' ``get_json_schema``):
 its name, its docstring's description, a typed property per parameter with its ``Args:`` description, the
-parameters without a default required, and its return type. Standard library only (a tools worker imports it)."""
+parameters without a default required, and its return type (`tool_schema`); a module's ``tools`` list described
+(`module_schemas`). Standard library only (a tools worker imports it)."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -96,3 +100,29 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
         function["return"] = {**_json_type(hints["return"], f"tool {name!r} return"),
                               **({"description": returns} if returns else {})}
     return {"type": "function", "function": function}
+
+
+def module_schemas(module: str, cwd: str | None = None) -> list[dict[str, Any]]:
+    """The schemas (`tool_schema`) of the tools ``module`` lists in ``tools``, imported by its name from ``cwd``
+    (default the current directory) and the installed packages. A module given as a file path, one that does not
+    load, or one with no ``tools`` list is a `SchemaError` that says what to write instead."""
+    if module.endswith(".py") or os.sep in module or "/" in module:
+        name = os.path.splitext(os.path.basename(module))[0]
+        raise SchemaError(f"name the module, not its file: {name} (it is imported from the current directory "
+                          "and the installed packages)")
+    where = cwd or os.getcwd()
+    added = where not in sys.path
+    if added:
+        sys.path.insert(0, where)
+    try:
+        loaded = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 (the user's module: any error it raises while importing is theirs)
+        raise SchemaError(f"module {module!r} does not import ({type(e).__name__}: {e}); it is imported from {where} "
+                          "and the installed packages") from None
+    finally:
+        if added:
+            sys.path.remove(where)
+    tools = getattr(loaded, "tools", None)
+    if not isinstance(tools, (list, tuple)) or not tools or not all(callable(t) for t in tools):
+        raise SchemaError(f"module {module!r} has no `tools` list of functions (tools = [my_function, ...])")
+    return [tool_schema(t) for t in tools]

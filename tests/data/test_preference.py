@@ -213,6 +213,11 @@ BAD = [
     ("empty_content", {"prompt": P1, "chosen": [m(A, "c")], "rejected": []}, "the rejected completion has no message"),
     ("empty_content", {"prompt": P1, "chosen": [m(A, "c")], "rejected": [m(A, "")]},
      "'rejected' message 0 (assistant) has empty content"),
+    ("bad_tool_call", {"prompt": P1, "chosen": [{"role": A, "content": "", "tool_calls": [{"type": "function"}]},
+                                               {"role": "tool", "content": "1"}, m(A, "c")], "rejected": [m(A, "r")]},
+     "has no function name"),
+    ("bad_tools", {"tools": "{not json", "prompt": P1, "chosen": [m(A, "c")], "rejected": [m(A, "r")]},
+     "'tools' is a string but not JSON"),
     ("identical", {"prompt": "p", "chosen": "same", "rejected": "same"}, "are the same"),
     ("identical", {"chosen": [m(U, "p"), m(A, "c")], "rejected": [m(U, "p"), m(A, "c")]}, "are the same"),
     ("prompt_mismatch", {"chosen": [m(U, "p"), m(A, "c")], "rejected": [m(U, "q"), m(A, "r")]},
@@ -228,7 +233,8 @@ GOOD_ROWS = [{"prompt": [m(U, "Hi")], "chosen": [m(A, "Hello!")], "rejected": [m
 def test_bad_rows_cover_every_reason():
     assert {reason for reason, _, _ in BAD} == {"non_utf8", "invalid_json", *FORMATS["preference"].reasons}
     assert set(FORMATS["preference"].reasons) == {"missing_field", "bad_type", "unknown_role", "role_order",
-                                                  "empty_content", "identical", "prompt_mismatch"}
+                                                  "empty_content", "identical", "prompt_mismatch",
+                                                  "bad_tool_call", "bad_tools"}
     assert set(REASONS) <= set(DROP_REASONS)
 
 
@@ -242,7 +248,7 @@ def test_bad_rows_drop_counts_each_reason(tok, tmp_path):
         [" Salut 🙂<|endoftext|>", " Bye<|endoftext|>"]]
     assert stats.dropped == Counter({"non_utf8": 1, "invalid_json": 1, "missing_field": 3, "bad_type": 5,
                                      "unknown_role": 1, "role_order": 4, "empty_content": 3, "identical": 2,
-                                     "prompt_mismatch": 2})
+                                     "prompt_mismatch": 2, "bad_tool_call": 1, "bad_tools": 1})
     assert stats.dropped == Counter(reason for reason, _, _ in BAD)
     assert (stats.rows, stats.truncated) == (len(BAD) + 3, 0)
     from jaxtune.data.formats import iter_turn_texts  # what a BPE learns from: the good rows' texts, prompt once
@@ -254,7 +260,7 @@ def test_bad_rows_drop_counts_each_reason(tok, tmp_path):
         (f"preference data: {len(BAD) + 3} rows -> 3 training and 0 held-out pairs; {data.stats.trained_tokens} "
          "trained tokens"),
         ("dropped rows: non_utf8 1, invalid_json 1, missing_field 3, bad_type 5, unknown_role 1, role_order 4, "
-         "empty_content 3, identical 2, prompt_mismatch 2")]
+         "empty_content 3, bad_tool_call 1, bad_tools 1, identical 2, prompt_mismatch 2")]
     assert data.stats.trained_tokens == sum(int(e.mask[1:].sum()) for p in pairs for e in p)
 
 

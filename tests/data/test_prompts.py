@@ -206,6 +206,9 @@ BAD = [
     ("empty_content", {"prompt": " \n"}, "the prompt is empty"),
     ("empty_content", {"prompt": [m(U, "")]}, "'prompt' message 0 (user) has empty content"),
     ("empty_content", {"messages": [m(U, "p"), m(A, " ")]}, "turn 1 (assistant) has empty content"),
+    ("bad_tool_call", {"prompt": [m(U, "p"), {"role": A, "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}, {"role": "tool", "content": "1"},
+        m(U, "q")]}, "(f): its arguments are not valid JSON"),
 ]
 GOOD_ROWS = [{"prompt": [m(U, "Hi")], "answer": "1"}, {"messages": [m(U, "2+2?"), m(A, "4")]}, {"prompt": "Ciao"}]
 
@@ -213,7 +216,7 @@ GOOD_ROWS = [{"prompt": [m(U, "Hi")], "answer": "1"}, {"messages": [m(U, "2+2?")
 def test_bad_rows_cover_every_reason():
     assert {reason for reason, _, _ in BAD} == {"non_utf8", "invalid_json", *FORMATS["prompts"].reasons}
     assert set(FORMATS["prompts"].reasons) == {"missing_field", "bad_type", "unknown_role", "role_order",
-                                               "empty_content"}
+                                               "empty_content", "bad_tool_call"}
     assert set(REASONS) <= set(DROP_REASONS)
 
 
@@ -225,7 +228,7 @@ def test_bad_rows_drop_counts_each_reason(tok, tmp_path):
     assert data.stats.dropped == Counter(reason for reason, _, _ in BAD)
     assert (data.stats.rows, data.stats.truncated) == (len(BAD) + 3, 0)
     assert data.stats.lines()[1] == ("dropped rows: non_utf8 1, invalid_json 1, missing_field 3, bad_type 6, "
-                                     "unknown_role 2, role_order 6, empty_content 3")
+                                     "unknown_role 2, role_order 6, empty_content 3, bad_tool_call 1")
     from jaxtune.data.formats import iter_turn_texts  # what a BPE learns from: the good prompts' texts
 
     assert list(iter_turn_texts(data_cfg)) == ["Hi", "2+2?", "Ciao"]

@@ -394,6 +394,13 @@ BAD = [
     ("role_order", msgs((S, "s")), "does not end with an assistant turn"),
     ("empty_content", msgs((U, "x"), (A, " \n\t")), "turn 1 (assistant) has empty content"),
     ("empty_content", msgs((S, ""), (U, "x"), (A, "y")), "turn 0 (system) has empty content"),
+    # Tool-calling rows (tests/data/test_tool_rows.py has the rest): a call whose arguments are not JSON, a tools
+    # column that is neither schemas nor names.
+    ("bad_tool_call", json.dumps({"messages": [{"role": U, "content": "x"}, {"role": A, "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}, {"role": "tool", "content": "1"},
+        {"role": A, "content": "y"}]}).encode(), "(f): its arguments are not valid JSON"),
+    ("bad_tools", json.dumps({"tools": 5, "messages": [{"role": U, "content": "x"}, {"role": A, "content": "y"}]}
+                             ).encode(), "'tools' is int; give a list of the tools' JSON schemas or names"),
     # Another format's row: what it is, and the format and objective that take it.
     ("wrong_format", json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}).encode(),
      ("this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for objective.name=dpo, "
@@ -436,7 +443,7 @@ def test_bad_rows_drop_counts_each_reason(chatml, tmp_path):
                                                       "Salut 🙂<|im_end|>"]
     assert stats.dropped == Counter({"non_utf8": 1, "invalid_json": 1, "missing_field": 2, "bad_type": 5,
                                      "unknown_role": 1, "role_order": 6, "empty_content": 2,
-                                     "wrong_format": 1})
+                                     "bad_tool_call": 1, "bad_tools": 1, "wrong_format": 1})
     assert stats.dropped == Counter(reason for reason, _, _ in BAD)
     assert stats.rows == len(BAD) + len(GOOD)  # the blank line is not a row
     assert stats.truncated == 0

@@ -24,7 +24,7 @@ from helpers.run_outputs import metric_rows
 from jaxtune.cli import main
 from jaxtune.config import load_config
 from jaxtune.data.chat import CHATML_TOOLS
-from jaxtune.data.synthetic import RECIPE_TOOLS_SYSTEM, multiply_hasty
+from jaxtune.data.synthetic import multiply_hasty
 from jaxtune.data.tokenizer import render_template
 from jaxtune.loop import train
 from jaxtune.tool_schema import tool_schema
@@ -69,23 +69,24 @@ def test_grpo_with_tools_trains(tmp_path, agent_model, data_cache, share):
 
 
 def test_fine_tune_rows_render_as_the_rollouts_do():
-    """A synthetic:multiply-hasty row, rendered by chatml-tools, is the rollout's prompt (its question rendered with
-    the tool's schema) followed by the model's turns and the tool's result as the run renders a tool message."""
+    """A synthetic:multiply-hasty row (TRL's tool-calling form), rendered by chatml-tools with the tools its
+    ``tools`` column names, is the rollout's prompt (its question rendered with the tool's schema) followed by the
+    model's call as the run parses it, the tool's result as the run renders a tool message, and the answer."""
     from jaxtune import recipe_tools
 
     schema = [tool_schema(t) for t in recipe_tools.tools]
-    row = next(r for r in itertools.islice(multiply_hasty(), 50) if len(r["messages"]) == 5)
-    system, user, call, result, answer = row["messages"]
-    shown = render_template(CHATML_TOOLS, [], tools=schema)
-    assert shown == f"<|im_start|>system\n{RECIPE_TOOLS_SYSTEM}<|im_end|>\n"
-    assert system["content"] == RECIPE_TOOLS_SYSTEM
-    sft = render_template(CHATML_TOOLS, row["messages"])
+    row = next(r for r in itertools.islice(multiply_hasty(), 50) if len(r["messages"]) == 4)
+    assert row["tools"] == ["multiply"] and [t["function"]["name"] for t in schema] == ["multiply"]
+    user, call, result, answer = row["messages"]
+    sft = render_template(CHATML_TOOLS, row["messages"], tools=schema)
     prompt = render_template(CHATML_TOOLS, [user], add_generation_prompt=True, tools=schema)
-    assert sft.startswith(prompt + call["content"] + "<|im_end|>\n")
-    tool_message = {"role": "tool", "name": "multiply", "content": result["content"].split("\n")[1]}
+    arguments = call["tool_calls"][0]["function"]["arguments"]
+    written = "<tool_call>\n" + json.dumps({"name": "multiply", "arguments": arguments}) + "\n</tool_call>"
+    assert sft.startswith(prompt + written + "<|im_end|>\n"), sft
+    tool_message = {"role": "tool", "name": "multiply", "content": result["content"]}
     as_run = render_template(CHATML_TOOLS, [user, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "multiply", "arguments": json.loads(
-            call["content"].split("\n")[1])["arguments"]}}]}, tool_message, answer], tools=schema)
+        {"type": "function", "function": {"name": "multiply", "arguments": arguments}}]}, tool_message, answer],
+        tools=schema)
     assert as_run == sft
 
 

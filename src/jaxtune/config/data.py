@@ -46,6 +46,10 @@ class DataConfig(Section):
                                   "(default human->user, gpt->assistant)")
     chat_template: str | None = Field(None, description="chatml, gemma, a .jinja file, or template text; default the "
                                       "tokenizer's own")
+    tools: str | None = Field(None, description="tool-calling conversations: the module (by name, e.g. "
+                              "jaxtune.recipe_tools) whose `tools` list describes the tools a row's `tools` column "
+                              "names, and every row's tools when it has no such column; imported to read the "
+                              "functions' schemas, never run")
     loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
     bad_rows: Literal["raise", "drop"] = Field("raise", description="raise: stop at the first bad row (file:line); "
                                                "drop: skip bad rows, counted per reason")

@@ -51,7 +51,8 @@ class EncodeCache:
                                 tokenizer.eos_id, loss_on], sort_keys=True, default=str)
 
     def key(self, examples: list[Example], prompt_turns: list[int] | None) -> str:
-        rows = [[ex.messages, ex.prompt, ex.completion] for ex in examples]
+        # a row's tools only where it has some: the keys of rows without tools stay what they were
+        rows = [[ex.messages, ex.prompt, ex.completion, *([ex.tools] if ex.tools else [])] for ex in examples]
         text = json.dumps([self.salt, rows, prompt_turns], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
 

@@ -33,7 +33,10 @@ not a conversation or a prompt/completion it needs an encoder (`jaxtune.data.sft
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,22 +46,36 @@ from jaxtune.config import PAIRS, UNPAIRED, DataConfig
 from jaxtune.config.kinds import KIND_OF_FORMAT, objectives_for
 from jaxtune.data.errors import DataError
 from jaxtune.data.rows import READ_REASONS, BadRow, file_rows, read_rows
+from jaxtune.tool_schema import SchemaError, module_schemas
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system"}
-ROLES = ("system", "user", "assistant")
+                  "system": "system", "tool": "tool"}
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
 class Example:
-    """A row understood: ``messages`` for the chat formats, or (``prompt``, ``completion``)."""
+    """A row understood: ``messages`` for the chat formats, or (``prompt``, ``completion``). ``tools``: the JSON
+    schemas of the tools the conversation may call (its ``tools`` column, or ``data.tools``), which the chat template
+    renders as ``apply_chat_template(tools=...)`` does."""
 
-    messages: tuple[dict[str, str], ...] = ()
+    messages: tuple[dict[str, Any], ...] = ()
     prompt: str = ""
     completion: str = ""
+    tools: tuple[dict[str, Any], ...] = ()
 
     def texts(self) -> list[str]:
-        return [m["content"] for m in self.messages] if self.messages else [self.prompt, self.completion]
+        return _message_texts(self.messages) if self.messages else [self.prompt, self.completion]
+
+
+def _message_texts(messages: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> list[str]:
+    """The contents of ``messages``, an assistant's tool calls as their JSON (what a tokenizer trained on the rows
+    must cover)."""
+    out = []
+    for m in messages:
+        out.append(m["content"])
+        out += [json.dumps(c["function"], ensure_ascii=False) for c in m.get("tool_calls", ())]
+    return out
 
 
 @dataclass(frozen=True)
@@ -75,7 +92,7 @@ class Pair:
         """The prompt's texts once, then each completion's."""
         if not self.chosen.messages:
             return [self.chosen.prompt, self.chosen.completion, self.rejected.completion]
-        return [m["content"] for m in (*self.chosen.messages, *self.rejected.messages[self.prompt_turns:])]
+        return _message_texts((*self.chosen.messages, *self.rejected.messages[self.prompt_turns:]))
 
 
 @dataclass(frozen=True)
@@ -102,7 +119,7 @@ class Prompt:
     fields: dict[str, Any] = field(default_factory=dict)
 
     def texts(self) -> list[str]:
-        return [m["content"] for m in self.messages] if self.messages else [self.text]
+        return _message_texts(self.messages) if self.messages else [self.text]
 
 
 @dataclass(frozen=True)
@@ -177,19 +194,20 @@ def _alpaca(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Examp
 
 
 def _messages(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Example:
-    return _conversation(record, fields, {r: r for r in ROLES}, unknown_role_hint="")
+    return _conversation(record, fields, {r: r for r in ROLES}, unknown_role_hint="", data_cfg=data_cfg)
 
 
 def _sharegpt(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Example:
     return _conversation(record, fields, {**SHAREGPT_ROLES, **data_cfg.roles},
-                         unknown_role_hint="; map it with data.roles")
+                         unknown_role_hint="; map it with data.roles", data_cfg=data_cfg)
 
 
 def _conversation(record: dict, fields: dict[str, str], role_names: dict[str, str],
-                  unknown_role_hint: str, ends_with: tuple[str, ...] = ("assistant",)) -> Example:
+                  unknown_role_hint: str, ends_with: tuple[str, ...] = ("assistant",),
+                  data_cfg: DataConfig | None = None) -> Example:
     """The list of turns under ``fields["messages"]``, each a ``fields["role"]`` (a key of ``role_names``) and a
     ``fields["content"]``, as an `Example` of messages in the order the module docstring gives, the last turn one
-    of the roles ``ends_with``."""
+    of the roles ``ends_with``; with ``data_cfg``, the tools of the row's ``tools`` column (`row_tools`)."""
     turns = record.get(fields["messages"])
     if turns is None:
         raise BadRow("missing_field", f"no {fields['messages']!r} field (found {sorted(record)}); "
@@ -197,13 +215,15 @@ def _conversation(record: dict, fields: dict[str, str], role_names: dict[str, st
     if not isinstance(turns, list) or not turns:
         raise BadRow("bad_type", f"{fields['messages']!r} must be a non-empty list of turns")
     msgs = _turns(turns, fields, role_names, unknown_role_hint)
-    _check_order([m["role"] for m in msgs], ends_with)
-    return Example(messages=tuple(msgs))
+    _check_order(msgs, ends_with)
+    return Example(messages=tuple(msgs), tools=row_tools(record, data_cfg) if data_cfg else ())
 
 
 def _turns(turns: list, fields: dict[str, str], role_names: dict[str, str], unknown_role_hint: str = "",
-           what: str = "turn") -> list[dict[str, str]]:
-    """Each turn as ``{"role", "content"}``: an object with a known role and a non-empty string content."""
+           what: str = "turn") -> list[dict[str, Any]]:
+    """Each turn as ``{"role", "content"}``: an object with a known role and a non-empty string content. An
+    assistant turn may carry ``tool_calls`` instead of (or beside) its content (`_tool_calls`); a ``tool`` turn (a
+    tool's result) keeps its ``name`` and ``tool_call_id`` and may be empty."""
     msgs = []
     for k, turn in enumerate(turns):
         if not isinstance(turn, dict):
@@ -212,28 +232,124 @@ def _turns(turns: list, fields: dict[str, str], role_names: dict[str, str], unkn
         if speaker not in role_names:
             raise BadRow("unknown_role", f"{what} {k} has role {speaker!r}; known: {sorted(role_names)}"
                          + unknown_role_hint)
-        content = _string(turn, fields["content"], "content")
-        if not content.strip():
+        role = role_names[speaker]
+        calls = _tool_calls(turn, f"{what} {k}") if role == "assistant" else []
+        content = _string(turn, fields["content"], "content", required=not calls)
+        if not content.strip() and not calls and role != "tool":
             raise BadRow("empty_content", f"{what} {k} ({speaker}) has empty content")
-        msgs.append({"role": role_names[speaker], "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            msg.update({key: turn[key] for key in ("name", "tool_call_id") if isinstance(turn.get(key), str)})
+        msgs.append(msg)
     return msgs
 
 
-_A_TURN = {"user": "a user", "assistant": "an assistant"}
+def _tool_calls(turn: dict, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's ``tool_calls`` in TRL's and transformers' form, ``{"type": "function", "function":
+    {"name": str, "arguments": {...}}}`` (its ``id`` kept; a call without the ``function`` wrapper is read too), the
+    arguments a dict (a JSON string of one is parsed: every template then renders them alike). A malformed call is
+    a `BadRow` naming it."""
+    calls = turn.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise BadRow("bad_tool_call", f"{where}: tool_calls is {type(calls).__name__}, not a list of calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where} tool call {j}"
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise BadRow("bad_tool_call", f"{at} has no function name; a call is {{\"type\": \"function\", "
+                         "\"function\": {\"name\": ..., \"arguments\": {...}}}")
+        name, arguments = function["name"], function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as e:
+                raise BadRow("bad_tool_call", f"{at} ({name}): its arguments are not valid JSON ({e.msg} at "
+                             f"character {e.pos})") from None
+        if not isinstance(arguments, dict):
+            raise BadRow("bad_tool_call", f"{at} ({name}): its arguments are {type(arguments).__name__}; they must "
+                         "be an object of argument names (or a JSON string of one)")
+        out.append({**({"id": call["id"]} if isinstance(call.get("id"), str) else {}), "type": "function",
+                    "function": {"name": name, "arguments": arguments}})
+    return out
 
 
-def _check_order(roles: list[str], ends_with: tuple[str, ...] = ("assistant",)) -> None:
-    """An optional system turn, then user and assistant alternating from the user's, the last one of ``ends_with``."""
-    body = roles[1:] if roles and roles[0] == "system" else roles
-    for k, role in enumerate(body):
-        expected = "user" if k % 2 == 0 else "assistant"
-        if role != expected:
-            offset = len(roles) - len(body)
-            raise BadRow("role_order", f"turn {k + offset} is {role!r} where {expected!r} was expected (an optional "
-                         "system turn, then user and assistant alternating)")
-    if not body or body[-1] not in ends_with:
+def row_tools(record: dict, data_cfg: DataConfig) -> tuple[dict[str, Any], ...]:
+    """The JSON schemas of the tools a row's conversation may call: its ``tools`` column (a list of schemas, a JSON
+    string of one as xLAM and ToolACE publish it, or names of ``data.tools``'s tools), or without one every tool of
+    ``data.tools``."""
+    tools = record.get("tools")
+    if tools is None or tools == "" or tools == []:
+        return tuple(module_tools(data_cfg.tools)) if data_cfg.tools else ()
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise BadRow("bad_tools", f"'tools' is a string but not JSON ({e.msg} at character {e.pos}); give a "
+                         "list of the tools' JSON schemas or names") from None
+    if not isinstance(tools, list):
+        raise BadRow("bad_tools", f"'tools' is {type(tools).__name__}; give a list of the tools' JSON schemas or names")
+    out = []
+    for j, tool in enumerate(tools):
+        if isinstance(tool, str):
+            if not data_cfg.tools:
+                raise BadRow("bad_tools", f"tools[{j}] names the tool {tool!r}: set data.tools to the module that "
+                             "defines it (one with a `tools` list, e.g. jaxtune.recipe_tools), or give its schema")
+            known = {s["function"]["name"]: s for s in module_tools(data_cfg.tools)}
+            if tool not in known:
+                raise BadRow("bad_tools", f"tools[{j}] names {tool!r}, which data.tools={data_cfg.tools!r} does not "
+                             f"define (its tools: {sorted(known)})")
+            out.append(known[tool])
+        elif isinstance(tool, dict) and isinstance(tool.get("function", tool), dict) \
+                and isinstance(tool.get("function", tool).get("name"), str):
+            out.append(tool)
+        else:
+            raise BadRow("bad_tools", f"tools[{j}] is neither a tool's JSON schema (with a function name) nor a "
+                         "tool's name")
+    return tuple(out)
+
+
+def module_tools(module: str) -> list[dict[str, Any]]:
+    """The JSON schemas of the tools ``module`` lists in ``tools`` (``data.tools``), as transformers describes a
+    function; a module that does not load or a tool that cannot be described is a `DataError` naming the key."""
+    try:
+        return _module_schemas(module, os.getcwd())
+    except SchemaError as e:
+        raise DataError(f"data.tools={module!r}: {e}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _module_schemas(module: str, cwd: str) -> list[dict[str, Any]]:
+    return module_schemas(module, cwd)
+
+
+def _check_order(msgs: list[dict[str, Any]], ends_with: tuple[str, ...] = ("assistant",)) -> None:
+    """An optional system turn, then user and assistant alternating from the user's, the last one of ``ends_with``;
+    an assistant turn with tool calls is followed by their results (``tool`` turns), then the assistant again."""
+    roles = [m["role"] for m in msgs]
+    offset = 1 if roles and roles[0] == "system" else 0
+    expected: tuple[str, ...] = ("user",)
+    for k in range(offset, len(msgs)):
+        role = roles[k]
+        if role not in expected:
+            said = " or ".join(repr(r) for r in expected)
+            raise BadRow("role_order", f"turn {k} is {role!r} where {said} was expected (an optional system turn, "
+                         "then user and assistant alternating; an assistant's tool calls followed by their tool "
+                         "results)")
+        if role == "assistant":
+            expected = ("tool",) if msgs[k].get("tool_calls") else ("user",)
+        else:
+            expected = ("tool", "assistant") if role == "tool" else ("assistant",)
+    if len(roles) == offset or roles[-1] not in ends_with:
         raise BadRow("role_order", f"the conversation does not end with {' or '.join(_A_TURN[r] for r in ends_with)} "
                      "turn")
+
+
+_A_TURN = {"user": "a user", "assistant": "an assistant"}
 
 
 def _preference(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Pair:
@@ -276,9 +392,11 @@ def _preference(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> P
     if not chosen_msgs or not rejected_msgs:
         raise BadRow("empty_content", f"the {'chosen' if not chosen_msgs else 'rejected'} completion has no message")
     for msgs in (chosen_msgs, rejected_msgs):
-        _check_order([m["role"] for m in (*prompt_msgs, *msgs)])
-    return Pair(Example(messages=tuple(prompt_msgs + chosen_msgs)),
-                Example(messages=tuple(prompt_msgs + rejected_msgs)), len(prompt_msgs), _margin(record))
+        _check_order([*prompt_msgs, *msgs])
+    tools = row_tools(record, data_cfg)
+    return Pair(Example(messages=tuple(prompt_msgs + chosen_msgs), tools=tools),
+                Example(messages=tuple(prompt_msgs + rejected_msgs), tools=tools), len(prompt_msgs),
+                _margin(record))
 
 
 def _margin(record: dict) -> float | None:
@@ -309,8 +427,9 @@ def _unpaired(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Lab
         reply = _turns(completion, fields, roles, what=f"{fields['completion']!r} message")
         if not reply:
             raise BadRow("empty_content", "the completion has no message")
-        _check_order([m["role"] for m in (*prompt_msgs, *reply)])
-        return Labelled(Example(messages=tuple(prompt_msgs + reply)), label, len(prompt_msgs))
+        _check_order([*prompt_msgs, *reply])
+        return Labelled(Example(messages=tuple(prompt_msgs + reply), tools=row_tools(record, data_cfg)), label,
+                        len(prompt_msgs))
     prompt = _string(record, fields["prompt"], "prompt")
     text = _string(record, fields["completion"], "completion")
     if not text.strip():
@@ -337,7 +456,7 @@ def _prompts(record: dict, fields: dict[str, str], data_cfg: DataConfig) -> Prom
             raise BadRow("empty_content", "the prompt is empty")
         return Prompt(text=prompt, fields=kept)
     msgs = _prompt_turns(prompt, fields, roles, "a string (text) or a non-empty list of messages")
-    _check_order([m["role"] for m in msgs], ends_with=("user",))
+    _check_order(msgs, ends_with=("user",))
     return Prompt(messages=tuple(msgs), fields=kept)
 
 
@@ -354,8 +473,10 @@ def _prompt_turns(prompt: Any, fields: dict[str, str], roles: dict[str, str], ex
     return msgs
 
 
-_CONVERSATION_REASONS = ("missing_field", "bad_type", "unknown_role", "role_order", "empty_content")
+_CONVERSATION_REASONS = ("missing_field", "bad_type", "unknown_role", "role_order", "empty_content", "bad_tool_call",
+                         "bad_tools")
 _FIELD_REASONS = ("missing_field", "bad_type", "empty_content")
+_PROMPT_REASONS = tuple(r for r in _CONVERSATION_REASONS if r != "bad_tools")  # a prompt's tools are the run's
 
 FORMATS: dict[str, Format] = {}  # by name, in registration order
 
@@ -389,7 +510,7 @@ for _format in (
     # Last: a preference or a prompt/completion row holds a prompt too (a prompts row given as messages ending with
     # a user turn is detected as messages).
     Format("prompts", {"prompt": "prompt", "messages": "messages", "role": "role", "content": "content"}, "prompt",
-           _prompts, _CONVERSATION_REASONS, detect_last=True, noun="a prompt alone {prompt, answer fields}",
+           _prompts, _PROMPT_REASONS, detect_last=True, noun="a prompt alone {prompt, answer fields}",
            keys=("prompt", "messages")),
 ):
     register_format(_format)

@@ -131,15 +131,17 @@ class PreferenceData:
     held_out: list[Example] = field(default_factory=list)  # the held-out pairs' chosen Examples, not truncated
 
 
-def encode_pairs(encoder: Encoder, pairs: list[Pair]) -> list[EncodedPair]:
-    """Each pair's (chosen, rejected) sequences; text and conversational pairs may mix (each tokenized its way)."""
+def encode_pairs(encoder: Encoder, pairs: list[Pair], wheres: list[str] | None = None) -> list[EncodedPair]:
+    """Each pair's (chosen, rejected) sequences; text and conversational pairs may mix (each tokenized its way).
+    ``wheres``: each pair's file:line, named by an error about it."""
+    wheres = wheres or [f"pair {i}" for i in range(len(pairs))]
     out: list[EncodedPair | None] = [None] * len(pairs)
     for chat in (False, True):
         picked = [i for i, pair in enumerate(pairs) if bool(pair.chosen.messages) == chat]
         if not picked:
             continue
-        encoded = encoder.encode([ex for i in picked for ex in (pairs[i].chosen, pairs[i].rejected)],
-                                 [pairs[i].prompt_turns for i in picked for _ in range(2)])
+        encoded = encoder.encode_rows([(wheres[i], ex) for i in picked for ex in (pairs[i].chosen, pairs[i].rejected)],
+                                      [pairs[i].prompt_turns for i in picked for _ in range(2)])
         for k, i in enumerate(picked):
             out[i] = (encoded[2 * k], encoded[2 * k + 1])
     return out
@@ -164,7 +166,8 @@ def load_pairs(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer, s
     limit = data_cfg.seq_len + 1
     out: list[EncodedPair] = []
     for pending in parsed_rows(sources, data_cfg, stats, chunk):
-        for (where, parsed), pair in zip(pending, encode_pairs(encoder, [p for _, p in pending])):
+        encoded = encode_pairs(encoder, [p for _, p in pending], [w for w, _ in pending])
+        for (where, parsed), pair in zip(pending, encoded):
             prompt = prompt_length(where, pair)
             if data_cfg.max_prompt_length is not None and prompt > data_cfg.max_prompt_length:
                 cut, prompt = prompt - data_cfg.max_prompt_length, data_cfg.max_prompt_length

@@ -49,6 +49,7 @@ it should give, which the training loop's evaluations score by exact match (``ev
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,26 +82,35 @@ class Encoder:
         if not ex.messages:
             return [(ex.prompt, self.loss_on == "all"), (ex.completion, True)]
         msgs = [dict(m) for m in ex.messages]
-        full = self.tok.apply_chat_template(msgs)
+        full = self.renderer(ex.tools)(msgs)
+        _check_tool_rendering(msgs, full)
         if self.loss_on == "all":
             return [(full, True)]
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i >= prompt_turns]
         if self.loss_on == "last_assistant":
             turns = turns[-1:]
-        spans = self.prefix_spans(msgs, full, turns)
+        spans = self.prefix_spans(msgs, full, turns, ex.tools)
         if spans is None:
-            spans = self.located_spans(msgs, full, turns)
+            spans = self.located_spans(msgs, full, turns, ex.tools)
         pieces, pos = [], 0
-        for start, end in spans:
+        for (start, end), i in zip(spans, turns):
+            missing = [c["function"]["name"] for c in msgs[i].get("tool_calls", ())
+                       if c["function"]["name"] not in full[start:end]]
+            if missing:
+                raise DataError(f"turn {i}'s tool call of {missing[0]!r} is not rendered inside its reply, so it "
+                                "cannot be trained; set data.chat_template to a template that renders tool calls "
+                                "(chatml-tools, or the model's own: Qwen 2.5/3's, Llama 3.x's, Mistral's)")
             pieces += [(full[pos:start], False), (full[start:end], True)]
             pos = end
         pieces.append((full[pos:], False))
         return [p for p in pieces if p[0]]
 
-    def prefix_spans(self, msgs: list[dict], full: str, turns: list[int]) -> list[tuple[int, int]] | None:
-        """Each turn's reply as ``full[start:end]``, when the template renders the conversation up to a turn as the
-        beginning of ``full`` (the fast way, in the module docstring); None when it does not."""
-        render = self.tok.apply_chat_template
+    def prefix_spans(self, msgs: list[dict], full: str, turns: list[int],
+                     tools: tuple[dict, ...] = ()) -> list[tuple[int, int]] | None:
+        """Each turn's reply as ``full[start:end]``, when the template (with the row's ``tools``) renders the
+        conversation up to a turn as the beginning of ``full`` (the fast way, in the module docstring); None when it
+        does not."""
+        render = self.renderer(tools)
         spans, pos = [], 0
         for i in turns:
             prompt = render(msgs[:i], add_generation_prompt=True)
@@ -113,15 +123,18 @@ class Encoder:
             pos = end
         return spans
 
-    def located_spans(self, msgs: list[dict], full: str, turns: list[int]) -> list[tuple[int, int]]:
+
+    def located_spans(self, msgs: list[dict], full: str, turns: list[int],
+                      tools: tuple[dict, ...] = ()) -> list[tuple[int, int]]:
         """Each turn's reply as ``full[start:end]``, found without prefix stability (the module docstring): where the
-        content ends, from a rendering with a placeholder for it; where the reply starts, by aligning the rendering
-        of the conversation before it, then the generation prompt, with ``full``."""
-        render = self.tok.apply_chat_template
-        eot = end_of_turn(self.tok)
+        reply ends, from a rendering with a placeholder for it (its tool calls left out, so that the text after the
+        placeholder is the turn's end-of-turn and what follows); where the reply starts, by aligning the rendering of
+        the conversation before it, then the generation prompt, with ``full``."""
+        render, eot = self.renderer(tools), end_of_turn(self.tok)
         spans, pos = [], 0
         for i in turns:
-            probe = render([*msgs[:i], {**msgs[i], "content": REPLY_PLACEHOLDER}, *msgs[i + 1:]])
+            placeholder = {**{k: v for k, v in msgs[i].items() if k != "tool_calls"}, "content": REPLY_PLACEHOLDER}
+            probe = render([*msgs[:i], placeholder, *msgs[i + 1:]])
             at = probe.find(REPLY_PLACEHOLDER)
             after = probe[at + len(REPLY_PLACEHOLDER):]
             if at < 0 or REPLY_PLACEHOLDER in after or not full.endswith(after):
@@ -152,6 +165,10 @@ class Encoder:
             pos = content_end + len(eot)
         return spans
 
+    def renderer(self, tools: tuple[dict, ...] = ()):
+        """The chat template as a function of (messages, add_generation_prompt), rendering ``tools``."""
+        return functools.partial(self.tok.apply_chat_template, tools=list(tools) or None)
+
     def encode(self, examples: list[Example], prompt_turns: list[int] | None = None) -> list[Encoded]:
         """Each example's (ids, mask); ``prompt_turns``: each one's, as `pieces` takes it (default 0)."""
         if self.cache is None:
@@ -162,6 +179,20 @@ class Encoder:
             out = self._encode(examples, prompt_turns)
             self.cache.write(key, out)
         return out
+
+    def encode_rows(self, rows: list[tuple[str, Example]],
+                    prompt_turns: list[int] | None = None) -> list[Encoded]:
+        """`encode` of rows read at ``where`` (file:line): a row the template cannot render as a training row is a
+        `DataError` naming it."""
+        try:
+            return self.encode([ex for _, ex in rows], prompt_turns)
+        except DataError:
+            for k, (where, ex) in enumerate(rows):
+                try:
+                    self.pieces(ex, prompt_turns[k] if prompt_turns else 0)
+                except DataError as e:
+                    raise DataError(f"{where}: {e}") from None
+            raise
 
     def _encode(self, examples: list[Example], prompt_turns: list[int] | None) -> list[Encoded]:
         all_pieces = [self.pieces(ex, k) for ex, k in zip(examples, prompt_turns or [0] * len(examples))]
@@ -181,6 +212,19 @@ class Encoder:
                 mask.append(True)
             out.append(Encoded(np.asarray(ids, np.int32), np.asarray(mask, bool), ex))
         return out
+
+
+def _check_tool_rendering(msgs: list[dict], full: str) -> None:
+    """A conversation with tool calls or results needs a template that renders them: each call's name and each
+    result is in the text (a plain template drops them without a word)."""
+    for i, m in enumerate(msgs):
+        names = [c["function"]["name"] for c in m.get("tool_calls", ())]
+        missing = next((n for n in names if n not in full), None) if names else None
+        if missing or (m["role"] == "tool" and m["content"].strip() not in full):
+            what = f"the tool call of {missing!r}" if missing else "the tool result"
+            raise DataError(f"the chat template does not render {what} of turn {i}, so it would be dropped from the "
+                            "row without a word; set data.chat_template: chatml-tools or the model's own template "
+                            "(Qwen 2.5/3's, Llama 3.x's and Mistral's render tool calls and results)")
 
 
 def _shared_prefix(a: str, b: str) -> int:
@@ -212,7 +256,8 @@ def question(tokenizer: Tokenizer, ex: Example) -> tuple[list[int], str]:
     if not ex.messages:
         return [*tokenizer.bos_prefix, *tokenizer.encode(ex.prompt)], ex.completion
     last = max(i for i, m in enumerate(ex.messages) if m["role"] == "assistant")
-    prompt = tokenizer.apply_chat_template([dict(m) for m in ex.messages[:last]], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template([dict(m) for m in ex.messages[:last]], add_generation_prompt=True,
+                                           tools=list(ex.tools) or None)
     return tokenizer.encode_chat([prompt])[0], ex.messages[last]["content"]
 
 
@@ -267,7 +312,7 @@ def load_examples(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer
     limit = data_cfg.seq_len + 1
     out: list[Encoded] = []
     for pending in parsed_rows(sources, data_cfg, stats, chunk):
-        for (where, _), enc in zip(pending, encoder.encode([ex for _, ex in pending])):
+        for (where, _), enc in zip(pending, encoder.encode_rows(pending)):
             if len(enc.ids) > limit:
                 if data_cfg.overlong == "raise":
                     raise overlong_error(where, len(enc.ids), limit)

@@ -42,20 +42,21 @@ its samples still carry now and then. A verifiable reward (``exact_number``) fin
 and RLOO quickstarts) and distillation from a careful teacher (GKD's) have a clear mistake to correct that
 supervised data alone taught.
 
-``synthetic:multiply-hasty`` (generated): 10,000 chat rows of products of a three-digit and a two-digit number
-(distinct, seeded), for the agent recipe (`agent-quickstart`): the system turn shows the ``multiply`` tool
-(`jaxtune.recipe_tools`) exactly as the ``chatml-tools`` template renders it for a multi-turn rollout. A hasty
-student writes them: in 30% of the rows (seeded) the assistant calls the tool, reads its result (a ``tool_response``
-turn, rendered as ``chatml-tools`` renders a tool message) and answers with it; in the others it answers at once
-with a guess (the product of the factors rounded to their leading digit: "347 times 86 is 27000."), which is
-wrong. A model fine-tuned on it answers greedily with a guess and calls the tool in some of its samples; a
-verifiable reward finds that those are right::
+``synthetic:multiply-hasty`` (generated): 10,000 tool-calling chat rows of products of a three-digit and a
+two-digit number (distinct, seeded), for the agent recipe (`agent-quickstart`), in TRL's form: a ``tools`` column
+naming the ``multiply`` tool (read with ``data.tools: jaxtune.recipe_tools``, whose schema the chat template shows
+the model exactly as a multi-turn rollout's prompt shows it), the assistant's call as ``tool_calls`` and its result
+as a ``tool`` turn. A hasty student writes them: in 30% of the rows (seeded) the assistant calls the tool, reads its
+result and answers with it; in the others it answers at once with a guess (the product of the factors rounded to
+their leading digit: "347 times 86 is 27000."), which is wrong. A model fine-tuned on it answers greedily with a
+guess and calls the tool in some of its samples; a verifiable reward finds that those are right::
 
-    system: You may call one or more of these tools, ... {"name": "multiply", ...} ...
-    user: What is 347 times 86?
-    assistant: <tool_call>\n{"name": "multiply", "arguments": {"a": 347, "b": 86}}\n</tool_call>
-    user: <tool_response>\n29842\n</tool_response>
-    assistant: 347 times 86 is 29842.
+    {"tools": ["multiply"], "messages": [
+      {"role": "user", "content": "What is 347 times 86?"},
+      {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "multiply", "arguments": {"a": 347, "b": 86}}}]},
+      {"role": "tool", "name": "multiply", "content": "29842"},
+      {"role": "assistant", "content": "347 times 86 is 29842."}]}
 
 ``synthetic:multiply-prompts`` (generated): the same 10,000 products in the same order and phrasings, as prompts
 with their answer (``data.format: prompts``); the tools' system turn is rendered by the run (``objective.tools``).
@@ -164,25 +165,22 @@ def _leading(n: int) -> int:
     return round(n / scale) * scale
 
 
-# The system turn chatml-tools renders for jaxtune.recipe_tools' tools (tests/train/test_agent_train.py holds it):
-# the fine-tuning rows carry it as their system message, as a rollout's prompt shows it.
-RECIPE_TOOLS_SYSTEM = ("Tools:\n- multiply(a: integer, b: integer): Multiplies two whole numbers.\nCall one as "
-                       '<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>.')
-
-
 def multiply_hasty(seed: int = 0) -> Iterator[dict]:
-    system = {"role": "system", "content": RECIPE_TOOLS_SYSTEM}
+    """Tool-calling rows in TRL's form: the assistant's call as ``tool_calls``, its result as a ``tool`` turn, and a
+    ``tools`` column naming the tool (described by ``data.tools: jaxtune.recipe_tools``), so the chat template
+    renders the tools and the call as a rollout's prompt and turns show them."""
     calls = random.Random(f"multiply-hasty:{seed}")
     for a, b, question in _products(seed):
-        asked = [system, {"role": "user", "content": question}]
+        asked = [{"role": "user", "content": question}]
         if calls.random() < TOOL_USE:
-            call = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
-            yield {"messages": [*asked, {"role": "assistant", "content": call},
-                                {"role": "user", "content": f"<tool_response>\n{a * b}\n</tool_response>"},
-                                {"role": "assistant", "content": f"{a} times {b} is {a * b}."}]}
+            call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+            yield {"tools": ["multiply"], "messages": [
+                *asked, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "multiply", "content": str(a * b)},
+                {"role": "assistant", "content": f"{a} times {b} is {a * b}."}]}
         else:
-            yield {"messages": [*asked, {"role": "assistant", "content": f"{a} times {b} is "
-                                                                          f"{_leading(a) * _leading(b)}."}]}
+            yield {"tools": ["multiply"], "messages": [
+                *asked, {"role": "assistant", "content": f"{a} times {b} is {_leading(a) * _leading(b)}."}]}
 
 
 def multiply_prompts(seed: int = 0) -> Iterator[dict]:

@@ -150,8 +150,8 @@ def load_unpaired(sources: list[str], data_cfg: DataConfig, tokenizer: Tokenizer
         for chat in (False, True):  # text and conversational rows may mix, each tokenized its way
             picked = [i for i, r in enumerate(rows) if bool(r.example.messages) == chat]
             if picked:
-                for i, enc in zip(picked, encoder.encode([rows[i].example for i in picked],
-                                                         [rows[i].prompt_turns for i in picked])):
+                for i, enc in zip(picked, encoder.encode_rows([(pending[i][0], rows[i].example) for i in picked],
+                                                              [rows[i].prompt_turns for i in picked])):
                     encoded[i] = enc
         for (where, row), enc in zip(pending, encoded):  # in the sources' order
             fitted = _fitted(where, enc, data_cfg, limit, stats)
