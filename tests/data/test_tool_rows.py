@@ -195,7 +195,7 @@ def test_the_agent_fine_tune_rows_are_tool_calls():
 
     row = next(r for r in itertools.islice(multiply_hasty(), 50) if len(r["messages"]) == 4)
     ex = _read(row, tools="jaxtune.recipe_tools")
-    user, call, result, answer = ex.messages
+    _, call, result, _ = ex.messages
     assert call["tool_calls"][0]["function"]["name"] == "multiply" and result["role"] == "tool"
 
 

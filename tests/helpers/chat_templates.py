@@ -196,7 +196,8 @@ MISTRAL_TOOLS = """{%- if messages[0]["role"] == "system" %}
         {%- endif %}
         {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
     {%- else %}
-        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional " ~
+                            "system message!") }}
     {%- endif %}
 {%- endfor %}
 """
