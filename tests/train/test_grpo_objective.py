@@ -1203,6 +1203,37 @@ def test_rloo_loss_matches_trl(checkpoints, tokenizer, native, tmp_path, off_pol
     assert_matches(mine, theirs, names=("clip_ratio/low_mean", "clip_ratio/region_mean") if off_policy else ())
 
 
+@pytest.mark.parametrize("name", ["rloo", "grpo"])
+def test_a_lagging_rollout_is_corrected_in_one_pass(checkpoints, tokenizer, native, tmp_path, name):
+    """``max_staleness: 1`` with the sampler's log-probs as the old policy's and one pass (no ``old_logps`` in the
+    batch): the batch's sampler log-probs are the old checkpoint's (a stale sampler, far from the policy), and the
+    one-pass loss, gradients and clip ratios equal TRL's trainer given that checkpoint's log-probs as the old ones
+    (RLOO's sequence ratio, GRPO's token ratio with importance_sampling off). A step that ignored the lag (ratio 1:
+    the mutation ``lag_corrected=False``) gives a loss TRL's is far from."""
+    keys = {"beta": 0.0, **OFF_POLICY}
+    if name == "rloo":
+        theirs = trl_rloo(checkpoints, tokenizer, tmp_path, True, **keys)
+        cfg = rloo_cfg(**keys, max_staleness=1, old_logps="sampler")
+        batch = {**our_batch(sampler_logps=theirs.old_logps), "advantages": RLOO_ADVANTAGES}
+    else:
+        keys["loss_type"] = "dapo"
+        theirs = trl_grpo(checkpoints, tokenizer, tmp_path, off_policy=True, **keys)
+        cfg = objective_config(name="grpo", rewards=[{"name": "length"}], num_generations=GROUP,
+                               max_completion_length=MAX_COMPLETION, max_staleness=1, old_logps="sampler",
+                               importance_sampling="off", **keys)
+        batch = our_batch(sampler_logps=theirs.old_logps)
+    objective = replace(make_objective(cfg), passes=1)
+    assert objective.lag_corrected and "old_logps" not in batch
+    means = lambda metrics, count: {k: float(v) for k, v in per_unit(metrics, count).items()}
+    mine = trl_reference.objective_result(native, objective, cfg, native.policy, batch, means)
+    assert mine.metrics["clip_ratio/region_mean"] > 0, mine.metrics  # the stale ratios moved off 1: some clipped
+    assert_matches(mine, theirs, names=("clip_ratio/low_mean", "clip_ratio/region_mean"))
+    ignored = trl_reference.objective_result(native, replace(objective, lag_corrected=False), cfg, native.policy,
+                                             batch, means)
+    assert abs(ignored.loss - theirs.loss) > 100 * TOL * abs(theirs.loss), (ignored.loss, theirs.loss)
+    assert ignored.metrics["clip_ratio/region_mean"] == 0.0  # at ratio 1 nothing is clipped
+
+
 @pytest.fixture(scope="module")
 def old_params(checkpoints):
     """The "old" checkpoint's params (the policy plus more noise), read as the policy's are."""

@@ -141,6 +141,7 @@ class GRPO:
     passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
     prepares: bool = False  # the old log-probs are needed only before several passes
     old_from_sampler: bool = False  # passes > 1: the batch's sampler log-probs are the old policy's
+    lag_corrected: bool = False  # the rollout lags: one pass's old policy is the sampler's (`pg.lag_corrected`)
     importance_sampling: str = "off"  # TRL's vllm_importance_sampling_mode, or off
     importance_sampling_max: float | None = 3.0
     importance_sampling_min: float | None = None
@@ -167,7 +168,8 @@ class GRPO:
         return cls(beta=cfg.beta_value, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                    loss_type=cfg.loss_type_value, temperature=cfg.temperature,
                    max_completion_length=cfg.max_completion_length, passes=cfg.passes,
-                   old_from_sampler=cfg.old_logps == "sampler", importance_sampling=cfg.importance_sampling,
+                   old_from_sampler=cfg.old_logps == "sampler", lag_corrected=pg.lag_corrected(cfg),
+                   importance_sampling=cfg.importance_sampling,
                    importance_sampling_max=cfg.importance_sampling_max,
                    importance_sampling_min=cfg.importance_sampling_min,
                    importance_sampling_level=cfg.importance_sampling_level,
@@ -381,7 +383,7 @@ class GRPO:
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
         mask = batch["loss_mask"]
         logps, entropy = self.logps_and_entropy(forward, weights, batch, key)
-        old = pg.old_logps(batch, logps)
+        old = pg.old_logps(batch, logps, self.lag_corrected)
         adv, completions = token_advantages(batch), pg.completion_masks(batch)
         tokens = jnp.sum(mask)
         ratio = self.ratio(logps, old, batch, adv, completions, tokens)

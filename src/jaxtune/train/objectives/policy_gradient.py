@@ -5,7 +5,10 @@ row (``branch_ids``: the prompt 0, then each completion 1..G), ``advantages`` (N
 policy's log-probs with those of the policy that sampled (the old policy: `old_logps`), clip a ratio r of the two to
 [1 - epsilon, 1 + epsilon_high] (`ClipBounds`) in a clipped surrogate -min(r A, clip(r) A), and report how many
 ratios the clip cut (`clip_metrics`) and how far the sampler's log-probs are from the trainer's
-(`sampler_agreement`). GRPO's ratio is per token, RLOO's per completion.
+(`sampler_agreement`). GRPO's ratio is per token, RLOO's per completion. When the rollout lags (``max_staleness``) the
+old policy is the one that sampled, not the weights being trained: `old_logps` then takes the sampler's log-probs,
+for every clipped objective alike (unless an importance weight corrects for the sampler instead: GRPO's
+``importance_sampling``, which keeps the trainer's as the old policy's).
 """
 
 from __future__ import annotations
@@ -56,10 +59,24 @@ def with_old_logps(forward: Forward, weights: Any, batch: Batch, temperature: fl
     return {**batch, OLD_LOGPS_KEY: sampling_logps(forward, weights, batch, temperature, from_sampler)}
 
 
-def old_logps(batch: Batch, logps: jax.Array) -> jax.Array:
-    """The old policy's (N, T) log-probs: the batch's ``old_logps`` when prepared (several passes), else the policy's
-    own ``logps`` without gradient (one pass: the weights are those that sampled, so every ratio is 1)."""
-    return batch[OLD_LOGPS_KEY] if OLD_LOGPS_KEY in batch else jax.lax.stop_gradient(logps)
+def lag_corrected(cfg: Any) -> bool:
+    """Whether a single pass's old policy is the sampler's (`old_logps`'s ``from_sampler``): the rollout lags
+    (``objective.max_staleness`` >= 1) and the sampler's log-probs are the old policy's (``old_logps: sampler``)."""
+    return bool(getattr(cfg, "max_staleness", 0)) and getattr(cfg, "old_logps", None) == "sampler"
+
+
+def old_logps(batch: Batch, logps: jax.Array, from_sampler: bool = False) -> jax.Array:
+    """The old policy's (N, T) log-probs: the batch's ``old_logps`` when prepared (several passes); else, where the
+    rollout lags and the sampler's log-probs stand for the old policy (``from_sampler``, `lag_corrected`), the
+    sampler's, so that one pass is corrected for the lag by the ratio as later passes are; else the policy's own
+    ``logps`` without gradient (one pass on-policy: the weights are those that sampled, so every ratio is 1)."""
+    if OLD_LOGPS_KEY in batch:
+        return batch[OLD_LOGPS_KEY]
+    if from_sampler:
+        if SAMPLER_LOGPS_KEY not in batch:
+            raise ValueError("the rollout lags but the batch carries no sampler log-probs to correct the ratio with")
+        return batch[SAMPLER_LOGPS_KEY]
+    return jax.lax.stop_gradient(logps)
 
 
 def completion_masks(batch: Batch) -> jax.Array:

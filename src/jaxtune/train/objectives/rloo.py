@@ -11,11 +11,12 @@ A_i - β (kl_i - mean of kl over the group's other scorable completions). With `
 are then normalised over the whole batch ((A - mean) / (std + 1e-4), NaN left out, `trl.trainer.utils.nanstd`'s
 Bessel-corrected std); unscorable completions end at 0.
 
-Loss, per completion: with ρ = exp(Σ_t logp_t - Σ_t old_t) its sequence ratio, -min(ρ A, clip(ρ, 1 - ε, 1 + ε_high)
-A), averaged over completions. Metrics (TRL's names): ``kl`` (per completion token, of old - ref), ``clip_ratio/
-low_mean``, ``/high_mean``, ``/region_mean`` (the share of completions whose ratio was clipped), and the sampler's
-agreement with the trainer (``sampler_logp_diff/mean``, ``/max``) as for GRPO. What it does as GRPO does (the old
-log-probs, the clip, its metrics) is `policy_gradient`'s.
+Loss, per completion: with ρ = exp(Σ_t logp_t - Σ_t old_t) its sequence ratio (old: the weights that sampled; when the
+rollout lags, ``max_staleness``, the sampler's log-probs, so the ratio corrects for the lag), -min(ρ A, clip(ρ, 1 - ε, 1
++ ε_high) A), averaged over completions. Metrics (TRL's names): ``kl`` (per completion token, of old - ref),
+``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean`` (the share of completions whose ratio was clipped), and the
+sampler's agreement with the trainer (``sampler_logp_diff/mean``, ``/max``) as for GRPO. What it does as GRPO does (the
+old log-probs, the clip, its metrics) is `policy_gradient`'s.
 """
 
 from __future__ import annotations
@@ -57,13 +58,15 @@ class RLOO:
     passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
     prepares: bool = True  # the advantages need the whole batch (and the reference) before every step
     old_from_sampler: bool = False  # the batch's sampler log-probs are the old policy's
+    lag_corrected: bool = False  # the rollout lags: one pass's old policy is the sampler's (`pg.lag_corrected`)
     metric_names: tuple[str, ...] = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> RLOO:
         return cls(beta=cfg.beta_value, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                    temperature=cfg.temperature, max_completion_length=cfg.max_completion_length, passes=cfg.passes,
-                   old_from_sampler=cfg.old_logps == "sampler", num_generations=cfg.num_generations,
+                   old_from_sampler=cfg.old_logps == "sampler", lag_corrected=pg.lag_corrected(cfg),
+                   num_generations=cfg.num_generations,
                    normalize_advantages=cfg.normalize_advantages)
 
     @property
@@ -115,7 +118,7 @@ class RLOO:
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
         mask = batch["loss_mask"]
         logps = self.logps(forward, weights, batch, key)
-        old = pg.old_logps(batch, logps)
+        old = pg.old_logps(batch, logps, self.lag_corrected)
         completions = pg.completion_masks(batch)
         adv = pg.completion_advantages(batch, completions)
         ratio = jnp.exp(pg.per_completion((logps - old) * mask, completions))  # (rows, C): each sequence's ratio
