@@ -177,7 +177,8 @@ def _setup(cfg: Config, backend: Backend, run_dir: Path, multi_host: bool, ahead
     params, notes = _model_notes(cfg, spec, rollout)
 
     # The first programs compile on worker threads from here on, while the weights are made and read.
-    shapes = BatchShapes.of(cfg)
+    shapes = BatchShapes.of(cfg, context=mesh.shape.get("context", 1))
+    notes += shapes.context_notes()
     ahead = ahead.on(mesh) if ahead is not None and start < cfg.train.steps else None
     early = ahead is not None and not start and not isinstance(steps.companion, Precomputed)  # the data as stepped
     if early:
@@ -447,6 +448,9 @@ def _save(run: Run, step: int, state: TrainState, frozen: Frozen) -> None:
 
 def _finish(run: Run, state: TrainState, step: int, preempted: bool) -> TrainResult:
     """Close the components; loss.png, report.md and summary.json (process 0); the result."""
+    whole = run.shapes.whole_note()
+    if whole is not None:
+        run.log.message(whole)
     run.ckpt.close()
     run.data.close()
     run.log.close()
@@ -466,6 +470,8 @@ def _finish(run: Run, state: TrainState, step: int, preempted: bool) -> TrainRes
                                     "preempted": preempted, "params": run.params.total,
                                     "trained_params": run.params.trained, "step_compiles": run.steps.compiles,
                                     "step_lengths": result.step_lengths,
+                                    **({"context_whole_rows": [run.shapes.whole_rows, run.shapes.rows]}
+                                       if run.shapes.context > 1 else {}),
                                     "seconds": {k: round(v, 3) for k, v in laps.seconds.items()}},
                       preempted)
         if not preempted:

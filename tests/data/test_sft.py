@@ -30,13 +30,14 @@ from helpers.shared_data import SHARED_DATA
 
 from jaxtune.config import ConfigError, DataConfig, TokenizerConfig, load_config
 from jaxtune.data import DataError, load_tokenizer
-from jaxtune.data.chat import SHIPPED_TEMPLATES, encode_prompt, end_of_turn_ids, format_sample, stop_ids
+from jaxtune.data.chat import encode_prompt, end_of_turn_ids, format_sample, stop_ids
 from jaxtune.data.encoded import Encoded, Examples, PackedRows
 from jaxtune.data.formats import FORMATS, REASONS, Example, detect_format, field_names, parse_row
 from jaxtune.data.pipeline import make_sequence_batches, test_sequences
 from jaxtune.data.row_policy import DROP_REASONS
 from jaxtune.data.rows import READ_REASONS
 from jaxtune.data.sft import Encoder, SFTStats, load_examples, pack, prepare_sft, question, sequences
+from jaxtune.data.templates import SHIPPED_TEMPLATES
 from jaxtune.data.tokenizer import _train_bpe
 
 
@@ -184,8 +185,8 @@ def test_generation_markers_render_and_mask_like_plain_chatml(tok_dirs, chatml):
 
 
 def test_chat_template_setting(tok_dirs, tmp_path):
-    from jaxtune.data.chat import CHATML as SHIPPED
     from jaxtune.data.chat import resolve_chat_template
+    from jaxtune.data.templates import CHATML as SHIPPED
 
     plain = fresh(tok_dirs, "plain")
     assert plain.chat_template is None

@@ -13,11 +13,11 @@ from helpers.chat_templates import MISTRAL_TOOLS, build_tokenizer, messages_cfg,
 from helpers.rows import write_jsonl
 
 from jaxtune.config import DataConfig
-from jaxtune.data.chat import CHATML_TOOLS
 from jaxtune.data.errors import DataError
 from jaxtune.data.formats import Example, field_names, parse_row
 from jaxtune.data.preference import encode_pairs
 from jaxtune.data.sft import Encoder, load_examples
+from jaxtune.data.templates import CHATML_TOOLS
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",

@@ -22,7 +22,7 @@ def save_chatml_tokenizer(directory: Path, texts: list[str]) -> int:
     tokenizer directory with the ChatML chat template; returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from jaxtune.data.chat import CHATML
+    from jaxtune.data.templates import CHATML
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -35,7 +35,8 @@ from helpers.real_models import GEMMA3_270M_INSTALL, gemma3_270m_gguf
 from helpers.tiny_gemma3 import HEAD_DIM, IDS, SPECIALS, TEMPLATE, tiny_gemma, tiny_tokenizer
 
 from jaxtune.data import load_hf_tokenizer
-from jaxtune.data.chat import SHIPPED_TEMPLATES, encode_prompt
+from jaxtune.data.chat import encode_prompt
+from jaxtune.data.templates import SHIPPED_TEMPLATES
 from jaxtune.io import CheckpointError
 from jaxtune.models.hf import HFCheckpoint, from_hf, read_hf_config
 from jaxtune.models.registry import FAMILIES

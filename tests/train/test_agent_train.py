@@ -23,8 +23,8 @@ from helpers.run_outputs import metric_rows
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
-from jaxtune.data.chat import CHATML_TOOLS
 from jaxtune.data.synthetic import multiply_hasty
+from jaxtune.data.templates import CHATML_TOOLS
 from jaxtune.data.tokenizer import render_template
 from jaxtune.loop import train
 from jaxtune.tool_schema import tool_schema

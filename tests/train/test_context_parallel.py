@@ -165,8 +165,9 @@ RUN_SCRIPT = textwrap.dedent(
     runs, out = json.loads(sys.argv[1]), {}
     for name, over in runs.items():
         result = train(_config(over))
+        summary = json.loads((result.run_dir / "summary.json").read_text())
         out[name] = {"losses": {str(k): v for k, v in result.losses.items()}, "compiles": result.step_compiles,
-                     "step": result.step}
+                     "step": result.step, "whole": summary["context_whole_rows"]}
 
     def restored(cfg, step, mesh):
         ckpt = Checkpointer(cfg.run_path / "checkpoints", cfg.checkpoint)
@@ -247,6 +248,8 @@ def test_runs_match_one_device_and_checkpoints_cross_meshes(tmp_path, data_cache
         for step, loss in got["losses"].items():
             assert abs(loss - one.losses[int(step)]) <= 1e-5 * abs(one.losses[int(step)]), (name, step)
         assert got["compiles"] == one.step_compiles, name
+        whole, rows = got["whole"]  # the rows the axis left whole, of those stepped (said in summary.json)
+        assert 0 <= whole <= rows and rows > 0, (name, got["whole"])
     for name, moved in out["restore"].items():
         assert moved["bitwise"], name
     assert out["restore"]["context8"]["mesh"]["context"] == 8 and out["restore"]["data8"]["mesh"]["context"] == 1

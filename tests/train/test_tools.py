@@ -25,7 +25,7 @@ import pytest
 from helpers.chat_templates import build_tokenizer
 
 from jaxtune.config import objective_config
-from jaxtune.data.chat import CHATML_TOOLS
+from jaxtune.data.templates import CHATML_TOOLS
 from jaxtune.models.sampling import Generation
 from jaxtune.tool_schema import SchemaError, tool_schema
 from jaxtune.train.agent import Agent, prefilled_again, rows_bucket

@@ -576,14 +576,19 @@ def other_format_hint(record: dict, data_format: str) -> str | None:
             + (f" objective.name={takers[0]}" if takers else "") + unpair)
 
 
-def iter_turn_texts(data_cfg: DataConfig) -> Iterator[str]:
-    """The text of every turn of every readable row: what a BPE tokenizer for this data learns from."""
+def iter_turn_texts(data_cfg: DataConfig,
+                    rendered: Callable[[Example], list[str]] | None = None) -> Iterator[str]:
+    """The text of every turn of every readable row: what a BPE tokenizer for this data learns from. A conversation
+    with tools or tool calls gives ``rendered(example)`` instead, when given: the text the chat template makes of
+    it (the tools' descriptions and the calls' markup are the template's, not in any turn's content)."""
     fields = field_names(data_cfg)
     for _, record in read_rows(data_cfg.sources, data_cfg):
         try:
-            yield "\n".join(parse_row(record, data_cfg, fields).texts())
+            row = parse_row(record, data_cfg, fields)
         except BadRow:
             continue
+        tooled = isinstance(row, Example) and (row.tools or any(m.get("tool_calls") for m in row.messages or ()))
+        yield "\n".join(rendered(row) if rendered is not None and tooled else row.texts())
 
 
 def detect_format(path: str) -> str:

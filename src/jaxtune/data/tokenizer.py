@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +29,10 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from jaxtune.config import WINDOWS, DataConfig, TokenizerConfig, local_or_hub
 from jaxtune.data.encode_worker import hf_ids
 from jaxtune.data.errors import DataError
-from jaxtune.data.formats import iter_turn_texts
+from jaxtune.data.formats import Example, iter_turn_texts
 from jaxtune.data.progress import Progress
 from jaxtune.data.sources import Piece, ReadStats, read_pieces, sources_fingerprint, take_bytes
+from jaxtune.data.templates import template_text
 from jaxtune.io import atomic_dir, read_json, writable_dir
 
 log = logging.getLogger(__name__)
@@ -220,11 +222,15 @@ def load_tokenizer_dir(directory: Path) -> Tokenizer:
 
 def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
     """Trains once per (corpus, vocab_size, train_bytes); later runs load the cached directory."""
-    # Chat and instruction rows teach the BPE their turns, read by the format, and its special tokens; text documents
-    # teach it themselves alone, so their key names neither.
+    # Chat and instruction rows teach the BPE their turns, read by the format, and its special tokens (tool-calling
+    # conversations: as the chat template renders them); text documents teach it themselves alone, so their key names
+    # neither.
     documents = data_cfg.kind is WINDOWS and not data_cfg.pretokenized
     key_src = json.dumps([sources_fingerprint(data_cfg), tok_cfg.vocab_size, tok_cfg.train_bytes, _BPE_VERSION,
-                          *([] if documents else [data_cfg.format, tok_cfg.special_tokens])])
+                          *([] if documents else [data_cfg.format, tok_cfg.special_tokens]),
+                          # a tool-calling conversation teaches it as the template renders it with its tools
+                          *([] if documents or data_cfg.chat_template is None else [data_cfg.chat_template,
+                                                                                     data_cfg.tools])])
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     directory = Path(data_cfg.cache_dir).expanduser() / f"bpe-{key}"
     if not (directory / META_FILE).is_file():
@@ -232,7 +238,8 @@ def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
         progress = Progress(f"training a {tok_cfg.vocab_size}-token BPE tokenizer (reading data.sources)",
                             tok_cfg.train_bytes, str(directory))
         trained = _HFTokenizer(
-            _train_bpe(_corpus(data_cfg, tok_cfg.train_bytes, progress), tok_cfg.vocab_size,
+            _train_bpe(_corpus(data_cfg, tok_cfg.train_bytes, progress, tuple(tok_cfg.special_tokens)),
+                       tok_cfg.vocab_size,
                        tuple(tok_cfg.special_tokens)),
             EOS_TOKEN,
             where="tokenizer.kind=bpe",
@@ -245,17 +252,30 @@ def _cached_bpe(tok_cfg: TokenizerConfig, data_cfg: DataConfig) -> Tokenizer:
     return load_tokenizer_dir(directory)
 
 
-def _corpus(data_cfg: DataConfig, train_bytes: int, progress: Progress) -> Iterator[str]:
+def _rendered_texts(template: str, specials: tuple[str, ...], example: Example) -> list[str]:
+    """A tool-calling conversation as ``template`` renders it (with its tools), cut at the special tokens (which
+    the BPE does not learn: they are whole tokens of their own)."""
+    text = render_template(template, list(example.messages), tools=list(example.tools) or None)
+    if specials:
+        text = re.sub("|".join(re.escape(t) for t in specials), "\n", text)
+    return [t for t in text.split("\n\n") if t]
+
+
+def _corpus(data_cfg: DataConfig, train_bytes: int, progress: Progress,
+            specials: tuple[str, ...] = ()) -> Iterator[str]:
     """What a BPE learns from, up to ``train_bytes`` bytes: the documents (as the tokenizer reads them: pieces of at
     most a block, `jaxtune.data.sources.read_pieces`, so memory stays bounded), or for chat/instruction data the
-    text of every turn."""
+    text of every turn (a tool-calling conversation as ``data.chat_template`` renders it, ``specials`` cut out:
+    its tools' descriptions and calls' markup are the template's)."""
     if data_cfg.pretokenized:
         raise DataError("data.format=tokens: the sources are token ids already; set tokenizer.kind (hf or tiktoken) "
                         "and tokenizer.path to the tokenizer they were made with, not bpe")
     if data_cfg.kind is WINDOWS:
         pieces = take_bytes(read_pieces(data_cfg, ReadStats()), train_bytes)
     else:
-        pieces = take_bytes((Piece(t, end=True) for t in iter_turn_texts(data_cfg)), train_bytes)
+        template = template_text(data_cfg.chat_template)
+        rendered = None if template is None else functools.partial(_rendered_texts, template, specials)
+        pieces = take_bytes((Piece(t, end=True) for t in iter_turn_texts(data_cfg, rendered)), train_bytes)
     done = 0
     for piece in pieces:
         done += len(piece.text)

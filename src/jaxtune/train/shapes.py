@@ -1,5 +1,11 @@
 """The shape each batch is stepped at (`BatchShapes`): its length bucket (`jaxtune.data.buckets`) agreed by every
 process, the real tokens in it, and a line when a length is met for the first time (its train step compiles then).
+
+With a ``context`` mesh axis (``mesh.context`` > 1) a batch whose length the axis does not divide is not split over
+it: each device of a context group runs the rows whole (correct, but with a whole row's memory and time). That is
+said, not silent: at start, the length buckets up to ``data.seq_len`` the axis does not divide (`context_notes`);
+the first time a batch of such a length is stepped, a warning with its rows; and at the end the rows run whole out
+of all (`whole_note`, also in summary.json).
 """
 
 from __future__ import annotations
@@ -60,9 +66,12 @@ class BatchShapes:
     # (P, G, C) of rows in regions (`BatchKind.regions`): the prompt's P slots and each completion's C are cut to
     # their own buckets (the longest prompt's, the longest completion's)
     regions: tuple[int, int, int] | None = None
+    context: int = 1  # the mesh's context axis: a batch whose length it does not divide runs its rows whole
+    rows: int = 0  # the rows stepped, and of them those run whole (not split over the context axis)
+    whole_rows: int = 0
 
     @classmethod
-    def of(cls, cfg: Config) -> BatchShapes:
+    def of(cls, cfg: Config, context: int = 1) -> BatchShapes:
         data, kind = cfg.data, cfg.data.kind
         n = kind.sequences_per_item(cfg.objective)
         regions = kind.regions(data.seq_len, cfg.objective, data.shares_prompts)
@@ -70,7 +79,29 @@ class BatchShapes:
             regions = (regions[0], n, regions[1])
         cap = data.seq_len * (n if data.shares_prompts else 1) if regions is None else regions[0] + n * regions[2]
         return cls(cap, data.length_buckets if kind.buckets else 0, kind.step_keys(data.shares_prompts),
-                   regions=regions)
+                   regions=regions, context=context)
+
+    def context_notes(self) -> list[str]:
+        """A warning at start when the context axis does not divide some of the lengths batches may be cut to (the
+        buckets up to ``cap``; with regions, the prompt's and completions' widths are said at run time only)."""
+        if self.context <= 1 or self.regions is not None:
+            return []
+        lengths = sorted({bucket_length(n, self.cap, self.per_octave) for n in range(1, self.cap + 1)})
+        odd = [n for n in lengths if n % self.context]
+        if not odd:
+            return []
+        shown = ", ".join(map(str, odd[:6])) + (", ..." if len(odd) > 6 else "")
+        return [(f"warning: mesh.context={self.context} does not divide {len(odd)} of the {len(lengths)} lengths a "
+                 f"batch may be cut to ({shown}): a batch of such a length runs each row whole on every device of "
+                 "the context group (correct, not split; said when met, counted at the end); a data.seq_len that "
+                 f"divides by {self.context} and longer rows avoid it")]
+
+    def whole_note(self) -> str | None:
+        """At the end: how many of the rows stepped ran whole (not split over the context axis); None without one."""
+        if self.context <= 1:
+            return None
+        return (f"mesh.context={self.context}: {self.whole_rows} of the {self.rows} rows stepped ran whole (their "
+                f"batch's length did not divide by {self.context})")
 
     def fit(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], Shape]:
         """This process's rows cut to the global batch's bucket, and the global batch's `Shape`."""
@@ -100,9 +131,16 @@ class BatchShapes:
         """``train()`` (the step's dispatch), saying so when ``shape``'s length is new: its program compiles (or is
         read from the compilation cache) before the dispatch returns, or was compiled ahead (``ahead``: waited for
         here, if still compiling)."""
+        rows = shape.positions // max(shape.length, 1)
+        self.rows += rows
+        whole = self.context > 1 and shape.length % self.context != 0
+        self.whole_rows += rows if whole else 0
         if shape.program in self.lengths:
             return train()
         self.lengths.add(shape.program)
+        if whole:
+            say(f"warning: step {step}: batches of {shape.length} positions do not divide by mesh.context="
+                f"{self.context}, so their {rows} rows run whole on each device of the context group (not split)")
         split = "" if shape.regions is None else (f" (a prompt's {shape.regions[0]} slots, then "
                                                    f"{self.regions[1]} completions of {shape.regions[1]})")
         if ahead is not None and ahead.has(train_key(shape)):
