@@ -66,7 +66,8 @@ ADAPTIVE_ENTROPY_KEYS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_d
 
 class ObjectiveSection(Section):
     """What the training minimises (`jaxtune.train.objectives`). ``name`` picks the objective, and each objective
-    takes its own keys (TRL's names), listed under it; a key of another objective is an error naming it."""
+    takes its own keys (TRL's names), listed under it; a key of another objective is an error naming it, whatever
+    its value."""
 
     name: str
 
