@@ -250,10 +250,10 @@ def test_sync_ref_model_applies_where_a_reference_copy_can_be_mixed():
     free = {"simpo": ["data.format=preference"], "gkd": ["data.format=prompts", "objective.teacher=some/model"],
             "cross_entropy": ["data.format=messages"]}
     for name, rest in free.items():
-        with pytest.raises(ConfigError, match=f"objective.sync_ref_model does not apply to objective.name={name}"):
-            load_config(None, [f"objective.name={name}", *rest, "objective.sync_ref_model=true"])
-        unset = load_config(None, [f"objective.name={name}", *rest, "objective.sync_ref_model=false"])
-        assert "sync_ref_model" not in unset.to_dict()["objective"] and not unset.objective.syncs_reference
+        for value in ("true", "false"):  # false, its default, is refused too: it does not apply
+            with pytest.raises(ConfigError, match=f"objective.sync_ref_model does not apply to objective.name={name}"):
+                load_config(None, [f"objective.name={name}", *rest, f"objective.sync_ref_model={value}"])
+        assert not load_config(None, [f"objective.name={name}", *rest]).objective.syncs_reference
     for bad in ("objective.ref_model_mixup_alpha=0", "objective.ref_model_mixup_alpha=1.5",
                 "objective.ref_model_sync_steps=0"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
@@ -322,16 +322,28 @@ RESOLVED = yaml.safe_load((FIXTURES / "saved_configs_resolved.yaml").read_text()
 
 # keys outside the objective added after the fixtures, with their defaults
 ADDED_SINCE = {"train.compile_ahead": 32, "mesh.context": 1, "mesh.rollout": 0, "train.draw": "cdf",
-               "model.formulation": 2, "optim.formulation": 1}
+               "model.formulation": 2, "optim.formulation": 1, "data.tools": None}
+
+
+def as_run_config(path: Path, tmp_path: Path) -> Path:
+    """``path`` copied to a run directory's config.yaml, beside its checkpoints/, as the loop saves it."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(path.read_text())
+    return run / "config.yaml"
 
 
 @pytest.mark.parametrize("path", SAVED, ids=lambda p: p.stem)
-def test_a_config_saved_with_every_objective_key_loads_and_resumes_unchanged(path):
-    """A saved config listing all 29 objective keys (those that do not apply at their unset values) loads: those
-    keys are dropped, every other value is the saved one (an unset beta or loss_type, or a key added since: the
-    objective's default), the objective resolves as before, and resuming its checkpoint sees no identity change."""
+def test_a_config_saved_with_every_objective_key_loads_and_resumes_unchanged(path, tmp_path):
+    """A run's saved config listing all 29 objective keys (those that do not apply at their unset values) loads:
+    those keys are dropped, every other value is the saved one (an unset beta or loss_type, or a key added since: the
+    objective's default), the objective resolves as before, and resuming its checkpoint sees no identity change. The
+    same file outside a run directory is a user's config, and those keys are refused there."""
     saved = yaml.safe_load(path.read_text())
-    cfg = load_config(path)
+    cfg = load_config(as_run_config(path, tmp_path))
+    if set(saved["objective"]) - set(type(cfg.objective).model_fields):
+        with pytest.raises(ConfigError, match=f"does not apply to objective.name={cfg.objective.name}: drop it"):
+            load_config(path)
     now = cfg.to_dict()
     assert identity_diff(saved, now) == []
     for key, default in ADDED_SINCE.items():  # keys added to other sections since the fixtures were saved
@@ -353,27 +365,63 @@ def test_a_config_saved_with_every_objective_key_loads_and_resumes_unchanged(pat
     assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()  # the new dump round-trips
 
 
-def test_a_key_of_another_objective_is_refused_unless_unset():
-    """Another objective's key is dropped at its unset value, and refused at any other value, naming the key and
-    listing this objective's keys; a misspelt key is unknown, with a did-you-mean among this objective's keys."""
-    saved = yaml.safe_load((FIXTURES / "saved_configs" / "dpo-keys.yaml").read_text())
+def test_a_key_of_another_objective_is_refused_whatever_its_value(tmp_path):
+    """Another objective's key is refused at any value, its default too, naming the key, the objectives that take it
+    and this objective's keys; only a run's saved config (beside its checkpoints/) drops one at its unset value, and
+    refuses it at any other. A misspelt key is unknown, with a did-you-mean among this objective's keys."""
+    dpo_keys = FIXTURES / "saved_configs" / "dpo-keys.yaml"
+    saved = yaml.safe_load(dpo_keys.read_text())
     saved["objective"]["lmbda"] = 0.5
-    with pytest.raises(ConfigError, match=r"objective: objective.lmbda does not apply to objective.name=dpo; its "
-                                          r"keys: beta, discopop_tau, label_smoothing, loss_type, loss_weights, "
-                                          r"precompute_ref_logps, ref_model_mixup_alpha, ref_model_sync_steps, "
-                                          r"sync_ref_model$"):
-        config_from_dict(saved)
-    with pytest.raises(ConfigError, match=r"objective.teacher does not apply to objective.name=cross_entropy$"):
+    refused = (r"objective: objective.lmbda does not apply to objective.name=dpo: drop it, or choose an objective "
+               r"that takes it \(gkd\); dpo's keys: beta, discopop_tau, label_smoothing, loss_type, loss_weights, "
+               r"precompute_ref_logps, ref_model_mixup_alpha, ref_model_sync_steps, sync_ref_model$")
+    with pytest.raises(ConfigError, match=refused):  # at gkd's default
+        config_from_dict({"data": {"format": "preference"}, "objective": {"name": "dpo", "lmbda": 1.0}})
+    run_config = as_run_config(dpo_keys, tmp_path)
+    run_config.write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match=refused):
+        load_config(run_config)
+    with pytest.raises(ConfigError, match=r"objective.teacher does not apply to objective.name=cross_entropy: drop "
+                                          r"it, or choose an objective that takes it \(gkd\)$"):
         load_config(None, ["objective.teacher=some/model"])
     with pytest.raises(ConfigError, match=r"objective.gama: unknown key; did you mean objective.gamma\?"):
         load_config(None, ["objective.name=simpo", "data.format=preference", "objective.gama=1"])
     with pytest.raises(ConfigError, match=r"objective.name: objective.name must be one of .*'gkd'\] \(got 'ppo'\)"):
         load_config(None, ["objective.name=ppo"])
-    assert load_config(None, ["objective.name=dpo", "data.format=preference", "objective.lmbda=1.0",
-                              "objective.num_generations=8"]).to_dict()["objective"] == \
+    for key in ("objective.lmbda=1.0", "objective.num_generations=8"):  # at gkd's and grpo's defaults
+        with pytest.raises(ConfigError, match=f"{key.split('=')[0]} does not apply to objective.name=dpo: drop it"):
+            load_config(None, ["objective.name=dpo", "data.format=preference", key])
+    assert load_config(None, ["objective.name=dpo", "data.format=preference"]).to_dict()["objective"] == \
         {"name": "dpo", "beta": 0.1, "label_smoothing": 0.0, "sync_ref_model": False, "ref_model_mixup_alpha": 0.6,
          "ref_model_sync_steps": 512, "precompute_ref_logps": False, "loss_type": "sigmoid", "loss_weights": None,
          "discopop_tau": 0.05}
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVE_SECTIONS))
+def test_every_key_of_another_objective_is_refused_at_its_default_too(name):
+    """Each objective key that does not apply to ``name`` (every other objective's, from `OBJECTIVE_SECTIONS`), set
+    at the default of each objective that takes it, is refused in one line naming the key, the objective and what to
+    do: a set key that this objective would ignore does not vanish from the run's config."""
+    cls = OBJECTIVE_SECTIONS[name]
+    spec = cls.record()
+    needed = {**({"rewards": [{"name": "exact_number"}]} if spec.needs_rewards else {}),
+              **({"teacher": "some/model"} if spec.companion == "teacher" else {})}
+    own = {"name": name, **needed}
+    assert config_from_dict({"data": {"format": spec.kinds[0].formats[0]}, "objective": own}).objective.name == name
+    refused = 0
+    for key in sorted({k for c in OBJECTIVE_SECTIONS.values() for k in c.own_keys()} - set(cls.model_fields)):
+        owners = [n for n, c in OBJECTIVE_SECTIONS.items() if key in c.model_fields]
+        for default in {repr(d): d for d in (OBJECTIVE_SECTIONS[n].model_fields[key].get_default(
+                call_default_factory=True) for n in owners)}.values():
+            raw = {"data": {"format": spec.kinds[0].formats[0]}, "objective": {**own, key: default}}
+            with pytest.raises(ConfigError) as e:
+                config_from_dict(raw)
+            assert str(e.value) == (f"invalid config (<dict>): objective: objective.{key} does not apply to "
+                                    f"objective.name={name}: drop it, or choose an objective that takes it "
+                                    f"({', '.join(owners)})" + (f"; {name}'s keys: {', '.join(sorted(cls.own_keys()))}"
+                                                                if cls.own_keys() else "")), (key, default)
+            refused += 1
+    assert refused >= len(set().union(*(c.own_keys() for c in OBJECTIVE_SECTIONS.values())) - set(cls.model_fields))
 
 
 @pytest.mark.parametrize("name", list(OBJECTIVE_SECTIONS))
@@ -386,7 +434,8 @@ def test_each_objective_section_holds_its_own_keys_and_defaults(name):
     assert objective_config().name == Config().objective.name == "cross_entropy"
     fmt = next(iter(obj.kinds)).formats[0]
     extra = {"teacher": "some/model"} if obj.spec.companion == "teacher" else {}
-    cfg = config_from_dict({"data": {"format": fmt}, "objective": {"name": name, "rewards": rewards, **extra}})
+    cfg = config_from_dict({"data": {"format": fmt}, "objective": {"name": name, **extra,
+                                                                   **({"rewards": rewards} if rewards else {})}})
     assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
     if "beta" in obj.own_keys():
         copied = cfg.model_copy(update={"objective": cfg.objective.model_copy(update={"beta": 0.25})})

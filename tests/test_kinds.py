@@ -71,8 +71,8 @@ def test_config_literals_come_from_the_records():
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_each_objective_builds_from_its_record(name):
     spec = OBJECTIVES[name]
-    rewards = [{"name": "exact_number"}] if any(k.generates for k in spec.kinds) else []
-    cfg = objective_config(name=name, rewards=rewards)
+    rewards = {"rewards": [{"name": "exact_number"}]} if any(k.generates for k in spec.kinds) else {}
+    cfg = objective_config(name=name, **rewards)
     obj = make_objective(cfg)
     assert obj.name == name and obj.passes == 1
     assert obj.uses_reference == (spec.companion == "reference" and (spec.companion_when == "always"
@@ -80,15 +80,14 @@ def test_each_objective_builds_from_its_record(name):
     assert getattr(obj, "prepares", False) == spec.prepares
     needs = {"exo_pair": {"label_smoothing": 1e-3}, "cispo": {"epsilon_high": 5.0}}  # a loss type's own required key
     for loss_type in spec.loss_types:
-        built = make_objective(objective_config(name=name, loss_type=loss_type, rewards=rewards,
+        built = make_objective(objective_config(name=name, loss_type=loss_type, **rewards,
                                                 **needs.get(loss_type, {})))
         assert (built.loss_types == ((loss_type, 1.0),)) if spec.combines else built.loss_type == loss_type
-    # (sigmoid on an objective without loss types is what configs written before GRPO hold: read as unset.)
     every = {t for o in OBJECTIVES.values() for t in o.loss_types}
-    for other in sorted(every - set(spec.loss_types) - (set() if spec.loss_types else {"sigmoid"})):
+    for other in sorted(every - set(spec.loss_types)):
         refused = rf"objective.loss_type(={other})? does not apply to objective.name={name}"
         with pytest.raises(ValueError, match=refused):
-            objective_config(name=name, loss_type=other, rewards=rewards)
+            objective_config(name=name, loss_type=other, **rewards)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

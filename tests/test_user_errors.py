@@ -434,6 +434,20 @@ def test_a_cache_dir_that_cannot_be_written_is_one_line_naming_the_key(tmp_path,
     assert blocker.read_text() == "x"
 
 
+def test_a_key_of_another_objective_is_refused_at_its_default_on_the_command_line(tmp_path, capsys):
+    """`jaxtune train reward-model-quickstart objective.loss_type=sigmoid` (DPO's default loss type, which a reward
+    model ignores) is refused before anything runs, as ipo is, in one line naming the key, the objective and what to
+    do; the key does not vanish from a run that trains."""
+    for value in ("sigmoid", "ipo"):
+        run = tmp_path / value
+        assert main(["train", "reward-model-quickstart", f"objective.loss_type={value}", f"run_dir={run}"]) == 2
+        _, line = error_line(capsys)
+        assert line.startswith("error: invalid config (") and line.endswith(
+            "objective: objective.loss_type does not apply to objective.name=reward: drop it, or choose an objective "
+            "that takes it (dpo, grpo, kto); reward's keys: center_rewards_coefficient")
+        assert not run.exists()
+
+
 GRPO = ["objective.name=grpo", "data.format=prompts", "objective.rewards=[{name: exact_number, field: answer}]"]
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.compare import rel
+from helpers.export_padding import assert_pads_as_config
 from helpers.processes import beside
 
 from jaxtune.config import ConfigError, load_config
@@ -53,6 +54,7 @@ def test_trains_evaluates_resumes_and_exports(torchax_overrides, tmp_path):
     assert sorted(more.losses) == list(range(11, 16)) and more.step_compiles == len(more.step_lengths)
 
     out = export(cfg.run_path, tmp_path / "export")
+    assert_pads_as_config(out)  # no pad id of its own: its EOS, in config.json and the tokenizer
     run = load_run(cfg.run_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # still tied

@@ -28,6 +28,7 @@ import pytest
 import yaml
 from helpers.chat_stops import assert_stops_at_end_of_turn
 from helpers.compare import rel
+from helpers.export_padding import assert_pads_as_config, base_config_dir
 from helpers.rows import write_jsonl
 from helpers.shared_data import SHARED_DATA
 from helpers.tiny_hf import save_chatml_tokenizer
@@ -482,15 +483,47 @@ def _short_chat_run(chat, name: str, *model: str) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def chat_export(exports, chat):
+    """chat_export(kind) -> the export of a run trained on ChatML conversations, each made once: full weights, LoRA
+    merged, the PEFT adapter and QLoRA (nf4) merged."""
+    adapter, merged = exports
+    made = {"full": [], "qlora": ["model.lora.rank=4", "model.quantize=nf4"]}
+    done = {"merged": merged, "adapter": adapter}
+
+    def get(kind: str) -> Path:
+        if kind not in done:
+            done[kind] = _short_chat_run(chat, f"{kind}-chat", *made[kind])
+        return done[kind]
+
+    return get
+
+
 @pytest.mark.parametrize("kind", ["full", "merged", "adapter", "qlora"])
-def test_chat_exports_stop_at_the_end_of_turn(kind, exports, chat):
+def test_chat_exports_stop_at_the_end_of_turn(kind, chat_export):
     """Every export of a run trained on ChatML conversations, loaded by transformers, stops at <|im_end|> as
     `jaxtune generate` does (`helpers.chat_stops`): full weights, LoRA merged, the PEFT adapter (through its own
     generation_config.json and tokenizer) and QLoRA (nf4) merged."""
-    adapter, merged = exports
-    made = {"full": [], "qlora": ["model.lora.rank=4", "model.quantize=nf4"]}
-    directory = {"merged": merged, "adapter": adapter}.get(kind) or _short_chat_run(chat, f"{kind}-chat", *made[kind])
-    assert_stops_at_end_of_turn(directory, adapter=kind == "adapter")
+    assert_stops_at_end_of_turn(chat_export(kind), adapter=kind == "adapter")
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "full", "merged", "adapter", "qlora"])
+def test_every_export_pads_a_batch_in_transformers(kind, chat_export, tiny_cfg, tmp_path):
+    """`AutoTokenizer.from_pretrained(export)(texts, padding=True)` pads with config.json's ``pad_token_id`` for
+    every export kind (`helpers.export_padding`): a GPT-2 pretrained from scratch on jaxtune's BPE (no pad token of
+    its own: its EOS, written in config.json and the tokenizer), and the ChatML run's exports, whose checkpoint names
+    pad id 0 in config.json but no pad token in its tokenizer; an adapter's tokenizer pads with its base's pad id."""
+    if kind == "pretrain":
+        cfg = tiny_cfg("train.steps=2", "checkpoint.every=2", "eval.every=0")
+        train(cfg)
+        directory = tmp_path / "export"
+        assert main(["export", str(cfg.run_path), str(directory)]) == 0
+        config = json.loads((directory / "config.json").read_text())
+        assert config["model_type"] == "gpt2" and config["pad_token_id"] == config["eos_token_id"]
+    else:
+        directory = chat_export(kind)
+    base = base_config_dir(directory) if kind == "adapter" else None
+    assert assert_pads_as_config(directory, base) == 0
 
 
 # --- real data ------------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from helpers import trl_reference
 from helpers.compare import rel
+from helpers.export_padding import assert_pads_as_config
 from helpers.trl_reference import BOS, EOS, MESH, PAD, TOL, TRL_VERSION, Native, Ours, TRLResult
 
 from jaxtune import sharding
@@ -253,9 +254,10 @@ def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path,
     export: its LM head left out, a fresh score head trained with the adapters; with the torchax backend, transformers'
     own LlamaForSequenceClassification under PEFT's SEQ_CLS task). The step compiles once; train and
     eval rows carry RewardTrainer's metrics; held-out accuracy is in report.md. `jaxtune export` writes a sequence
-    classifier (num_labels 1, a pad id that is no end token) whose batched, padded scores equal the run's to 1e-5;
-    with LoRA, --adapter writes PEFT's SEQ_CLS adapter (the score head in modules_to_save) that scores the same on the
-    causal LM read as a classifier; --gguf is refused for it, and so is `jaxtune generate`."""
+    classifier (num_labels 1, a pad id that is no end token, its tokenizer's pad token) whose batched, padded scores
+    equal the run's to 1e-5; with LoRA, --adapter writes PEFT's SEQ_CLS adapter (the score head in modules_to_save,
+    the tokenizer's pad token the classifier's) that scores the same on the causal LM read as a classifier; --gguf is
+    refused for it, and so is `jaxtune generate`."""
     from helpers.run_outputs import metric_rows
 
     from jaxtune.cli import main
@@ -284,6 +286,7 @@ def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path,
     assert config.get("num_labels", len(config.get("id2label", ()))) == 1
     eos = config["eos_token_id"]
     assert config["pad_token_id"] not in (eos if isinstance(eos, list) else [eos])
+    assert_pads_as_config(out)  # its tokenizer pads a batch to score with the classifier's pad id
     assert classifier_matches(run, out) <= TOL
     assert main(["generate", str(run), "--prompt", "What is 2 plus 2?"]) == 2  # a score head generates nothing
     assert main(["export", str(run), str(tmp_path / "other.gguf"), "--gguf"]) == 2
@@ -292,6 +295,7 @@ def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path,
     if lora:  # PEFT's SEQ_CLS adapter (the score head in modules_to_save) on the causal LM read as a classifier
         peft = pytest.importorskip("peft")
         assert "score" in json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"]
+        assert_pads_as_config(adapter, out)  # the classifier's pad id, which the base is loaded with
         base = transformers.AutoModelForSequenceClassification.from_pretrained(
             quickstart_sft_model, num_labels=1, pad_token_id=config["pad_token_id"], dtype=torch.float32)
         assert classifier_matches(run, peft.PeftModel.from_pretrained(base, adapter).eval()) <= TOL

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from jaxtune.config.base import ConfigError
 from jaxtune.config.model import CHECKPOINT_DECIDES, MODEL_SECTIONS, ModelSection, backend_of
-from jaxtune.config.objectives import OBJECTIVE_SECTIONS, objective_of
+from jaxtune.config.objectives import OBJECTIVE_SECTIONS, objective_of, without_unset_keys
 from jaxtune.config.root import Config
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections (model:, data:, ...)")
+        if is_saved_run_config(p) and "objective" in raw:
+            raw["objective"] = without_unset_keys(raw["objective"])
     given = _overridden(raw, overrides)
     base = raw
     if _from_hf(given) and _from_hf(given) != _from_hf(raw):
@@ -77,6 +79,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                     "defaults apply; set them on the command line to keep them)", name, source, file_name,
                     ", ".join(dropped), name)
     return config_from_dict(given, source=source)
+
+
+def is_saved_run_config(path: Path) -> bool:
+    """Whether ``path`` is a run's own config.yaml (beside its checkpoints/), which the loop wrote and a resume reads
+    again; such a file may list keys that do not apply to its objective at their unset values."""
+    return path.name == "config.yaml" and (path.parent / "checkpoints").is_dir()
 
 
 def _overridden(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
@@ -144,6 +152,8 @@ def _explain(err: ValidationError, source: str) -> str:
             lines.append(f"  {key + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
+    if len(lines) == 2:  # one problem: one line, which names the key and what to do
+        return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)
 
 

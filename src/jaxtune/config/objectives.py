@@ -7,8 +7,9 @@ in meaning come from a base they share: `Sampling` (objectives that sample compl
 `Smoothed`, `SyncedReference` (the reference moved towards the policy: dpo, kto, grpo, rloo) and
 `PrecomputedReference`. Each check lives in the class whose keys it reads.
 
-A key of another objective is an error naming it and listing this objective's keys, unless it holds its unset value
-(`UNSET`, what a config listing every objective's keys holds for those that do not apply): then it is dropped.
+A key of another objective is an error naming it, the objectives that take it and this objective's keys, whatever its
+value. Only a run's own saved config may hold one, at its unset value (`UNSET`: configs saved when the section listed
+every objective's keys hold those that do not apply so); `without_unset_keys` drops them there before validation.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ LOSS_TYPE_KEYS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
 
 log = logging.getLogger(__name__)
 
-# Every objective key's unset values: a key that does not apply to the configured objective is dropped where it
-# holds one of these, and refused otherwise (``loss_type: sigmoid`` is unset on objectives without loss types).
+# The values a run's saved config holds for the objective keys that do not apply to its objective, where it lists
+# every objective's keys (``loss_type: sigmoid`` is unset on objectives without loss types): `without_unset_keys`.
 UNSET: dict[str, tuple[Any, ...]] = {
     "beta": (None,), "loss_type": (None, "sigmoid"), "loss_weights": (None,), "label_smoothing": (0.0,),
     "desirable_weight": (1.0,), "undesirable_weight": (1.0,), "discopop_tau": (0.05,), "gamma": (0.5,),
@@ -65,7 +66,8 @@ ADAPTIVE_ENTROPY_KEYS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_d
 
 class ObjectiveSection(Section):
     """What the training minimises (`jaxtune.train.objectives`). ``name`` picks the objective, and each objective
-    takes its own keys (TRL's names), listed under it; a key of another objective is an error naming it."""
+    takes its own keys (TRL's names), listed under it; a key of another objective is an error naming it, whatever
+    its value."""
 
     name: str
 
@@ -82,17 +84,19 @@ class ObjectiveSection(Section):
     @model_validator(mode="before")
     @classmethod
     def _keys_apply(cls, data: Any) -> Any:
-        """Drops another objective's keys at their unset values (`UNSET`) and refuses them at any other; keys of no
-        objective are left for pydantic's unknown-key error (with its did-you-mean)."""
+        """Refuses another objective's keys whatever their value: set, a key means to change training, and this
+        objective would ignore it. Keys of no objective are left for pydantic's unknown-key error (with its
+        did-you-mean)."""
         if not isinstance(data, dict):
             return data
-        foreign = [k for k in data if k in UNSET and k not in cls.model_fields]
-        refused = [k for k in foreign if not any(data[k] == v for v in UNSET[k])]
-        if refused:
-            keys = sorted(cls.own_keys())
-            raise ValueError(f"objective.{refused[0]} does not apply to objective.name={cls.record().name}"
-                             + (f"; its keys: {', '.join(keys)}" if keys else ""))
-        return {k: v for k, v in data.items() if k not in foreign}
+        foreign = [k for k in data if k in objective_keys() and k not in cls.model_fields]
+        if foreign:
+            key, name, keys = foreign[0], cls.record().name, sorted(cls.own_keys())
+            owners = [n for n, c in OBJECTIVE_SECTIONS.items() if key in c.model_fields]
+            raise ValueError(f"objective.{key} does not apply to objective.name={name}: drop it, or choose an "
+                             f"objective that takes it ({', '.join(owners)})"
+                             + (f"; {name}'s keys: {', '.join(keys)}" if keys else ""))
+        return data
 
     @property
     def spec(self) -> ObjectiveKind:
@@ -718,6 +722,22 @@ class GKDConfig(Sampling, Weighted):
 OBJECTIVE_SECTIONS: dict[str, type[ObjectiveSection]] = {c.record().name: c for c in (
     CrossEntropyConfig, DPOConfig, SimPOConfig, RewardModelConfig, ORPOConfig, GRPOConfig, KTOConfig, RLOOConfig,
     GKDConfig)}
+
+
+def objective_keys() -> frozenset[str]:
+    """Every objective's keys (besides ``name``), from `OBJECTIVE_SECTIONS`."""
+    return frozenset(k for c in OBJECTIVE_SECTIONS.values() for k in c.own_keys())
+
+
+def without_unset_keys(section: Any) -> Any:
+    """A run's saved objective section without the keys that do not apply to its objective where they hold their
+    unset values (`UNSET`), as configs saved when the section listed every objective's keys hold them; any other
+    value is left for validation to refuse. A section that is no mapping, or names no known objective, as it is."""
+    cls = OBJECTIVE_SECTIONS.get(objective_of(section)) if isinstance(section, dict) else None
+    if cls is None:
+        return section
+    return {k: v for k, v in section.items()
+            if k in cls.model_fields or not any(v == u for u in UNSET.get(k, ()))}
 
 
 def objective_of(v: Any) -> str:

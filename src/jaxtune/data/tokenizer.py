@@ -52,6 +52,7 @@ class Tokenizer(abc.ABC):
 
     vocab_size: int  # size of the id space (max id + 1)
     eos_id: int
+    pad_id: int | None = None  # the pad token its config names (transformers' pad_token); None without one
     fingerprint: str  # stable across save/load; keys the token cache
     chat_template: str | None = None  # Jinja chat template (transformers' convention); saved with the tokenizer
     response_template: dict[str, Any] | None = None  # how a reply is read back (transformers'; `_HFTokenizer`)
@@ -92,10 +93,12 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: list[int]) -> str: ...
 
     @abc.abstractmethod
-    def save(self, directory: Path, eos_id: int | None = None) -> None:
+    def save(self, directory: Path, eos_id: int | None = None, pad_id: int | None = None) -> None:
         """Writes ``directory`` so that ``load_tokenizer_dir(directory)`` returns an equal tokenizer offline.
         ``eos_id``: the token the saved tokenizer names as its EOS instead of its own (a chat model's export: the
-        template's end-of-turn token, which vLLM and llama.cpp's converter stop at as the EOS)."""
+        template's end-of-turn token, which vLLM and llama.cpp's converter stop at as the EOS). ``pad_id``: the token
+        it names as its pad token instead of its own (an export: the ``pad_token_id`` its config.json names, so that
+        transformers pads a batch with it)."""
 
 
 class _HFTokenizer(Tokenizer):
@@ -115,6 +118,8 @@ class _HFTokenizer(Tokenizer):
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
         self._source = source  # a checkpoint's tokenizer directory: its config files travel with save()
         self._config = _read_json(source / "tokenizer_config.json") if source else {}
+        pad = _special_token(source, "pad_token") if source else None
+        self.pad_id = tok.token_to_id(pad) if pad is not None else None
         self.chat_template = _chat_template(source, self._config) if source else None
         self._source_template = self.chat_template
         self._chat_tok: tokenizers.Tokenizer | None = None
@@ -150,18 +155,26 @@ class _HFTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
-    def save(self, directory: Path, eos_id: int | None = None) -> None:
+    def save(self, directory: Path, eos_id: int | None = None, pad_id: int | None = None) -> None:
         eos = self._eos_token if eos_id is None else self._tok.id_to_token(eos_id)
+        pad = self._tok.id_to_token(pad_id) if pad_id is not None else None
+        if pad_id is not None and pad is None:
+            raise DataError(f"pad id {pad_id} is past the tokenizer's vocabulary ({self.vocab_size} ids), so the "
+                            "saved tokenizer cannot name it as its pad token")
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / "tokenizer.json"))
         if self._source is not None:  # a checkpoint's tokenizer: keep its own config (chat template, specials)
             for name in _TOKENIZER_FILES:
                 if (self._source / name).is_file() and self._source.resolve() != directory.resolve():
                     shutil.copyfile(self._source / name, directory / name)
-            if eos != self._eos_token:
-                _name_eos(directory, eos)
+            renamed = {**({"eos_token": eos} if eos != self._eos_token else {}),
+                       **({"pad_token": pad} if pad is not None and pad != _special_token(self._source, "pad_token")
+                          else {})}
+            if renamed:
+                _name_specials(directory, renamed)
         else:  # tokenizer_config.json makes the directory loadable by transformers.AutoTokenizer as well.
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
+            config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                      **({"pad_token": pad} if pad is not None else {})}
             if self.chat_template is not None:
                 config["chat_template"] = self.chat_template
             (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -190,7 +203,8 @@ class _TiktokenTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
 
-    def save(self, directory: Path, eos_id: int | None = None) -> None:
+    def save(self, directory: Path, eos_id: int | None = None, pad_id: int | None = None) -> None:
+        """tiktoken's encoding by name; no transformers tokenizer files, so no pad token is written."""
         directory.mkdir(parents=True, exist_ok=True)
         meta = {"kind": "tiktoken", "encoding": self._name, "eos_id": self.eos_id if eos_id is None else eos_id}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -341,13 +355,26 @@ def _converted(directory: Path, where: str) -> Tokenizer:
 _TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def _name_eos(directory: Path, eos: str) -> None:
-    """A saved checkpoint tokenizer's config files name ``eos`` as the EOS: tokenizer_config.json, and
-    special_tokens_map.json where there is one (transformers lets it override tokenizer_config.json)."""
+def _name_specials(directory: Path, tokens: dict[str, str]) -> None:
+    """A saved checkpoint tokenizer's config files name ``tokens`` (``{"eos_token": "<|im_end|>"}``) as its special
+    tokens: tokenizer_config.json, and special_tokens_map.json where there is one (transformers lets it override
+    tokenizer_config.json)."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         file = directory / name
         if file.is_file() or name == "tokenizer_config.json":
-            file.write_text(json.dumps({**_read_json(file), "eos_token": eos}, indent=2) + "\n")
+            file.write_text(json.dumps({**_read_json(file), **tokens}, indent=2) + "\n")
+
+
+def _special_token(directory: Path, key: str) -> str | None:
+    """The token a tokenizer directory's config names as ``key`` (``pad_token``): special_tokens_map.json's, which
+    transformers lets override tokenizer_config.json's, else tokenizer_config.json's; None where neither names one."""
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        token = _read_json(directory / name).get(key)
+        if isinstance(token, dict):  # AddedToken serialised as {"content": ..., ...}
+            token = token.get("content")
+        if isinstance(token, str):
+            return token
+    return None
 
 
 def _read_json(file: Path) -> dict[str, Any]:

@@ -210,7 +210,7 @@ def _from_hf(c: dict[str, Any]) -> GPTConfig:
 
 def _to_hf(cfg: GPTConfig) -> dict[str, Any]:
     c = _lm_to_hf(cfg)
-    return classifier_to_hf({**c, "pad_token_id": cfg.pad_id}, "GPT2LMHeadModel") if cfg.num_labels else c
+    return classifier_to_hf(c, "GPT2LMHeadModel") if cfg.num_labels else c
 
 
 def _lm_to_hf(cfg: GPTConfig) -> dict[str, Any]:
@@ -219,7 +219,7 @@ def _lm_to_hf(cfg: GPTConfig) -> dict[str, Any]:
             "n_head": cfg.n_head, "n_inner": cfg.d_ff, "layer_norm_epsilon": cfg.ln_eps,
             "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
             "attn_pdrop": 0.0, "tie_word_embeddings": True, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
-            "use_cache": True}
+            "pad_token_id": cfg.pad_id, "use_cache": True}
 
 
 def _hf_map() -> dict[str, Map]:

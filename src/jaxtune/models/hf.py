@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -284,8 +284,9 @@ class SavedTokenizer(Protocol):
 
     vocab_size: int
     eos_id: int
+    pad_id: int | None
 
-    def save(self, directory: Path, eos_id: int | None = None) -> None: ...
+    def save(self, directory: Path, eos_id: int | None = None, pad_id: int | None = None) -> None: ...
 
 
 def write_stop_tokens(directory: Path, end_of_turn: Sequence[int], eos: Sequence[int | list[int] | None]) -> int | None:
@@ -314,12 +315,21 @@ def _ids(value: int | list[int] | None) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
-def classifier_pad_id(pad_id: int | None, stops: set[int]) -> int:
-    """The ``pad_token_id`` of an exported reward model. transformers' sequence classifier reads a row's score at its
-    last token that is not this id, and jaxtune scores a sequence at its last token, an end of sequence or of turn
-    (``stops``; or wherever ``data.overlong: truncate`` cut it): the pad id must be none of the stops, or the two
-    would read different tokens. The model's own pad id, else the lowest id, whichever is not a stop."""
-    return next(int(c) for c in (pad_id, *range(len(stops) + 1)) if c is not None and c not in stops)
+def export_pad_id(pad_id: int | None, tokenizer_pad_id: int | None, eos: int | None, *, score_head: bool = False,
+                  stops: Iterable[int | None] = ()) -> int | None:
+    """The ``pad_token_id`` an export writes in config.json and names as its tokenizer's pad token, so that
+    ``AutoTokenizer.from_pretrained(DIR)(texts, padding=True)`` pads with the id the model reads as padding. A
+    language model's: its own pad id, else its tokenizer's (``tokenizer_pad_id``), else its EOS (``eos``), as
+    transformers users set ``tokenizer.pad_token = tokenizer.eos_token``; None only without any of them.
+
+    A reward model's (``score_head``): transformers' sequence classifier reads a row's score at its last token that is
+    not the pad id, and jaxtune scores a sequence at its last token, an end of sequence or of turn (``stops``; or
+    wherever ``data.overlong: truncate`` cut it), so the pad id must be none of the stops, or the two would read
+    different tokens: the first of its own pad id, its tokenizer's and the lowest ids that is no stop."""
+    if not score_head:
+        return next((int(c) for c in (pad_id, tokenizer_pad_id, eos) if c is not None), None)
+    ends = {int(s) for s in stops if s is not None}
+    return next(int(c) for c in (pad_id, tokenizer_pad_id, *range(len(ends) + 1)) if c is not None and c not in ends)
 
 
 def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer | None = None,
@@ -337,8 +347,9 @@ def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer |
     eos = tokenizer.eos_id if tokenizer is not None else None
     if cfg.eos_id is None and eos is not None:
         cfg = cfg.replace(eos_id=eos, bos_id=cfg.bos_id if cfg.bos_id is not None else eos)
-    if getattr(cfg, "num_labels", 0):
-        cfg = cfg.replace(pad_id=classifier_pad_id(cfg.pad_id, {eos, cfg.eos_id, *end_of_turn} - {None}))
+    cfg = cfg.replace(pad_id=export_pad_id(cfg.pad_id, tokenizer and tokenizer.pad_id, cfg.eos_id,
+                                           score_head=bool(getattr(cfg, "num_labels", 0)),
+                                           stops=(eos, cfg.eos_id, *end_of_turn)))
     dtype = dtype or str(jax.tree.leaves(params)[0].dtype)
     tensors = hf_tensors(fam, params, dtype)
     if jax.process_index() != 0:
@@ -354,7 +365,7 @@ def write_model(cfg: Any, params: Any, out: Path, *, tokenizer: SavedTokenizer |
         write_hf_weights(tmp, tensors, max_shard_bytes)
         eos_id = write_stop_tokens(tmp, end_of_turn, [eos])
         if tokenizer is not None:
-            tokenizer.save(tmp, eos_id=eos_id)
+            tokenizer.save(tmp, eos_id=eos_id, pad_id=cfg.pad_id)
 
     atomic_dir(out, fill)
     return out

@@ -165,12 +165,13 @@ def peft_config(fam: Family, spec: LoraSpec, base_model: str | None, whole: Sequ
 
 def write_adapter(out_dir: str | Path, fam: Family, spec: LoraSpec, adapters: Any, *, base_model: str | None = None,
                   tokenizer: Any = None, overwrite: bool = False, end_of_turn: Sequence[int] = (),
-                  eos: int | None = None) -> Path:
+                  eos: int | None = None, pad_id: int | None = None) -> Path:
     """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors [+ tokenizer]) that
     ``peft.PeftModel.from_pretrained(base, out_dir)`` loads. ``end_of_turn``: a chat model's end-of-turn token ids;
     generation settings come from the base's directory, which the adapter cannot change, so they go into a
     generation_config.json of the adapter's own (the base's EOS ``eos``, the tokenizer's, then the end of turn:
-    `write_stop_tokens`) and the tokenizer's EOS. Written beside ``out_dir`` and renamed into place."""
+    `write_stop_tokens`) and the tokenizer's EOS. ``pad_id``: the pad token the tokenizer names
+    (`jaxtune.models.hf.export_pad_id`). Written beside ``out_dir`` and renamed into place."""
     out = Path(out_dir).expanduser()
     check_out_dir(out, overwrite)
     tensors = peft_tensors(fam, adapters)
@@ -183,7 +184,7 @@ def write_adapter(out_dir: str | Path, fam: Family, spec: LoraSpec, adapters: An
         write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata={"format": "pt"})
         eos_id = write_stop_tokens(tmp, end_of_turn, [eos, tokenizer and tokenizer.eos_id])
         if tokenizer is not None:
-            tokenizer.save(tmp, eos_id=eos_id)
+            tokenizer.save(tmp, eos_id=eos_id, pad_id=pad_id)
 
     atomic_dir(out, fill)
     return out

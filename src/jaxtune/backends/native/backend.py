@@ -18,7 +18,7 @@ from jaxtune.backends.base import ParityModel
 from jaxtune.config import Config, ConfigError
 from jaxtune.config.kinds import BRANCH_KEY, BRANCH_SLOTS_KEY
 from jaxtune.models import FAMILIES, gguf_blocks, model_config
-from jaxtune.models.hf import HFCheckpoint, family_of, from_hf, load_params, read_hf_config, write_model
+from jaxtune.models.hf import HFCheckpoint, export_pad_id, family_of, from_hf, load_params, read_hf_config, write_model
 from jaxtune.models.lora import merge_adapters, write_adapter
 from jaxtune.models.quantize import quantize_base, quantized_layout, streaming_quantizer
 from jaxtune.models.registry import adapters, init_params, init_trained, merge, model_layout
@@ -248,8 +248,14 @@ class NativeBackend:
             if lora is None:
                 raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full "
                                   "model")
+            tokenizer_eos = tokenizer and tokenizer.eos_id
+            pad = export_pad_id(cfg.pad_id, tokenizer and tokenizer.pad_id,
+                                cfg.eos_id if cfg.eos_id is not None else tokenizer_eos,
+                                score_head=bool(getattr(cfg, "num_labels", 0)),
+                                stops=(cfg.eos_id, tokenizer_eos, *end_of_turn))
             return write_adapter(out, FAMILIES[cfg.family], lora, params, base_model=run.cfg.model.from_hf,
-                                 tokenizer=tokenizer, overwrite=overwrite, end_of_turn=end_of_turn, eos=cfg.eos_id)
+                                 tokenizer=tokenizer, overwrite=overwrite, end_of_turn=end_of_turn, eos=cfg.eos_id,
+                                 pad_id=pad)
         if lora is not None:
             params, cfg = merge_adapters(params, run.frozen[0], lora), cfg.replace(lora=None)
         return write_model(cfg, params, out, tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes,

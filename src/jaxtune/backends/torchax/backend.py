@@ -29,7 +29,7 @@ from jaxtune.backends.torchax.model import (
 from jaxtune.config import Config, ConfigError, TorchaxModelConfig
 from jaxtune.io import atomic_dir
 from jaxtune.models.fits import check_fits
-from jaxtune.models.hf import classifier_pad_id, write_stop_tokens
+from jaxtune.models.hf import export_pad_id, write_stop_tokens
 from jaxtune.models.sampling import (
     Generation,
     Sampling,
@@ -209,11 +209,12 @@ class TorchaxBackend:
             raise ConfigError("--adapter: only a LoRA run (model.lora.rank > 0) has an adapter; export the full model")
         weights = flatten(jax.device_get(run.weights))
         module = model.module
-        if run.cfg.objective.spec.head == "score":  # a reward model: transformers pools at the last non-pad token
-            c = model.base.config
-            ids = lambda v: [] if v is None else [v] if isinstance(v, int) else list(v)
-            stops = {*ids(c.eos_token_id), *end_of_turn, *ids(tokenizer and tokenizer.eos_id)}
-            c.pad_token_id = classifier_pad_id(c.pad_token_id, stops)
+        c = model.base.config  # its pad id, config.json's, is the one the tokenizer names
+        eos = [] if c.eos_token_id is None else [c.eos_token_id] if isinstance(c.eos_token_id, int) else c.eos_token_id
+        tokenizer_eos = tokenizer and tokenizer.eos_id
+        c.pad_token_id = export_pad_id(c.pad_token_id, tokenizer and tokenizer.pad_id, next(iter(eos), tokenizer_eos),
+                                       score_head=run.cfg.objective.spec.head == "score",
+                                       stops=(*eos, *end_of_turn, tokenizer_eos))
         with torch.no_grad():
             for name, p in module.named_parameters():
                 p.copy_(to_torch(weights[name]).to(p.dtype))
@@ -226,7 +227,7 @@ class TorchaxBackend:
             (tmp / "README.md").unlink(missing_ok=True)  # PEFT's placeholder model card: not ours to (over)write
             eos_id = write_stop_tokens(tmp, end_of_turn, [module.config.eos_token_id, tokenizer and tokenizer.eos_id])
             if tokenizer is not None:
-                tokenizer.save(tmp, eos_id=eos_id)
+                tokenizer.save(tmp, eos_id=eos_id, pad_id=c.pad_token_id)
 
         if jax.process_index() == 0:
             atomic_dir(out, fill)
