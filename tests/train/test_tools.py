@@ -240,7 +240,7 @@ def test_worker_survives_failing_tools(module):
         # the environments were rebuilt by replaying their resets and calls: rollout 0's counter is still 15
         assert worker.call(0, ToolCall("bump", {"by": 1})) == ("16", False)
         assert worker.call(1, ToolCall("bump", {"by": 1})) == ("101", False)
-        assert worker.reward(0) == 16.0 and worker.reward(1) == 101.0
+        assert worker.reward(0) == (16.0, None) and worker.reward(1) == (101.0, None)
         worker.drop()
         assert worker.live_environment(0) is None
     finally:
