@@ -482,6 +482,26 @@ def test_cli_prints_the_plan_and_json(capsys):
     assert "--max-seq searches by compiling for a TPU slice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("recipe, overrides, says", [
+    ("quickstart", [],
+     ("--max-seq searches data.seq_len in steps of 256 tokens, up to the model's context of 128 tokens "
+      "(model.max_seq_len), which holds no step: the run's own data.seq_len=128 is planned without --max-seq (drop "
+      "it), or raise model.max_seq_len to at least 256 to search")),
+    ("grpo-quickstart", ["model.from_hf=null", "model.family=llama", "model.preset=tiny", "model.max_seq_len=128"],
+     ("--max-seq searches objective.max_completion_length in steps of 256 tokens, after the prompts' 64 tokens "
+      "(data.seq_len=96 - objective.max_completion_length=32), up to the model's context of 128 tokens "
+      "(model.max_seq_len), which holds no step: the run's own data.seq_len=96 is planned without --max-seq (drop "
+      "it), or raise model.max_seq_len to at least 320 to search")),
+], ids=["seq_len", "grpo-completion"])
+def test_max_seq_on_a_context_under_one_step_is_one_line_naming_the_recipes_keys(capsys, recipe, overrides, says):
+    """A recipe whose context is under the search's 256-token step (quickstart's 128): one line naming its own
+    keys and values, before anything is compiled (it named a data.seq_len of 256 or 320 the recipe does not have)."""
+    assert main(["info", recipe, *overrides, "--compile-for", "v5e-8", "--max-seq"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: {says}\n" and "Traceback" not in captured.err
+    assert "compiled for:" not in captured.out
+
+
 def test_libtpu_stays_quiet_and_shareable_on_a_cpu_host():
     """With libtpu installed and no TPU device file, another JAX process on the host (here one that never heard of
     jaxtune, holding libtpu's lock file as any JAX process does) does not stop a plan from creating a TPU topology,

@@ -491,3 +491,18 @@ def test_on_a_terminal_the_error_line_replaces_a_bar_left_mid_line(tmp_path, mon
     assert err.getvalue().endswith("\r\x1b[Kerror: run_dir=" + f"{tmp_path / 'a-file'}/x: cannot create it ("
                                    f"{tmp_path / 'a-file'} is a file, not a directory); set run_dir to a directory "
                                    "you can write, e.g. run_dir=runs/NAME\n")
+
+
+@pytest.mark.parametrize("made, says", [
+    (lambda d: d / "no-such-model", "no such directory"),
+    (lambda d: (d / "empty").mkdir() or d / "empty", "no config.json"),
+], ids=["missing", "no-config-json"])
+def test_a_model_directory_error_says_the_directory_once(tmp_path, capsys, made, says):
+    """`jaxtune info` on a model.from_hf that is not a model directory: one line, printed once, naming the directory
+    once (it read "model.from_hf=DIR: DIR: no config.json", and called a missing directory one without config.json)."""
+    directory = made(tmp_path)
+    assert main(["info", "quickstart", f"model.from_hf={directory}"]) == 2
+    _, line = error_line(capsys)
+    assert line == (f"error: model.from_hf={directory}: {says}; pass a HuggingFace model directory (save_pretrained "
+                    "output, `jaxtune export RUN_DIR DIR` of a trained run, or a hub snapshot)")
+    assert line.count(str(directory)) == 1

@@ -102,14 +102,29 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def module_schemas(module: str, cwd: str | None = None) -> list[dict[str, Any]]:
-    """The schemas (`tool_schema`) of the tools ``module`` lists in ``tools``, imported by its name from ``cwd``
-    (default the current directory) and the installed packages. A module given as a file path, one that does not
-    load, or one with no ``tools`` list is a `SchemaError` that says what to write instead."""
-    if module.endswith(".py") or os.sep in module or "/" in module:
-        name = os.path.splitext(os.path.basename(module))[0]
-        raise SchemaError(f"name the module, not its file: {name} (it is imported from the current directory "
-                          "and the installed packages)")
+def module_name(module: str, key: str) -> str:
+    """``module``, the value of the config ``key`` (``data.tools``, ``objective.tools``), when it is a module's name;
+    a file path (``my_tools.py``, ``./tools/my_tools.py``) is a `SchemaError` that gives the name to write instead
+    (``my_tools``, ``tools.my_tools``): both keys import the module by its name, from the current directory and the
+    installed packages, and say so in the same words."""
+    if not (module.endswith(".py") or os.sep in module or "/" in module):
+        return module
+    path = os.path.normpath(os.path.splitext(module)[0] if module.endswith(".py") else module)
+    parts = path.split(os.sep)
+    if os.path.isabs(path) or ".." in parts:  # outside the current directory: only its file name can be imported
+        name, where = parts[-1], f"; run from {os.path.dirname(path) or os.sep}, where it is, or put it on PYTHONPATH"
+    else:
+        name, where = ".".join(parts), ""
+    raise SchemaError(f"name the module, not its file: {key}={name} (it is imported from the current directory and "
+                      f"the installed packages{where})")
+
+
+def module_schemas(module: str, cwd: str | None = None, key: str = "data.tools") -> list[dict[str, Any]]:
+    """The schemas (`tool_schema`) of the tools ``module`` (the value of the config ``key``) lists in ``tools``,
+    imported by its name from ``cwd`` (default the current directory) and the installed packages. A module given as
+    a file path (`module_name`), one that does not load, or one with no ``tools`` list is a `SchemaError` that says
+    what to write instead."""
+    module_name(module, key)
     where = cwd or os.getcwd()
     added = where not in sys.path
     if added:

@@ -4,7 +4,8 @@
   a call that cannot be read is reported, not raised.
 - The worker process: a tool that raises, returns a non-string, hangs past ``tool_timeout`` or kills its process is
   answered with an error message and counted; the environments of the other rollouts survive a worker restart
-  (replayed); a module that cannot load is one line naming ``objective.tools``.
+  (replayed); a module that cannot load is one line naming ``objective.tools``; docs/agents.md's example module
+  runs on the row the doc shows.
 - The trajectory against TRL 1.16: the same prompt (rendered with the tools by transformers), the same model turns
   (scripted token ids and log-probs, handed to both loops as the generator's output) and the same tool give the same
   completion ids, ``tool_mask`` and per-token log-probs as ``GRPOTrainer._tool_call_loop``, and the same counts of
@@ -16,7 +17,9 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal
 
@@ -240,7 +243,7 @@ def test_worker_survives_failing_tools(module):
         # the environments were rebuilt by replaying their resets and calls: rollout 0's counter is still 15
         assert worker.call(0, ToolCall("bump", {"by": 1})) == ("16", False)
         assert worker.call(1, ToolCall("bump", {"by": 1})) == ("101", False)
-        assert worker.reward(0) == 16.0 and worker.reward(1) == 101.0
+        assert worker.reward(0) == (16.0, None) and worker.reward(1) == (101.0, None)
         worker.drop()
         assert worker.live_environment(0) is None
     finally:
@@ -254,6 +257,28 @@ def test_unloadable_module_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "empty_tools.py").write_text("x = 1\n")
     with pytest.raises(ToolError, match="names neither `tools`"):
         ToolWorker("empty_tools", timeout=2.0)
+
+
+def test_the_agents_doc_example_runs_on_the_row_it_shows(tmp_path, monkeypatch):
+    """docs/agents.md's my_tools.py, served by a worker from the directory holding it, on the example row the doc
+    shows: reset appends the text the doc says, bump is the tool it names, get_reward scores 1.0 at 10, and the
+    module's own tool is there too."""
+    doc = (Path(__file__).parents[2] / "docs" / "agents.md").read_text()
+    module = re.search(r"```python\n(# my_tools\.py\n.*?)```", doc, re.DOTALL).group(1)
+    row = json.loads(re.search(r"```json\n(.*?)\n```", doc[doc.index("# my_tools.py"):], re.DOTALL).group(1))
+    (tmp_path / "my_tools.py").write_text(module)
+    monkeypatch.chdir(tmp_path)
+    worker = ToolWorker("my_tools", timeout=10.0)
+    try:
+        tools = {t["function"]["name"] for t in worker.description["environments"][""]["tools"]}
+        assert tools == {"multiply", "bump"} and worker.description["environments"][""]["reward"] == "Counter"
+        said = worker.reset(0, "", row)
+        assert row["prompt"][-1]["content"] + said == "Bump the counter to 10. (the counter starts at 7)"
+        assert worker.call(0, ToolCall("bump", {"by": 3})) == ("10", False)
+        assert worker.call(0, ToolCall("multiply", {"a": 6, "b": 7})) == ("42", False)
+        assert worker.reward(0) == (1.0, None)
+    finally:
+        worker.close()
 
 
 def test_tool_keys_need_tools():

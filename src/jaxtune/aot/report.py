@@ -10,7 +10,7 @@ from jaxtune import sharding
 from jaxtune.aot.catalog import GiB
 from jaxtune.aot.reward_models import compile_reward_models
 from jaxtune.aot.sampler import compile_sampler, step_estimate
-from jaxtune.aot.search import largest_batch, longest_sequence
+from jaxtune.aot.search import largest_batch, longest_sequence, sequence_room
 from jaxtune.aot.step import Program, program
 from jaxtune.config import Config
 
@@ -40,6 +40,8 @@ def plan(cfg: Config, target: str, search_seconds: float = 0.0, seq_seconds: flo
     ``search_seconds`` > 0 the largest batch that fits (`largest_batch`), with ``seq_seconds`` > 0 the longest
     sequence (`longest_sequence`)."""
     p = program(cfg, target)
+    if seq_seconds > 0:
+        sequence_room(p)  # a context the search cannot step into is refused before the first compile
     b, unit = p.cfg.train.batch_size, p.batch_unit
     if b % unit:
         raise sharding.ShardingError(

@@ -12,7 +12,7 @@ from typing import Any
 
 from jaxtune.aot.sampler import compile_sampler
 from jaxtune.aot.step import Program, program
-from jaxtune.config import Config
+from jaxtune.config import Config, ConfigError
 
 SEQ_UNIT = 256  # sequence lengths are searched in multiples of this (and of mesh.context, which splits them)
 
@@ -55,6 +55,30 @@ def largest_batch(p: Program, first: dict[str, Any], budget_seconds: float) -> d
             "tried": tried}
 
 
+def sequence_room(p: Program) -> tuple[int, int, int]:
+    """(the search's step in tokens, the prompt room before the searched tokens, the most steps the model's context
+    holds) of `longest_sequence` on ``p``. A context that holds no step is a `ConfigError` naming the keys: the run's
+    own length (a recipe's ``data.seq_len`` under 256) is planned without a search, and a search needs a context of
+    at least one step more."""
+    cfg = p.cfg
+    samples = cfg.objective.generates
+    prompt = cfg.max_prompt_tokens if samples else 0
+    unit = math.lcm(SEQ_UNIT, p.mesh.shape["context"])
+    context = p.steps.spec.model_cfg.max_seq_len
+    cap = (context - prompt) // unit
+    if cap < 1:
+        step = f"{unit} tokens" + (f" ({SEQ_UNIT} and a multiple of mesh.context={p.mesh.shape['context']})"
+                                   if unit != SEQ_UNIT else "")
+        what = (f"objective.max_completion_length in steps of {step}, after the prompts' {prompt} tokens (data.seq_len"
+                f"={cfg.data.seq_len} - objective.max_completion_length={cfg.objective.max_completion_length})"
+                if samples else f"data.seq_len in steps of {step}")
+        raise ConfigError(f"--max-seq searches {what}, up to the model's context of {context} tokens "
+                          f"(model.max_seq_len), which holds no step: the run's own data.seq_len={cfg.data.seq_len} is "
+                          f"planned without --max-seq (drop it), or raise model.max_seq_len to at least "
+                          f"{prompt + unit} to search")
+    return unit, prompt, cap
+
+
 def longest_sequence(p: Program, budget_seconds: float) -> dict[str, Any]:
     """The longest sequence (``data.seq_len``, multiples of `SEQ_UNIT` and of ``mesh.context``) whose train step
     fits the slice's HBM at the run's batch, up to the model's own context (``max_seq_len``). For an objective that
@@ -64,9 +88,7 @@ def longest_sequence(p: Program, budget_seconds: float) -> dict[str, Any]:
     (tokens, fits, bytes per chip: the larger of step and sampler) in order."""
     cfg, spent = p.cfg, []
     samples = cfg.objective.generates
-    prompt = cfg.max_prompt_tokens if samples else 0
-    unit = math.lcm(SEQ_UNIT, p.mesh.shape["context"])
-    cap = (p.steps.spec.model_cfg.max_seq_len - prompt) // unit
+    unit, prompt, cap = sequence_room(p)
     start = cfg.objective.max_completion_length if samples else cfg.data.seq_len
     tried: list[tuple[int, bool, float | None]] = []
 

@@ -99,8 +99,9 @@ def read_config_json(directory: Path) -> dict[str, Any]:
     """A model directory's config.json, as a dict; a missing or malformed file is a `CheckpointError`."""
     file = Path(directory) / "config.json"
     if not file.is_file():
-        raise CheckpointError(f"{directory}: no config.json; pass a HuggingFace model directory "
-                              "(save_pretrained output or a hub snapshot)")
+        missing = "no config.json" if Path(directory).is_dir() else "no such directory"
+        raise CheckpointError(f"{directory}: {missing}; pass a HuggingFace model directory (save_pretrained output, "
+                              "`jaxtune export RUN_DIR DIR` of a trained run, or a hub snapshot)")
     return read_json(file)
 
 

@@ -4,6 +4,7 @@ HuggingFace checkpoint's config.json, with the keys the section sets applied on 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from jaxtune.config import LORA_TARGETS, STRUCTURAL, ConfigError, HubError, NativeModelConfig
@@ -61,8 +62,9 @@ def _from_checkpoint(cfg: NativeModelConfig, vocab_size: int | None) -> Any:
         fam, base, _ = read_hf_config(cfg.from_hf)
     except ConfigError:  # it names model.from_hf already
         raise
-    except (CheckpointError, ValueError) as e:
-        raise ConfigError(f"model.from_hf={cfg.from_hf}: {e}") from None
+    except (CheckpointError, ValueError) as e:  # the directory said once: the error may begin with it
+        why = str(e).removeprefix(f"{cfg.from_hf}: ").removeprefix(f"{Path(cfg.from_hf)}: ")
+        raise ConfigError(f"model.from_hf={cfg.from_hf}: {why}") from None
     if cfg.family is not None and cfg.family != fam.name:
         raise ConfigError(f"model.family={cfg.family} but model.from_hf={cfg.from_hf} holds a {fam.name} model; "
                           "drop model.family (the checkpoint decides)")

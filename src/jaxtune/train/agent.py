@@ -236,10 +236,10 @@ class Agent:
             label = self._owner.get(self.worker.live_environment(first_id + i - mine.start))
             if label is None:
                 continue
-            got = self.worker.reward(first_id + i - mine.start)
+            got, why = self.worker.reward(first_id + i - mine.start)
             scores[label][i] = np.nan if got is None else got
-            if got is None or np.isnan(got):
-                problems[label][i] = f"{label}.get_reward() failed, returned None or did not answer"
+            if why is not None:
+                problems[label][i] = f"{label}.get_reward() {why}"
         if jax.process_count() > 1:
             scores = {k: np.fmax.reduce(every_process(v[None]), axis=0) for k, v in scores.items()}
         return {label: (scores[label], problems[label]) for label in self.reward_labels}

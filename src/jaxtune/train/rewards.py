@@ -135,7 +135,7 @@ class Rewards:
                 continue
             if f.given:  # NaN stays: "does not apply" (a rollout of another environment)
                 scores, problems = modelled[k]
-                self._model_scores(f, scores, problems, where)  # raises on a failure unless reward_errors: zero
+                self._model_scores(f, scores, problems, where, "fix get_reward(), or")  # raises unless "zero"
                 per_function[:, k] = scores
                 per_function[list(problems), k] = 0.0
                 if problems:
@@ -154,14 +154,14 @@ class Rewards:
         total = np.nansum(per_function * self.weights[None, :], axis=1, dtype=np.float32)  # (N,)
         return Scores(per_function=per_function, total=total, errors=errors, logged=logged)
 
-    def _model_scores(self, f: _Function, scores: np.ndarray, problems: dict[int, str],
-                      where: list[str]) -> tuple[np.ndarray, int]:
-        """A reward model's scores, those it could not give 0 under ``reward_errors: zero`` (counted), else an error
-        naming the first one's row."""
+    def _model_scores(self, f: _Function, scores: np.ndarray, problems: dict[int, str], where: list[str],
+                      fix: str = "or") -> tuple[np.ndarray, int]:
+        """A reward model's (or an environment's) scores, those it could not give 0 under ``reward_errors: zero``
+        (counted), else an error naming the first one's row and why (``problems``), then ``fix`` and the key."""
         if problems and self._policy != "zero":
             i = min(problems)
             raise RewardError(f"reward {f.label!r} cannot score the completion of the row {where[i]}: {problems[i]}; "
-                              "or set objective.reward_errors: zero to score such completions 0 (counted)")
+                              f"{fix} set objective.reward_errors: zero to score such completions 0 (counted)")
         return np.nan_to_num(scores, nan=0.0), len(problems)
 
     def _call(self, f: _Function, call: Callable[[int, int], Any], n: int,

@@ -11,8 +11,10 @@ message; its public methods are tools; an optional ``get_reward()`` owns the rew
 Requests and answers are JSON lines on stdin/stdout (the user's own prints go to stderr): ``{"op": ...}`` ->
 ``{"ok": value}`` or ``{"error": text}``. Ops: ``describe`` (each environment's tool schemas, as transformers'
 ``get_json_schema`` makes them, and which own a reward), ``reset`` (a rollout's instance made and reset), ``call``
-(one tool call of a rollout: the tool's string result, or ``{"failed": text}``), ``reward`` (``get_reward()``),
-``drop`` (the rollouts' instances let go).
+(one tool call of a rollout: the tool's string result, or ``{"failed": text}``), ``reward`` (``get_reward()``'s
+number, or ``{"failed": text}`` saying what it returned or raised), ``drop`` (the rollouts' instances let go). The
+first line the worker writes is ``{"ok": "ready"}``, or ``{"error": text, "imported": bool}``: the module did not
+import, or it did and is not shaped as above (`ModuleShapeError`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import asyncio
 import importlib
 import inspect
 import json
+import math
+import numbers
 import sys
 import traceback
 from collections.abc import Callable
@@ -30,6 +34,26 @@ from jaxtune.tool_schema import tool_schema
 
 # The environment's name a module without a dict of environments uses (TRL's ``None`` key).
 SINGLE = ""
+
+
+class ModuleShapeError(TypeError):
+    """The tools module imported but its ``tools`` or ``environment`` is not what the worker can serve; the message
+    says what it is and what to write."""
+
+
+def _short(value: Any) -> str:
+    """``value``'s repr, cut to a readable length."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _factory(value: Any, name: str) -> Callable[[], Any]:
+    """An environment factory (``name``: where the module holds it), refused unless it can be called."""
+    if not callable(value):
+        raise ModuleShapeError(f"`{name}` is {type(value).__name__} ({_short(value)}), not a class or function: set "
+                               f"{name} = MyEnvironment, a class whose instances have reset(**row) (or a dict of "
+                               "such classes by name)")
+    return value
 
 
 def _awaited(value: Any) -> Any:
@@ -49,14 +73,17 @@ class Host:
     def __init__(self, module: Any):
         tools = getattr(module, "tools", None) or []
         if not isinstance(tools, (list, tuple)) or not all(callable(t) for t in tools):
-            raise TypeError(f"{module.__name__}.tools must be a list of functions")
+            raise ModuleShapeError(f"`tools` is {type(tools).__name__} ({_short(tools)}), not a list of functions: "
+                                   "set tools = [my_function, ...]")
         self.tools = {t.__name__: t for t in tools}
-        factory = getattr(module, "environment", None) or getattr(module, "environment_factory", None)
+        key = "environment" if getattr(module, "environment", None) is not None else "environment_factory"
+        factory = getattr(module, key, None)
         self.factories: dict[str, Callable[[], Any]] = {} if factory is None else (
-            {str(k): v for k, v in factory.items()} if isinstance(factory, dict) else {SINGLE: factory})
+            {str(k): _factory(v, f"{key}[{k!r}]") for k, v in factory.items()} if isinstance(factory, dict)
+            else {SINGLE: _factory(factory, key)})
         if not self.tools and not self.factories:
-            raise TypeError(f"{module.__name__} names neither `tools` (a list of functions) nor `environment` (a "
-                            "class, or a dict of them)")
+            raise ModuleShapeError("it names neither `tools` (a list of functions) nor `environment` (a class, or a "
+                                   "dict of them)")
         self.live: dict[int, tuple[Any, dict[str, Callable[..., Any]]]] = {}
 
     def describe(self) -> dict[str, Any]:
@@ -97,10 +124,23 @@ class Host:
             return {"failed": f"tool {name} returned a {type(result).__name__}, not a string"}
         return result
 
-    def reward(self, rollout: int) -> float | None:
+    def reward(self, rollout: int) -> float | dict[str, str] | None:
+        """The rollout's ``get_reward()`` (None: its environment has none), or ``{"failed": why}`` when it raised or
+        returned anything but a finite number."""
         instance, _ = self.live[rollout]
         get = getattr(instance, "get_reward", None)
-        return None if get is None else (None if (r := _awaited(get())) is None else float(r))
+        if get is None:
+            return None
+        try:
+            r = _awaited(get())
+        except Exception as e:  # noqa: BLE001 (the user's code: said in the run's error, naming the function)
+            why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return {"failed": f"raised {type(e).__name__}" + (f": {why}" if why else "")}
+        if not isinstance(r, numbers.Real) or not math.isfinite(r):
+            kind = "a non-finite number" if isinstance(r, numbers.Real) else f"a {type(r).__name__}"
+            said = "None" if r is None else f"{kind} ({_short(r)})"
+            return {"failed": f"returned {said}; it must return the rollout's score, a finite number"}
+        return float(r)
 
     def drop(self, rollouts: list[int]) -> None:
         for r in rollouts:
@@ -109,11 +149,18 @@ class Host:
 
 def serve(module_name: str, stdin: Any, stdout: Any) -> None:
     """Answers requests from ``stdin`` on ``stdout`` until stdin closes."""
+    host, ready = None, {"ok": "ready"}
     try:
-        host = Host(importlib.import_module(module_name))
-        ready: dict[str, Any] = {"ok": "ready"}
+        module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 (said to the trainer, which stops naming the module)
-        host, ready = None, {"error": f"cannot load tools module {module_name!r}: {type(e).__name__}: {e}"}
+        module, ready = None, {"error": f"it does not import ({type(e).__name__}: {e})", "imported": False}
+    if module is not None:
+        try:
+            host = Host(module)
+        except ModuleShapeError as e:
+            ready = {"error": str(e), "imported": True}
+        except Exception as e:  # noqa: BLE001 (the user's code, run while the module was read)
+            ready = {"error": f"{type(e).__name__}: {e}", "imported": True}
     stdout.write(json.dumps(ready) + "\n")
     stdout.flush()
     for line in stdin:

@@ -37,6 +37,7 @@ from typing import Any
 
 from jaxtune.config import ConfigError
 from jaxtune.data import Tokenizer
+from jaxtune.tool_schema import SchemaError, module_name
 
 CALL_STYLES = ("hermes", "llama3", "mistral", "response_template")
 
@@ -203,7 +204,10 @@ class ToolWorker:
     environments there (their ``reset`` and the calls that ran, replayed), and answers the request as a failure."""
 
     def __init__(self, module: str, timeout: float):
-        self.module = module
+        try:  # a file's path is refused before a worker is started for it
+            self.module = module_name(module, "objective.tools")
+        except SchemaError as e:
+            raise ToolError(f"objective.tools={module!r}: {e}") from None
         self.timeout = timeout
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
@@ -219,9 +223,10 @@ class ToolWorker:
         ready = self._answer(max(self.timeout, 60.0))
         if ready is None or "error" in ready:
             self.close()
-            raise ToolError(f"objective.tools={self.module!r}: "
-                            f"{ready['error'] if ready else 'its worker did not start'}; it is imported from the "
-                            f"current directory ({os.getcwd()}) and the installed packages")
+            where = (f"; it is imported from the current directory ({os.getcwd()}) and the installed packages"
+                     if ready is None or not ready.get("imported") else "")
+            why = ready["error"] if ready else "its worker did not start"
+            raise ToolError(f"objective.tools={self.module!r}: {why}{where}")
         described = self._request({"op": "describe"}, max(self.timeout, 60.0))
         if described is None or "error" in described:
             self.close()
@@ -303,13 +308,19 @@ class ToolWorker:
             self._live[rollout].calls.append((call.name, call.arguments))
         return got["ok"], False
 
-    def reward(self, rollout: int) -> float | None:
-        """The rollout's environment's ``get_reward()`` (None: it has none); NaN when it fails or hangs."""
+    def reward(self, rollout: int) -> tuple[float | None, str | None]:
+        """(the rollout's environment's ``get_reward()``, None when it has none; why it failed, None when it did
+        not): NaN and what went wrong (what it returned or raised, or that it hung) when it failed."""
         got = self._request({"op": "reward", "rollout": rollout})
         if got is None:
             self._restart()
-            return float("nan")
-        return float("nan") if "error" in got else got["ok"]
+            return float("nan"), (f"did not answer within objective.tool_timeout={self.timeout} s, or its process "
+                                  "died")
+        if "error" in got:
+            return float("nan"), f"failed in the tools' worker ({got['error']})"
+        if isinstance(got["ok"], dict):
+            return float("nan"), got["ok"]["failed"]
+        return got["ok"], None
 
     def live_environment(self, rollout: int) -> str | None:
         """The environment a live rollout was reset in (None: no such rollout)."""
