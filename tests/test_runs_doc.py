@@ -16,7 +16,7 @@ from jaxtune.config.objectives import OBJECTIVE_SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = (ROOT / "docs" / "runs.md").read_text(encoding="utf-8")
-ROWS = {m.group(1): m.group(0) for m in re.finditer(r"^\| `?([a-z_ ]+?)`? \|.*$", RUNS, re.M)}
+ROWS = {m.group(1): m.group(0) for m in re.finditer(r"^\| `?([a-z_ ]+?)`? \|.*$", RUNS, re.MULTILINE)}
 
 
 def _classes(annotation) -> list[type[BaseModel]]:
