@@ -84,7 +84,7 @@ def format_info(d: dict[str, Any]) -> str:
         f"model:            {d['model']}",
         (f"parameters:       {d['params']:,} ({d['params_non_embedding']:,} non-embedding; "
          f"{d['trainable_params']:,} trained)"),
-        f"FLOPs per token:  {d['flops_per_token']:.3e} (training: 6N + attention)",
+        f"FLOPs per token:  {d['flops_per_token']:.3e} (training: 6N + attention; LoRA 4 per frozen weight)",
         f"FLOPs per step:   {d['flops_per_step']:.3e}",
         f"mesh:             {d['mesh']} over {d['devices']} device(s)",
         (f"memory / device:  params {gib(m['params'])}, grads {gib(m['grads'])}, optimizer {gib(m['optimizer'])}, "

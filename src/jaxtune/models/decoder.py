@@ -132,11 +132,27 @@ class DecoderConfig(RuntimeConfig):
         return total - (embed if non_embedding else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 (non-embedding params + head) + 12 L (N H) T attention, sliding layers
-        counting only their window."""
-        n = self.num_params(non_embedding=True) + self.vocab_size * self.d_model
+        """Training FLOPs per token: 6 per trained matmul weight (forward, input and weight gradients), 4 per frozen
+        one (no weight gradient: LoRA's base and head; 2 for the first layer's q, k and v, whose input needs no
+        gradient either), the head counted (the vocabulary's, or a score head's), plus 12 L (N H) T attention, sliding
+        layers counting only their window. With LoRA, 6N would count gradients the step never computes (a plan's MFU
+        then passed 100%)."""
+        d = self.d_model
+        head = d * self.num_labels if self.num_labels else self.vocab_size * d
+        n = self.num_params(non_embedding=True) + head
         span = sum(min(seq_len, self.sliding_window) if t == "sliding" else seq_len for t in self.types)
-        return 6 * n + 12 * self.n_head * self.hd * span
+        attention = 12 * self.n_head * self.hd * span
+        if self.lora is None:
+            return 6 * n + attention
+        shapes = {"q": (d, self.n_head * self.hd), "k": (d, self.kv_heads * self.hd),
+                  "v": (d, self.kv_heads * self.hd), "o": (self.n_head * self.hd, d), "gate": (d, self.d_ff),
+                  "up": (d, self.d_ff), "down": (self.d_ff, d)}
+        targets = self.lora.targets
+        adapters = self.n_layer * sum(self.lora.rank * (i + o) for t, (i, o) in shapes.items() if t in targets)
+        trained_head = head if self.num_labels else 0  # a score head trains beside the adapters
+        # the first layer's q, k and v read the frozen embeddings: no gradient flows back through them
+        first = d * (self.n_head + 2 * self.kv_heads) * self.hd
+        return 4 * n - 2 * first + 2 * trained_head + 6 * adapters + attention
 
 
 class Attention(nnx.Module):
