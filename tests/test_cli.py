@@ -93,6 +93,17 @@ def test_info_plans_a_mesh_of_hypothetical_devices(capsys):
     assert "does not divide mesh axis fsdp of size 7" in capsys.readouterr().err
 
 
+def test_info_compile_for_without_libtpu_is_one_line_naming_the_extra(capsys, monkeypatch):
+    """The README's plan command on an install without the aot extra: exit 2 and one line saying what to install,
+    nothing printed before it (what an environment without the package gives, whether or not this one has it)."""
+    monkeypatch.setitem(sys.modules, "libtpu", None)
+    assert main(["info", "gemma3-1b-grpo", "--compile-for", "v5e-8"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: --compile-for v5e-8: compiling for a TPU needs libtpu; pip install 'jaxtune[aot]'")
+    assert "pip install -e '.[aot]'" in err
+
+
 def test_console_script_runs_the_fine_tuning_quickstart(tmp_path, data_cache):
     """The fine-tuning quickstart, shortened: chat SFT on the generated data, offline; the data report, the
     step-0 baseline and the run report's before/after samples are there, and --chat generation runs."""

@@ -93,7 +93,8 @@ def slice_devices(s: TpuSlice) -> list[Any]:
     """The slice's abstract devices, one per chip (v4 and v5p in megacore mode, as a TPU VM runs them)."""
     runtime.quiet_libtpu()  # a second JAX process on this host could not make a topology otherwise
     if importlib.util.find_spec("libtpu") is None:
-        raise AotError(f"--compile-for {s.name}: compiling for a TPU needs libtpu; pip install 'jaxtune[aot]'")
+        raise AotError(f"--compile-for {s.name}: compiling for a TPU needs libtpu; pip install 'jaxtune[aot]' "
+                      "(in a checkout: pip install -e '.[aot]')")
     kw: dict[str, Any] = {"chip_config_name": "megacore"} if s.chip.cores > 1 else {}
     if s.chips == 1:
         kw["chips_per_host_bounds"] = (1, 1, 1)  # the default host (2x2) does not divide a single chip
