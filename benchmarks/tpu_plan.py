@@ -57,8 +57,8 @@ def fitted(recipe: str, slice_name: str) -> tuple[list[str], str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--recipes", nargs="+", default=list(RECIPES))
-    ap.add_argument("--slices", nargs="+", default=list(SLICES))
+    ap.add_argument("--recipes", nargs="+")
+    ap.add_argument("--slices", nargs="+")
     ap.add_argument("--search-seconds", type=float, default=600.0, help="largest-batch search budget per pair "
                     "(0: no search)")
     ap.add_argument("--json", help="also write the rows and run details to this path")
@@ -68,9 +68,9 @@ def main() -> None:
                     "README.md and docs/scale-out.md")
     args = ap.parse_args()
     if args.post_training:
-        args.recipes = [r for r in args.recipes if r not in RECIPES] or list(POST_RECIPES)
-        args.slices = [s for s in args.slices if s not in SLICES] or list(POST_SLICES)
         args.search_seconds = 0.0
+    args.recipes = args.recipes or list(POST_RECIPES if args.post_training else RECIPES)
+    args.slices = args.slices or list(POST_SLICES if args.post_training else SLICES)
     runtime.quiet_libtpu()
     import libtpu
 
