@@ -543,3 +543,32 @@ def test_libtpu_stays_quiet_and_shareable_on_a_cpu_host():
         other.communicate("", timeout=60)
     assert plan.returncode == 0 and plan.stdout.strip() == "8", plan.stderr
     assert "TPU_ACCELERATOR_TYPE" not in plan.stderr and "TPU_WORKER_HOSTNAMES" not in plan.stderr, plan.stderr
+
+
+@pytest.mark.slow
+def test_the_docs_plan_table_is_a_fresh_plan():
+    """docs/scale-out.md's gemma3-1b-grpo row on v5e-8 (written by `benchmarks/tpu_plan.py --write`) against its train
+    step compiled now: memory per chip, the roofline step, MFU and tokens/s within 5% (what another libtpu or a
+    changed program moves; the 3x of a stale row is far outside), the bound the same. The sampler is not compiled
+    here: its numbers come from the same plan. Within the peaks as every plan."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import tpu_plan
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    _, cells = tpu_plan.doc_row((root / "docs" / "scale-out.md").read_text(), "gemma3-1b-grpo", "v5e-8")
+    memory, step, bound, mfu, tokens = cells[4], cells[5], cells[6], cells[7], cells[8]
+    p = aot.program(load_config("gemma3-1b-grpo"), "v5e-8")
+    r = p.compile(p.cfg.train.batch_size)
+    rl = aot.roofline(p, r)
+    assert r["memory"]["total"] / aot.GiB == pytest.approx(float(memory.split(" /")[0]), rel=0.05, abs=0.05)
+    assert 1e3 * rl["step_seconds"] == pytest.approx(float(step.removesuffix(" ms")), rel=0.05)
+    assert rl["bound"] == bound
+    assert 100 * rl["mfu"] == pytest.approx(float(mfu.removesuffix("%")), rel=0.05)
+    assert rl["tokens_per_second"] == pytest.approx(float(tokens.replace(",", "")), rel=0.05)
+    assert_within_peaks({"slice": {"chips": p.slice.chips, "peak_flops": p.slice.chip.peak_flops,
+                                   "hbm_bw": p.slice.chip.hbm_bw},
+                         "roofline": rl, "flops_per_chip": r["hlo"].flops, "hbm_bytes_per_chip": r["hlo"].bytes})
