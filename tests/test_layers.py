@@ -18,7 +18,7 @@ LAYERS = {
     "jaxtune.backends": 3,
     "jaxtune.loop": 4, "jaxtune.companions": 4, "jaxtune.run": 4, "jaxtune.evaluate": 4, "jaxtune.evaluator": 4,
     "jaxtune.generate": 4,
-    "jaxtune.export": 4, "jaxtune.parity": 4, "jaxtune.info": 4, "jaxtune.aot": 4,
+    "jaxtune.export": 4, "jaxtune.parity": 4, "jaxtune.info": 4, "jaxtune.aot": 4, "jaxtune.tool_trial": 4,
     "jaxtune.cli": 5,
 }
 # Groups that share a layer but must not import each other: a model never reads data, nor data a model; a backend

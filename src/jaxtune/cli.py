@@ -167,6 +167,25 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tools(args: argparse.Namespace) -> int:
+    from jaxtune.config import ConfigError
+    from jaxtune.tool_trial import try_tools
+
+    fields = {}
+    for given in args.field:
+        key, sep, value = given.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--field {given!r}: expected NAME=VALUE (the value JSON, or text)")
+        try:
+            fields[key] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key] = value
+    trial = try_tools(args.config, args.overrides, args.turn, prompt=args.prompt, row=args.row, fields=fields,
+                      module=args.tools, timeout=args.timeout)
+    print("\n".join(trial.lines()))
+    return 0
+
+
 def _parity(args: argparse.Namespace) -> int:
     from jaxtune.parity import parity
 
@@ -267,7 +286,25 @@ def _parity_command(sub: argparse._SubParsersAction) -> None:
 
 
 # Each subcommand's arguments, in the order ``jaxtune --help`` lists them; each sets ``fn``, the function it runs.
-COMMANDS = (_train_command, _eval_command, _generate_command, _info_command, _export_command, _parity_command)
+def _tools_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tools", help="try a tools module on scripted model turns: what the model reads back, and "
+                       "what a run counts, without a model")
+    p.add_argument("config", help="YAML file, shipped config name or run directory: its tokenizer, chat template and "
+                   "tools (objective.tools, or data.tools)")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--turn", action="append", default=[], help="the model's turn, as text in the template's tool-call "
+                   "format (e.g. <tool_call>{...}</tool_call>); once per turn, in order")
+    p.add_argument("--prompt", help="a user message as the prompt (default: the config's prompt row --row)")
+    p.add_argument("--row", type=int, default=0, help="which row of the config's prompt data is the prompt")
+    p.add_argument("--field", action="append", default=[], help="with --prompt: a row field NAME=VALUE handed to an "
+                   "environment's reset()")
+    p.add_argument("--tools", help="the tools module (default: the config's objective.tools, else data.tools)")
+    p.add_argument("--timeout", type=float, help="seconds a tool call may take (default: objective.tool_timeout)")
+    p.set_defaults(fn=_tools)
+
+
+COMMANDS = (_train_command, _eval_command, _generate_command, _info_command, _export_command, _parity_command,
+            _tools_command)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
