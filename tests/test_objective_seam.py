@@ -1,7 +1,8 @@
 """The objective seam holds: outside the objective records (`jaxtune.config`) and the objectives' own modules
 (`jaxtune.train.objectives`), no code compares a name with an objective's; the loop, step, rollout, evaluation and
-plan ask the record (`jaxtune.config.kinds.ObjectiveKind`) instead. A new objective is then its record, its config
-and its module, and nothing else changes."""
+plan ask the record (`jaxtune.config.kinds.ObjectiveKind`) instead. Nor does any code there compute advantages: the
+rollout asks the objective (its ``advantages``), so a new baseline is a function in its objective's module. A new
+objective is then its record, its config and its module, and nothing else changes."""
 
 from __future__ import annotations
 
@@ -32,6 +33,44 @@ def name_comparisons(source: str) -> list[tuple[int, str]]:
             for operand in (node.left, *node.comparators):
                 found += [(node.lineno, n) for n in sorted(_names_in(operand))]
     return found
+
+
+# The advantage estimators (`jaxtune.train.objectives.advantages`): called only by the objectives.
+ESTIMATORS = {"group_advantages", "leave_one_out_advantages", "normalized_then_summed", "zero_advantages"}
+
+
+def baselines_outside(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each call of an advantage estimator, and each function defined to compute advantages (its
+    name has ``advantage`` in it), in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in ESTIMATORS:
+                found.append((node.lineno, name))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and "advantage" in getattr(
+                node, "name", ""):
+            found.append((node.lineno, node.name))
+    return sorted(found)
+
+
+def test_no_baseline_is_computed_outside_an_objective():
+    offenders = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("train/objectives"):
+            continue
+        offenders += [f"{rel}:{line}: {name}" for line, name in baselines_outside(path.read_text())]
+    assert not offenders, ("advantages are the objective's (its advantages(cfg, rewarded), from "
+                           "jaxtune.train.objectives.advantages):\n" + "\n".join(offenders))
+
+
+def test_the_baseline_check_finds_one():
+    code = ("a = group_advantages(total, 4)\nb = adv.leave_one_out_advantages(t, p, 2)\n"
+            "def batch_advantages(total):\n    return total - total.mean()\nc = informative_groups(s, 4)\n")
+    assert baselines_outside(code) == [(1, "group_advantages"), (2, "leave_one_out_advantages"),
+                                       (3, "batch_advantages")]
 
 
 def test_no_objective_name_is_compared_outside_its_records():

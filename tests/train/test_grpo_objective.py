@@ -3,13 +3,13 @@ saved with ``save_pretrained`` and read by jaxtune (``model.from_hf``), and its 
 real train step (`jaxtune.train.step.build_steps`).
 
 The rollout is made by hand: 2 prompts (3 and 9 tokens) x a group of 4 completions (N = 8) of 2 to 12 tokens, each
-ending in EOS but one cut at ``max_completion_length`` = 12; made-up rewards, one group's all equal; advantages by
-TRL's group normalisation ((r - group mean) / (group std + 1e-4), `trl.trainer.utils.nanstd`), which
-`jaxtune.train.rewards.group_advantages` is checked to reproduce. Both sides get those advantages. Ours lays the
-rollout out as the loop does (`jaxtune.train.rollout.training_rows`, right-padded rows of prompt then completion;
-where a check says so, also `shared_rows`, each prompt once then its completions in regions: `shared_batch`);
-TRL's inputs are as ``_generate_and_score_completions`` makes them: ``prompt_ids``/``prompt_mask`` left-padded,
-``completion_ids``/``completion_mask`` right-padded (the mask through the EOS, all ones for the cut one),
+ending in EOS but one cut at ``max_completion_length`` = 12; made-up rewards, one group's all equal; advantages by TRL's
+group normalisation ((r - group mean) / (group std + 1e-4), `trl.trainer.utils.nanstd`), which
+`jaxtune.train.objectives.advantages.group_advantages` is checked to reproduce. Both sides get those advantages. Ours
+lays the rollout out as the loop does (`jaxtune.train.rollout.training_rows`, right-padded rows of prompt then
+completion; where a check says so, also `shared_rows`, each prompt once then its completions in regions:
+`shared_batch`); TRL's inputs are as ``_generate_and_score_completions`` makes them: ``prompt_ids``/``prompt_mask``
+left-padded, ``completion_ids``/``completion_mask`` right-padded (the mask through the EOS, all ones for the cut one),
 ``advantages`` (B,), ``num_items_in_batch`` (the completion tokens), ``ref_per_token_logps`` when beta > 0 and
 ``old_per_token_logps`` for the mu > 1 check.
 
@@ -88,8 +88,8 @@ from jaxtune import sharding
 from jaxtune.config import ObjectiveConfig, TrainConfig, objective_config
 from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.train.objectives import GRPO, RLOO, Reference, make_objective
+from jaxtune.train.objectives.advantages import group_advantages, leave_one_out_advantages
 from jaxtune.train.objectives.grpo import LAST_ENTROPY
-from jaxtune.train.rewards import group_advantages, leave_one_out_advantages
 from jaxtune.train.rollout import shared_rows, training_rows
 from jaxtune.train.step import build_steps, per_unit
 

@@ -19,8 +19,9 @@ A completion ends at the first stop id (EOS, and for chat prompts the template's
 and is trained on, or at ``max_completion_length`` tokens. Its text (without the stop id) is what reward functions
 read. With ``data.share_prompts`` (the default with native models) a prompt's group is one row in regions: the
 prompt's slots once, then each completion in ``max_completion_length`` slots of its own (`shared_rows`), attended
-per region (`jaxtune.models.layers.RegionMask`), and ``advantages`` are (prompts, ``num_generations``) group-
-normalised total rewards (`jaxtune.train.rewards.group_advantages`). With ``data.share_prompts: false`` the rows are
+per region (`jaxtune.models.layers.RegionMask`), and ``advantages`` are (prompts, ``num_generations``), each
+completion's as its objective computes them from every process's rewards (its ``advantages``,
+`jaxtune.train.objectives.advantages`). With ``data.share_prompts: false`` the rows are
 prompt then completion, one per completion, right-padded to ``data.seq_len``, the loss mask on the completion.
 """
 
@@ -42,17 +43,9 @@ from jaxtune.data.encoded import shared_row
 from jaxtune.models.sampling import Generation
 from jaxtune.train.agent import Agent, Extend, Trajectories, on_cache, prefilled_again, shared_ragged
 from jaxtune.train.distributed import every_process, first_failure
-from jaxtune.train.rewards import (
-    ModelScores,
-    RewardError,
-    Rewards,
-    Scores,
-    group_advantages,
-    leave_one_out_advantages,
-    make_rewards,
-    nanstd,
-    normalized_then_summed,
-)
+from jaxtune.train.objectives import OBJECTIVES
+from jaxtune.train.objectives.advantages import Rewarded, informative_groups, nanstd
+from jaxtune.train.rewards import ModelScores, RewardError, Rewards, Scores, make_rewards
 from jaxtune.train.state import Sampler
 from jaxtune.train.tools import ToolError
 
@@ -131,8 +124,7 @@ class Completions:
 
     def informative(self, group: int) -> np.ndarray:
         """(groups,) bool: whether a group's rewards differ (std > 0), so its advantages are not all 0."""
-        std = nanstd(self.scores.scored_total.reshape(-1, group).astype(np.float64), axis=1)[:, 0]
-        return ~np.isclose(np.nan_to_num(std), 0.0)
+        return informative_groups(self.scores.scored_total, group)
 
 
 @dataclass
@@ -295,7 +287,7 @@ class Rollout:
             done = self.given(source, rows, o.num_generations)
             if between is not None:
                 between()
-        advantages, zero_std = ADVANTAGES[o.spec.baseline](done, o, self.rewards.weights)
+        advantages, zero_std = OBJECTIVES[o.name].advantages(o, self.rewarded(done))
         metrics = {**self.metrics(done, zero_std), **resampled}  # over every process's completions
         if mixed:
             metrics["on_policy"] = float(on_policy)
@@ -308,6 +300,12 @@ class Rollout:
         if getattr(o, "mask_truncated_completions", False):
             rows["loss_mask"] = rows["loss_mask"] * completion_kept(rows, done.stopped)
         return rows, metrics
+
+    def rewarded(self, done: Completions) -> Rewarded:
+        """The completions' rewards as an objective's ``advantages`` reads them."""
+        s = done.scores
+        return Rewarded(s.per_function, s.total, s.scored_total, np.asarray(self.rewards.weights),
+                        self.cfg.objective.num_generations)
 
     def laid_out(self, done: Completions, advantages: np.ndarray) -> dict[str, np.ndarray]:
         """The completions as training rows with their ``advantages`` (`layout`)."""
@@ -406,26 +404,6 @@ class Rollout:
         out["time/rewards"] = self.timings["rewards"]
         out["generation_tok_s"] = self.timings["generated_tokens"] / max(gen, 1e-9)
         return out
-
-
-# Each completion's advantage by the objective's baseline (`jaxtune.config.kinds.ObjectiveKind.baseline`), from its
-# group's scores: "none" when a companion, not a reward, says how good a token is (the rewards are logged only);
-# RLOO's KL penalty and normalisation follow in the step.
-def grpo_advantages(done: Completions, o: Any, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """GRPO's advantages and which were scaled by a zero std, by ``o.multi_objective_aggregation`` and
-    ``o.scale_rewards`` (`jaxtune.train.rewards`)."""
-    if o.multi_objective_aggregation == "normalize_then_sum":
-        return normalized_then_summed(done.scores.per_function, weights, o.num_generations)
-    return group_advantages(done.scores.scored_total, o.num_generations, o.scale_rewards)
-
-
-# ADVANTAGES[baseline](completions, objective config, reward weights) -> (advantages, zero-std flags or None).
-ADVANTAGES: dict[str, Callable[[Completions, Any, np.ndarray], tuple[np.ndarray, np.ndarray | None]]] = {
-    "none": lambda done, o, w: (np.zeros(len(done.ids), np.float32), None),
-    "group": grpo_advantages,
-    "leave_one_out": lambda done, o, w: (leave_one_out_advantages(done.scores.total, done.scores.per_function,
-                                                                  o.num_generations), None),
-}
 
 
 def completion_kept(rows: dict[str, np.ndarray], stopped: np.ndarray) -> np.ndarray:

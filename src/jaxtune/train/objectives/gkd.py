@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxtune.train.objectives.advantages import Rewarded, zero_advantages
 from jaxtune.train.objectives.base import BetaOnly, Metrics, Reference
 from jaxtune.train.objectives.policy_gradient import rows as row_arrays
 from jaxtune.train.state import Batch, Forward
@@ -46,6 +47,11 @@ class GKD(BetaOnly):
     uses_reference: bool = False  # no reference model: the teacher, another model, comes as the step's `Reference`
     passes: int = 1
     prepares: bool = False
+
+    @staticmethod
+    def advantages(cfg: Any, rewarded: Rewarded) -> tuple[Any, None]:
+        """None: the teacher, not a reward, says how good a token is (the rewards are logged only)."""
+        return zero_advantages(rewarded)
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:

@@ -85,10 +85,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtune.config import OBJECTIVES, ObjectiveConfig
 from jaxtune.config.kinds import BRANCH_KEY, SAMPLER_LOGPS_KEY
 from jaxtune.train.objectives import policy_gradient as pg
+from jaxtune.train.objectives.advantages import Rewarded, group_advantages, normalized_then_summed
 from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
@@ -181,6 +183,15 @@ class GRPO:
                    entropy_coef_max=cfg.entropy_coef_max, entropy_coef_delta=cfg.entropy_coef_delta,
                    entropy_target=cfg.entropy_target, delta=cfg.delta,
                    kl_bias_correction=cfg.use_bias_correction_kl)
+
+    @staticmethod
+    def advantages(cfg: ObjectiveConfig, rewarded: Rewarded) -> tuple[np.ndarray, np.ndarray]:
+        """Each completion's advantage and whether the std it was scaled by is 0: the reward less its group's mean,
+        over the std ``scale_rewards`` names; or GDPO's per-function normalisation then sum
+        (``multi_objective_aggregation: normalize_then_sum``)."""
+        if cfg.multi_objective_aggregation == "normalize_then_sum":
+            return normalized_then_summed(rewarded.per_function, rewarded.weights, rewarded.group)
+        return group_advantages(rewarded.scored, rewarded.group, cfg.scale_rewards)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:

@@ -1,15 +1,15 @@
 """RLOO (REINFORCE leave-one-out, TRL's ``RLOOTrainer``): GRPO's rollout (the same sampler, rewards and rows), another
 baseline and a per-sequence loss.
 
-Advantages. The rollout gives each completion its reward less the mean reward of its group's other scorable
-completions (`jaxtune.train.rewards.leave_one_out_advantages`; a completion every reward function declined is
-unscorable: NaN, left out of the baselines). `RLOO.prepare`, on the whole batch before the step's first pass, puts
-the KL to the reference into the reward (``beta`` > 0): kl_i = Σ_t (old_t - ref_t) over completion i's tokens, the
-first-order estimate of the RLOO paper, with old the log-probs of the policy that sampled (the sampler's, or the
-trainer's forward: ``old_logps``). The baseline being linear in the rewards, the advantage of r_i - β kl_i is
-A_i - β (kl_i - mean of kl over the group's other scorable completions). With ``normalize_advantages`` the advantages
-are then normalised over the whole batch ((A - mean) / (std + 1e-4), NaN left out, `trl.trainer.utils.nanstd`'s
-Bessel-corrected std); unscorable completions end at 0.
+Advantages. `RLOO.advantages`, called by the rollout, gives each completion its reward less the mean reward of its
+group's other scorable completions (`jaxtune.train.objectives.advantages.leave_one_out_advantages`; a completion every
+reward function declined is unscorable: NaN, left out of the baselines). `RLOO.prepare`, on the whole batch before the
+step's first pass, puts the KL to the reference into the reward (``beta`` > 0): kl_i = Σ_t (old_t - ref_t) over
+completion i's tokens, the first-order estimate of the RLOO paper, with old the log-probs of the policy that sampled
+(the sampler's, or the trainer's forward: ``old_logps``). The baseline being linear in the rewards, the advantage of r_i
+- β kl_i is A_i - β (kl_i - mean of kl over the group's other scorable completions). With ``normalize_advantages`` the
+advantages are then normalised over the whole batch ((A - mean) / (std + 1e-4), NaN left out,
+`trl.trainer.utils.nanstd`'s Bessel-corrected std); unscorable completions end at 0.
 
 Loss, per completion: with ρ = exp(Σ_t logp_t - Σ_t old_t) its sequence ratio (old: the weights that sampled; when the
 rollout lags, ``max_staleness``, the sampler's log-probs, so the ratio corrects for the lag), -min(ρ A, clip(ρ, 1 - ε, 1
@@ -26,9 +26,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtune.config import ObjectiveConfig
 from jaxtune.train.objectives import policy_gradient as pg
+from jaxtune.train.objectives.advantages import Rewarded, leave_one_out_advantages
 from jaxtune.train.objectives.base import Metrics, Reference
 from jaxtune.train.state import Batch, Forward
 
@@ -68,6 +70,12 @@ class RLOO:
                    old_from_sampler=cfg.old_logps == "sampler", lag_corrected=pg.lag_corrected(cfg),
                    num_generations=cfg.num_generations,
                    normalize_advantages=cfg.normalize_advantages)
+
+    @staticmethod
+    def advantages(cfg: ObjectiveConfig, rewarded: Rewarded) -> tuple[np.ndarray, None]:
+        """Each completion's reward less the mean of its group's other scorable completions (NaN: unscorable);
+        `prepare` adds the KL penalty and the normalisation on the whole batch."""
+        return leave_one_out_advantages(rewarded.total, rewarded.per_function, rewarded.group), None
 
     @property
     def uses_reference(self) -> bool:
