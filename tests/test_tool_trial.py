@@ -5,6 +5,7 @@ each failure reads as a rollout's model reads it, and the counts are a run's."""
 from __future__ import annotations
 
 import pytest
+from helpers.tool_modules import COUNTER
 
 from jaxtune.cli import main
 
@@ -61,25 +62,7 @@ def crash(code: int) -> str:
 
 
 tools = [multiply, lookup, count, wait, crash]
-
-
-class Counter:
-    def reset(self, **row):
-        self.n = int(row["start"])
-        return f" (the counter starts at {self.n})"
-
-    def bump(self, by: int) -> str:
-        """Adds to the counter.
-
-        Args:
-            by: how much
-        """
-        self.n += by
-        return str(self.n)
-
-    def get_reward(self) -> float:
-        return float(self.n)
-'''
+''' + COUNTER
 
 
 def call(name: str, **arguments) -> str:

@@ -26,6 +26,7 @@ from typing import Literal
 import numpy as np
 import pytest
 from helpers.chat_templates import build_tokenizer
+from helpers.tool_modules import COUNTER
 
 from jaxtune.config import objective_config
 from jaxtune.data.templates import CHATML_TOOLS
@@ -87,26 +88,8 @@ def crash(code: int) -> str:
     """
     os._exit(code)
 
-class Counter:
-    def reset(self, **row):
-        self.n = int(row.get("start", 0))
-        return f" (the counter starts at {self.n})"
-
-    def bump(self, by: int) -> str:
-        """Adds to the counter.
-
-        Args:
-            by: how much
-        """
-        self.n += by
-        return str(self.n)
-
-    def get_reward(self) -> float:
-        return float(self.n)
-
 tools = [add, boom, number, sleepy, crash, later]
-environment = Counter
-'''
+''' + COUNTER + "\nenvironment = Counter\n"
 
 
 @pytest.fixture
