@@ -181,12 +181,13 @@ class ObjectiveKind:
     # Where the completions it trains on come from: ``given`` by the data; ``sampled`` by the policy inside the loop
     # (`jaxtune.train.rollout`); ``mixed``: sampled on a share of steps, the data's on the others (GKD's lmbda).
     completions: Literal["given", "sampled", "mixed"] = "given"
-    # Objectives that sample: each completion's advantage from its group's rewards, computed when the completions are
-    # scored (`jaxtune.train.rewards`): "group" (GRPO's: less the group's mean, over its std), "leave_one_out"
-    # (RLOO's: less the mean of the group's other completions), or "none" (the companion, not a reward, says how good
-    # a token is: the rewards are logged only, and none need be configured).
-    baseline: Literal["none", "group", "leave_one_out"] = "group"
-    min_generations: int = 1  # completions per prompt at least (a group baseline compares each with the others)
+    # Objectives that sample: what each completion's reward is compared with (its objective's ``advantages``, from
+    # `jaxtune.train.objectives.advantages`): "group" (GRPO's: its group's mean, over its std), "leave_one_out"
+    # (RLOO's: the mean of the group's other completions), "batch" (REINFORCE++'s: the whole batch's mean, over its
+    # std), or "none" (the companion, not a reward, says how good a token is: the rewards are logged only, and none
+    # need be configured). A group baseline needs 2 completions of each prompt, a batch one 2 in the step
+    # (`min_generations`, `min_batch`); dynamic sampling drops the groups a group baseline gives no signal.
+    baseline: Literal["none", "group", "leave_one_out", "batch"] = "group"
     # `Objective.prepare` runs on the whole batch before every step (RLOO's advantages need the batch and the
     # reference), not only before the second of several passes
     prepares: bool = False
@@ -199,6 +200,21 @@ class ObjectiveKind:
     # Its loss reads each pair's ``margin`` (TRL's column; 0 where a row gives none): a "margin" array (B, 2) in the
     # batch, the pair's margin on both of its sequences
     margins: bool = False
+
+    @property
+    def group_baseline(self) -> bool:
+        """Whether each completion is compared with its own group's (GRPO's, RLOO's)."""
+        return self.baseline in ("group", "leave_one_out")
+
+    @property
+    def min_generations(self) -> int:
+        """Completions per prompt at least: a group baseline compares each with the others of its group."""
+        return 2 if self.group_baseline else 1
+
+    @property
+    def min_batch(self) -> int:
+        """Completions per step at least: a batch baseline's std needs 2."""
+        return 2 if self.baseline == "batch" else 1
 
     @property
     def needs_rewards(self) -> bool:
@@ -225,7 +241,7 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
     ObjectiveKind("grpo", (PROMPTS,), "group relative policy optimisation on sampled completions scored by rewards",
                   loss_types=("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"),
                   beta_range="nonnegative", companion="reference", companion_when="beta", passes_key="num_iterations",
-                  completions="sampled", min_generations=2),
+                  completions="sampled"),
     ObjectiveKind("kto", (UNPAIRED,), "KTO: unpaired desirable and undesirable completions against a frozen "
                   "reference, each reward measured from a KL baseline estimated on mismatched rows (TRL's KTOTrainer)",
                   loss_types=("kto", "apo_zero_unpaired"), companion="reference", prepares=True,
@@ -234,7 +250,7 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
                   "completion's baseline the mean reward of its group's others, the KL to the reference in the reward, "
                   "a clipped ratio per sequence (TRL's RLOOTrainer)", beta_range="nonnegative", companion="reference",
                   companion_when="beta", passes_key="num_iterations", completions="sampled", baseline="leave_one_out",
-                  min_generations=2, prepares=True),
+                  prepares=True),
     ObjectiveKind("gkd", (PROMPTS,), "on-policy distillation (TRL's GKD): the student samples completions of the "
                   "prompts, a frozen teacher model scores every token, and the loss is the generalised Jensen-Shannon "
                   "divergence of the two next-token distributions (beta 0: KL(teacher || student); 1: the reverse "

@@ -360,6 +360,14 @@ class ClippedPolicy(Sampling):
         return self
 
     @model_validator(mode="after")
+    def _dynamic_sampling_needs_groups(self) -> ClippedPolicy:
+        if self.dynamic_sampling and not self.spec.group_baseline:
+            raise ValueError(f"objective.dynamic_sampling drops the groups whose rewards all agree, which only a group "
+                             f"baseline leaves without signal; {self.name} compares each reward with the "
+                             f"{self.spec.baseline}'s: drop dynamic_sampling")
+        return self
+
+    @model_validator(mode="after")
     def _staleness(self) -> ClippedPolicy:
         if not self.max_staleness:
             return self

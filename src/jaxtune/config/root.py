@@ -94,6 +94,11 @@ class Config(Section):
         obj, train = self.objective, self.train
         if not obj.generates:
             return self
+        prompts = obj.prompts_per_step or train.batch_size
+        if obj.spec.min_batch > prompts * obj.num_generations:
+            raise ValueError(f"objective.prompts_per_step x num_generations = {prompts} x {obj.num_generations}: "
+                             f"{obj.name} compares each reward with the batch's mean and std, so a step needs "
+                             f"{obj.spec.min_batch} completions or more")
         if obj.prompts_per_step is None:
             return self.model_copy(update={"objective": obj.model_copy(update={"prompts_per_step": train.batch_size})})
         if "batch_size" in train.model_fields_set and train.batch_size != obj.prompts_per_step:
