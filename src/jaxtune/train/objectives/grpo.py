@@ -88,10 +88,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import OBJECTIVES, ObjectiveConfig
-from jaxtune.config.kinds import BRANCH_KEY, SAMPLER_LOGPS_KEY
+from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.train.objectives import policy_gradient as pg
 from jaxtune.train.objectives.advantages import Rewarded, group_advantages, normalized_then_summed
-from jaxtune.train.objectives.base import Metrics, Reference, pinned
+from jaxtune.train.objectives.base import Metrics, Reference
 from jaxtune.train.state import Batch, Forward
 
 LOSS_TYPES = OBJECTIVES["grpo"].loss_types
@@ -101,16 +101,6 @@ LOG_FLOOR, LOG_CEILING = math.log(1e-8), 20.0
 # Adaptive entropy control's carry (`GRPO.init_carry`): the weight c, and the entropy the last update measured
 ENTROPY_COEF, LAST_ENTROPY = "adaptive_entropy/coef", "adaptive_entropy/last_entropy"
 POLICY_TOKENS_ENTROPY = "entropy/policy_tokens"  # its measure when only the high-entropy tokens carry the loss
-
-
-def token_advantages(batch: Batch) -> jax.Array:
-    """Each token's completion's advantage, shaped like the token arrays ((N, 1) for a row per completion, (B, T)
-    for a group in one row, by ``branch_ids``)."""
-    adv = batch["advantages"]
-    if BRANCH_KEY not in batch:  # (N,) per row
-        return adv[:, None]
-    branch = batch[BRANCH_KEY]  # (B, T): 0 the prompt, k the k-th completion; advantages (B, G)
-    return jnp.take_along_axis(adv, jnp.clip(branch - 1, 0, adv.shape[1] - 1), axis=1)
 
 
 class Ratio(NamedTuple):
@@ -395,7 +385,7 @@ class GRPO:
         mask = batch["loss_mask"]
         logps, entropy = self.logps_and_entropy(forward, weights, batch, key)
         old = pg.old_logps(batch, logps, self.lag_corrected)
-        adv, completions = token_advantages(batch), pg.completion_masks(batch)
+        adv, completions = pg.token_advantages(batch), pg.completion_masks(batch)
         tokens = jnp.sum(mask)
         ratio = self.ratio(logps, old, batch, adv, completions, tokens)
         metrics, weight = pg.sampler_agreement(batch, logps), None
@@ -412,11 +402,7 @@ class GRPO:
         high = None if self.top_entropy_quantile >= 1.0 else self.high_entropy_mask(entropy, mask)
         per_token = per_token if high is None else per_token * high
         if self.beta > 0:
-            if reference is None:
-                raise ValueError("grpo with beta > 0 needs the reference model's log-probs")
-            ref = pg.reference_logps(reference, batch, self.temperature)
-            delta = ref - pinned(logps, ref, reference)  # exactly 0 while the policy is the reference
-            kl = jnp.exp(delta) - delta - 1.0
+            kl = pg.k3_kl(logps, batch, reference, self.temperature, self.name)
             kl = kl * ratio.tokens if self.kl_bias_correction else kl  # TRL's bias correction: weighted by the ratio
             per_token = per_token + self.beta * kl
             metrics["kl"] = (jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens)

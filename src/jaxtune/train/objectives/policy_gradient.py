@@ -1,14 +1,15 @@
 """What the policy-gradient objectives on sampled completions (GRPO, RLOO) share, as pure functions of their arrays.
 
-Both read the rollout's rows (`jaxtune.train.rollout`): a row per completion, or with shared prompts a group in one
-row (``branch_ids``: the prompt 0, then each completion 1..G), ``advantages`` (N,) or (prompts, G). Both compare the
+Both read the rollout's rows (`jaxtune.train.rollout`): a row per completion, or with shared prompts a group in one row
+(``branch_ids``: the prompt 0, then each completion 1..G), ``advantages`` (N,) or (prompts, G). Both compare the
 policy's log-probs with those of the policy that sampled (the old policy: `old_logps`), clip a ratio r of the two to
-[1 - epsilon, 1 + epsilon_high] (`ClipBounds`) in a clipped surrogate -min(r A, clip(r) A), and report how many
-ratios the clip cut (`clip_metrics`) and how far the sampler's log-probs are from the trainer's
-(`sampler_agreement`). GRPO's ratio is per token, RLOO's per completion. When the rollout lags (``max_staleness``) the
-old policy is the one that sampled, not the weights being trained: `old_logps` then takes the sampler's log-probs,
-for every clipped objective alike (unless an importance weight corrects for the sampler instead: GRPO's
-``importance_sampling``, which keeps the trainer's as the old policy's).
+[1 - epsilon, 1 + epsilon_high] (`ClipBounds`) in a clipped surrogate -min(r A, clip(r) A), and report how many ratios
+the clip cut (`clip_metrics`) and how far the sampler's log-probs are from the trainer's (`sampler_agreement`). The KL
+to the reference is estimated per token as k1 (old - ref, `k1_kl`: RLOO's, in the reward) or k3 (`k3_kl`: GRPO's, in the
+loss), each completion's advantage laid on its tokens by `token_advantages`. GRPO's ratio is per token, RLOO's per
+completion. When the rollout lags (``max_staleness``) the old policy is the one that sampled, not the weights being
+trained: `old_logps` then takes the sampler's log-probs, for every clipped objective alike (unless an importance weight
+corrects for the sampler instead: GRPO's ``importance_sampling``, which keeps the trainer's as the old policy's).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config.kinds import BRANCH_KEY, BRANCH_SLOTS_KEY, SAMPLER_LOGPS_KEY
-from jaxtune.train.objectives.base import Metrics, Reference
+from jaxtune.train.objectives.base import Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
 # The rollout's arrays that a forward pass reads (the policy's, the reference's; GKD's teacher's too).
@@ -104,6 +105,33 @@ def on_tokens(per: jax.Array, completions: jax.Array) -> jax.Array:
     """(rows, C) values, one per completion, on each completion's tokens: (rows, T), or (rows, 1) for a row per
     completion (broadcast over its tokens)."""
     return jnp.sum(per[:, :, None] * completions, 1)
+
+
+def token_advantages(batch: Batch) -> jax.Array:
+    """Each token's completion's advantage, shaped like the token arrays ((N, 1) for a row per completion, (B, T)
+    for a group in one row, by ``branch_ids``)."""
+    adv = batch["advantages"]
+    if BRANCH_KEY not in batch:  # (N,) per row
+        return adv[:, None]
+    branch = batch[BRANCH_KEY]  # (B, T): 0 the prompt, k the k-th completion; advantages (B, G)
+    return jnp.take_along_axis(adv, jnp.clip(branch - 1, 0, adv.shape[1] - 1), axis=1)
+
+
+def k1_kl(old: jax.Array, reference: Reference, batch: Batch, temperature: float) -> jax.Array:
+    """(N, T) k1 estimate of KL(π_old || π_ref) per token, old - ref (RLOO's penalty in the reward, summed over a
+    completion's tokens), from the old policy's log-probs ``old``; exactly 0 while the policy is the reference."""
+    return jnp.where(reference.is_policy, 0.0, old - reference_logps(reference, batch, temperature))
+
+
+def k3_kl(logps: jax.Array, batch: Batch, reference: Reference | None, temperature: float, name: str) -> jax.Array:
+    """(N, T) k3 estimate of KL(π || π_ref) per token, exp(ref - logp) - (ref - logp) - 1 (>= 0, with the policy's
+    gradient), from the policy's tempered log-probs ``logps``; exactly 0 while the policy is the reference. ``name``:
+    the objective, said where no reference was given."""
+    if reference is None:
+        raise ValueError(f"{name} with beta > 0 needs the reference model's log-probs")
+    ref = reference_logps(reference, batch, temperature)
+    delta = ref - pinned(logps, ref, reference)
+    return jnp.exp(delta) - delta - 1.0
 
 
 def completion_advantages(batch: Batch, completions: jax.Array) -> jax.Array:

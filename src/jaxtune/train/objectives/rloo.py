@@ -112,9 +112,7 @@ class RLOO:
             old = batch[pg.OLD_LOGPS_KEY]
         else:
             old = pg.sampling_logps(forward, weights, batch, self.temperature, self.old_from_sampler)
-        ref = pg.reference_logps(reference, batch, self.temperature)
-        kl = jnp.where(reference.is_policy, 0.0,  # exactly 0 while policy = reference
-                       pg.per_completion((old - ref) * batch["loss_mask"], completions))
+        kl = pg.per_completion(pg.k1_kl(old, reference, batch, self.temperature) * batch["loss_mask"], completions)
         groups = adv.reshape(-1, self.num_generations)  # each prompt's completions (contiguous rows, or a row)
         kl_groups = kl.reshape(groups.shape)
         scorable = ~jnp.isnan(groups)
