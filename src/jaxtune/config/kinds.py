@@ -203,8 +203,8 @@ class ObjectiveKind:
 
     @property
     def group_baseline(self) -> bool:
-        """Whether each completion is compared with its own group's (GRPO's, RLOO's)."""
-        return self.baseline in ("group", "leave_one_out")
+        """Whether each sampled completion is compared with its own group's (GRPO's, RLOO's)."""
+        return self.completions != "given" and self.baseline in ("group", "leave_one_out")
 
     @property
     def min_generations(self) -> int:
@@ -214,7 +214,7 @@ class ObjectiveKind:
     @property
     def min_batch(self) -> int:
         """Completions per step at least: a batch baseline's std needs 2."""
-        return 2 if self.baseline == "batch" else 1
+        return 2 if self.completions != "given" and self.baseline == "batch" else 1
 
     @property
     def needs_rewards(self) -> bool:
