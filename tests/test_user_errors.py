@@ -17,6 +17,7 @@ from helpers.tiny_config import QUICK, TINY
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
+from jaxtune.config.kinds import PAIRS, PROMPTS, BatchKind, objectives_for
 from jaxtune.data import load_tokenizer_dir, stop_ids
 from jaxtune.data.tokens import prepare_tokens
 from jaxtune.generate import sample
@@ -394,17 +395,23 @@ PREFERENCE = ["objective.name=dpo", "data.format=preference"]
 SFT = ["data.format=messages", "data.chat_template=chatml"]
 
 
+def takers(kind: BatchKind) -> str:
+    """The objectives that train on ``kind``, from the records, as the errors list them: "a, b or c"."""
+    names = objectives_for(kind)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 @pytest.mark.parametrize("row, overrides, says", [
     (KTO_ROW, PREFERENCE, ("this row is an unpaired preference row {prompt, completion, label} "
                            "(data.format=unpaired, for objective.name=kto), but data.format=preference reads a "
-                           "preference pair {prompt, chosen, rejected}, for objective.name=dpo, simpo, reward or orpo; "
+                           f"preference pair {{prompt, chosen, rejected}}, for objective.name={takers(PAIRS)}; "
                            "give rows of that shape, or train on these with data.format=unpaired objective.name=kto")),
     (CHAT_ROW, PREFERENCE, ("this row is a chat conversation (data.format=messages, for "
                             "objective.name=cross_entropy), but data.format=preference reads a preference pair")),
     (PROMPT_ROW, PREFERENCE, ("this row is a prompt alone {prompt, answer fields} (data.format=prompts, for "
-                              "objective.name=grpo, rloo or gkd), but data.format=preference reads")),
+                              f"objective.name={takers(PROMPTS)}), but data.format=preference reads")),
     (PAIR_ROW, SFT, ("this row is a preference pair {prompt, chosen, rejected} (data.format=preference, for "
-                     "objective.name=dpo, simpo, reward or orpo), but data.format=messages reads a chat conversation, "
+                     f"objective.name={takers(PAIRS)}), but data.format=messages reads a chat conversation, "
                      "for objective.name=cross_entropy; give rows of that shape, or train on these with "
                      "data.format=preference objective.name=dpo")),
     (PROMPT_ROW, SFT, "this row is a prompt alone"),
