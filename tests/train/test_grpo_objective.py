@@ -85,11 +85,12 @@ from helpers.compare import rel
 from helpers.trl_reference import BOS, EOS, MESH, PAD, TOL, TRL_VERSION, Native, Ours, TRLResult, hf_model
 
 from jaxtune import sharding
-from jaxtune.config import ObjectiveConfig, TrainConfig, objective_config
+from jaxtune.config import ObjectiveConfig, TrainConfig, load_config, objective_config
 from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
 from jaxtune.train.objectives import GRPO, RLOO, Reference, make_objective
-from jaxtune.train.objectives.advantages import group_advantages, leave_one_out_advantages
+from jaxtune.train.objectives.advantages import Rewarded, group_advantages, leave_one_out_advantages
 from jaxtune.train.objectives.grpo import LAST_ENTROPY
+from jaxtune.train.objectives.reinforce_pp import ReinforcePP
 from jaxtune.train.rollout import shared_rows, training_rows
 from jaxtune.train.step import build_steps, per_unit
 
@@ -1266,3 +1267,93 @@ def test_rloo_advantages_match_trl(native, old_params, beta, normalize):
     expected = trl_rloo_advantages(rewards, kl, beta, normalize)
     assert rel(np.asarray(prepared["advantages"]), expected) <= TOL, (prepared["advantages"], expected)
     assert prepared["advantages"][2] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------- REINFORCE++
+
+
+def reinforce_pp_cfg(**keys) -> ObjectiveConfig:
+    return objective_config(name="reinforce_pp", rewards=[{"name": "length"}], num_generations=GROUP,
+                            max_completion_length=MAX_COMPLETION, **keys)
+
+
+def test_reinforce_pp_baseline_is_the_batchs_by_hand():
+    """`ReinforcePP.advantages` on REWARDS with one completion unscorable (every function declined): each reward
+    less the mean of the batch's 7 scorable ones, over their Bessel-corrected std + 1e-4, written out here; the
+    unscorable one 0. The second group's rewards all agree, so a group baseline (GRPO's) gives it 0 and this one
+    does not; a group of one (num_generations 1) is a batch like any other."""
+    per_function = np.array(REWARDS)[:, None].copy()
+    per_function[2] = np.nan
+    total = np.nan_to_num(per_function[:, 0])
+    rewarded = Rewarded(per_function, total, per_function[:, 0], np.ones(1), GROUP)
+    scored = np.delete(np.array(REWARDS), 2)
+    mean = sum(scored) / 7
+    std = math.sqrt(sum((r - mean) ** 2 for r in scored) / 6)
+    expected = [(r - mean) / (std + 1e-4) for r in REWARDS]
+    expected[2] = 0.0
+    for group in (GROUP, 1):
+        adv, zero_std = ReinforcePP.advantages(reinforce_pp_cfg(), replace(rewarded, group=group))
+        assert rel(adv, np.array(expected, np.float32)) <= 1e-6, (adv, expected)
+        assert not zero_std.any()
+    assert np.abs(adv[GROUP:]).min() > 0.1  # GRPO's group baseline: 0 for the second group
+    assert np.all(group_advantages(per_function[:, 0], GROUP)[0][GROUP:] == 0.0)
+
+
+@pytest.mark.parametrize("old_from", ["passes", "lagged"])
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_reinforce_pp_loss_is_ppos_clipped_token_mean_by_hand(native, old_params, beta, old_from):
+    """REINFORCE++'s loss on the old checkpoint's completions (some ratios clipped both ways): the mean over every
+    completion token of -min(r A, clip(r, 0.8, 1.28) A) + beta k3, with r = exp(logp - old), written out here in
+    numpy from the policy's, the old checkpoint's and the reference's log-probs; its clip ratios and kl likewise.
+    The old policy is the batch's ``old_logps`` (several passes) or, with ``max_staleness: 1`` and one pass, the
+    sampler's log-probs (a lagged rollout). Its loss and gradients equal GRPO's dapo token mean without the KL's
+    ratio weight and without importance sampling, which is checked against TRL above."""
+    rows = {k: v for k, v in our_batch().items() if k in ("inputs", "targets", "positions", "segment_ids")}
+    forward = native.spec.forward()
+    with sharding.use_mesh(MESH):
+        logp, old, ref = (np.asarray(jax.jit(forward.token_logps)(p, rows), np.float64)
+                          for p in (native.policy, old_params, native.ref))
+    mask = our_batch()["loss_mask"]
+    adv = ADVANTAGES[:, None].astype(np.float64)
+    r = np.exp(logp - old)
+    surrogate = -np.minimum(r * adv, np.clip(r, 0.8, 1.28) * adv)
+    kl = np.exp(ref - logp) - (ref - logp) - 1.0
+    expected = ((surrogate + beta * kl) * mask).sum() / mask.sum()
+    keys = {"beta": beta, **OFF_POLICY}
+    if old_from == "passes":
+        cfg, batch = reinforce_pp_cfg(**keys), our_batch(old_logps=old.astype(np.float32))
+    else:
+        cfg = reinforce_pp_cfg(**keys, max_staleness=1, old_logps="sampler")
+        batch = our_batch(sampler_logps=old.astype(np.float32))
+    objective = replace(make_objective(cfg), passes=1)
+    assert isinstance(objective, ReinforcePP) and objective.uses_reference == (beta > 0)
+    means = lambda metrics, count: {k: float(v) for k, v in per_unit(metrics, count).items()}
+    mine = trl_reference.objective_result(native, objective, cfg, native.policy, batch, means)
+    assert rel(mine.loss, expected) <= TOL, (mine.loss, expected)
+    low, high = (r < 0.8) & (adv < 0), (r > 1.28) & (adv > 0)
+    assert low[mask > 0].any() and high[mask > 0].any()
+    for name, hit in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high)):
+        assert mine.metrics[name] == pytest.approx((hit * mask).sum() / mask.sum(), abs=1e-7), name
+    assert mine.metrics["kl"] == pytest.approx(beta and (kl * mask).sum() / mask.sum(), rel=TOL)
+    unweighted = {"use_bias_correction_kl": False} if beta else {}
+    grpo_cfg = objective_cfg(loss_type="dapo", importance_sampling="off", **unweighted, **keys)
+    grpo = trl_reference.objective_result(native, replace(make_objective(grpo_cfg), passes=1), grpo_cfg,
+                                          native.policy, our_batch(old_logps=old.astype(np.float32)), means)
+    assert rel(mine.loss, grpo.loss) <= 1e-6
+    for g, h in zip(jax.tree.leaves(mine.grads), jax.tree.leaves(grpo.grads), strict=True):
+        assert rel(g, h) <= 1e-5
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"num_generations": 1, "prompts_per_step": 1}, "a step needs 2 completions or more"),
+    ({"dynamic_sampling": True}, "drop dynamic_sampling"),
+])
+def test_reinforce_pp_refuses_what_a_batch_baseline_cannot_use(keys, message):
+    """One completion a step has no std to scale by, and dynamic sampling's filter (groups whose rewards agree) is a
+    group baseline's: each is one line at load time. One completion per prompt over two prompts is a batch."""
+    base = ["objective.name=reinforce_pp", "data.format=prompts", "objective.rewards=[{name: length}]"]
+    with pytest.raises(ValueError, match=message) as raised:
+        load_config(None, base + [f"objective.{k}={str(v).lower()}" for k, v in keys.items()])
+    assert "\n" not in str(raised.value).split("Value error, ")[-1].strip(), raised.value
+    cfg = load_config(None, base + ["objective.num_generations=1", "objective.prompts_per_step=2"])
+    assert cfg.objective.spec.baseline == "batch"

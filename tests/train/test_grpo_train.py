@@ -143,12 +143,12 @@ def longer(completion_ids, **kwargs):
 """
 
 
-@pytest.mark.parametrize("objective", ["grpo", "rloo"])
+@pytest.mark.parametrize("objective", ["grpo", "rloo", "reinforce_pp"])
 def test_grpo_moves_the_policy_toward_what_the_reward_prefers(grpo, tmp_path, monkeypatch, objective):
     """End to end, the direction of learning: from the same weights and sampling keys, a reward for shorter
     completions makes them shorter than a reward for longer ones does (a sign flipped anywhere between the rewards,
     the advantages, the rows and the loss, or completions scored against another row's, makes it the other way).
-    RLOO (its leave-one-out baseline, its per-sequence loss) likewise."""
+    RLOO (its leave-one-out baseline, its per-sequence loss) and REINFORCE++ (the batch's baseline) likewise."""
     (tmp_path / "length_rewards.py").write_text(textwrap.dedent(LENGTH_MODULE))
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "length_rewards", raising=False)
@@ -157,7 +157,7 @@ def test_grpo_moves_the_policy_toward_what_the_reward_prefers(grpo, tmp_path, mo
         cfg = load_config(None, [*grpo(f"objective.rewards=[{{name: 'length_rewards:{name}'}}]", "train.steps=8",
                                        "eval.every=0", "eval.exact_match=0", "checkpoint.every=8",
                                        "objective.temperature=1.0", f"objective.name={objective}",
-                                       *(["objective.beta=0.0"] if objective == "rloo" else [])),
+                                       *(["objective.beta=0.0"] if objective != "grpo" else [])),
                                  f"run_dir={tmp_path / name}"])
         train(cfg)
         lengths[name] = [r["completions/mean_length"] for r in metric_rows(cfg.run_path, "train")]

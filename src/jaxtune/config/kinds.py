@@ -251,6 +251,11 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
                   "a clipped ratio per sequence (TRL's RLOOTrainer)", beta_range="nonnegative", companion="reference",
                   companion_when="beta", passes_key="num_iterations", completions="sampled", baseline="leave_one_out",
                   prepares=True),
+    ObjectiveKind("reinforce_pp", (PROMPTS,), "REINFORCE++ on sampled completions scored by rewards: each "
+                  "completion's advantage its reward less the batch's mean, over the batch's std (no critic and no "
+                  "group baseline), PPO's clipped token loss, an optional k3 KL to the reference in the loss",
+                  beta_range="nonnegative", companion="reference", companion_when="beta", passes_key="num_iterations",
+                  completions="sampled", baseline="batch"),
     ObjectiveKind("gkd", (PROMPTS,), "on-policy distillation (TRL's GKD): the student samples completions of the "
                   "prompts, a frozen teacher model scores every token, and the loss is the generalised Jensen-Shannon "
                   "divergence of the two next-token distributions (beta 0: KL(teacher || student); 1: the reverse "

@@ -710,6 +710,17 @@ class RLOOConfig(ClippedPolicy, SyncedReference, Weighted):
                                        "their mean, over their std + 1e-4), after the KL penalty")
 
 
+class ReinforcePPConfig(ClippedPolicy, SyncedReference, Weighted):
+    """REINFORCE++ (Hu et al., arXiv 2501.03262; OpenRLHF's ``reinforce++``) on prompts (``data.format: prompts``):
+    completions sampled and scored as GRPO's, each one's advantage its reward less the mean of the whole step's
+    completions, over their std; PPO's clipped ratio per token, the loss a mean over the step's completion tokens,
+    the k3 KL to the reference in the loss (beta > 0). Its step needs 2 completions or more, in any groups."""
+
+    name: Literal["reinforce_pp"] = "reinforce_pp"
+    beta: float = _beta(0.0, "the weight of the k3 KL to the reference added to each token's loss (0: no reference "
+                        "model is held)")
+
+
 class GKDConfig(Sampling, Weighted):
     """On-policy distillation (TRL's GKD) on prompts (``data.format: prompts``): the student samples completions, a
     frozen teacher model scores every token, and the loss is the generalised Jensen-Shannon divergence of the two
@@ -729,7 +740,7 @@ class GKDConfig(Sampling, Weighted):
 # The objective section's class per objective, in the records' order.
 OBJECTIVE_SECTIONS: dict[str, type[ObjectiveSection]] = {c.record().name: c for c in (
     CrossEntropyConfig, DPOConfig, SimPOConfig, RewardModelConfig, ORPOConfig, GRPOConfig, KTOConfig, RLOOConfig,
-    GKDConfig)}
+    ReinforcePPConfig, GKDConfig)}
 
 
 def objective_keys() -> frozenset[str]:
