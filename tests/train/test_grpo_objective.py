@@ -1326,7 +1326,7 @@ def test_reinforce_pp_loss_is_ppos_clipped_token_mean_by_hand(native, old_params
         cfg = reinforce_pp_cfg(**keys, max_staleness=1, old_logps="sampler")
         batch = our_batch(sampler_logps=old.astype(np.float32))
     objective = replace(make_objective(cfg), passes=1)
-    assert isinstance(objective, ReinforcePP) and objective.uses_reference == (beta > 0)
+    assert isinstance(objective, ReinforcePP) and cfg.uses_reference == (beta > 0)
     means = lambda metrics, count: {k: float(v) for k, v in per_unit(metrics, count).items()}
     mine = trl_reference.objective_result(native, objective, cfg, native.policy, batch, means)
     assert rel(mine.loss, expected) <= TOL, (mine.loss, expected)

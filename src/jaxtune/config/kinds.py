@@ -188,9 +188,6 @@ class ObjectiveKind:
     # need be configured). A group baseline needs 2 completions of each prompt, a batch one 2 in the step
     # (`min_generations`, `min_batch`); dynamic sampling drops the groups a group baseline gives no signal.
     baseline: Literal["none", "group", "leave_one_out", "batch"] = "group"
-    # `Objective.prepare` runs on the whole batch before every step (RLOO's advantages need the batch and the
-    # reference), not only before the second of several passes
-    prepares: bool = False
     # What its held-out evaluation reports for a model scored against itself as the reference (every log-ratio 0),
     # whatever the model learned: said where `jaxtune eval` refuses that (a model directory without --reference)
     against_itself: str = ""
@@ -244,13 +241,12 @@ OBJECTIVES: dict[str, ObjectiveKind] = {o.name: o for o in (
                   completions="sampled"),
     ObjectiveKind("kto", (UNPAIRED,), "KTO: unpaired desirable and undesirable completions against a frozen "
                   "reference, each reward measured from a KL baseline estimated on mismatched rows (TRL's KTOTrainer)",
-                  loss_types=("kto", "apo_zero_unpaired"), companion="reference", prepares=True,
+                  loss_types=("kto", "apo_zero_unpaired"), companion="reference",
                   against_itself="loss 0.5 per row times its label's weight, every reward, the margin and kl 0"),
     ObjectiveKind("rloo", (PROMPTS,), "REINFORCE leave-one-out on sampled completions scored by rewards: each "
                   "completion's baseline the mean reward of its group's others, the KL to the reference in the reward, "
                   "a clipped ratio per sequence (TRL's RLOOTrainer)", beta_range="nonnegative", companion="reference",
-                  companion_when="beta", passes_key="num_iterations", completions="sampled", baseline="leave_one_out",
-                  prepares=True),
+                  companion_when="beta", passes_key="num_iterations", completions="sampled", baseline="leave_one_out"),
     ObjectiveKind("reinforce_pp", (PROMPTS,), "REINFORCE++ on sampled completions scored by rewards: each "
                   "completion's advantage its reward less the batch's mean, over the batch's std (no critic and no "
                   "group baseline), PPO's clipped token loss, an optional k3 KL to the reference in the loss",

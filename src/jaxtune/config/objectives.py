@@ -309,7 +309,7 @@ class ClippedPolicy(Sampling):
     num_iterations: int = Field(1, ge=1, description="optimisation passes over each batch of completions (TRL's mu)")
     mask_truncated_completions: bool = Field(
         False, description="leave completions cut at max_completion_length (no end token) out of the loss and its "
-        "token counts (DAPO's; they are still scored, and count in their group's baseline)")
+        "token counts (DAPO's; they are still scored, and count in the baseline)")
     dynamic_sampling: bool = Field(
         False, description="DAPO's dynamic sampling (verl's filter_groups): drop the groups whose rewards all agree "
         "(their advantages are 0) and sample the data's next prompts until the step holds prompts_per_step groups "
@@ -737,10 +737,25 @@ class GKDConfig(Sampling, Weighted):
     num_generations: int = Field(1, ge=1, description="completions sampled per prompt")
 
 
-# The objective section's class per objective, in the records' order.
-OBJECTIVE_SECTIONS: dict[str, type[ObjectiveSection]] = {c.record().name: c for c in (
-    CrossEntropyConfig, DPOConfig, SimPOConfig, RewardModelConfig, ORPOConfig, GRPOConfig, KTOConfig, RLOOConfig,
-    ReinforcePPConfig, GKDConfig)}
+def _sections() -> dict[str, type[ObjectiveSection]]:
+    """The objective section's class per objective, in the records' order: each class of this module whose ``name``
+    defaults to a record's name (a record without its class, or a name given twice, fails the import)."""
+    found: dict[str, type[ObjectiveSection]] = {}
+    for value in list(globals().values()):
+        field = getattr(value, "model_fields", {}).get("name") if isinstance(value, type) else None
+        if field is None or not issubclass(value, ObjectiveSection) or field.default not in OBJECTIVES:
+            continue
+        if field.default in found:
+            raise ImportError(f"objective {field.default!r} has two config sections: {found[field.default]} and "
+                              f"{value}")
+        found[field.default] = value
+    if set(found) != set(OBJECTIVES):
+        raise ImportError(f"objectives declared in jaxtune.config.kinds {sorted(OBJECTIVES)} != config sections "
+                          f"{sorted(found)}")
+    return {n: found[n] for n in OBJECTIVES}
+
+
+OBJECTIVE_SECTIONS = _sections()
 
 
 def objective_keys() -> frozenset[str]:

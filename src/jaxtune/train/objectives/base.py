@@ -24,11 +24,11 @@ state holds the carry (`jaxtune.train.state.TrainState.carry`), so a checkpoint 
 from the batch (each name a scalar, the same in every micro-batch); the eval step gives it the initial carry. An
 objective without ``init_carry`` carries nothing (`initial_carry`).
 
-An objective that compares the policy with a frozen reference model (``uses_reference``: DPO's KL anchor, GRPO's
-KL penalty) is handed a `Reference`: the reference's per-token log-probs of a batch of (N, T) rows (unless the batch
-carries them precomputed), and whether the policy's weights are the reference's (`Reference.is_policy`). Which model
-that is (LoRA's base with the adapters off, or a frozen copy) is the step's business (`jaxtune.train.reference`),
-not the objective's.
+An objective that compares the policy with a frozen reference model (its record's ``companion``, with the config's
+``uses_reference`` saying when: DPO's KL anchor always, GRPO's KL penalty while beta > 0) is handed a `Reference`: the
+reference's per-token log-probs of a batch of (N, T) rows (unless the batch carries them precomputed), and whether the
+policy's weights are the reference's (`Reference.is_policy`). Which model that is (LoRA's base with the adapters off, or
+a frozen copy) is the step's business (`jaxtune.train.reference`), not the objective's.
 
 **Exact step 0.** Before the first update the policy is the reference (LoRA's B matrices are 0; a full fine-tune's
 weights are its frozen copy), so every log-ratio is 0 by construction. Computed, it is not quite: the policy's
@@ -167,7 +167,6 @@ class BetaOnly(Unprepared):
 class Objective(Protocol):
     name: str
     metric_names: tuple[str, ...]  # the keys of the metrics it returns (logged as they are)
-    uses_reference: bool  # reads a reference model's log-probs (a `Reference`, or ``ref_logps`` in the batch)
     passes: int  # optimizer updates on each batch
     prepares: bool  # `prepare` runs before every step, not only before several passes
 

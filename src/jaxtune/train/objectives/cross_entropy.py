@@ -20,7 +20,6 @@ class CrossEntropy(Unprepared):
 
     name: str = "cross_entropy"
     metric_names: tuple[str, ...] = ()
-    uses_reference: bool = False
     passes: int = 1
     prepares: bool = False
 

@@ -44,7 +44,6 @@ class GKD(BetaOnly):
     name: str = "gkd"
     beta: float = 0.5
     metric_names: tuple[str, ...] = ("teacher_logp", "student_logp")
-    uses_reference: bool = False  # no reference model: the teacher, another model, comes as the step's `Reference`
     passes: int = 1
     prepares: bool = False
 

@@ -188,10 +188,6 @@ class GRPO:
             raise ValueError(f"objective.loss_type={self.loss_type!r}: grpo takes one of {', '.join(LOSS_TYPES)}")
 
     @property
-    def uses_reference(self) -> bool:
-        return self.beta > 0
-
-    @property
     def bonus(self) -> bool:
         """Whether the loss has an entropy bonus (a weight, or one that adapts)."""
         return self.entropy_coef != 0.0 or self.adaptive_entropy

@@ -47,7 +47,6 @@ class KTO:
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     metric_names: tuple[str, ...] = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl")
-    uses_reference: bool = True
     passes: int = 1
     prepares: bool = True
 

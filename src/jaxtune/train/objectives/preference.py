@@ -45,6 +45,7 @@ import jax.numpy as jnp
 
 from jaxtune.config import ObjectiveConfig
 from jaxtune.config.kinds import BRANCH_KEY
+from jaxtune.config.kinds import OBJECTIVES as DECLARED
 from jaxtune.train.objectives.base import BetaOnly, Metrics, Reference, pinned
 from jaxtune.train.state import Batch, Forward
 
@@ -88,9 +89,13 @@ class PreferenceObjective(BetaOnly):
     beta: float
     name: str = ""
     metric_names: tuple[str, ...] = REWARD_METRICS
-    uses_reference: bool = False
     passes: int = 1
     prepares: bool = False
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether its loss reads the reference's log-probs: its record's companion."""
+        return DECLARED[self.name].companion == "reference"
 
     def __call__(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None,
                  reference: Reference | None = None) -> tuple[jax.Array, jax.Array, Metrics]:
@@ -146,7 +151,6 @@ class DPO(PreferenceObjective):
     loss_types: tuple[tuple[str, float], ...] = (("sigmoid", 1.0),)  # (loss type, weight)
     label_smoothing: float = 0.0
     discopop_tau: float = 0.05
-    uses_reference: bool = True
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> DPO:

@@ -61,10 +61,6 @@ class ReinforcePP:
         that std is 0."""
         return group_advantages(rewarded.scored, rewarded.n, "batch")
 
-    @property
-    def uses_reference(self) -> bool:
-        return self.beta > 0
-
     def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
         """(N, T) log-probs of the batch's targets under the tempered policy."""
         return pg.tempered_logps(forward, weights, batch, key, self.temperature)

@@ -76,7 +76,6 @@ def shared_sequences(batch: Batch) -> tuple[Batch, jax.Array]:
 class RewardModel(Unprepared):
     name: str = "reward"
     center_rewards_coefficient: float | None = None
-    uses_reference: bool = False
     passes: int = 1
     prepares: bool = False
     metric_names: tuple[str, ...] = ("accuracy", "margin", "mean_reward", "reward/min", "reward/max")

@@ -77,10 +77,6 @@ class RLOO:
         `prepare` adds the KL penalty and the normalisation on the whole batch."""
         return leave_one_out_advantages(rewarded.total, rewarded.per_function, rewarded.group), None
 
-    @property
-    def uses_reference(self) -> bool:
-        return self.beta > 0
-
     def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
         """(N, T) log-probs of the batch's targets under the tempered policy."""
         return pg.tempered_logps(forward, weights, batch, key, self.temperature)
