@@ -122,18 +122,10 @@ class Ratio(NamedTuple):
 
 
 @dataclass(frozen=True)
-class GRPO:
+class GRPO(pg.Clipped):
     name: str = "grpo"
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
     loss_type: str = "dapo"
-    temperature: float = 1.0
-    max_completion_length: int = 128
-    passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
     prepares: bool = False  # the old log-probs are needed only before several passes
-    old_from_sampler: bool = False  # passes > 1: the batch's sampler log-probs are the old policy's
-    lag_corrected: bool = False  # the rollout lags: one pass's old policy is the sampler's (`pg.lag_corrected`)
     importance_sampling: str = "off"  # TRL's vllm_importance_sampling_mode, or off
     importance_sampling_max: float | None = 3.0
     importance_sampling_min: float | None = None
@@ -157,10 +149,7 @@ class GRPO:
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> GRPO:
-        return cls(beta=cfg.beta_value, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                   loss_type=cfg.loss_type_value, temperature=cfg.temperature,
-                   max_completion_length=cfg.max_completion_length, passes=cfg.passes,
-                   old_from_sampler=cfg.old_logps == "sampler", lag_corrected=pg.lag_corrected(cfg),
+        return cls(**cls.clipped_keys(cfg), loss_type=cfg.loss_type_value,
                    importance_sampling=cfg.importance_sampling,
                    importance_sampling_max=cfg.importance_sampling_max,
                    importance_sampling_min=cfg.importance_sampling_min,
@@ -275,10 +264,6 @@ class GRPO:
         drift = pg.completion_means(gap, mask, completions)  # (rows, C)
         keep = (pg.completion_advantages(batch, completions) >= 0) | (drift <= self.off_policy_mask_threshold)
         return pg.on_tokens(keep.astype(jnp.float32), completions)
-
-    def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
-        """(N, T) log-probs of the batch's targets under the tempered policy."""
-        return pg.tempered_logps(forward, weights, batch, key, self.temperature)
 
     def logps_and_entropy(self, forward: Forward, weights: Any, batch: Batch,
                           key: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:

@@ -14,6 +14,7 @@ corrects for the sampler instead: GRPO's ``importance_sampling``, which keeps th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -78,6 +79,33 @@ def old_logps(batch: Batch, logps: jax.Array, from_sampler: bool = False) -> jax
             raise ValueError("the rollout lags but the batch carries no sampler log-probs to correct the ratio with")
         return batch[SAMPLER_LOGPS_KEY]
     return jax.lax.stop_gradient(logps)
+
+
+@dataclass(frozen=True)
+class Clipped:
+    """The keys every clipped policy-gradient objective has (GRPO, RLOO, REINFORCE++ subclass it), as `clipped_keys`
+    reads them from its config section, and its tempered log-probs."""
+
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    temperature: float = 1.0
+    max_completion_length: int = 128
+    passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
+    old_from_sampler: bool = False  # the batch's sampler log-probs are the old policy's
+    lag_corrected: bool = False  # the rollout lags: one pass's old policy is the sampler's (`lag_corrected`)
+
+    @staticmethod
+    def clipped_keys(cfg: Any) -> dict[str, Any]:
+        """This base's fields from a `ClippedPolicy` config section."""
+        return {"beta": cfg.beta_value, "epsilon": cfg.epsilon, "epsilon_high": cfg.epsilon_high,
+                "temperature": cfg.temperature, "max_completion_length": cfg.max_completion_length,
+                "passes": cfg.passes, "old_from_sampler": cfg.old_logps == "sampler",
+                "lag_corrected": lag_corrected(cfg)}
+
+    def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
+        """(N, T) log-probs of the batch's targets under the tempered policy."""
+        return tempered_logps(forward, weights, batch, key, self.temperature)
 
 
 def completion_masks(batch: Batch) -> jax.Array:

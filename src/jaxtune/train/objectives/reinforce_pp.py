@@ -36,34 +36,20 @@ from jaxtune.train.state import Batch, Forward
 
 
 @dataclass(frozen=True)
-class ReinforcePP:
+class ReinforcePP(pg.Clipped):
     name: str = "reinforce_pp"
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    temperature: float = 1.0
-    max_completion_length: int = 128
-    passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
     prepares: bool = False  # the old log-probs are needed only before several passes
-    old_from_sampler: bool = False  # the batch's sampler log-probs are the old policy's
-    lag_corrected: bool = False  # the rollout lags: one pass's old policy is the sampler's (`pg.lag_corrected`)
     metric_names: tuple[str, ...] = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> ReinforcePP:
-        return cls(beta=cfg.beta_value, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                   temperature=cfg.temperature, max_completion_length=cfg.max_completion_length, passes=cfg.passes,
-                   old_from_sampler=cfg.old_logps == "sampler", lag_corrected=pg.lag_corrected(cfg))
+        return cls(**cls.clipped_keys(cfg))
 
     @staticmethod
     def advantages(cfg: ObjectiveConfig, rewarded: Rewarded) -> tuple[np.ndarray, np.ndarray]:
         """Each completion's reward less the step's mean, over the step's std + 1e-4 (unscorable: 0), and whether
         that std is 0."""
         return group_advantages(rewarded.scored, rewarded.n, "batch")
-
-    def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
-        """(N, T) log-probs of the batch's targets under the tempered policy."""
-        return pg.tempered_logps(forward, weights, batch, key, self.temperature)
 
     def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
         """Before the first of several passes: the sampling policy's log-probs, fixed for every pass."""

@@ -48,27 +48,16 @@ def normalized(adv: jax.Array) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class RLOO:
+class RLOO(pg.Clipped):
     name: str = "rloo"
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    temperature: float = 1.0
-    max_completion_length: int = 128
     num_generations: int = 8
     normalize_advantages: bool = False
-    passes: int = 1  # optimisation passes over each batch (TRL's num_iterations)
     prepares: bool = True  # the advantages need the whole batch (and the reference) before every step
-    old_from_sampler: bool = False  # the batch's sampler log-probs are the old policy's
-    lag_corrected: bool = False  # the rollout lags: one pass's old policy is the sampler's (`pg.lag_corrected`)
     metric_names: tuple[str, ...] = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
     @classmethod
     def from_config(cls, cfg: ObjectiveConfig) -> RLOO:
-        return cls(beta=cfg.beta_value, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                   temperature=cfg.temperature, max_completion_length=cfg.max_completion_length, passes=cfg.passes,
-                   old_from_sampler=cfg.old_logps == "sampler", lag_corrected=pg.lag_corrected(cfg),
-                   num_generations=cfg.num_generations,
+        return cls(**cls.clipped_keys(cfg), num_generations=cfg.num_generations,
                    normalize_advantages=cfg.normalize_advantages)
 
     @staticmethod
@@ -76,10 +65,6 @@ class RLOO:
         """Each completion's reward less the mean of its group's other scorable completions (NaN: unscorable);
         `prepare` adds the KL penalty and the normalisation on the whole batch."""
         return leave_one_out_advantages(rewarded.total, rewarded.per_function, rewarded.group), None
-
-    def logps(self, forward: Forward, weights: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
-        """(N, T) log-probs of the batch's targets under the tempered policy."""
-        return pg.tempered_logps(forward, weights, batch, key, self.temperature)
 
     def prepare(self, forward: Forward, weights: Any, batch: Batch, reference: Reference | None = None) -> Batch:
         """The final advantages on the whole batch: the KL to the reference in the reward (``beta`` > 0), the
