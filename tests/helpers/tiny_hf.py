@@ -78,3 +78,12 @@ def tiny_gpt2(directory: Path, n_positions: int = 1024) -> Path:
     cfg = transformers.GPT2Config(vocab_size=save_chatml_tokenizer(directory, TEXTS), n_positions=n_positions,
                                   n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2)
     return save_perturbed(lambda: transformers.GPT2LMHeadModel(cfg), directory)
+
+
+def peft_reload(base: Any, adapter: Path | str) -> Any:
+    """``peft.PeftModel.from_pretrained(base, adapter)`` in eval mode, its weights read onto the CPU. peft >= 0.22 picks
+    the load device from ``torch.accelerator``, which answers torchax's "jax" device once torchax is imported in the
+    process (an xdist worker that ran a torchax test first), and safetensors refuses that device."""
+    import peft
+
+    return peft.PeftModel.from_pretrained(base, adapter, torch_device="cpu").eval()

@@ -18,6 +18,7 @@ import pytest
 from helpers.compare import rel
 from helpers.real_models import smollm2_gguf
 from helpers.shared_data import SHARED_DATA
+from helpers.tiny_hf import peft_reload
 
 from jaxtune.config import ConfigError, load_config
 from jaxtune.export import export
@@ -102,8 +103,7 @@ def test_qlora_sft_tracks_lora_and_its_exports_reload(lora_run, tmp_path):
     base's cost (at most 0.3; measured 2.850 against 2.627) and falls at least as LoRA's does (the gap never grows by
     more than 0.02); its merged export (dequantized, float32) reloads in transformers with our logits (rel <= 1e-4),
     and its PEFT adapter on the full-precision base is our model with the same adapters on that base (rel <= 1e-4)."""
-    from peft import PeftModel
-
+    pytest.importorskip("peft")
     from jaxtune import sharding
     from jaxtune.backends import make_state_spec
 
@@ -119,7 +119,7 @@ def test_qlora_sft_tracks_lora_and_its_exports_reload(lora_run, tmp_path):
     adapter = export(run_dir, tmp_path / "adapter", adapter=True)
     base = transformers.AutoModelForCausalLM.from_pretrained(resolve_hf_dir(run.cfg.model.from_hf),
                                                              attn_implementation="eager").eval()
-    peft = PeftModel.from_pretrained(base, adapter).eval()
+    peft = peft_reload(base, adapter)
     with torch.no_grad():
         on_full = peft(torch.from_numpy(ids)).logits.float().numpy()
     fp_cfg = run.cfg.model_copy(update={"model": run.cfg.model.model_copy(update={"quantize": None})})

@@ -18,6 +18,7 @@ import pytest
 from helpers.compare import rel
 from helpers.export_padding import assert_pads_as_config
 from helpers.processes import beside
+from helpers.tiny_hf import peft_reload
 
 from jaxtune.config import ConfigError, load_config
 from jaxtune.loop import train
@@ -102,7 +103,7 @@ def test_phi3_lora_exports_a_peft_adapter_peft_reloads(phi3_dir, tiny_overrides,
     adapter = export(cfg.run_path, tmp_path / "adapter", adapter=True)
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
     base = transformers.AutoModelForCausalLM.from_pretrained(phi3_dir, dtype=torch.float32)
-    reloaded = peft.PeftModel.from_pretrained(base, adapter).eval()
+    reloaded = peft_reload(base, adapter)
     with torch.no_grad():
         theirs = reloaded(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
     assert rel(ours, theirs) <= TOL

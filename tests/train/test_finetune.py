@@ -31,7 +31,7 @@ from helpers.compare import rel
 from helpers.export_padding import assert_pads_as_config, base_config_dir
 from helpers.rows import write_jsonl
 from helpers.shared_data import SHARED_DATA
-from helpers.tiny_hf import save_chatml_tokenizer
+from helpers.tiny_hf import peft_reload, save_chatml_tokenizer
 
 from jaxtune.backends.native import NativeForward, NativeSpec
 from jaxtune.cli import main
@@ -341,7 +341,7 @@ def _ours(run, ids: np.ndarray) -> np.ndarray:
 
 def _peft_logits(base_dir: Path, adapter_dir: Path, ids: np.ndarray) -> np.ndarray:
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager")
-    model = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    model = peft_reload(base, adapter_dir)
     with torch.no_grad():
         return model(torch.from_numpy(ids)).logits.float().numpy()
 

@@ -25,6 +25,7 @@ import pytest
 from helpers import trl_reference
 from helpers.compare import rel
 from helpers.export_padding import assert_pads_as_config
+from helpers.tiny_hf import peft_reload
 from helpers.trl_reference import BOS, EOS, MESH, PAD, TOL, TRL_VERSION, Native, Ours, TRLResult
 
 from jaxtune import sharding
@@ -293,12 +294,12 @@ def test_a_reward_model_trains_and_exports_as_a_classifier(pairs_file, tmp_path,
     adapter = tmp_path / "adapter"
     assert main(["export", str(run), str(adapter), "--adapter"]) == (0 if lora else 2)
     if lora:  # PEFT's SEQ_CLS adapter (the score head in modules_to_save) on the causal LM read as a classifier
-        peft = pytest.importorskip("peft")
+        pytest.importorskip("peft")
         assert "score" in json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"]
         assert_pads_as_config(adapter, out)  # the classifier's pad id, which the base is loaded with
         base = transformers.AutoModelForSequenceClassification.from_pretrained(
             quickstart_sft_model, num_labels=1, pad_token_id=config["pad_token_id"], dtype=torch.float32)
-        assert classifier_matches(run, peft.PeftModel.from_pretrained(base, adapter).eval()) <= TOL
+        assert classifier_matches(run, peft_reload(base, adapter)) <= TOL
 
 
 def test_what_a_reward_model_refuses(checkpoint, tmp_path):
