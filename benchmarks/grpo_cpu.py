@@ -98,9 +98,9 @@ from jaxtune.data import PromptRows, load_tokenizer
 from jaxtune.data.formats import Prompt
 from jaxtune.data.prompts import EncodedPrompt
 from jaxtune.models.sampling import Generator
+from jaxtune.rollout.rollout import make_rollout
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import step_reference
-from jaxtune.train.rollout import make_rollout
 from jaxtune.train.shapes import BatchShapes
 from jaxtune.train.step import jit_steps
 

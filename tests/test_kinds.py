@@ -35,11 +35,11 @@ from jaxtune.data.pipeline import PIPELINES, make_training_data
 from jaxtune.export import EXPORT_FORMATS
 from jaxtune.models.gguf_export import GGUF_TYPES as WRITTEN_GGUF_TYPES
 from jaxtune.models.registry import FAMILIES
+from jaxtune.rollout.rewards import BUILTINS as REWARD_IMPLEMENTATIONS
+from jaxtune.rollout.rollout import shared_rows, training_rows
 from jaxtune.train.objectives import OBJECTIVES as IMPLEMENTED
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.objectives.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
-from jaxtune.train.rewards import BUILTINS as REWARD_IMPLEMENTATIONS
-from jaxtune.train.rollout import shared_rows, training_rows
 
 
 def test_every_kind_has_its_implementation_and_no_more():

@@ -1,5 +1,5 @@
-"""The package's imports run one way (docs/architecture.md): foundation → models | data → train → backends →
-run-level verbs → cli. Walks src/jaxtune with ast, counting imports inside functions too."""
+"""The package's imports run one way (docs/architecture.md): foundation → models | data | job → train → backends |
+rollout → run-level verbs → cli. Walks src/jaxtune with ast, counting imports inside functions too."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Layer of each module, by its longest matching prefix; a module may import its own layer's group or a lower layer.
 LAYERS = {
     "jaxtune": 0, "jaxtune.config": 0, "jaxtune.sharding": 0, "jaxtune.io": 0, "jaxtune.runtime": 0,
-    "jaxtune.models": 1, "jaxtune.data": 1,
+    "jaxtune.models": 1, "jaxtune.data": 1, "jaxtune.job": 1,
     "jaxtune.train": 2,
-    "jaxtune.backends": 3,
+    "jaxtune.backends": 3, "jaxtune.rollout": 3,
     "jaxtune.loop": 4, "jaxtune.companions": 4, "jaxtune.run": 4, "jaxtune.evaluate": 4, "jaxtune.evaluator": 4,
     "jaxtune.generate": 4,
     "jaxtune.export": 4, "jaxtune.parity": 4, "jaxtune.info": 4, "jaxtune.aot": 4, "jaxtune.tool_trial": 4,

@@ -1,5 +1,5 @@
 """``jaxtune tools``: a tools module tried on scripted model turns, with no model and no fine-tune (docs/agents.md,
-"Try your tools"). The turns go through the run's own multi-turn loop (`jaxtune.train.agent.Agent`) and worker, so
+"Try your tools"). The turns go through the run's own multi-turn loop (`jaxtune.rollout.agent.Agent`) and worker, so
 each failure reads as a rollout's model reads it, and the counts are a run's."""
 
 from __future__ import annotations

@@ -27,12 +27,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from jaxtune.config import ConfigError
     from jaxtune.data import DataError
     from jaxtune.io import CheckpointError, OutputError
+    from jaxtune.job.distributed import HostError
+    from jaxtune.job.run_dir import RunDirError
     from jaxtune.models.sampling import PromptError
     from jaxtune.models.unsupported import UnsupportedModelError
+    from jaxtune.rollout.rewards import RewardError
     from jaxtune.sharding import ShardingError
-    from jaxtune.train.distributed import HostError
-    from jaxtune.train.rewards import RewardError
-    from jaxtune.train.run_dir import RunDirError
 
     return (ConfigError, DataError, ShardingError, CheckpointError, UnsupportedModelError, PromptError,
             FileNotFoundError, FileExistsError, RunDirError, RewardError, OutputError, HostError)

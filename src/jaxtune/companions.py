@@ -4,7 +4,7 @@ and is built by the steps (`jaxtune.train.reference`); adding a companion kind t
 (a value model) is one loader here and one entry in `LOADERS`.
 
 Reward models (``objective.rewards`` entries ``{name: model, path: ...}``) are loaded here too, onto the policy's
-mesh (`load_reward_models`), and scored by the rollouts (`jaxtune.train.model_reward`)."""
+mesh (`load_reward_models`), and scored by the rollouts (`jaxtune.rollout.model_reward`)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from jaxtune.data import Tokenizer, load_tokenizer
 from jaxtune.models.gguf import is_gguf
 from jaxtune.models.hf import resolve_hf_dir
 from jaxtune.models.wheels import is_wheel_ref
+from jaxtune.rollout.model_reward import ModelReward
+from jaxtune.rollout.rollout import Rollout, make_rollout
 from jaxtune.run import load_run
-from jaxtune.train.model_reward import ModelReward
 from jaxtune.train.reference import Companion, Teacher
-from jaxtune.train.rollout import Rollout, make_rollout
 
 
 def load_teacher(cfg: Config, mesh: Mesh, vocab_size: int, tokenizer: Any = None) -> Teacher:
@@ -73,7 +73,7 @@ def loaded_companion(cfg: Config, mesh: Mesh, vocab_size: int, tokenizer: Any = 
 
 
 def load_rollout(cfg: Config, mesh: Mesh, generator: Any, tokenizer: Tokenizer) -> Rollout:
-    """The run's rollouts (`jaxtune.train.rollout`) with its reward models loaded onto ``mesh``."""
+    """The run's rollouts (`jaxtune.rollout.rollout`) with its reward models loaded onto ``mesh``."""
     return make_rollout(cfg, generator, tokenizer, load_reward_models(cfg, mesh, tokenizer))
 
 

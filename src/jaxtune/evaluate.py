@@ -14,9 +14,9 @@ from jaxtune.backends import make_state_spec
 from jaxtune.companions import load_rollout
 from jaxtune.config import REFERENCE_HELD_OUT, ConfigError
 from jaxtune.data import make_sequence_batches, make_training_data, test_sequences
+from jaxtune.job.checkpoint import Checkpointer
 from jaxtune.models.fits import check_fits
 from jaxtune.run import LoadedRun, load_run
-from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.metrics import perplexity
 from jaxtune.train.objectives import make_objective
 from jaxtune.train.reference import Frozen, step_reference

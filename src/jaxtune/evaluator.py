@@ -22,8 +22,8 @@ from jaxtune.data import Example, PromptRows, Tokenizer, format_sample, question
 from jaxtune.data.progress import Progress
 from jaxtune.generate import sample
 from jaxtune.io import write_text_atomically
+from jaxtune.rollout.rollout import Rollout, prompt_text
 from jaxtune.train.metrics import EVALS_FILE, StepLog, perplexity, read_rows
-from jaxtune.train.rollout import Rollout, prompt_text
 from jaxtune.train.step import Steps
 
 GRPO_SAMPLES = 4  # held-out completions shown with their rewards at each evaluation (GRPO)

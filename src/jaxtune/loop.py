@@ -22,13 +22,16 @@ from jaxtune.companions import load_rollout, loaded_companion
 from jaxtune.config import Config, ConfigError, dump_config
 from jaxtune.data import TrainingData, load_tokenizer, make_training_data
 from jaxtune.evaluator import Evaluator
+from jaxtune.job import distributed
+from jaxtune.job.checkpoint import Checkpointer
+from jaxtune.job.profile import Profiler
+from jaxtune.job.run_dir import RunDirError, claim, make_run_dir
 from jaxtune.models.fits import check_fits
 from jaxtune.models.hf import checkpoint_tokenizer
 from jaxtune.models.quantize import is_quantized, logical_size
-from jaxtune.train import distributed
+from jaxtune.rollout.lagged import Lagged
+from jaxtune.rollout.rollout import Rollout, clipped_rows
 from jaxtune.train.ahead import Ahead, placed
-from jaxtune.train.checkpoint import Checkpointer
-from jaxtune.train.lagged import Lagged
 from jaxtune.train.metrics import (
     Laps,
     NonFinite,
@@ -39,10 +42,7 @@ from jaxtune.train.metrics import (
     write_loss_plot,
     write_summary,
 )
-from jaxtune.train.profile import Profiler
 from jaxtune.train.reference import Frozen, Precomputed, ReferenceSync, precompute_reference, reference_sync
-from jaxtune.train.rollout import Rollout, clipped_rows
-from jaxtune.train.run_dir import RunDirError, claim, make_run_dir
 from jaxtune.train.shapes import BatchShapes, Shape, train_key
 from jaxtune.train.state import ModelSpec, TrainState
 from jaxtune.train.step import Steps, eval_key, run_steps
@@ -237,7 +237,7 @@ def _rollout(cfg: Config, mesh: Any, spec: ModelSpec, tokenizer: Any,
 
 def _lagged(cfg: Config, ckpt: Checkpointer, spec: ModelSpec, steps: Steps, data: TrainingData,
             rollout: Rollout | None, start: int, own: Any) -> tuple[Lagged | None, tuple[list[int], list[Any]]]:
-    """``objective.max_staleness``'s rollouts sampled ahead (`jaxtune.train.lagged`; on ``own``, the sampler's mesh,
+    """``objective.max_staleness``'s rollouts sampled ahead (`jaxtune.rollout.lagged`; on ``own``, the sampler's mesh,
     where it has one), and those the restored step ``start`` had sampled ahead (their steps and trained params, to
     sample them again)."""
     k = getattr(cfg.objective, "max_staleness", 0)
@@ -396,7 +396,7 @@ def _next_batch(run: Run, state: TrainState, frozen: Frozen,
                 step: int) -> tuple[dict[str, Any], Shape, dict[str, float]]:
     """The batch of step ``step + 1`` cut to its length bucket (fine-tuning rows, pairs, completions), its shape,
     and GRPO's rollout metrics: its completions sampled by the policy as it is now (or, sampled ahead, as it was:
-    `jaxtune.train.lagged`)."""
+    `jaxtune.rollout.lagged`)."""
     batch, sampled = run.lagged.take(step + 1) if run.lagged is not None else (next(run.data.train_iter), {})
     if run.rollout is not None and run.lagged is None:
         batch, sampled = run.rollout.batch(run.steps.weights(state.params, frozen), run.data.prompts.train,

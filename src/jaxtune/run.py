@@ -16,11 +16,11 @@ from jaxtune import sharding
 from jaxtune.backends import backend_for_checkpoint, make_state_spec
 from jaxtune.config import Config, ConfigError, load_config
 from jaxtune.data import Tokenizer, load_tokenizer, load_tokenizer_dir
+from jaxtune.job.checkpoint import Checkpointer
 from jaxtune.models.gguf import is_gguf
 from jaxtune.models.hf import checkpoint_tokenizer, read_config_json, resolve_hf_dir
 from jaxtune.models.hf_fields import is_classifier
 from jaxtune.models.wheels import is_wheel_ref
-from jaxtune.train.checkpoint import Checkpointer
 from jaxtune.train.state import ModelSpec
 
 

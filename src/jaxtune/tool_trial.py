@@ -1,6 +1,6 @@
 """``jaxtune tools``: a tools module tried on scripted model turns, without a model or a fine-tune.
 
-The turns the user writes stand in for the policy; everything else is what a run does (`jaxtune.train.agent.Agent`):
+The turns the user writes stand in for the policy; everything else is what a run does (`jaxtune.rollout.agent.Agent`):
 the module is served by the tools' worker process, each turn's calls are read in the chat template's own format,
 run there with ``objective.tool_timeout``, and answered as ``tool`` messages the template renders, so a tool that
 raises, hangs, kills its process, returns no string or is called with bad arguments answers exactly what a rollout's
@@ -23,8 +23,8 @@ from jaxtune.config.objectives import DEFAULT_TOOL_TIMEOUT
 from jaxtune.data import DataError, Tokenizer, resolve_chat_template, stop_ids
 from jaxtune.data.prompts import PromptRows, PromptStats, load_prompts
 from jaxtune.models.sampling import Generation
+from jaxtune.rollout.agent import Agent, Trajectories
 from jaxtune.run import run_config
-from jaxtune.train.agent import Agent, Trajectories
 
 
 @dataclass(frozen=True)

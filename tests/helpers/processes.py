@@ -15,7 +15,8 @@ DRIVER = textwrap.dedent(
     """
     import os, signal, sys
     from jaxtune.config import load_config
-    from jaxtune.train import metrics, checkpoint
+    from jaxtune.job import checkpoint
+    from jaxtune.train import metrics
     from jaxtune.loop import train
 
     mode, at, commit = sys.argv[1], int(sys.argv[2]), int(os.environ.get("DRIVER_COMMIT", "10"))

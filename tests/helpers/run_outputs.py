@@ -11,8 +11,8 @@ import numpy as np
 
 from jaxtune.backends import make_state_spec
 from jaxtune.data import load_tokenizer_dir
+from jaxtune.job.checkpoint import Checkpointer
 from jaxtune.sharding import make_mesh
-from jaxtune.train.checkpoint import Checkpointer
 
 
 def metric_rows(run_dir: Path, kind: str) -> list[dict]:

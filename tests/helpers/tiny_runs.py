@@ -20,8 +20,8 @@ from helpers.tiny_config import TORCHAX_LLAMA
 from jaxtune.config import Config, load_config
 from jaxtune.data import load_tokenizer
 from jaxtune.data.synthetic import arithmetic_prompts
+from jaxtune.job.checkpoint import Checkpointer
 from jaxtune.loop import train
-from jaxtune.train.checkpoint import Checkpointer
 
 MODEL = ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
          "model.n_kv_head=2", "model.d_ff=128", "model.max_seq_len=64"]

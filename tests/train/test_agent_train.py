@@ -1,4 +1,4 @@
-"""GRPO with tools end to end (`jaxtune.train.agent`): `agent-quickstart`'s chain, shortened.
+"""GRPO with tools end to end (`jaxtune.rollout.agent`): `agent-quickstart`'s chain, shortened.
 
 On the session's ``agent_model`` (conftest: `agent-sft-quickstart` shortened to 60 steps, which writes well-formed
 ``multiply`` calls in some of its samples, not yet the right arguments):
@@ -40,7 +40,7 @@ def _workers() -> list[int]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat[3]) == os.getpid() and b"jaxtune.train.tool_worker" in cmd:
+            if int(stat[3]) == os.getpid() and b"jaxtune.rollout.tool_worker" in cmd:
                 out.append(int(pid))
     return out
 

@@ -17,9 +17,9 @@ from helpers.tiny_config import TINY
 from jaxtune.backends import make_state_spec
 from jaxtune.config import load_config
 from jaxtune.io import CheckpointError
+from jaxtune.job.checkpoint import MANIFEST, Checkpointer, damage
 from jaxtune.loop import train
 from jaxtune.sharding import make_mesh
-from jaxtune.train.checkpoint import MANIFEST, Checkpointer, damage
 
 RUN = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=10", "data.val_fraction=0", "eval.prompts=[]"]
 

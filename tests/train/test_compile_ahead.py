@@ -3,7 +3,7 @@ train step's for the buckets of the next ``train.compile_ahead`` batches on work
 a run that compiles each program at its first dispatch: the same losses bit for bit, the same programs (one per
 bucket met, none that is not met), each said once, and after a resume the buckets read ahead are those of the
 restored data position. A GRPO run, whose batches are sampled, compiles one guess ahead (the next prompts with every
-completion at max_completion_length: `jaxtune.train.rollout.clipped_rows`); when the first step meets it, it is not
+completion at max_completion_length: `jaxtune.rollout.rollout.clipped_rows`); when the first step meets it, it is not
 compiled again, and when no step does, it is the one program more and changes nothing else."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from helpers.tiny_runs import GRPO_REST, arithmetic_prompts_file, run_overrides
 from jaxtune import loop
 from jaxtune.config import load_config
 from jaxtune.loop import train
-from jaxtune.train import rollout
+from jaxtune.rollout import rollout
 
 BASE = ["model.family=llama", "model.preset=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4",
         "model.n_kv_head=2", "model.d_ff=128", "model.max_seq_len=128", "objective.name=dpo",

@@ -156,7 +156,7 @@ RUN_SCRIPT = textwrap.dedent(
     from jaxtune.backends import make_state_spec
     from jaxtune.config import load_config
     from jaxtune.loop import train
-    from jaxtune.train.checkpoint import Checkpointer
+    from jaxtune.job.checkpoint import Checkpointer
 
     def _config(over):  # a recipe name first is the config file, the rest overrides
         return load_config(over[0], over[1:]) if "=" not in over[0] else load_config(None, over)

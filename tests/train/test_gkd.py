@@ -37,9 +37,9 @@ from jaxtune import sharding
 from jaxtune.companions import load_teacher
 from jaxtune.config import ConfigError, TokenizerConfig
 from jaxtune.data import load_tokenizer
+from jaxtune.rollout.rollout import training_rows
 from jaxtune.train.objectives import GKD, make_objective
 from jaxtune.train.reference import Frozen
-from jaxtune.train.rollout import training_rows
 from jaxtune.train.step import objective_loss
 
 pytest.importorskip("trl")

@@ -6,7 +6,7 @@ The rollout is made by hand: 2 prompts (3 and 9 tokens) x a group of 4 completio
 ending in EOS but one cut at ``max_completion_length`` = 12; made-up rewards, one group's all equal; advantages by TRL's
 group normalisation ((r - group mean) / (group std + 1e-4), `trl.trainer.utils.nanstd`), which
 `jaxtune.train.objectives.advantages.group_advantages` is checked to reproduce. Both sides get those advantages. Ours
-lays the rollout out as the loop does (`jaxtune.train.rollout.training_rows`, right-padded rows of prompt then
+lays the rollout out as the loop does (`jaxtune.rollout.rollout.training_rows`, right-padded rows of prompt then
 completion; where a check says so, also `shared_rows`, each prompt once then its completions in regions:
 `shared_batch`); TRL's inputs are as ``_generate_and_score_completions`` makes them: ``prompt_ids``/``prompt_mask``
 left-padded, ``completion_ids``/``completion_mask`` right-padded (the mask through the EOS, all ones for the cut one),
@@ -87,11 +87,11 @@ from helpers.trl_reference import BOS, EOS, MESH, PAD, TOL, TRL_VERSION, Native,
 from jaxtune import sharding
 from jaxtune.config import ObjectiveConfig, TrainConfig, load_config, objective_config
 from jaxtune.config.kinds import SAMPLER_LOGPS_KEY
+from jaxtune.rollout.rollout import shared_rows, training_rows
 from jaxtune.train.objectives import GRPO, RLOO, Reference, make_objective
 from jaxtune.train.objectives.advantages import Rewarded, group_advantages, leave_one_out_advantages
 from jaxtune.train.objectives.grpo import LAST_ENTROPY
 from jaxtune.train.objectives.reinforce_pp import ReinforcePP
-from jaxtune.train.rollout import shared_rows, training_rows
 from jaxtune.train.step import build_steps, per_unit
 
 torch = pytest.importorskip("torch", reason="the TRL comparisons run PyTorch")
@@ -199,7 +199,7 @@ def completion_to_rows(x: torch.Tensor) -> np.ndarray:
     return out
 
 
-# Multi-turn rollouts (`jaxtune.train.agent`): 1 on the model's tokens, 0 on a tool result's inside the completion.
+# Multi-turn rollouts (`jaxtune.rollout.agent`): 1 on the model's tokens, 0 on a tool result's inside the completion.
 TOOL_MASK = [[1] * len(c) for c in COMPLETIONS]
 TOOL_MASK[2][2:5] = [0, 0, 0]
 TOOL_MASK[3][1:4] = [0, 0, 0]
@@ -1090,7 +1090,7 @@ def test_trl_reward_functions_score_as_in_grpo_trainer(checkpoints, tokenizer, t
     the same prompts, completions and rows; a column the data lacks is one error naming it."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from jaxtune.train.rewards import RewardError, make_rewards
+    from jaxtune.rollout.rewards import RewardError, make_rewards
 
     (tmp_path / "trl_style_rewards.py").write_text(TRL_REWARDS)
     monkeypatch.chdir(tmp_path)

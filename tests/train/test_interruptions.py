@@ -28,9 +28,9 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from jaxtune.cli import main
 from jaxtune.config import load_config
+from jaxtune.job.checkpoint import COMMIT_MARK, _QuietFailedWrites
+from jaxtune.job.run_dir import LOCK_NAME, RunLock
 from jaxtune.loop import train
-from jaxtune.train.checkpoint import COMMIT_MARK, _QuietFailedWrites
-from jaxtune.train.run_dir import LOCK_NAME, RunLock
 
 HOST = socket.gethostname()
 SAVED = r"(SIGINT|SIGTERM): saved step (\d+), exiting; re-run the same command to resume"

@@ -1,4 +1,4 @@
-"""Rollouts sampled ahead (``objective.max_staleness``, `jaxtune.train.lagged`), through `jaxtune.loop.train`.
+"""Rollouts sampled ahead (``objective.max_staleness``, `jaxtune.rollout.lagged`), through `jaxtune.loop.train`.
 
 Checked against a reference written here from the run's own parts (its rollout, steps and data, set up by the loop's
 `_setup`) in the plain order: step s trains on the rollout of step s (its prompts and seed), sampled with the weights
@@ -28,8 +28,8 @@ from jaxtune.backends import backend_of
 from jaxtune.config import load_config
 from jaxtune.data import load_tokenizer
 from jaxtune.loop import _setup, train
+from jaxtune.rollout.lagged import copied
 from jaxtune.run import load_run
-from jaxtune.train.lagged import copied
 
 EXTRA = ["optim.lr=3e-2", "eval.every=0", "eval.exact_match=0", "checkpoint.every=100", "train.compile_ahead=0"]
 

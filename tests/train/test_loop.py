@@ -16,8 +16,8 @@ from jaxtune import loop as loop_mod
 from jaxtune import runtime
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import DataError, load_tokenizer, prepare_tokens
+from jaxtune.job.checkpoint import Checkpointer
 from jaxtune.loop import NonFiniteLossError, train
-from jaxtune.train.checkpoint import Checkpointer
 
 
 def test_train_end_to_end_compiles_once_and_resumes(tiny_cfg):

@@ -1,4 +1,4 @@
-"""A reward model as a GRPO reward (``objective.rewards: [{name: model, path: ...}]``, `jaxtune.train.model_reward`)
+"""A reward model as a GRPO reward (``objective.rewards: [{name: model, path: ...}]``, `jaxtune.rollout.model_reward`)
 against TRL 1.16.0's ``GRPOTrainer._calculate_rewards`` with the same model as its reward function, and against
 transformers' sequence classifier.
 
@@ -24,7 +24,7 @@ from helpers.trl_reference import MESH, TOL, TRL_VERSION
 from jaxtune.companions import load_reward_model
 from jaxtune.config import ConfigError, RewardConfig, objective_config
 from jaxtune.data import load_tokenizer_dir
-from jaxtune.train.rewards import RewardError, make_rewards
+from jaxtune.rollout.rewards import RewardError, make_rewards
 
 torch = pytest.importorskip("torch", reason="the reward model is checked against transformers")
 transformers = pytest.importorskip("transformers", reason="the reward model is a transformers checkpoint")

@@ -150,7 +150,7 @@ def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path, tiny_ov
 
 
 def test_single_process_does_not_initialize(tiny_cfg):
-    from jaxtune.train import distributed
+    from jaxtune.job import distributed
 
     assert distributed.initialize(tiny_cfg().distributed) is False
 
@@ -158,7 +158,7 @@ def test_single_process_does_not_initialize(tiny_cfg):
 @pytest.mark.parametrize("env,expected", [({"SLURM_NTASKS": "4"}, True), ({"SLURM_NTASKS": "1"}, False),
                                           ({"TPU_WORKER_HOSTNAMES": "a,b"}, True), ({}, False)])
 def test_cluster_detection(monkeypatch, env, expected):
-    from jaxtune.train import distributed
+    from jaxtune.job import distributed
 
     for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS"):
         monkeypatch.delenv(key, raising=False)
@@ -267,8 +267,8 @@ ACCUMULATION_WORKER = textwrap.dedent(
     from jaxtune import sharding
     from jaxtune.backends import make_state_spec
     from jaxtune.config import load_config
-    from jaxtune.train import distributed
-    from jaxtune.train.rollout import training_rows
+    from jaxtune.job import distributed
+    from jaxtune.rollout.rollout import training_rows
     from jaxtune.train.step import run_steps
 
     out, variants, base = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]

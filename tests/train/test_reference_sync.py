@@ -24,8 +24,8 @@ from jaxtune.cli import main
 from jaxtune.config import ConfigError, load_config
 from jaxtune.data import load_tokenizer_dir
 from jaxtune.data.synthetic import arithmetic_preferences
+from jaxtune.job.checkpoint import REFERENCE, Checkpointer
 from jaxtune.loop import train
-from jaxtune.train.checkpoint import REFERENCE, Checkpointer
 from jaxtune.train.objectives.preference import flat_pairs, pair_logps
 from jaxtune.train.reference import ReferenceSync, mixed, reference_sync
 from jaxtune.train.step import run_steps

@@ -12,8 +12,8 @@ import torch
 from trl.rewards import get_soft_overlong_punishment
 
 from jaxtune.config import ConfigError, objective_config
+from jaxtune.rollout.rewards import RewardError, Scores, make_rewards
 from jaxtune.train.objectives.advantages import group_advantages, normalized_then_summed
-from jaxtune.train.rewards import RewardError, Scores, make_rewards
 
 
 def _rewards(*rewards: dict, **objective):

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import jax, numpy as np
     from jaxtune.config import load_config
-    from jaxtune.train.checkpoint import Checkpointer
+    from jaxtune.job.checkpoint import Checkpointer
     from jaxtune.loop import train
     from jaxtune.sharding import make_mesh
     from jaxtune.backends import make_state_spec

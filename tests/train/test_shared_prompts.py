@@ -24,10 +24,10 @@ from jaxtune.config import ConfigError, load_config
 from jaxtune.data.encoded import Encoded
 from jaxtune.data.preference import PairRows
 from jaxtune.loop import rows_per_device, train
+from jaxtune.rollout.rollout import shared_rows, training_rows
 from jaxtune.train.objectives import GRPO
 from jaxtune.train.objectives.base import Reference
 from jaxtune.train.objectives.preference import flat_pairs, pair_logps
-from jaxtune.train.rollout import shared_rows, training_rows
 from jaxtune.train.shapes import BatchShapes
 
 T, V = 64, 512
@@ -254,7 +254,7 @@ def test_masking_truncated_completions_leaves_out_their_tokens_in_either_layout(
     `completion_kept` zeros exactly the cut completions' tokens, in a row per completion and in a row per prompt
     with the completions as branches, and keeps every token of the others."""
     from jaxtune.config.kinds import BRANCH_KEY
-    from jaxtune.train.rollout import completion_kept
+    from jaxtune.rollout.rollout import completion_kept
 
     rng = np.random.default_rng(3)
     g, prompts = 4, [rng.integers(1, V, rng.integers(10, 30)).tolist() for _ in range(3)]

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with tools (`jaxtune.train.tools`, `jaxtune.train.agent`).
+"""Multi-turn rollouts with tools (`jaxtune.rollout.tools`, `jaxtune.rollout.agent`).
 
 - Tool schemas equal transformers' ``get_json_schema``; tool calls are read in the Hermes, Llama 3 and Mistral styles;
   a call that cannot be read is reported, not raised.
@@ -31,9 +31,9 @@ from helpers.tool_modules import COUNTER
 from jaxtune.config import objective_config
 from jaxtune.data.templates import CHATML_TOOLS
 from jaxtune.models.sampling import Generation
+from jaxtune.rollout.agent import Agent, prefilled_again, rows_bucket
+from jaxtune.rollout.tools import ToolCall, ToolError, ToolWorker, call_style, parse_tool_calls
 from jaxtune.tool_schema import SchemaError, tool_schema
-from jaxtune.train.agent import Agent, prefilled_again, rows_bucket
-from jaxtune.train.tools import ToolCall, ToolError, ToolWorker, call_style, parse_tool_calls
 
 TOOLS_MODULE = '''
 import os, time
@@ -466,7 +466,7 @@ def test_environments_by_row_and_their_rewards(tmp_path, monkeypatch):
     """A dict of environments: each row's ``environment`` field picks one (its tools only in its prompt), an unknown
     one names the row, and only the environment that owns a reward scores (NaN for the other's rollouts, which the
     reward sums leave out, as TRL's None)."""
-    from jaxtune.train.rewards import make_rewards
+    from jaxtune.rollout.rewards import make_rewards
 
     (tmp_path / "games.py").write_text(ENVIRONMENTS_MODULE)
     monkeypatch.chdir(tmp_path)
@@ -525,7 +525,7 @@ def test_tools_without_any_reward_are_refused(tmp_path, monkeypatch):
     """A tools module whose environment owns no reward, and no objective.rewards: one line before any work, and the
     worker it started is stopped."""
     from jaxtune.config import load_config
-    from jaxtune.train.rollout import make_rollout
+    from jaxtune.rollout.rollout import make_rollout
 
     (tmp_path / "plain_tools.py").write_text(TOOLS_MODULE.replace("    def get_reward(self) -> float:\n"
                                                                   "        return float(self.n)\n", ""))

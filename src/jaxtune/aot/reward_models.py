@@ -1,5 +1,5 @@
 """The reward models of a GRPO or RLOO run (``objective.rewards`` entries ``name: model``) on a TPU slice: each one's
-scoring program (`jaxtune.train.model_reward.last_token_scores`) compiled by libtpu for a step's completions, with
+scoring program (`jaxtune.rollout.model_reward.last_token_scores`) compiled by libtpu for a step's completions, with
 its weights placed on the policy's mesh as the run places them, and its memory per chip beside the training state
 that stays resident while it scores."""
 
@@ -16,8 +16,8 @@ from jaxtune.aot.step import Program
 from jaxtune.backends import make_state_spec
 from jaxtune.config import ConfigError
 from jaxtune.models.sampling import bucket
+from jaxtune.rollout.model_reward import last_token_scores
 from jaxtune.run import run_config
-from jaxtune.train.model_reward import last_token_scores
 
 
 def compile_reward_models(p: Program) -> list[dict[str, Any]]:

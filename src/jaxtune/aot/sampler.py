@@ -139,7 +139,7 @@ def step_estimate(p: Program, sampler: dict[str, Any], train_roofline: dict[str,
 
 
 def overlapped(p: Program, sampler: dict[str, Any], e: dict[str, Any]) -> dict[str, Any]:
-    """``objective.max_staleness``'s step (`jaxtune.train.lagged`): on shared chips the device work is the sequential
+    """``objective.max_staleness``'s step (`jaxtune.rollout.lagged`): on shared chips the device work is the sequential
     step's (what overlaps is the host's: rewards, tools); with ``mesh.rollout`` = r chips of the sampler's own, the
     longer of generation there (its weights whole on each chip, as the sampler's mesh holds them, the KV cache over r)
     and training on the other chips, both scaled from the slice's programs (linear in chips: an estimate)."""

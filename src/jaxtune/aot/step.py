@@ -26,7 +26,7 @@ from jaxtune.train.step import Steps, run_steps
 
 def abstract_batch(cfg: Config, batch_size: int, mesh: Any) -> dict[str, jax.ShapeDtypeStruct]:
     """The global batch the train step takes, as the loop hands it over (`jaxtune.data.make_training_data`; GRPO:
-    `jaxtune.train.rollout.training_rows`), sharded over the data-parallel axes: the arrays its batch kind declares
+    `jaxtune.rollout.rollout.training_rows`), sharded over the data-parallel axes: the arrays its batch kind declares
     (`jaxtune.config.kinds.BatchKind.step_arrays`). Pretraining windows: ``inputs`` and ``targets``; fine-tuning rows
     also ``positions``, ``segment_ids`` and ``loss_mask``; preference pairs are (B, 2, T), with ``ref_logps`` (B, 2)
     when precomputed; GRPO trains on B x num_generations completions with their ``advantages``."""

@@ -179,7 +179,7 @@ class ObjectiveKind:
     companion: Literal["none", "reference", "teacher"] = "none"
     companion_when: Literal["always", "beta"] = "always"
     # Where the completions it trains on come from: ``given`` by the data; ``sampled`` by the policy inside the loop
-    # (`jaxtune.train.rollout`); ``mixed``: sampled on a share of steps, the data's on the others (GKD's lmbda).
+    # (`jaxtune.rollout.rollout`); ``mixed``: sampled on a share of steps, the data's on the others (GKD's lmbda).
     completions: Literal["given", "sampled", "mixed"] = "given"
     # Objectives that sample: what each completion's reward is compared with (its objective's ``advantages``, from
     # `jaxtune.train.objectives.advantages`): "group" (GRPO's: its group's mean, over its std), "leave_one_out"

@@ -258,7 +258,7 @@ class PrecomputedReference(SyncedReference):
 
 
 class Sampling(ObjectiveSection):
-    """An objective that samples completions of each prompt inside the loop (`jaxtune.train.rollout`) and scores
+    """An objective that samples completions of each prompt inside the loop (`jaxtune.rollout.rollout`) and scores
     them with reward functions."""
 
     num_generations: int = Field(8, ge=1, description="completions sampled per prompt (the group)")
@@ -323,7 +323,7 @@ class ClippedPolicy(Sampling):
 
     max_staleness: int = Field(
         0, ge=0, description="sample the next steps' rollouts while this step trains (off-policy RL, "
-        "jaxtune.train.lagged): step s trains on completions sampled with the weights of update max(0, s - 1 - "
+        "jaxtune.rollout.lagged): step s trains on completions sampled with the weights of update max(0, s - 1 - "
         "max_staleness), so the rollout's host work (rewards, layout) overlaps the step, and its generation too on "
         "devices of its own (mesh.rollout); 0 (the default): on-policy, each step samples with the weights it "
         "trains. With 1 or more the loss corrects for the lag with the sampler's log-probs: grpo's "

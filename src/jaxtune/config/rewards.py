@@ -9,15 +9,15 @@ from pydantic import Field, model_serializer, model_validator
 
 from jaxtune.config.base import Section
 
-# The reward functions built in (`jaxtune.train.rewards`); any other name is a user function, ``module:function``.
+# The reward functions built in (`jaxtune.rollout.rewards`); any other name is a user function, ``module:function``.
 BUILTIN_REWARDS = ("exact_number", "regex", "format", "length")
-# A learned reward model's score (`jaxtune.train.model_reward`): the entry names the model with ``path``.
+# A learned reward model's score (`jaxtune.rollout.model_reward`): the entry names the model with ``path``.
 MODEL_REWARD = "model"
 _MODEL_KEYS = ("path", "batch_size")  # what only a reward model's entry sets
 
 
 class RewardConfig(Section):
-    """One reward function of ``grpo`` (`jaxtune.train.rewards`), weighted into the total reward.
+    """One reward function of ``grpo`` (`jaxtune.rollout.rewards`), weighted into the total reward.
 
     Built in: ``exact_number`` (1 when the completion's last number equals the row's ``field``, numerically, else 0),
     ``regex`` (1 when ``pattern``'s first group, searched in the completion, equals the row's ``field``, stripped),

@@ -117,7 +117,7 @@ class MeshConfig(Section):
 
 
 class DistributedConfig(Section):
-    """Multi-host runs (`jax.distributed.initialize`); see jaxtune.train.distributed. Leave everything unset on
+    """Multi-host runs (`jax.distributed.initialize`); see jaxtune.job.distributed. Leave everything unset on
     TPU VMs, SLURM and Open MPI: JAX reads the cluster from the environment."""
 
     initialize: Literal["auto", "always", "never"] = "auto"

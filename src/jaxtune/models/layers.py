@@ -342,7 +342,7 @@ class MaskSpec:
 
 
 class RegionMask(NamedTuple):
-    """The attention of a row laid out in regions (`jaxtune.train.rollout.region_rows`): a prompt of P slots, then
+    """The attention of a row laid out in regions (`jaxtune.rollout.rollout.region_rows`): a prompt of P slots, then
     G completions of C slots each, every completion after the same prompt. A prompt query sees the prompt's earlier
     keys; a completion's query sees the prompt's keys and its own completion's earlier ones, never another
     completion's. So the attention is computed per region, (P x P) + G x (C x (P + C)) scores, where a dense mask over

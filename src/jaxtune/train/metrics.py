@@ -24,8 +24,8 @@ import jax
 
 from jaxtune.config import Config, LoggingConfig
 from jaxtune.io import write_text_atomically
+from jaxtune.job.run_dir import writing
 from jaxtune.train.objectives.base import COUNT_SUFFIX, present, with_margins
-from jaxtune.train.run_dir import writing
 from jaxtune.train.shapes import Shape
 
 # Step metrics the loop handles itself; every other key of the step's metrics (the objective's) is logged as is.

@@ -39,9 +39,9 @@ from jaxtune import sharding
 from jaxtune.config import Config, ConfigError, ObjectiveConfig
 from jaxtune.data import make_sequence_batches
 from jaxtune.data.progress import Progress
+from jaxtune.job.run_dir import writing
 from jaxtune.train.objectives.base import Reference
 from jaxtune.train.objectives.preference import flat_pairs, pair_logps
-from jaxtune.train.run_dir import writing
 from jaxtune.train.state import Forward, ModelSpec
 
 REF_LOGPS_FILE = "reference_logps.npz"

@@ -1,6 +1,6 @@
 """On-policy distillation: TRL's GKD (generalised knowledge distillation, arXiv 2306.13649).
 
-The rows are GRPO's (`jaxtune.train.rollout`): a prompt and a completion the student sampled (on-policy), or, on the
+The rows are GRPO's (`jaxtune.rollout.rollout`): a prompt and a completion the student sampled (on-policy), or, on the
 share ``1 - lmbda`` of steps, the prompt row's own completion (supervised distillation); no rewards enter the loss.
 A frozen teacher model (`jaxtune.train.reference.ReferenceModel` with ``teacher``) scores every row in the step,
 and the loss at each completion token is the generalised Jensen-Shannon divergence of the student's next-token

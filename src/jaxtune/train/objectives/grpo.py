@@ -1,6 +1,6 @@
 """GRPO (group relative policy optimisation): the policy-gradient loss on completions the loop sampled itself.
 
-The batch (`jaxtune.train.rollout`) holds ``num_generations`` completions of each prompt as (N, T) rows (prompt then
+The batch (`jaxtune.rollout.rollout`) holds ``num_generations`` completions of each prompt as (N, T) rows (prompt then
 completion, ``loss_mask`` on the completion's tokens and its end token) and each completion's ``advantages`` (N,):
 its reward minus its group's mean, divided by the group's std unless ``scale_rewards`` is off. With shared prompts a
 group is one row (``branch_ids``: the prompt once, then each completion) and ``advantages`` are (prompts, G); every

@@ -1,7 +1,7 @@
 """What the policy-gradient objectives on sampled completions (GRPO, RLOO) share, as pure functions of their arrays.
 
-Both read the rollout's rows (`jaxtune.train.rollout`): a row per completion, or with shared prompts a group in one row
-(``branch_ids``: the prompt 0, then each completion 1..G), ``advantages`` (N,) or (prompts, G). Both compare the
+Both read the rollout's rows (`jaxtune.rollout.rollout`): a row per completion, or with shared prompts a group in one
+row (``branch_ids``: the prompt 0, then each completion 1..G), ``advantages`` (N,) or (prompts, G). Both compare the
 policy's log-probs with those of the policy that sampled (the old policy: `old_logps`), clip a ratio r of the two to
 [1 - epsilon, 1 + epsilon_high] (`ClipBounds`) in a clipped surrogate -min(r A, clip(r) A), and report how many ratios
 the clip cut (`clip_metrics`) and how far the sampler's log-probs are from the trainer's (`sampler_agreement`). The KL

@@ -1,5 +1,5 @@
-"""The process that runs a multi-turn rollout's tools and environments (`jaxtune.train.tools.ToolWorker` starts it:
-``python -m jaxtune.train.tool_worker MODULE``), so that a tool that leaks, hangs or crashes cannot take the training
+"""The process that runs a multi-turn rollout's tools and environments (`jaxtune.rollout.tools.ToolWorker` starts it:
+``python -m jaxtune.rollout.tool_worker MODULE``), so that a tool that leaks, hangs or crashes cannot take the training
 process with it. Standard library only: it never imports JAX.
 
 ``MODULE`` is the user's Python module, in TRL's conventions (``GRPOTrainer(tools=..., environment_factory=...)``):

@@ -40,14 +40,14 @@ from jaxtune.config import Config
 from jaxtune.config.kinds import BRANCH_KEY, SAMPLER_LOGPS_KEY
 from jaxtune.data import DataError, PromptRows, Tokenizer, stop_ids
 from jaxtune.data.encoded import shared_row
+from jaxtune.job.distributed import every_process, first_failure
 from jaxtune.models.sampling import Generation
-from jaxtune.train.agent import Agent, Extend, Trajectories, on_cache, prefilled_again, shared_ragged
-from jaxtune.train.distributed import every_process, first_failure
+from jaxtune.rollout.agent import Agent, Extend, Trajectories, on_cache, prefilled_again, shared_ragged
+from jaxtune.rollout.rewards import ModelScores, RewardError, Rewards, Scores, make_rewards
+from jaxtune.rollout.tools import ToolError
 from jaxtune.train.objectives import OBJECTIVES
 from jaxtune.train.objectives.advantages import Rewarded, informative_groups, nanstd
-from jaxtune.train.rewards import ModelScores, RewardError, Rewards, Scores, make_rewards
 from jaxtune.train.state import Sampler
-from jaxtune.train.tools import ToolError
 
 
 def prompt_text(prompt: str | list[dict[str, Any]]) -> str:
@@ -80,7 +80,7 @@ class Completions:
     scores: Scores
     stopped: np.ndarray  # (N,) bool: ended with a stop id (else cut at max_completion_length)
     logps: list[list[float]]  # per completion: each new id's log-prob under the distribution it was drawn from
-    # multi-turn rollouts (`jaxtune.train.agent`): per completion, 1 on the model's tokens, 0 on the tools'
+    # multi-turn rollouts (`jaxtune.rollout.agent`): per completion, 1 on the model's tokens, 0 on the tools'
     tool_mask: list[list[int]] | None = None
     tool_calls: tuple[int, int, int] = (0, 0, 0)  # (calls made, failed, unreadable turns), every process's
 
@@ -136,7 +136,7 @@ class Rollout:
     tokenizer: Tokenizer
     rewards: Rewards
     chat: bool
-    agent: Agent | None = None  # objective.tools: multi-turn rollouts (`jaxtune.train.agent`)
+    agent: Agent | None = None  # objective.tools: multi-turn rollouts (`jaxtune.rollout.agent`)
     timings: dict[str, float] = field(default_factory=dict)
 
     def close(self) -> None:
@@ -157,7 +157,7 @@ class Rollout:
         sampling the whole batch), each process scores its own with the reward functions, and the scores are
         shared; a reward that fails on one process stops every process with its error. Otherwise every process
         holds the same ``rows`` (held-out prompts) and does the same. ``between()`` is called once the completions
-        are on the host and before they are scored (`jaxtune.train.lagged` dispatches a train step there)."""
+        are on the host and before they are scored (`jaxtune.rollout.lagged` dispatches a train step there)."""
         o = self.cfg.objective
         together = local and jax.process_count() > 1
         every = [int(r) for r in every_process(np.asarray(rows, np.int64))] if together else list(rows)
@@ -206,7 +206,7 @@ class Rollout:
 
     def _first_turn(self, generate: Callable[..., Generation], weights: Any, prompt_ids: list[list[int]], seed: int,
                     group: int, temperature: float) -> tuple[Extend, list[list[int]], Generation]:
-        """A multi-turn rollout's first turns, and how its later ones are generated (`jaxtune.train.agent`)."""
+        """A multi-turn rollout's first turns, and how its later ones are generated (`jaxtune.rollout.agent`)."""
         o = self.cfg.objective
         if getattr(self.generator, "open", None) is None or getattr(self.generator, "windowed", False):
             return prefilled_again(generate, o.max_completion_length, len(prompt_ids)), prompt_ids, \
@@ -427,7 +427,7 @@ def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
 def make_rollout(cfg: Config, generator: Sampler, tokenizer: Tokenizer,
                  models: dict[int, ModelScores] | None = None) -> Rollout:
     """The run's rollouts; ``models``: its reward models, loaded (`jaxtune.companions.load_reward_models`). With
-    ``objective.tools``, its tools' worker is started (`jaxtune.train.agent.Agent`): `Rollout.close` stops it."""
+    ``objective.tools``, its tools' worker is started (`jaxtune.rollout.agent.Agent`): `Rollout.close` stops it."""
     chat = tokenizer.chat_template is not None
     o = cfg.objective
     agent = None

@@ -7,7 +7,7 @@ dicts, as the row gave it), the row's other fields (``{"answer": "132"}``), its 
 (`jaxtune.train.objectives.advantages`).
 
 Built in: ``exact_number``, ``regex``, ``format``, ``length`` (see `RewardConfig`). ``model``: a learned reward
-model's score (`jaxtune.train.model_reward`), loaded before the rewards are made and called on every process's
+model's score (`jaxtune.rollout.model_reward`), loaded before the rewards are made and called on every process's
 completions at once (`Rewards.modelled`); a sequence it cannot score is a failure as below. Any other ``name`` is a
 function of the user's, ``module:function``, imported when the rewards are made (before training) from the current
 directory as ``python -m`` would, and called once per batch in one of two forms, told apart by its parameters:
@@ -84,7 +84,7 @@ class Scores:
 _OneScore = Callable[[str, dict, int, str], float]
 
 
-# A reward model (`jaxtune.train.model_reward.ModelReward`): (prompts, completions) -> ((N,) scores, NaN where not
+# A reward model (`jaxtune.rollout.model_reward.ModelReward`): (prompts, completions) -> ((N,) scores, NaN where not
 # scored, {index: why}); called on every process's completions at once, the same on every process.
 ModelScores = Callable[[list, list[str]], tuple[np.ndarray, dict[int, str]]]
 
@@ -96,7 +96,7 @@ class _Function:
     batch: Callable[..., Any] | None  # a user function, called once per batch
     trl: bool = False  # the user function takes TRL's keywords (no ``rows`` parameter)
     model: ModelScores | None = None  # a reward model
-    given: bool = False  # an environment's own reward (`jaxtune.train.agent`): its scores come with the completions
+    given: bool = False  # an environment's own reward (`jaxtune.rollout.agent`): its scores come with the completions
 
 
 class Rewards:

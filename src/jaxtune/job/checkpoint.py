@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 
 from jaxtune.config import CheckpointConfig, ConfigError, identity_diff
 from jaxtune.io import CheckpointError, describe, write_text_atomically
-from jaxtune.train.run_dir import WriteError
+from jaxtune.job.run_dir import WriteError
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class Checkpointer:
         """Start saving (asynchronously when configured); a second save waits for the first. ``reference``: a
         reference model that training changes, saved beside the state (None: there is none). ``behind``: the steps
         of rollouts sampled ahead and not yet trained on, and the trained params each was sampled with
-        (`jaxtune.train.lagged`)."""
+        (`jaxtune.rollout.lagged`)."""
         items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state),
                  "config": ocp.args.JsonSave(config)}
         if reference is not None:

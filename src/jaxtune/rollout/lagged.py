@@ -40,8 +40,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtune import sharding
+from jaxtune.rollout.rollout import Rollout
 from jaxtune.train.reference import Frozen
-from jaxtune.train.rollout import Rollout
 
 Batch = dict[str, Any]
 

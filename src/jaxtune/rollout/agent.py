@@ -1,5 +1,5 @@
 """Multi-turn rollouts with tools (``objective.tools``): the model generates, its tool calls run in the worker
-(`jaxtune.train.tools.ToolWorker`), their results are appended as ``tool`` messages rendered by the chat template,
+(`jaxtune.rollout.tools.ToolWorker`), their results are appended as ``tool`` messages rendered by the chat template,
 and generation continues, until a turn without a tool call, ``objective.max_tool_calls`` rounds of calls, or the
 trajectory's token budget (``objective.max_completion_length``, tool tokens included, as TRL's).
 
@@ -37,10 +37,10 @@ import jax
 import numpy as np
 
 from jaxtune.data import DataError, PromptRows, Tokenizer
+from jaxtune.job.distributed import every_process
 from jaxtune.models.sampling import Generation, Session
-from jaxtune.train.distributed import every_process
-from jaxtune.train.tool_worker import SINGLE
-from jaxtune.train.tools import ParsedTurn, ToolWorker, call_style, parse_tool_calls, tool_suffix_ids
+from jaxtune.rollout.tool_worker import SINGLE
+from jaxtune.rollout.tools import ParsedTurn, ToolWorker, call_style, parse_tool_calls, tool_suffix_ids
 
 # (prompts' ids, max new tokens, seed, group) -> the generation of every row (`jaxtune.models.sampling.Generator`)
 Generate = Callable[[list[list[int]], int, int, int], Generation]

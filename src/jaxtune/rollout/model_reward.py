@@ -13,10 +13,10 @@ in fixed shapes: ``batch_size`` rows (default: the call's sequences, rounded up 
 power-of-two width (16 at least, at most the model's context), so a run compiles one program per width it meets and
 per number of sequences it scores at once (a step's completions, and the held-out prompts'). The weights are placed
 once on the policy's mesh; the rows are sharded over its data axes. With several processes every process passes the
-same sequences (every process's completions; `jaxtune.train.rollout.Rollout.sample`) and reads every score.
+same sequences (every process's completions; `jaxtune.rollout.rollout.Rollout.sample`) and reads every score.
 
 A sequence longer than the reward model's context is not scored: the reward says which (`ModelReward.__call__`), and
-`jaxtune.train.rewards.Rewards` raises or scores it 0, as ``objective.reward_errors`` says.
+`jaxtune.rollout.rewards.Rewards` raises or scores it 0, as ``objective.reward_errors`` says.
 """
 
 from __future__ import annotations

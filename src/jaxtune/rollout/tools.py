@@ -2,7 +2,7 @@
 read from the model's text (`parse_tool_calls`, in the chat template's own format), and the tokens a tool's result
 adds to the trajectory (`tool_suffix_ids`).
 
-**Where tools run.** In a worker process (`jaxtune.train.tool_worker`, the user's module imported there and nowhere
+**Where tools run.** In a worker process (`jaxtune.rollout.tool_worker`, the user's module imported there and nowhere
 else): a tool that raises, returns something other than a string or takes longer than ``objective.tool_timeout``
 seconds gives the model an error message as its result, counted as a failure; a worker that hangs or dies (a
 segfault, an out-of-memory kill) is killed and started again, and each live rollout's environment is rebuilt by
@@ -198,7 +198,7 @@ class _Rollout:
 
 
 class ToolWorker:
-    """The tools module served by a worker process (`jaxtune.train.tool_worker`), with a time limit per request.
+    """The tools module served by a worker process (`jaxtune.rollout.tool_worker`), with a time limit per request.
 
     A request that times out, or finds the worker dead, kills it and starts a new one, rebuilds the live rollouts'
     environments there (their ``reset`` and the calls that ran, replayed), and answers the request as a failure."""
@@ -217,7 +217,7 @@ class ToolWorker:
 
     def _start(self) -> dict[str, Any]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *[p for p in sys.path if p]])}
-        self._proc = subprocess.Popen([sys.executable, "-m", "jaxtune.train.tool_worker", self.module],
+        self._proc = subprocess.Popen([sys.executable, "-m", "jaxtune.rollout.tool_worker", self.module],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._buffer = b""
         ready = self._answer(max(self.timeout, 60.0))
