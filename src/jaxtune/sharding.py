@@ -38,6 +38,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "norm": None,
     "layers": None,
     "lora_rank": None,
+    "experts": None,  # a mixture's experts: each device holds all of them (their embed and mlp axes sharded as above)
     # activations
     "batch": BATCH_AXES,
     "seq": "context",

@@ -79,6 +79,11 @@ def _configs():
         # q/k norm, head_dim 12 set apart from d_model/n_head (16), multi-query (one kv head), tied
         "qwen3": (T.Qwen3Config(**{**_COMMON, "num_key_value_heads": 1}, head_dim=12, tie_word_embeddings=True),
                   "float32", None),
+        # a mixture of experts in every layer: 8 experts of 32, 2 a token, their weights renormalised; untied, q/k
+        # norm, head_dim 16 (tests/models/test_moe.py: dense layers among sparse ones, and the routing itself)
+        "qwen3_moe": (T.Qwen3MoeConfig(**_COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False),
+                      "float32", None),
         # bf16, untied, every layer sliding (window 8 < SEQ), head_dim 24
         "mistral": (T.MistralConfig(**_COMMON, head_dim=24, sliding_window=8, tie_word_embeddings=False),
                     "bfloat16", None),
@@ -94,7 +99,7 @@ def _configs():
     }
 
 
-NAMES = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma3"]
+NAMES = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe"]
 
 
 @dataclasses.dataclass

@@ -265,7 +265,7 @@ def objectives_for(kind: BatchKind) -> list[str]:
 
 
 # The native model families (`jaxtune.models.registry.FAMILIES` holds each one's implementation, keyed by these).
-FAMILY_NAMES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma3")
+FAMILY_NAMES = ("gpt2", "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3")
 
 # GGUF tensor types an export writes (`jaxtune.models.gguf_export`): matrices in this type, norms and biases f32.
 GGUF_TYPES = ("f16", "bf16", "q8_0", "f32")

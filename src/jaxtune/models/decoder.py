@@ -40,6 +40,7 @@ from jaxtune.models.layers import (
     stack_layers,
     write_kv,
 )
+from jaxtune.models.moe import MoE
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -83,6 +84,14 @@ class DecoderConfig(RuntimeConfig):
     # 0: the language-model head; 1: a score head instead (HF's *ForSequenceClassification with one label: a reward
     # model), whose weights train with LoRA's adapters
     num_labels: int = 0
+    # A mixture of experts (Qwen3-MoE): n_experts > 0 makes every layer's MLP a sparse block (`jaxtune.models.moe`)
+    # of n_experts experts of moe_d_ff, experts_per_token of them per token, except the layers in dense_layers,
+    # which keep the dense MLP of d_ff; norm_topk_prob renormalises the chosen experts' weights to sum to 1
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_d_ff: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         super().__post_init__()
@@ -99,6 +108,18 @@ class DecoderConfig(RuntimeConfig):
                                  f"got {self.layer_types}")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding layers need a sliding_window")
+        if self.n_experts:
+            if not 0 < self.experts_per_token <= self.n_experts or self.moe_d_ff <= 0:
+                raise ValueError(f"a mixture of experts needs 0 < experts_per_token <= n_experts and moe_d_ff > 0, got "
+                                 f"{self.experts_per_token} of {self.n_experts} experts of {self.moe_d_ff}")
+            if self.scan_layers and len(set(self.sparse)) > 1:
+                raise ValueError(f"model.scan_layers=true stacks alike layers, but layers {list(self.dense_layers)} "
+                                 "have a dense MLP and the others experts; set model.scan_layers=false")
+            expert_targets = sorted({"gate", "up", "down"} & set(self.lora.targets if self.lora else ()))
+            if expert_targets and any(self.sparse):
+                raise ValueError(f"model.lora.targets: {', '.join(expert_targets)} would adapt the experts, which "
+                                 "LoRA does not reach yet (adapters per expert are to come); target the attention "
+                                 "(model.lora.targets=[q,k,v,o])")
 
     @property
     def needs_key(self) -> bool:
@@ -117,29 +138,40 @@ class DecoderConfig(RuntimeConfig):
         return self.head_dim or self.d_model // self.n_head
 
     @property
+    def sparse(self) -> tuple[bool, ...]:
+        """Per layer: whether its MLP is a mixture of experts."""
+        return tuple(bool(self.n_experts) and i not in self.dense_layers for i in range(self.n_layer))
+
+    @property
     def types(self) -> tuple[str, ...]:
         if self.layer_types is not None:
             return self.layer_types
         return ("sliding" if self.sliding_window else "full",) * self.n_layer
 
-    def num_params(self, non_embedding: bool = False) -> int:
+    def num_params(self, non_embedding: bool = False, active: bool = False) -> int:
+        """Parameters; ``active``: a mixture of experts counts only the experts one token reaches (its FLOPs')."""
         d, f, n, k, h = self.d_model, self.d_ff, self.n_head, self.kv_heads, self.hd
         attn = d * (n + 2 * k) * h + n * h * d + (self.qkv_bias and (n + 2 * k) * h) + (self.o_bias and d)
         mlp = 3 * d * f + (self.mlp_bias and 2 * f + d)
         norms = (4 if self.sandwich_norm else 2) * d + (2 * h if self.qk_norm else 0)
         embed = self.vocab_size * d * (1 if self.tie_embeddings or self.num_labels else 2) + d * self.num_labels
-        total = self.n_layer * (attn + mlp + norms) + d + embed
+        per_layer = [attn + norms + (self._experts(active) if sparse else mlp) for sparse in self.sparse]
+        total = sum(per_layer) + d + embed
         return total - (embed if non_embedding else 0)
+
+    def _experts(self, active: bool) -> int:
+        e, k = self.n_experts, self.experts_per_token
+        return self.d_model * e + 3 * (k if active else e) * self.d_model * self.moe_d_ff
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per trained matmul weight (forward, input and weight gradients), 4 per frozen
         one (no weight gradient: LoRA's base and head; 2 for the first layer's q, k and v, whose input needs no
         gradient either), the head counted (the vocabulary's, or a score head's), plus 12 L (N H) T attention, sliding
-        layers counting only their window. With LoRA, 6N would count gradients the step never computes (a plan's MFU
-        then passed 100%)."""
+        layers counting only their window; a mixture of experts counts its router and the experts a token reaches.
+        With LoRA, 6N would count gradients the step never computes (a plan's MFU then passed 100%)."""
         d = self.d_model
         head = d * self.num_labels if self.num_labels else self.vocab_size * d
-        n = self.num_params(non_embedding=True) + head
+        n = self.num_params(non_embedding=True, active=True) + head
         span = sum(min(seq_len, self.sliding_window) if t == "sliding" else seq_len for t in self.types)
         attention = 12 * self.n_head * self.hd * span
         if self.lora is None:
@@ -216,8 +248,16 @@ class MLP(nnx.Module):
         return self.down(y, kd)
 
 
+def sparse_mlp(cfg: DecoderConfig, rngs: nnx.Rngs) -> MoE:
+    """A layer's mixture of experts (`jaxtune.models.moe`), drawn as the dense MLP would be."""
+    return MoE(cfg.d_model, cfg.moe_d_ff, cfg.n_experts, cfg.experts_per_token, cfg.norm_topk_prob, rngs=rngs,
+               act=ACTIVATIONS[cfg.mlp_act], std=cfg.init_std, out_std=cfg.init_std / math.sqrt(2 * cfg.n_layer),
+               param_dtype=jnp.dtype(cfg.param_dtype), dtype=jnp.dtype(cfg.compute_dtype), formulation=cfg.formulation)
+
+
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, index: int = 0):
+        """``index``: the layer's place in the stack (which MLP it has, in a mixture of experts)."""
         pd, cd = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
 
         def norm():
@@ -226,7 +266,7 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = norm()
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = norm()
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = sparse_mlp(cfg, rngs) if cfg.sparse[index] else MLP(cfg, rngs=rngs)
         if cfg.sandwich_norm:
             self.post_attn_norm = norm()
             self.post_mlp_norm = norm()
@@ -256,7 +296,8 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), rngs=rngs, std=cfg.init_std,
                            param_dtype=pd, dtype=cd, formulation=cfg.formulation)
-        self.layers = stack_layers(lambda r: DecoderLayer(cfg, rngs=r), cfg.n_layer, cfg.scan_layers, rngs)
+        self.layers = stack_layers(lambda r, i: DecoderLayer(cfg, rngs=r, index=i), cfg.n_layer, cfg.scan_layers,
+                                   rngs)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, offset=cfg.norm_offset, param_dtype=pd, dtype=cd)
         if cfg.num_labels:
             self.score = ScoreHead(cfg.d_model, cfg.num_labels, rngs=rngs, std=cfg.init_std, param_dtype=pd, dtype=cd)

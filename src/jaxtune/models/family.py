@@ -51,6 +51,7 @@ class Map:
     hf: str
     transpose: bool = False
     hf_ndim: int | None = None  # HF's rank when it differs: jaxtune's trailing dims are flattened into it
+    experts: bool = False  # a leading expert axis (after the layers'), one HF tensor per expert (``{j}`` in ``hf``)
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class GPT(nnx.Module):
         self.wte = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), rngs=rngs, param_dtype=pd, dtype=cd,
                          formulation=cfg.formulation)
         self.wpe = Embed(cfg.max_seq_len, cfg.d_model, (None, "embed"), rngs=rngs, std=0.01, param_dtype=pd, dtype=cd)
-        self.blocks = stack_layers(lambda r: Block(cfg, rngs=r), cfg.n_layer, cfg.scan_layers, rngs)
+        self.blocks = stack_layers(lambda r, _: Block(cfg, rngs=r), cfg.n_layer, cfg.scan_layers, rngs)
         self.ln_f = LayerNorm(cfg.d_model, eps=cfg.ln_eps, param_dtype=pd, dtype=cd)
         if cfg.num_labels:
             self.score = ScoreHead(cfg.d_model, cfg.num_labels, rngs=rngs, std=0.02, param_dtype=pd, dtype=cd)

@@ -7,6 +7,7 @@ whole on the host. Only safetensors are read: never pickle (``pytorch_model.bin`
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -161,6 +162,15 @@ def _hf_tensor(x: np.ndarray, m: Map) -> np.ndarray:
     return x.T if m.transpose else x
 
 
+def _split_names(m: Map, layer: int | None | str, shape: tuple[int, ...]) -> Any:
+    """The HF tensor names of one jaxtune param, as an array over the leading axes HF stores one tensor apiece: the
+    layers' (stacked layers) and the experts' (``Map.experts``); a 0-d array for a param HF stores whole."""
+    layers = range(shape[0]) if layer == "stacked" else [layer]
+    experts = range(shape[1 if layer == "stacked" else 0]) if m.experts else [None]
+    names = np.array([[m.hf.format(i=i, j=j) for j in experts] for i in layers], dtype=object)
+    return np.asarray(names[(slice(None) if layer == "stacked" else 0, slice(None) if m.experts else 0)], dtype=object)
+
+
 def load_params(ckpt: HFCheckpoint, fam: Family, abstract: Any, shardings: Any = None,
                 transform: Callable[[tuple, jax.Array], Any] | None = None, ignore: tuple[str, ...] = ()) -> Any:
     """Fill a pure-dict tree of ShapeDtypeStructs from the checkpoint, each leaf placed with its sharding
@@ -192,11 +202,10 @@ def load_params(ckpt: HFCheckpoint, fam: Family, abstract: Any, shardings: Any =
     plans = []
     for path, a in leaves:
         m, layer = match_param(fam, _path_str(path))
-        if layer == "stacked":
-            srcs = [source(m.hf.format(i=i), m, a.shape[1:]) for i in range(a.shape[0])]
-        else:
-            srcs = [source(m.hf.format(i=layer), m, a.shape)]
-        plans.append((a, layer == "stacked", srcs))
+        names = _split_names(m, layer, a.shape)
+        lead = np.ndim(names)
+        srcs = {at: source(names[at], m, a.shape[lead:]) for at in np.ndindex(np.shape(names))}
+        plans.append((a, lead, srcs))
     if missing:
         raise CheckpointError(f"{ckpt.dir}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} "
                               f"(config.json and the weights disagree?)")
@@ -206,13 +215,13 @@ def load_params(ckpt: HFCheckpoint, fam: Family, abstract: Any, shardings: Any =
                               f"(config.json and the weights disagree?)")
 
     out = []
-    for k, (a, stacked, srcs) in enumerate(plans):
+    for k, (a, lead, srcs) in enumerate(plans):
         dtype = np.dtype(a.dtype)
 
-        def region(index, srcs=srcs, stacked=stacked, dtype=dtype):
-            if stacked:
-                return np.stack([srcs[i][index[1:]] for i in range(len(srcs))[index[0]]]).astype(dtype)
-            return np.asarray(srcs[0][index]).astype(dtype)
+        def region(index, a=a, srcs=srcs, lead=lead, dtype=dtype):
+            ranges = [range(a.shape[d])[index[d]] for d in range(lead)]
+            parts = [np.asarray(srcs[at][index[lead:]]).astype(dtype) for at in itertools.product(*ranges)]
+            return np.stack(parts).reshape(*map(len, ranges), *parts[0].shape) if lead else parts[0]
 
         sh = sh_leaves[k] if sh_leaves is not None else SingleDeviceSharding(jax.devices()[0])
         placed = jax.make_array_from_callback(a.shape, sh, region)
@@ -245,11 +254,9 @@ def hf_tensors(fam: Family, params: Any, dtype: str | None = None) -> dict[str, 
         x = host(x)
         if dtype is not None:
             x = x.astype(jnp_dtype(dtype))
-        if layer == "stacked":
-            for i in range(x.shape[0]):
-                out[m.hf.format(i=i)] = np.ascontiguousarray(_hf_tensor(x[i], m))
-        else:
-            out[m.hf.format(i=layer)] = np.ascontiguousarray(_hf_tensor(x, m))
+        names = _split_names(m, layer, x.shape)
+        for at in np.ndindex(np.shape(names)):
+            out[names[at]] = np.ascontiguousarray(_hf_tensor(x[at], m))
     return out
 
 

@@ -712,14 +712,15 @@ class KeyStream:
 
 
 def stack_layers(make_layer, n_layer: int, scan: bool, rngs: nnx.Rngs):
-    """``n_layer`` layers: an `nnx.List`, or one module whose params are stacked on a leading axis (``scan``)."""
+    """``n_layer`` layers, ``make_layer(rngs, index)`` each: an `nnx.List`, or one module whose params are stacked on a
+    leading axis (``scan``: the layers are alike, and each is made as the first)."""
     if not scan:
-        return nnx.List([make_layer(rngs) for _ in range(n_layer)])
+        return nnx.List([make_layer(rngs, i) for i in range(n_layer)])
 
     @nnx.split_rngs(splits=n_layer)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(r):
-        return make_layer(r)
+        return make_layer(r, 0)
 
     return make(rngs)
 

@@ -46,7 +46,7 @@ def qwen3_from_hf(c: dict[str, Any]) -> DecoderConfig:
     return decoder_from_hf(c, DecoderConfig, "qwen3", qk_norm=True, qkv_bias=bias, o_bias=bias)
 
 
-def _sliding(cfg: DecoderConfig) -> dict[str, Any]:
+def sliding_fields(cfg: DecoderConfig) -> dict[str, Any]:
     """Qwen's 4.x sliding-window fields: layers from ``max_window_layers`` on use the window."""
     types = cfg.types
     first = types.index("sliding") if "sliding" in types else cfg.n_layer
@@ -56,13 +56,13 @@ def _sliding(cfg: DecoderConfig) -> dict[str, Any]:
 def qwen2_to_hf(cfg: DecoderConfig) -> dict[str, Any]:
     if not cfg.qkv_bias or cfg.o_bias or cfg.qk_norm:
         raise ValueError("a Qwen2 config.json has q/k/v bias, no o bias and no q/k norm")
-    return decoder_to_hf(cfg, "qwen2", "Qwen2ForCausalLM", **_sliding(cfg))
+    return decoder_to_hf(cfg, "qwen2", "Qwen2ForCausalLM", **sliding_fields(cfg))
 
 
 def qwen3_to_hf(cfg: DecoderConfig) -> dict[str, Any]:
     if not cfg.qk_norm or cfg.qkv_bias != cfg.o_bias:
         raise ValueError("a Qwen3 config.json has q/k norm and the same bias on q/k/v/o")
-    return decoder_to_hf(cfg, "qwen3", "Qwen3ForCausalLM", attention_bias=cfg.qkv_bias, **_sliding(cfg))
+    return decoder_to_hf(cfg, "qwen3", "Qwen3ForCausalLM", attention_bias=cfg.qkv_bias, **sliding_fields(cfg))
 
 
 QWEN2 = Family("qwen2", DecoderConfig, Decoder, QWEN2_PRESETS, ("qwen2",), decoder_hf_map(), qwen2_from_hf,

@@ -10,14 +10,14 @@ from jax.sharding import Mesh
 
 from jaxtune import sharding
 from jaxtune.config import FAMILY_NAMES
-from jaxtune.models import gemma3, gpt2, llama, mistral, qwen
+from jaxtune.models import gemma3, gpt2, llama, mistral, qwen, qwen3_moe
 from jaxtune.models.decoder import DecoderConfig
 from jaxtune.models.family import Family
 from jaxtune.models.layers import KeyStream, LoRAParam, LoraSpec, frozen_as_shapes
 
 # The implementation of each family `jaxtune.config.kinds.FAMILY_NAMES` declares (``model.family``'s values).
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen.QWEN2, qwen.QWEN3, mistral.FAMILY,
-                                                   gemma3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen.QWEN2, qwen.QWEN3, qwen3_moe.FAMILY,
+                                                   mistral.FAMILY, gemma3.FAMILY)}
 if set(FAMILIES) != set(FAMILY_NAMES):  # declared without an implementation, or implemented without its name
     raise ImportError(f"model families declared in jaxtune.config.kinds {sorted(FAMILY_NAMES)} != implemented "
                       f"{sorted(FAMILIES)}")
