@@ -178,3 +178,20 @@ def test_config_json_names_the_experts_as_transformers_reads_them(tmp_path):
     renamed = {**{k: v for k, v in raw.items() if k != "num_local_experts"}, "num_experts": raw["num_local_experts"]}
     (tmp_path / "config.json").write_text(json.dumps(renamed))
     assert read_hf_config(tmp_path)[1] == cfg
+
+
+def test_a_checkpoint_asking_for_the_load_balancing_loss_is_refused_for_training(tmp_path):
+    """output_router_logits: true asks for the router's load-balancing loss, which jaxtune does not compute yet: the
+    config reads its weight, and building a training state refuses it in one line naming the file's keys, rather
+    than training without it."""
+    from jaxtune import sharding
+    from jaxtune.backends import make_state_spec
+    from jaxtune.config import ConfigError, load_config
+
+    _checkpoint(tmp_path, 5, output_router_logits=True, router_aux_loss_coef=0.02)
+    fam, cfg, _ = read_hf_config(tmp_path)
+    assert cfg.router_aux_loss == 0.02 and fam.from_hf(fam.to_hf(cfg)) == cfg
+    run = load_config(None, [f"model.from_hf={tmp_path}"])
+    with pytest.raises(ConfigError, match="output_router_logits: true, router_aux_loss_coef 0.02") as e:
+        make_state_spec(run, VOCAB, sharding.make_mesh(1, 1, 1))
+    assert "\n" not in str(e.value)

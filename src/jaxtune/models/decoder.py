@@ -92,6 +92,9 @@ class DecoderConfig(RuntimeConfig):
     moe_d_ff: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    # the router's load-balancing loss weight a checkpoint asks for (transformers' router_aux_loss_coef with
+    # output_router_logits on): not computed yet, so a training run refuses it (`jaxtune.backends.native`)
+    router_aux_loss: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()

@@ -54,7 +54,9 @@ def from_hf(c: dict[str, Any]) -> DecoderConfig:
     return decoder_from_hf(c, DecoderConfig, "qwen3_moe", qk_norm=True, qkv_bias=bias, o_bias=bias,
                            n_experts=n_experts, experts_per_token=int(c.get("num_experts_per_tok", 0)),
                            moe_d_ff=int(c.get("moe_intermediate_size", 0)),
-                           norm_topk_prob=bool(c.get("norm_topk_prob", False)), dense_layers=dense)
+                           norm_topk_prob=bool(c.get("norm_topk_prob", False)), dense_layers=dense,
+                           router_aux_loss=float(c.get("router_aux_loss_coef", 0.001))
+                           if c.get("output_router_logits") else 0.0)
 
 
 def to_hf(cfg: DecoderConfig) -> dict[str, Any]:
@@ -64,7 +66,8 @@ def to_hf(cfg: DecoderConfig) -> dict[str, Any]:
                          num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
                          moe_intermediate_size=cfg.moe_d_ff, norm_topk_prob=cfg.norm_topk_prob,
                          decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers),
-                         output_router_logits=False)
+                         output_router_logits=cfg.router_aux_loss > 0,
+                         router_aux_loss_coef=cfg.router_aux_loss or 0.001)
 
 
 FAMILY = Family("qwen3_moe", DecoderConfig, Decoder, PRESETS, ("qwen3_moe",), hf_map(), from_hf, to_hf,

@@ -213,6 +213,12 @@ class NativeBackend:
 
     def build(self, cfg: Config, vocab_size: int | None, mesh: Mesh) -> NativeSpec:
         model_cfg = with_head(model_config(cfg.model, vocab_size), cfg)
+        if getattr(model_cfg, "router_aux_loss", 0.0):
+            raise ConfigError(f"model.from_hf={cfg.model.from_hf}: its config.json turns on the router's "
+                              f"load-balancing loss (output_router_logits: true, router_aux_loss_coef "
+                              f"{model_cfg.router_aux_loss:g}), which jaxtune does not compute yet; set "
+                              "output_router_logits to false there to train without it, as transformers does by "
+                              "default")
         optimizer = Optimizer(cfg.optim, cfg.optimizer_updates)
         tx = optimizer.tx()
         graphdef, abstract_groups, group_sh = model_layout(model_cfg, mesh, cfg.train.seed)
