@@ -18,7 +18,7 @@ from helpers.tiny_hf import peft_reload
 from jaxtune.models.hf import HFCheckpoint, from_hf, hf_tensors, load_params, read_hf_config
 from jaxtune.models.layers import LoraSpec
 from jaxtune.models.lora import write_adapter
-from jaxtune.models.moe import dropless, route
+from jaxtune.models.moe import blocked_matmul, dropless, route
 from jaxtune.models.registry import merge, model_layout
 
 torch = pytest.importorskip("torch")
@@ -79,6 +79,24 @@ def test_dropless_equals_a_loop_over_experts(norm_topk):
     for name, a, b in zip(("x", "logits", "gate", "up", "down"), ours, ref):
         assert rel(a, b) <= 1e-5, name
     assert float(jnp.abs(ours[3][5]).max()) == 0.0  # the expert no token chose has no gradient
+
+
+@pytest.mark.parametrize("sizes", [[0, 7, 0, 30, 3], [40, 0, 0, 0, 0], [1, 1, 1, 1, 36]])
+def test_blocked_products_equal_ragged_dot(sizes):
+    """The CPU's grouped product (blocks of 8 rows of one group each: groups empty, smaller than a block, several
+    blocks long) equals `jax.lax.ragged_dot` (XLA's own, which multiplies by every group), and so do its gradients
+    with respect to the rows and the weights, to 1e-5."""
+    rng = np.random.default_rng(1)
+    rows = jnp.asarray(rng.standard_normal((40, 12)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((5, 12, 6)), jnp.float32)
+    probe = jnp.asarray(rng.standard_normal((40, 6)), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    ours = jax.value_and_grad(lambda r, w: jnp.sum(probe * blocked_matmul(r, w, sizes, 8)), argnums=(0, 1))
+    ref = jax.value_and_grad(lambda r, w: jnp.sum(probe * jax.lax.ragged_dot(r, w, sizes)), argnums=(0, 1))
+    (v, (gr, gw)), (v_ref, (gr_ref, gw_ref)) = ours(rows, w), ref(rows, w)
+    assert rel(blocked_matmul(rows, w, sizes, 8), jax.lax.ragged_dot(rows, w, sizes)) <= 1e-5
+    assert abs(float(v) - float(v_ref)) <= 1e-4 * abs(float(v_ref))
+    assert rel(gr, gr_ref) <= 1e-5 and rel(gw, gw_ref) <= 1e-5
 
 
 def _checkpoint(tmp_path, seed: int, **config):

@@ -2,14 +2,16 @@
 experts' outputs are summed, weighted by the router's probabilities (Qwen3-MoE's sparse block).
 
 Dropless: every token reaches every expert it chose (no capacity factor), so the output is transformers' exactly.
-The tokens' copies are sorted by expert and each expert's rows multiplied by its weights in one grouped product
-(`jax.lax.ragged_dot`), where transformers loops over the experts in Python.
+The tokens' copies are sorted by expert and each expert's rows multiplied by its weights in grouped products
+(`grouped_matmul`: `jax.lax.ragged_dot` on TPU and GPU, blocks of one expert's rows on a CPU), where transformers
+loops over the experts in Python.
 
 Shapes: T tokens, D d_model, E experts, K experts per token, F an expert's d_ff.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtune import sharding
 from jaxtune.models.layers import Dense, normal_init
 
 
@@ -40,6 +43,75 @@ def route(logits: jax.Array, top_k: int, norm_topk: bool) -> Routing:
     return Routing(logits, experts.astype(jnp.int32), weights)
 
 
+def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """rows (N, D), sorted by group, each group's ``sizes[g]`` rows times its weights ``w[g]`` (G, D, F) -> (N, F).
+
+    `jax.lax.ragged_dot` where the platform has a grouped product (TPU, GPU); on a CPU, whose ragged_dot multiplies
+    every row by every group's weights (G times the work and a (G, N, D) copy), `blocked_matmul`."""
+    mesh = sharding.active_mesh()
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if platform == "cpu":
+        return blocked_matmul(rows, w, sizes, _block(rows.shape[0], w.shape[0]))
+    return jax.lax.ragged_dot(rows, w, sizes)
+
+
+def _block(n_rows: int, groups: int) -> int:
+    """Rows a block of `blocked_matmul`: about a group's share of the rows, a power of two from 8 to 128 (its padding,
+    under a block a group, stays below a group's share)."""
+    share = max(1, n_rows // groups)
+    return int(min(128, max(8, 1 << (share.bit_length() - 1))))
+
+
+def _blocks(sizes: jax.Array, n_rows: int, block: int) -> tuple[jax.Array, jax.Array, int]:
+    """Each group's rows padded to whole blocks: (each row's place in the padded rows (N,), each block's group
+    (n_blocks,), n_blocks); the blocks past the last group's belong to the last group and hold zeros."""
+    groups = sizes.shape[0]
+    n_blocks = -(-n_rows // block) + groups
+    padded = (sizes + block - 1) // block * block
+    ends = jnp.cumsum(padded)
+    group = jnp.repeat(jnp.arange(groups), sizes, total_repeat_length=n_rows)
+    place = (ends - padded)[group] + jnp.arange(n_rows) - (jnp.cumsum(sizes) - sizes)[group]
+    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n_blocks) * block, side="right"), groups - 1)
+    return place, owner, n_blocks
+
+
+def _padded(rows: jax.Array, place: jax.Array, n_blocks: int, block: int) -> jax.Array:
+    return jnp.zeros((n_blocks * block, rows.shape[-1]), rows.dtype).at[place].set(rows).reshape(n_blocks, block, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def blocked_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, block: int) -> jax.Array:
+    """`grouped_matmul` as a loop over blocks of ``block`` rows of one group each (each group's rows padded to whole
+    blocks): one (block, D) x (D, F) product a block, so the work is the rows' and their padding's, never G times."""
+    return _blocked_forward(rows, w, sizes, block)[0]
+
+
+def _blocked_forward(rows, w, sizes, block):
+    place, owner, n_blocks = _blocks(sizes, rows.shape[0], block)
+    xp = _padded(rows, place, n_blocks, block)
+    y = jax.lax.map(lambda a: a[0] @ w[a[1]], (xp, owner))
+    return y.reshape(-1, w.shape[-1])[place], (xp, w, place, owner)
+
+
+def _blocked_fwd(rows, w, sizes, block):
+    return _blocked_forward(rows, w, sizes, block)
+
+
+def _blocked_bwd(block, res, dy):
+    xp, w, place, owner = res
+    dyp = _padded(dy, place, xp.shape[0], block)
+    d_rows = jax.lax.map(lambda a: a[0] @ w[a[1]].T, (dyp, owner)).reshape(-1, w.shape[1])[place]
+
+    def add(i, dw):
+        return dw.at[owner[i]].add((xp[i].T @ dyp[i]).astype(dw.dtype))
+
+    dw = jax.lax.fori_loop(0, xp.shape[0], add, jnp.zeros_like(w))
+    return d_rows, dw, None
+
+
+blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
+
+
 def dropless(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array,
              act: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """sum_k weight_k * down_e(act(gate_e x) * up_e x) over each token's chosen experts e = experts[:, k].
@@ -54,8 +126,10 @@ def dropless(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, dow
     token = order // k
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
     rows = x[token]
-    h = act(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-    y = jax.lax.ragged_dot(h, down, sizes)
+    f = gate.shape[-1]
+    gate_up = grouped_matmul(rows, jnp.concatenate([gate, up], axis=-1), sizes)
+    h = act(gate_up[:, :f]) * gate_up[:, f:]
+    y = grouped_matmul(h, down, sizes)
     y = y * routing.weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros((t, x.shape[-1]), y.dtype).at[token].add(y)
 
