@@ -1,6 +1,8 @@
 """CPU forward+backward throughput of each native model family against transformers on the same weights.
 
-For every family (gpt2, llama, qwen2, qwen3, mistral, gemma3) a transformers model of one small shape is built
+For every family (gpt2, llama, qwen2, qwen3, mistral, gemma3; qwen3_moe when named in ``--families``: ``--experts``
+of ``--moe-d-ff``, ``--top-k`` a token, every layer sparse, transformers' experts timed both as transformers 5 runs
+them by default, ``grouped_mm``, and as its Python loop) a transformers model of one small shape is built
 in fp32 (seeded), written with ``save_pretrained``, and read back natively with ``jaxtune.models.from_hf``, so
 both sides hold identical weights. One measured step is a forward pass, mean next-token cross-entropy over the
 (B, T, V) logits and gradients with respect to every parameter; no optimizer.
@@ -43,7 +45,9 @@ from flax import nnx
 
 from jaxtune.models import from_hf
 
-FAMILY_NAMES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma3")
+FAMILY_NAMES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe")
+DEFAULT_FAMILIES = FAMILY_NAMES[:-1]  # the dense ones; --families qwen3_moe adds the mixture of experts
+LOOP = "eager loop"  # qwen3_moe: eager attention and transformers' Python loop over the experts (not grouped_mm)
 RTOL = 1e-4  # same weights and batch: losses and gradient norms agree to float32 reduction-order noise
 
 
@@ -68,6 +72,10 @@ def hf_model(family: str, attn: str, shape: argparse.Namespace) -> torch.nn.Modu
         cls, cfg = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**common)
     elif family == "mistral":
         cls, cfg = transformers.MistralForCausalLM, transformers.MistralConfig(**common, sliding_window=shape.window)
+    elif family == "qwen3_moe":  # every layer sparse; the experts as transformers 5 runs them by default (grouped_mm)
+        cls, cfg = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+            **common, num_experts=shape.experts, num_experts_per_tok=shape.top_k, moe_intermediate_size=shape.moe_d_ff,
+            norm_topk_prob=True)
     elif family == "gemma3":
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)]
         cls, cfg = transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
@@ -76,7 +84,9 @@ def hf_model(family: str, attn: str, shape: argparse.Namespace) -> torch.nn.Modu
     else:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILY_NAMES)}")
     torch.manual_seed(0)
-    model = cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    experts = {"experts_implementation": "eager"} if attn == LOOP else {}
+    model = cls._from_config(cfg, attn_implementation="eager" if attn == LOOP else attn, dtype=torch.float32,
+                             **experts)
     if family == "gemma3":  # Gemma's RMSNorm weights start at 0 (scale 1 + w): perturb them so they matter
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -134,7 +144,7 @@ def make_torch_step(model: torch.nn.Module):
 # ---------------------------------------------------------------- main
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--families", default=",".join(FAMILY_NAMES),
+    ap.add_argument("--families", default=",".join(DEFAULT_FAMILIES),
                     help="comma-separated subset of " + ",".join(FAMILY_NAMES))
     ap.add_argument("--steps", type=int, default=8, help="timed rounds (each pair runs once per round; >= 5)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the first (compiling) step")
@@ -144,6 +154,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--window", type=int, default=128,
                     help="sliding window (mistral: every layer; gemma3: even layers)")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the transformers sdpa rows")
+    ap.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts a sparse layer")
+    ap.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts a token")
+    ap.add_argument("--moe-d-ff", type=int, default=344, help="qwen3_moe: an expert's d_ff (2 x 344 = d_ff active)")
     args = ap.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILY_NAMES]
@@ -173,7 +186,8 @@ def main(argv=None) -> dict:
     failures: list[str] = []
     for fam in families:
         try:
-            models = {a: hf_model(fam, a, args) for a in attns}
+            variants = attns + ([LOOP] if fam == "qwen3_moe" else [])
+            models = {a: hf_model(fam, a, args) for a in variants}
             with tempfile.TemporaryDirectory() as d:
                 models["eager"].save_pretrained(d, safe_serialization=True)
                 native = from_hf(d)
@@ -185,7 +199,7 @@ def main(argv=None) -> dict:
                                             if hasattr(native.cfg, k)}}
             impls[(fam, "jaxtune")] = {"fn": lambda _, s=jstep: s(x_j, y_j),
                                        "check": lambda s=jstep: s(x_j, y_j, True)}
-            for a in attns:
+            for a in variants:
                 tstep = make_torch_step(models[a])
                 impls[(fam, f"hf {a}")] = {"fn": lambda _, s=tstep: s(x_t, y_t),
                                            "check": lambda s=tstep: s(x_t, y_t, True)}
@@ -195,7 +209,7 @@ def main(argv=None) -> dict:
             for k in [k for k in impls if k[0] == fam]:
                 del impls[k]
             continue
-        for a in ["jaxtune"] + [f"hf {a}" for a in attns]:
+        for a in ["jaxtune"] + [f"hf {a}" for a in variants]:
             im = impls[(fam, a)]
             (im["loss"], im["grad_norm"]), im["first_step_s"] = first_call(im["check"])  # jaxtune: trace + compile
 
@@ -215,7 +229,8 @@ def main(argv=None) -> dict:
 
     print(f"shape: {args.layers} layers, d_model {args.d_model}, {args.heads} heads ({args.kv_heads} kv, gpt2 "
           f"{args.heads}), head_dim {args.head_dim}, d_ff {args.d_ff} (gpt2 {4 * args.d_model}), vocab {args.vocab}, "
-          f"window {args.window} (mistral all layers, gemma3 even layers); batch {args.batch} x seq {args.seq} = "
+          f"window {args.window} (mistral all layers, gemma3 even layers); qwen3_moe {args.experts} experts of "
+          f"{args.moe_d_ff}, {args.top_k} a token; batch {args.batch} x seq {args.seq} = "
           f"{tokens} tokens/step, fp32; threads: XLA {threads} / torch {torch.get_num_threads()}; "
           f"{args.warmup} warm-up + {args.steps} timed rounds, all pairs interleaved ({timed_s:.0f} s); "
           f"load average {load0[0]:.1f} -> {load1[0]:.1f}")
@@ -249,6 +264,11 @@ def main(argv=None) -> dict:
         cells += [f"{r['ms_per_step']:.0f} / {r['ms_per_step_min']:.0f}" for r in [j, e] + ([s] if sd else [])]
         cells += [f"{j['cpu_ms_per_step']:.0f}", f"{e['cpu_ms_per_step']:.0f}", f"{j['first_step_s']:.1f}"]
         print("| " + " | ".join(cells) + " |")
+    for fam in [f for f in info if (f, f"hf {LOOP}") in by]:
+        j, loop = by[(fam, "jaxtune")], by[(fam, f"hf {LOOP}")]
+        print(f"{fam}, transformers' loop over the experts (experts_implementation=eager): "
+              f"{loop['tokens_per_s']:,.0f} tok/s, {loop['ms_per_step']:.0f} ms; jaxtune / loop "
+              f"**{j['tokens_per_s'] / loop['tokens_per_s']:.2f}x**")
     for f in failures:
         print(f"FAILED {f}")
 
