@@ -213,3 +213,66 @@ def test_a_checkpoint_asking_for_the_load_balancing_loss_is_refused_for_training
     with pytest.raises(ConfigError, match="output_router_logits: true, router_aux_loss_coef 0.02") as e:
         make_state_spec(run, VOCAB, sharding.make_mesh(1, 1, 1))
     assert "\n" not in str(e.value)
+
+
+MESH_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+from jaxtune import sharding
+from jaxtune.models import from_hf
+
+assert jax.device_count() == 8, jax.devices()
+directory, ids, out = sys.argv[1], np.load(sys.argv[2]), sys.argv[3]
+results = {}
+for shape in ([2, 2, 2], [1, 8, 1], [8, 1, 1]):
+    mesh = sharding.make_mesh(*shape)
+    graphdef, params = nnx.split(from_hf(directory, mesh=mesh), nnx.Param)
+
+    def loss(p, x):
+        logits = nnx.merge(graphdef, p)(x[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:]).mean()
+
+    with sharding.use_mesh(mesh):
+        step = jax.jit(jax.value_and_grad(loss))
+        value, grads = step(params, jnp.asarray(ids))
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0]
+    results["x".join(map(str, shape))] = {"loss": float(value),
+                                          "grads": {jax.tree_util.keystr(k): np.asarray(g).tolist() for k, g in flat}}
+json.dump(results, open(out, "w"))
+"""
+
+
+def test_routing_per_device_on_a_mesh_equals_one_device(tmp_path):
+    """On 8 simulated CPU devices (a subprocess), meshes (data, fsdp, tensor) 2x2x2, 1x8x1 and 8x1x1: each device
+    routes its own rows (`jax.shard_map`), and the loss and every gradient, the router's and the experts' included,
+    equal one device's to 1e-5 (float32 partial sums in another order)."""
+    import os
+    import subprocess
+    import sys
+
+    import optax
+
+    _checkpoint(tmp_path / "ckpt", 6, mlp_only_layers=[1])
+    ids = np.random.default_rng(4).integers(0, VOCAB, (8, 17)).astype(np.int32)
+    np.save(tmp_path / "ids.npy", ids)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "ids.npy"),
+                           str(tmp_path / "out.json")], capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    graphdef, params = nnx.split(from_hf(tmp_path / "ckpt"), nnx.Param)
+
+    def loss(p, x):
+        logits = nnx.merge(graphdef, p)(x[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:]).mean()
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params, jnp.asarray(ids))
+    single = {jax.tree_util.keystr(k): np.asarray(g)
+              for k, g in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0]}
+    for shape, got in json.loads((tmp_path / "out.json").read_text()).items():
+        assert abs(got["loss"] - float(value)) <= 1e-5 * abs(float(value)), shape
+        assert set(got["grads"]) == set(single)
+        for k, g in got["grads"].items():
+            assert rel(np.asarray(g), single[k]) <= 1e-5, (shape, k)
+        assert any("router" in k for k in single) and any(k.endswith("['down']") for k in single)

@@ -12,12 +12,14 @@ Shapes: T tokens, D d_model, E experts, K experts per token, F an expert's d_ff.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxtune import sharding
 from jaxtune.models.layers import Dense, normal_init
@@ -153,10 +155,35 @@ class MoE(nnx.Module):
         self.top_k, self.norm_topk, self.act, self.dtype = top_k, norm_topk, act, dtype
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
-        """``key``: unused (the experts carry no LoRA dropout)."""
-        b, t, d = x.shape
-        flat = x.reshape(b * t, d).astype(self.dtype)
-        routing = route(self.router(flat), self.top_k, self.norm_topk)
+        """``key``: unused (the experts carry no LoRA dropout).
+
+        Under a mesh each device routes and multiplies its own rows (`jax.shard_map` over the batch and context
+        axes, the experts' weights gathered whole as a dense layer's are): sorting every device's tokens together
+        would gather them all onto each device. A routing is per token, so the result is the same."""
+        x = x.astype(self.dtype)
+        logits = self.router(x)
         weights = [w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)]
-        return dropless(flat, routing, *weights, self.act).reshape(b, t, d)
+
+        def local(x, logits, gate, up, down):
+            b, t, d = x.shape
+            routing = route(logits.reshape(b * t, -1), self.top_k, self.norm_topk)
+            return dropless(x.reshape(b * t, d), routing, gate, up, down, self.act).reshape(b, t, d)
+
+        mesh = sharding.active_mesh()
+        if mesh is None:
+            return local(x, logits, *weights)
+        rows = _rows_spec(mesh, x.shape)
+        return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, P(), P(), P()), out_specs=rows,
+                             check_vma=False)(x, logits, *weights)
+
+
+def _rows_spec(mesh: Any, shape: tuple[int, ...]) -> P:
+    """(B, T, ...) activations split over the batch axes and the context axis where they divide B and T."""
+    names = sharding.spec(("batch", "seq"), mesh, shape[:2])
+    out = []
+    for n, size in zip(names, shape[:2]):
+        axes = (n,) if isinstance(n, str) else tuple(n or ())
+        ways = math.prod(mesh.shape[a] for a in axes)
+        out.append(n if axes and size % ways == 0 else None)
+    return P(*out, *([None] * (len(shape) - 2)))
 
