@@ -20,6 +20,7 @@ from jaxtune.config import (
 )
 from jaxtune.config.identity import RESPELLED
 from jaxtune.models import model_config
+from jaxtune.models.resolve import HUB_PRESETS
 from jaxtune.models.wheels import installed_file, is_wheel_ref, wheel_model
 
 SHIPPED = sorted(SHIPPED_CONFIGS.glob("*.yaml"))
@@ -34,11 +35,7 @@ def test_configs_are_shipped():
 
 
 # Fine-tuning recipes start from hub checkpoints, which tests cannot download: their model config is checked on
-# the family preset with the same shapes.
-HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemma-3-1b-it": ("gemma3", "gemma3-1b"),
-               "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", "qwen2.5-0.5b"),
-               "meta-llama/Llama-3.2-1B-Instruct": ("llama", "llama3.2-1b"),
-               "meta-llama/Meta-Llama-3-8B": ("llama", "llama3.1-8b")}
+# the family preset with the same shapes (`jaxtune.models.resolve.HUB_PRESETS`, which the plan reads too).
 
 
 # Recipes that start from another recipe's run, exported (`jaxtune export`): checked on that recipe's model.

@@ -83,7 +83,8 @@ def _from_checkpoint(cfg: NativeModelConfig, vocab_size: int | None) -> Any:
 HUB_PRESETS = {"google/gemma-3-270m-it": ("gemma3", "gemma3-270m"), "google/gemma-3-1b-it": ("gemma3", "gemma3-1b"),
                "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", "qwen2.5-0.5b"),
                "meta-llama/Llama-3.2-1B-Instruct": ("llama", "llama3.2-1b"),
-               "meta-llama/Meta-Llama-3-8B": ("llama", "llama3.1-8b")}
+               "meta-llama/Meta-Llama-3-8B": ("llama", "llama3.1-8b"),
+               "Qwen/Qwen3-30B-A3B": ("qwen3_moe", "qwen3-30b-a3b")}
 
 
 def planned_section(cfg: Any) -> tuple[Any, str | None]:
