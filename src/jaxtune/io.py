@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import fnmatch
 import json
 import os
@@ -116,6 +117,19 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise FileExistsError(f"{out} holds files an export does not write ({shown}); --overwrite replaces only an "
                               "earlier export: move them away, or choose a new directory")
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path) -> Iterator[None]:
+    """Holds an exclusive ``flock`` on the file ``lock`` (created) while the body runs: processes of one host that
+    would build the same cached thing take turns, and the later ones find it built. The kernel drops the lock when
+    its holder dies, however it dies."""
+    with Path(lock).open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def atomic_dir(out: Path, fill: Callable[[Path], None], *, replace: bool = True) -> bool:

@@ -289,3 +289,35 @@ def test_smollm2_logits_and_greedy(smollm2):
     print("SmolLM2 says:", repr(tok.decode(ours)))
     assert tok.eos_token_id in ref, "the reference answer should end at EOS within 16 tokens"
     assert list(ours) == ref, tok.decode(ours)
+
+
+def test_processes_converting_one_file_take_turns(tiny, tmp_path):
+    """Two processes of one host reading the same .gguf convert it once: while one holds the conversion's lock, the
+    other waits, then reads the directory the first wrote instead of converting again (here the first is this
+    test, which writes a stand-in directory under the lock; the waiting process returns it untouched)."""
+    import subprocess
+    import sys
+    import time
+
+    from jaxtune.io import exclusive
+    from jaxtune.models.gguf import cache_key
+
+    path, cache = tiny["Q8_0"], tmp_path / "cache"
+    out = cache / cache_key(path)
+    cache.mkdir()
+    code = "import sys, pathlib; from jaxtune.models.gguf import gguf_to_hf_dir; print('ready', flush=True); " \
+           "print(gguf_to_hf_dir(sys.argv[1], pathlib.Path(sys.argv[2])))"
+    with exclusive(cache / f".{out.name}.lock"):
+        proc = subprocess.Popen([sys.executable, "-c", code, str(path), str(cache)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"  # imported: it reaches the lock now
+        time.sleep(2)
+        assert proc.poll() is None  # waiting on the lock, no conversion begun (it would write beside the lock):
+        assert [p.name for p in cache.iterdir()] == [f".{out.name}.lock"]
+        out.mkdir()
+        (out / "config.json").write_text('{"stand-in": true}')
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert stdout.strip() == str(out)  # the directory the lock's holder wrote
+    assert json.loads((out / "config.json").read_text()) == {"stand-in": True}
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]

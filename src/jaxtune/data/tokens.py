@@ -34,7 +34,6 @@ Writing the file, in shards a killed run resumes from, is `jaxtune.data.shards`.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -52,7 +51,7 @@ from jaxtune.data import shards, sources
 from jaxtune.data.errors import DataError
 from jaxtune.data.sources import is_pretokenized, sources_fingerprint
 from jaxtune.data.tokenizer import Tokenizer
-from jaxtune.io import atomic_file, read_json, writable_dir, write_text_atomically
+from jaxtune.io import atomic_file, exclusive, read_json, writable_dir, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +210,7 @@ def _locked(path: Path) -> Iterator[None]:
     goes once the token file is complete."""
     shard_dir = path.with_suffix(".shards")
     shard_dir.mkdir(exist_ok=True)
-    with (shard_dir / "lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(shard_dir / "lock"):
         try:
             yield
         finally:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtune.io import CheckpointError, atomic_dir, write_safetensors
+from jaxtune.io import CheckpointError, atomic_dir, exclusive, write_safetensors
 from jaxtune.models.unsupported import TORCHAX_HINT, UnsupportedModelError
 
 CONVERTER_VERSION = 1  # part of the cache key: bump when the converted directory changes
@@ -101,7 +101,9 @@ def gguf_to_hf_dir(path: str | Path, cache: Path | None = None) -> Path:
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_dir(out, lambda tmp: convert(path, tmp), replace=False)
+    with exclusive(out.parent / f".{out.name}.lock"):  # one process converts; the others wait and read it
+        if not (out / "config.json").is_file():
+            atomic_dir(out, lambda tmp: convert(path, tmp), replace=False)
     return out
 
 
