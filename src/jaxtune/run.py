@@ -57,7 +57,8 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = (), me
     ``.gguf`` file: the model directory it converts to (`jaxtune.models.gguf`)."""
     cfg, tokenizer, hf_dir = run_config(target, overrides)
     run_dir = cfg.run_path
-    mesh = mesh or sharding.mesh_of(cfg.mesh, jax.devices())  # every device: mesh.rollout's split is training's
+    if mesh is None:
+        cfg, mesh = _mesh_here(cfg)
     spec = make_state_spec(cfg, tokenizer.vocab_size, mesh)
     if hf_dir and not any(o.startswith("data.seq_len=") for o in overrides):  # default: up to the model's context
         seq_len = min(cfg.data.seq_len, spec.model_cfg.max_seq_len)
@@ -74,6 +75,19 @@ def load_run(target: str | Path, overrides: list[str] | tuple[str, ...] = (), me
     if not step:
         state = spec.init(cfg.train.seed)
     return LoadedRun(cfg, tokenizer, spec, state.params, spec.load_frozen(cfg.train.seed), step, hf_dir)
+
+
+def _mesh_here(cfg: Config) -> tuple[Config, Mesh]:
+    """The run's mesh over every device here (mesh.rollout's split is training's); where its axes need devices this
+    host lacks (a run trained on a slice, loaded on a laptop to export or sample), every device here taking the rows
+    instead (a checkpoint restores onto any mesh), said on stderr, and the config's mesh section set to it."""
+    try:
+        return cfg, sharding.mesh_of(cfg.mesh, jax.devices())
+    except sharding.ShardingError as e:
+        here = cfg.mesh.model_copy(update={"data": -1, "fsdp": 1, "tensor": 1, "context": 1, "rollout": 0})
+        print(f"{cfg.run_path}: its mesh does not fit the {jax.device_count()} device(s) here ({e}); loaded "
+              f"data-parallel over them instead", file=sys.stderr)
+        return cfg.model_copy(update={"mesh": here}), sharding.mesh_of(here, jax.devices())
 
 
 def run_config(target: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Tokenizer, bool]:

@@ -225,9 +225,11 @@ def _config(over: list[str]):
 
 
 @pytest.mark.slow
-def test_runs_match_one_device_and_checkpoints_cross_meshes(tmp_path, data_cache, sources):
+def test_runs_match_one_device_and_checkpoints_cross_meshes(tmp_path, data_cache, sources, capsys):
     """Each run under data=2 x context=4 gives the single-device run's losses (<= 1e-5 relative) with as many
-    train-step compiles; the SFT run's checkpoint restores bitwise under data=8 and under context=8."""
+    train-step compiles; the SFT run's checkpoint restores bitwise under data=8 and under context=8. A run trained on
+    the 8 devices loads in this process's one (its mesh does not fit: said on stderr) and exports a model with its
+    logits (1e-6)."""
     runs = _runs(tmp_path, data_cache, sources)
     for over in runs.values():  # tokenizers and token caches built once, before two processes read them
         cfg = _config(over)
@@ -253,6 +255,21 @@ def test_runs_match_one_device_and_checkpoints_cross_meshes(tmp_path, data_cache
     for name, moved in out["restore"].items():
         assert moved["bitwise"], name
     assert out["restore"]["context8"]["mesh"]["context"] == 8 and out["restore"]["data8"]["mesh"]["context"] == 1
+    import jax
+
+    from jaxtune.cli import main
+    from jaxtune.run import load_run
+
+    assert jax.device_count() == 1
+    capsys.readouterr()
+    run = load_run(tmp_path / "ctx-pretrain")
+    assert run.step == 3 and run.cfg.mesh.context == 1
+    assert "does not fit the 1 device(s) here" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "ctx-pretrain"), str(tmp_path / "pretrain-model")]) == 0
+    model, batch = load_run(tmp_path / "pretrain-model"), {"inputs": np.arange(1, 17, dtype=np.int32)[None]}
+    ours = np.asarray(run.spec.forward().logits(run.weights, batch))
+    exported = np.asarray(model.spec.forward().logits(model.weights, batch))
+    assert np.abs(exported - ours).max() <= 1e-6 * np.abs(ours).max()
 
 
 def test_context_axis_limits_are_one_line(torchax_overrides):
