@@ -133,7 +133,9 @@ def test_missing_local_from_hf_directory_names_model_from_hf(tmp_path, capsys):
 def test_hub_name_runs_from_a_filled_cache_when_the_hub_is_unreachable(hf_dir, tmp_path, data_cache):
     """The way on the message names: the model in the HuggingFace cache (here laid out as `hf download` leaves it).
     With the hub unreachable, one request finds that out and the cached copy trains; with HF_HUB_OFFLINE=1 no request
-    is made and `jaxtune info` reads the cached config.json (no preset note)."""
+    is made and `jaxtune info` reads the cached config.json (no preset note). The run's programs go to its compile
+    cache, which JAX reads and writes under a file lock there (a bounded cache: `loop.COMPILE_CACHE_BYTES`), so a
+    process never reads an entry another is still writing."""
     repo = tmp_path / "hf-home" / "hub" / "models--tiny-org--tiny-llama"
     sha = "0123456789abcdef0123456789abcdef01234567"
     shutil.copytree(hf_dir, repo / "snapshots" / sha)
@@ -141,8 +143,9 @@ def test_hub_name_runs_from_a_filled_cache_when_the_hub_is_unreachable(hf_dir, t
     (repo / "refs" / "main").write_text(sha)
     run = tmp_path / "run"
     out, _ = _cli(["train", "quickstart", "model.from_hf=tiny-org/tiny-llama", f"run_dir={run}", *SMALL,
-                   f"data.cache_dir={data_cache}"], tmp_path)
+                   f"data.cache_dir={data_cache}", f"train.compile_cache_dir={tmp_path / 'xla'}"], tmp_path)
     assert out.returncode == 0, out.stderr
+    assert (tmp_path / "xla" / ".lockfile").is_file() and list((tmp_path / "xla").glob("jit_*-cache"))
     assert "Traceback" not in out.stderr and "Retrying" not in out.stderr
     used = [line for line in out.stderr.splitlines() if "using the cached copy of tiny-org/tiny-llama" in line]
     assert len(used) == 1 and f"the HuggingFace hub at {CLOSED_PORT} cannot be reached" in used[0]

@@ -247,10 +247,17 @@ def _lagged(cfg: Config, ckpt: Checkpointer, spec: ModelSpec, steps: Steps, data
     return Lagged(k, cfg.train.steps, rollout, steps.weights, data, own), behind
 
 
+# The persistent compilation cache's bound. With a bound, JAX also takes a file lock around each entry's read and
+# write; without one it writes entries in place, and a process (or a compile-ahead thread) reading an entry another
+# is still writing hands XLA a truncated executable (an XLA:CPU segfault in the suite, 2026-12-08).
+COMPILE_CACHE_BYTES = 8 << 30
+
+
 def _use_compile_cache(cfg: Config) -> None:
     if cfg.train.compile_cache_dir:  # JAX keys entries by program, options, flags, device kind and versions
         jax.config.update("jax_compilation_cache_dir", str(Path(cfg.train.compile_cache_dir).expanduser()))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)  # 1 s would skip eval and sampler
+        jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
 
 
 def _reporting(cfg: Config, run_dir: Path, steps: Steps, tokenizer: Any, data: TrainingData, rollout: Rollout | None,

@@ -40,7 +40,9 @@ class TrainConfig(Section):
     on_nan: Literal["abort", "skip"] = "abort"
     max_nan_skips: int = Field(5, ge=1, description="skip: abort after this many non-finite steps in a row")
     compile_cache_dir: str | None = Field("~/.cache/jaxtune/xla", description="JAX's persistent compilation cache "
-                                          "(null: off); entries are keyed by program, flags, device and versions")
+                                          "(null: off); entries are keyed by program, flags, device and versions, "
+                                          "read and written under a file lock, the least recently used dropped "
+                                          "past 8 GiB")
     compile_ahead: int = Field(32, ge=0, description="compile the held-out evaluation's programs and the train "
                                "step's for the length buckets of the next N batches on worker threads, alongside "
                                "each other and the step-0 evaluation (GRPO-like: the next prompts with every "
